@@ -1,0 +1,72 @@
+"""The communicator: the set of named groups a worker belongs to, built from a store.
+
+Each group lives under its own store prefix ``g{generation}/{name}``, so groups of a
+later generation never collide with earlier ones. Every rank creates its groups in one
+global order (sorted by name), which is deadlock-free: the first unfinished group in that
+order always has all its members waiting on it. The dynamic communicator (fail-stop
+recovery) edits this set group by group instead of rebuilding it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+
+import structlog
+import torch.distributed as dist
+
+from elaswave.comm.backend import GroupBackend
+from elaswave.comm.group import Group, GroupSpec
+
+log = structlog.get_logger(__name__)
+
+
+class Communicator:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        backend: GroupBackend,
+        *,
+        timeout: timedelta,
+        generation: int = 0,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.backend = backend
+        self.timeout = timeout
+        self.generation = generation
+        self._groups: dict[str, Group] = {}
+
+    def build(self, specs: Iterable[GroupSpec]) -> float:
+        """Create every group of ``specs`` that contains this rank. Returns seconds taken."""
+        started = time.perf_counter()
+        ordered = sorted(specs, key=lambda s: s.name)
+        names = [s.name for s in ordered]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate group names in {names}")
+        for spec in ordered:
+            if self.rank not in spec.ranks:
+                continue
+            prefix = f"g{self.generation}/{spec.name}"
+            pg = self.backend.create(
+                dist.PrefixStore(prefix, self.store),
+                spec.ranks.index(self.rank),
+                len(spec.ranks),
+                self.timeout,
+            )
+            self._groups[spec.name] = Group(spec, pg, self.rank, self.timeout)
+        elapsed = time.perf_counter() - started
+        log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
+        return elapsed
+
+    def __getitem__(self, name: str) -> Group:
+        return self._groups[name]
+
+    def get(self, name: str) -> Group | None:
+        return self._groups.get(name)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._groups)

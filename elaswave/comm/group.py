@@ -1,0 +1,115 @@
+"""One process group addressed by global ranks, with bounded waits.
+
+Collectives are called through the group object's own methods (torch's ``dist.*``
+helpers reject groups that were not registered through ``init_process_group``). Every
+wait is bounded: a peer that dies or hangs surfaces as :class:`CommError` instead of a
+silent hang, which is what fail-stop detection builds on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point operation failed or timed out."""
+
+    def __init__(self, group: str, op: str, cause: BaseException | str) -> None:
+        super().__init__(f"{op} on group {group!r} failed: {cause}")
+        self.group = group
+        self.op = op
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A group's name and its members, as global ranks in group order."""
+
+    name: str
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
+            raise ValueError(f"group {self.name!r}: ranks {self.ranks} must be distinct, non-empty")
+
+
+@dataclass
+class Group:
+    spec: GroupSpec
+    pg: dist.ProcessGroup
+    rank: int
+    """This process's global rank."""
+    timeout: timedelta
+    _index: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._index = {r: i for i, r in enumerate(self.spec.ranks)}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def size(self) -> int:
+        return len(self.spec.ranks)
+
+    @property
+    def index(self) -> int:
+        """This process's position in the group."""
+        return self._index[self.rank]
+
+    def _wait(self, work: dist.Work, op: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise CommError(self.name, op, exc) from exc
+        if ok is False:
+            raise CommError(self.name, op, f"timed out after {self.timeout}")
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.pg.allreduce([tensor], opts), "all_reduce")
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Sum ``input`` (``size`` chunks) over members; chunk ``index`` lands in ``output``."""
+        if self.size == 1:
+            output.copy_(input)
+            return
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Concatenate every member's ``input`` into ``output`` in group order."""
+        if self.size == 1:
+            output.copy_(input)
+            return
+        self._wait(self.pg._allgather_base(output, input), "all_gather")
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        try:
+            return self.pg.send([tensor], self._index[peer], tag)
+        except RuntimeError as exc:
+            raise CommError(self.name, "send", exc) from exc
+
+    def wait_send(self, work: dist.Work) -> None:
+        self._wait(work, "send")
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        try:
+            work = self.pg.recv([tensor], self._index[peer], tag)
+        except RuntimeError as exc:
+            raise CommError(self.name, "recv", exc) from exc
+        self._wait(work, "recv")
+
+
+def members(specs: Sequence[GroupSpec], rank: int) -> list[GroupSpec]:
+    return [s for s in specs if rank in s.ranks]

@@ -1,0 +1,151 @@
+"""The training plan: which ranks run which layers on which samples.
+
+A :class:`Plan` is the unit every elastic capability changes: micro-batch resizing edits
+a stage's ``sizes``, layer migration edits ``layers``, a membership change edits
+``ranks``. Workers derive their groups and their activation routes from the plan alone,
+so applying a new plan needs no other state. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elaswave.comm.group import GroupSpec
+from elaswave.data.sampler import even_split
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layer_start: int
+    layer_stop: int
+    ranks: tuple[int, ...]
+    """Global ranks of the stage's DP replicas, in replica order."""
+    sizes: tuple[int, ...]
+    """Each replica's share of every global micro-batch (samples)."""
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_stop)
+
+    @property
+    def dp(self) -> int:
+        return len(self.ranks)
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """[lo, hi) sample offsets of each replica inside a global micro-batch."""
+        out, lo = [], 0
+        for size in self.sizes:
+            out.append((lo, lo + size))
+            lo += size
+        return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """Samples [lo, hi) of every global micro-batch flow from ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    global_batch: int
+    num_micro_batches: int
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def ranks(self) -> list[int]:
+        return [r for s in self.stages for r in s.ranks]
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of ``rank``."""
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage.stage, stage.ranks.index(rank)
+        raise KeyError(f"rank {rank} is not in plan generation {self.generation}")
+
+    def routes(self, stage: int) -> list[Route]:
+        """Activation routes from ``stage`` to ``stage + 1`` (gradients go back along them)."""
+        a, b = self.stages[stage], self.stages[stage + 1]
+        out = []
+        for src, (alo, ahi) in zip(a.ranks, a.offsets(), strict=True):
+            for dst, (blo, bhi) in zip(b.ranks, b.offsets(), strict=True):
+                lo, hi = max(alo, blo), min(ahi, bhi)
+                if lo < hi:
+                    out.append(Route(src, dst, lo, hi))
+        return out
+
+    def group_specs(self) -> list[GroupSpec]:
+        """Every group the plan needs: one DP group per stage, one link per route pair."""
+        specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
+        for stage in range(self.pp - 1):
+            pairs = {(r.src, r.dst) for r in self.routes(stage)}
+            specs += [
+                GroupSpec(link_group_name(src, dst), (src, dst)) for src, dst in sorted(pairs)
+            ]
+        return specs
+
+
+def dp_group_name(stage: int) -> str:
+    return f"dp.s{stage}"
+
+
+def link_group_name(src: int, dst: int) -> str:
+    return f"link.{src}-{dst}"
+
+
+def even_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Contiguous layer counts per stage, differing by at most one, larger first."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pp = {num_stages} stages but the model has only {num_layers} layers "
+            f"(embedding + blocks + head); use pp <= {num_layers}"
+        )
+    return even_split(num_layers, num_stages)
+
+
+def initial_plan(
+    *,
+    num_layers: int,
+    dp: int,
+    pp: int,
+    global_batch: int,
+    micro_batch: int,
+    layer_counts: Sequence[int] | None = None,
+) -> Plan:
+    """The static plan: ranks stage-major (rank = stage*dp + replica), even micro-batches."""
+    if dp < 1 or pp < 1:
+        raise ValueError(f"dp = {dp}, pp = {pp}: both must be at least 1")
+    if micro_batch < 1:
+        raise ValueError(f"micro batch = {micro_batch}: must be at least 1")
+    if global_batch % (dp * micro_batch):
+        raise ValueError(
+            f"global batch {global_batch} does not divide into micro-batches of {micro_batch} "
+            f"on {dp} DP replicas (needs a multiple of dp x micro batch = {dp * micro_batch})"
+        )
+    counts = tuple(layer_counts) if layer_counts is not None else even_partition(num_layers, pp)
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(
+            f"layer counts {counts} must be {pp} positive counts summing to {num_layers}"
+        )
+    stages, start = [], 0
+    for stage, count in enumerate(counts):
+        ranks = tuple(stage * dp + replica for replica in range(dp))
+        stages.append(StagePlan(stage, start, start + count, ranks, (micro_batch,) * dp))
+        start += count
+    return Plan(
+        generation=0,
+        global_batch=global_batch,
+        num_micro_batches=global_batch // (dp * micro_batch),
+        stages=tuple(stages),
+    )

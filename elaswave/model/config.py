@@ -1,0 +1,136 @@
+"""Model shapes: a tiny default that trains in seconds on CPU, and Llama 2 shapes.
+
+The Llama 2 shapes feed the cost model and the simulator; they are never instantiated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder: embedding, ``num_blocks`` transformer blocks, norm + LM head."""
+
+    vocab_size: int = 128
+    """Number of token ids."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_blocks: int = 4
+    """Transformer blocks (RMSNorm, rotary causal self-attention, SwiGLU MLP)."""
+    num_heads: int = 4
+    """Attention query heads."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
+    ffn_hidden_size: int = 160
+    """Inner width of the SwiGLU MLP."""
+    seq_len: int = 32
+    """Tokens per sample."""
+    dropout: float = 0.1
+    """Hidden dropout after the embedding, the attention output and the MLP output."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_blocks",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size = {self.hidden_size} is not divisible by "
+                f"model.num_heads = {self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads = {self.num_heads} is not a multiple of "
+                f"model.num_kv_heads = {self.num_kv_heads}"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"head size {self.hidden_size // self.num_heads} must be even for rotary embedding"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout = {self.dropout!r}: must be in [0, 1)")
+
+    @property
+    def num_layers(self) -> int:
+        """Pipeline-placeable layers: embedding + blocks + head."""
+        return self.num_blocks + 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+TINY = ModelConfig()
+LLAMA2_7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    num_blocks=32,
+    num_heads=32,
+    num_kv_heads=32,
+    ffn_hidden_size=11008,
+    seq_len=4096,
+    dropout=0.0,
+)
+LLAMA2_13B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=5120,
+    num_blocks=40,
+    num_heads=40,
+    num_kv_heads=40,
+    ffn_hidden_size=13824,
+    seq_len=4096,
+    dropout=0.0,
+)
+LLAMA2_34B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=8192,
+    num_blocks=48,
+    num_heads=64,
+    num_kv_heads=8,
+    ffn_hidden_size=22016,
+    seq_len=4096,
+    dropout=0.0,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": TINY,
+    "llama2-7b": LLAMA2_7B,
+    "llama2-13b": LLAMA2_13B,
+    "llama2-34b": LLAMA2_34B,
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}"
+        ) from None
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the whole model, computed from shapes (no allocation)."""
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f
+    return v * h + cfg.num_blocks * block + h + h * v

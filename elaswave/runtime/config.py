@@ -1,0 +1,132 @@
+"""The job: everything a worker needs to join a run, as frozen dataclasses.
+
+The launcher validates a :class:`JobConfig` once, writes it to RUN_DIR/job.json, and
+every worker loads the same file, so all ranks agree on the model, data and layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elaswave.comm.backend import parse_device
+from elaswave.data.corpus import DataConfig
+from elaswave.engine.plan import Plan, initial_plan
+from elaswave.fabric.zero import OptimizerConfig
+from elaswave.model.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Layout and schedule of a training run."""
+
+    dp: int = 2
+    """Data-parallel replicas per pipeline stage."""
+    pp: int = 2
+    """Pipeline stages."""
+    steps: int = 20
+    """Optimizer steps to train."""
+    global_batch: int = 16
+    """Samples per step, summed over replicas and micro-batches."""
+    micro_batch: int = 2
+    """Samples per micro-batch on each replica."""
+    seed: int = 0
+    """Seed of parameter initialisation and dropout streams."""
+    device: str = "cpu"
+    """cpu (gloo), cuda (nccl) or npu (hccl via torch_npu)."""
+    world_size: int | None = None
+    """Processes to start; must equal dp x pp when given."""
+    comm_timeout_s: float = 60.0
+    """Bound on any single collective or point-to-point wait."""
+    trace_steps: int = 2
+    """Record the per-stage 1F1B action trace of the first N steps."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "steps", "global_batch", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} = {value!r}: must be a positive integer")
+        parse_device(self.device)
+        if self.world_size is not None and self.world_size != self.dp * self.pp:
+            raise ValueError(
+                f"world size {self.world_size} != dp x pp = {self.dp} x {self.pp} = "
+                f"{self.dp * self.pp}; set --world-size {self.dp * self.pp} or change --dp/--pp"
+            )
+        if not self.comm_timeout_s > 0:
+            raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp * self.pp
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        self.plan()  # validates layout against the model and batch
+
+    def plan(self) -> Plan:
+        t = self.train
+        return initial_plan(
+            num_layers=self.model.num_layers,
+            dp=t.dp,
+            pp=t.pp,
+            global_batch=t.global_batch,
+            micro_batch=t.micro_batch,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
+        return cls(
+            model=ModelConfig(**raw.get("model", {})),
+            data=DataConfig(**raw.get("data", {})),
+            optim=OptimizerConfig(**raw.get("optim", {})),
+            train=TrainConfig(**raw.get("train", {})),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoints:
+    """Where a worker finds the Core: the store and the bus broker."""
+
+    store_host: str
+    store_port: int
+    bus_publish: str
+    bus_subscribe: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """What RUN_DIR/job.json holds."""
+
+    run_id: str
+    config: JobConfig
+    endpoints: Endpoints
+
+    def write(self, run_dir: Path) -> None:
+        doc = {
+            "run_id": self.run_id,
+            "config": self.config.to_dict(),
+            "endpoints": dataclasses.asdict(self.endpoints),
+        }
+        (run_dir / "job.json").write_text(json.dumps(doc, indent=2))
+
+    @classmethod
+    def read(cls, run_dir: Path) -> JobSpec:
+        doc = json.loads((run_dir / "job.json").read_text())
+        return cls(
+            run_id=doc["run_id"],
+            config=JobConfig.from_dict(doc["config"]),
+            endpoints=Endpoints(**doc["endpoints"]),
+        )

@@ -1,0 +1,167 @@
+"""One pipeline stage replica running a training step under 1F1B.
+
+Activations travel forward and gradients backward along the plan's routes, by sample
+offset inside each global micro-batch, so a replica may receive from several ranks
+(fan-in) or send to several (fan-out) when adjacent stages have different DP widths.
+Sends are non-blocking and waited at the end of the step; receives block with a bounded
+timeout. The loss of a micro-batch is the sum of its samples' mean token losses divided
+by the global batch, so gradients do not depend on how samples are split among ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from elaswave.comm.communicator import Communicator
+from elaswave.data.corpus import SampleLoader
+from elaswave.data.sampler import GlobalBatchSampler
+from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
+from elaswave.fabric.zero import ZeroAdamW
+from elaswave.model.config import ModelConfig
+from elaswave.model.llama import StepContext, per_sample_loss
+from elaswave.model.rng import DropoutRng
+from elaswave.runtime.schedule import Op, one_f_one_b
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss_sum: float | None
+    """Sum of per-sample losses over the whole global batch (last stage only)."""
+    seconds: float
+    trace: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _fwd_tag(mb: int) -> int:
+    return 2 * mb
+
+
+def _bwd_tag(mb: int) -> int:
+    return 2 * mb + 1
+
+
+class StageRunner:
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        rank: int,
+        layers: nn.ModuleList,
+        optimizer: ZeroAdamW,
+        comm: Communicator,
+        loader: SampleLoader,
+        rng: DropoutRng,
+        model: ModelConfig,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.stage, self.replica = plan.locate(rank)
+        self.layers = layers
+        self.optimizer = optimizer
+        self.comm = comm
+        self.loader = loader
+        self.rng = rng
+        self.model = model
+        self.device = device
+        self.sampler = GlobalBatchSampler(plan.global_batch, plan.num_micro_batches)
+        stage_plan = plan.stages[self.stage]
+        self.lo, self.hi = stage_plan.offsets()[self.replica]
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == plan.pp - 1
+        self.inbound: list[Route] = (
+            [] if self.is_first else [r for r in plan.routes(self.stage - 1) if r.dst == rank]
+        )
+        self.outbound: list[Route] = (
+            [] if self.is_last else [r for r in plan.routes(self.stage) if r.src == rank]
+        )
+        self.schedule = one_f_one_b(
+            num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
+        )
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+    def sample_ids(self, step: int, mb: int) -> tuple[int, ...]:
+        base = step * self.plan.global_batch + mb * self.sampler.micro_batch_samples
+        return tuple(range(base + self.lo, base + self.hi))
+
+    def _activation(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, self.model.seq_len, self.model.hidden_size, device=self.device)
+
+    def _recv(self, routes: list[Route], peer_of, tag: int) -> torch.Tensor:
+        parts = []
+        for route in sorted(routes, key=lambda r: r.lo):
+            buf = self._activation(route.hi - route.lo)
+            peer = peer_of(route)
+            self.comm[link_group_name(route.src, route.dst)].recv(buf, peer, tag)
+            parts.append(buf)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _send(
+        self, tensor: torch.Tensor, routes: list[Route], peer_of, tag: int, pending: list
+    ) -> None:
+        for route in routes:
+            chunk = tensor[route.lo - self.lo : route.hi - self.lo].contiguous()
+            group = self.comm[link_group_name(route.src, route.dst)]
+            pending.append((group, group.isend(chunk, peer_of(route), tag), chunk))
+
+    def run_step(self, step: int) -> StepResult:
+        started = time.perf_counter()
+        trace: list[tuple[str, int]] = []
+        pending: list[tuple] = []
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        self.optimizer.zero_grad()
+        if self.size > 0:
+            for op, mb in self.schedule:
+                trace.append((op.value, mb))
+                if op is Op.FORWARD:
+                    saved[mb] = self._forward(step, mb, pending, loss_sum)
+                else:
+                    self._backward(mb, saved.pop(mb), pending)
+        for group, work, _ in pending:
+            group.wait_send(work)
+        self.optimizer.step(step)
+        total = None
+        if self.is_last:
+            self.comm[dp_group_name(self.stage)].all_reduce(loss_sum)
+            total = float(loss_sum)
+        return StepResult(step, total, time.perf_counter() - started, trace)
+
+    def _forward(self, step: int, mb: int, pending: list, loss_sum: torch.Tensor):
+        ids = self.sample_ids(step, mb)
+        ctx = StepContext(step=step, sample_ids=ids, rng=self.rng)
+        if self.is_first:
+            inputs, _ = self.loader.batch(ids)
+            x_in = None
+            x = inputs.to(self.device)
+        else:
+            x_in = self._recv(self.inbound, lambda r: r.src, _fwd_tag(mb)).requires_grad_()
+            x = x_in
+        for layer in self.layers:
+            x = layer(x, ctx)
+        if self.is_last:
+            _, targets = self.loader.batch(ids)
+            per_sample = per_sample_loss(x, targets.to(self.device))
+            loss_sum += per_sample.detach().double().sum().cpu()
+            out = per_sample.sum() / self.plan.global_batch
+        else:
+            out = x
+            self._send(x.detach(), self.outbound, lambda r: r.dst, _fwd_tag(mb), pending)
+        return x_in, out
+
+    def _backward(self, mb: int, saved, pending: list) -> None:
+        x_in, out = saved
+        if self.is_last:
+            out.backward()
+        else:
+            grad = self._recv(self.outbound, lambda r: r.dst, _bwd_tag(mb))
+            torch.autograd.backward(out, grad)
+        if x_in is not None:
+            self._send(x_in.grad, self.inbound, lambda r: r.src, _bwd_tag(mb), pending)

@@ -1,0 +1,396 @@
+"""Every message on the ElasWave bus: topics, event kinds, event schemas and the wire codec.
+
+This is the only module that defines event schemas. An event is a frozen, keyword-only
+dataclass deriving from :class:`Event`; each class names its :class:`EventKind` and the
+:class:`Topic` it is published on. On the wire an event is a two-frame ZeroMQ multipart
+message::
+
+    [topic.value.encode(), msgpack.packb({"event_kind": kind, <every dataclass field>...})]
+
+The first frame is what SUB sockets filter on. The discriminator key is ``"event_kind"``
+rather than ``"kind"`` because recovery events have a field named ``kind``; no event
+class may define a field called ``event_kind``.
+
+Schemas evolve like protobuf: new fields are appended *with defaults*, fields are never
+retyped or removed, and a receiver ignores fields it does not know. A message whose
+``schema_version`` is newer than :data:`SCHEMA_VERSION` is refused, because its meaning
+may have changed.
+
+:func:`decode` never trusts its input: every problem raises one :class:`SchemaError` whose
+message names the offending value, so that the bus can log it and skip the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+"""Version written into every event this code produces."""
+
+SUPPORTED_SCHEMA_VERSIONS: frozenset[int] = frozenset(range(1, SCHEMA_VERSION + 1))
+"""Versions :func:`decode` accepts; newer ones are refused."""
+
+KIND_KEY = "event_kind"
+"""Payload key holding the :class:`EventKind` value."""
+
+_NUM_FRAMES = 2
+_MAX_REPR = 80
+
+
+class SchemaError(ValueError):
+    """A message on the bus does not match any event schema this process understands."""
+
+
+class Topic(enum.StrEnum):
+    """Bus topics; the first frame of every message, used for SUB filtering."""
+
+    LIFECYCLE = "lifecycle"
+    METRICS = "metrics"
+    HEALTH = "health"
+    RECOVERY = "recovery"
+    CONTROL = "control"
+
+
+class EventKind(enum.StrEnum):
+    """One member per event class; the ``"event_kind"`` key of every payload."""
+
+    HELLO = "hello"
+    RUN_STARTED = "run_started"
+    WORKER_STARTED = "worker_started"
+    WORKER_FINISHED = "worker_finished"
+    RUN_FINISHED = "run_finished"
+    STEP_COMPLETED = "step_completed"
+    HEARTBEAT = "heartbeat"
+    RECOVERY_STARTED = "recovery_started"
+    RECOVERY_FINISHED = "recovery_finished"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Fields every event carries.
+
+    ``sender`` names the publishing process (``"core"``, ``"rank3"``); ``seq`` is the
+    sender's message counter (stamped by the bus client, 1, 2, ...; 0 means unsequenced);
+    ``generation`` is the plan generation the sender was executing; ``time`` is the
+    sender's wall clock in seconds (stamped on publish when left at 0).
+    """
+
+    KIND: ClassVar[EventKind]
+    TOPIC: ClassVar[Topic]
+
+    sender: str
+    seq: int = 0
+    generation: int = 0
+    time: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- type checks
+# msgpack only produces exact builtin types, so exact type tests are both strict
+# (``True`` is not an int) and fast. A checker returns the value or raises TypeError.
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _exact(tp: type) -> Callable[[object], object]:
+    def check(value: object) -> object:
+        if type(value) is not tp:
+            raise TypeError
+        return value
+
+    return check
+
+
+def _float(value: object) -> float:
+    if type(value) is float:
+        return value  # type: ignore[return-value]
+    if type(value) is int:
+        return float(value)
+    raise TypeError
+
+
+_SCALAR_CHECKERS: dict[Any, Callable[[object], object]] = {
+    int: _exact(int),
+    float: _float,
+    bool: _exact(bool),
+    str: _exact(str),
+}
+
+
+def _checker(tp: Any) -> Callable[[object], object]:
+    """Build the checker for one field annotation (scalars and ``list`` of scalars)."""
+    if tp in _SCALAR_CHECKERS:
+        return _SCALAR_CHECKERS[tp]
+    if typing.get_origin(tp) is list:
+        (item_type,) = typing.get_args(tp)
+        check_item = _SCALAR_CHECKERS[item_type]
+
+        def check_list(value: object) -> object:
+            if type(value) is not list:
+                raise TypeError
+            return [check_item(item) for item in value]
+
+        return check_list
+    raise TypeError(f"event fields must be int, float, bool, str or list of those, not {tp}")
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if typing.get_origin(tp) is None else str(tp)
+
+
+_E = TypeVar("_E", bound=Event)
+
+
+class _FieldSpec(NamedTuple):
+    name: str
+    check: Callable[[object], object]
+    type_name: str
+    required: bool
+
+
+# kind -> class, and kind -> how to check each field when decoding.
+_REGISTRY: dict[EventKind, type[Event]] = {}
+_FIELD_SPECS: dict[EventKind, tuple[_FieldSpec, ...]] = {}
+
+EVENT_TYPES: Mapping[EventKind, type[Event]] = MappingProxyType(_REGISTRY)
+"""Read-only map from every :class:`EventKind` to its event class."""
+
+
+def _register(cls: type[_E]) -> type[_E]:
+    """Class decorator: add an event class to the registry (once per kind)."""
+    kind = cls.__dict__.get("KIND")
+    if not isinstance(kind, EventKind) or not isinstance(cls.__dict__.get("TOPIC"), Topic):
+        raise TypeError(f"{cls.__name__} must define KIND: EventKind and TOPIC: Topic")
+    hints = typing.get_type_hints(cls)
+    if KIND_KEY in hints:
+        raise TypeError(f"{cls.__name__} may not define a field named {KIND_KEY!r}")
+    if kind in _REGISTRY:
+        raise TypeError(f"event kind {kind.value!r} registered twice ({_REGISTRY[kind].__name__})")
+    specs = []
+    for field in dataclasses.fields(cls):
+        required = (
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        )
+        tp = hints[field.name]
+        specs.append(_FieldSpec(field.name, _checker(tp), _type_name(tp), required))
+    _REGISTRY[kind] = cls
+    _FIELD_SPECS[kind] = tuple(specs)
+    return cls
+
+
+# --------------------------------------------------------------------------- events
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Hello(Event):
+    """Bus-client handshake: a client publishes it until it hears its own ``nonce`` back."""
+
+    KIND = EventKind.HELLO
+    TOPIC = Topic.CONTROL
+    nonce: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RunStarted(Event):
+    """The core launched a training run."""
+
+    KIND = EventKind.RUN_STARTED
+    TOPIC = Topic.LIFECYCLE
+    run_id: str
+    world_size: int
+    dp: int
+    pp: int
+    steps: int
+    global_batch: int
+    device: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkerStarted(Event):
+    """A worker process joined: its rank and its place (stage, replica) in the mesh."""
+
+    KIND = EventKind.WORKER_STARTED
+    TOPIC = Topic.LIFECYCLE
+    rank: int
+    stage: int
+    replica: int
+    pid: int
+    host: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkerFinished(Event):
+    """A worker process left, cleanly (``ok``) or not (``reason`` says why)."""
+
+    KIND = EventKind.WORKER_FINISHED
+    TOPIC = Topic.LIFECYCLE
+    rank: int
+    ok: bool
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RunFinished(Event):
+    """The run ended after ``steps_completed`` optimizer steps."""
+
+    KIND = EventKind.RUN_FINISHED
+    TOPIC = Topic.LIFECYCLE
+    steps_completed: int
+    ok: bool
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class StepCompleted(Event):
+    """A rank finished optimizer step ``step``."""
+
+    KIND = EventKind.STEP_COMPLETED
+    TOPIC = Topic.METRICS
+    rank: int
+    step: int
+    loss: float
+    step_time_s: float
+    samples: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Event):
+    """Periodic liveness signal from a rank."""
+
+    KIND = EventKind.HEARTBEAT
+    TOPIC = Topic.HEALTH
+    rank: int
+    step: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RecoveryStarted(Event):
+    """A recovery of ``kind`` (e.g. "fail", "join", "slow") began for ``ranks``."""
+
+    KIND = EventKind.RECOVERY_STARTED
+    TOPIC = Topic.RECOVERY
+    step: int
+    kind: str
+    ranks: list[int]
+    reason: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RecoveryFinished(Event):
+    """A recovery ended; ``mttr_s`` is the time from detection to training again."""
+
+    KIND = EventKind.RECOVERY_FINISHED
+    TOPIC = Topic.RECOVERY
+    step: int
+    kind: str
+    ranks: list[int]
+    mttr_s: float
+
+
+_missing_kinds = set(EventKind) - set(_REGISTRY)
+assert not _missing_kinds, f"event kinds without a class: {_missing_kinds}"
+
+# --------------------------------------------------------------------------- codec
+
+
+def with_seq(event: _E, seq: int) -> _E:
+    """Return a copy of ``event`` with ``seq`` replaced."""
+    return dataclasses.replace(event, seq=seq)
+
+
+def encode(event: Event) -> list[bytes]:
+    """Encode ``event`` as the two-frame multipart message ``[topic, msgpack payload]``."""
+    cls = type(event)
+    if _REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered event class")
+    payload: dict[str, Any] = {KIND_KEY: cls.KIND.value}
+    for spec in _FIELD_SPECS[cls.KIND]:
+        payload[spec.name] = getattr(event, spec.name)
+    return [cls.TOPIC.value.encode(), msgpack.packb(payload, use_bin_type=True)]
+
+
+def decode(frames: Sequence[bytes]) -> Event:
+    """Decode a multipart message into its event, or raise :class:`SchemaError`.
+
+    Unknown extra payload fields are ignored (forward-compatible additions); ``float``
+    fields accept integers.
+    """
+    if len(frames) != _NUM_FRAMES:
+        raise SchemaError(
+            f"expected {_NUM_FRAMES} frames [topic, payload], got {len(frames)} frame(s)"
+        )
+    topic_frame, body = bytes(frames[0]), bytes(frames[1])
+    try:
+        payload = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise SchemaError(f"undecodable msgpack payload ({detail}): {_short(body)}") from None
+    if not isinstance(payload, dict):
+        raise SchemaError(f"payload must be a map, got {type(payload).__name__} {_short(payload)}")
+
+    version = payload.get("schema_version", dataclasses.MISSING)
+    if version is dataclasses.MISSING:
+        raise SchemaError("payload has no 'schema_version' field")
+    if not _is_int(version) or version not in SUPPORTED_SCHEMA_VERSIONS:
+        supported = sorted(SUPPORTED_SCHEMA_VERSIONS)
+        newer = _is_int(version) and version > SCHEMA_VERSION
+        hint = " (it is newer: upgrade this process to read it)" if newer else ""
+        raise SchemaError(
+            f"unsupported schema_version {_short(version)}{hint}; supported: {supported}"
+        )
+
+    if KIND_KEY not in payload:
+        raise SchemaError(f"payload has no {KIND_KEY!r} field")
+    raw_kind = payload[KIND_KEY]
+    try:
+        kind = EventKind(raw_kind)
+    except (ValueError, TypeError):
+        valid = ", ".join(k.value for k in EventKind)
+        raise SchemaError(f"unknown event kind {_short(raw_kind)}; valid kinds: {valid}") from None
+    cls = _REGISTRY[kind]
+
+    if topic_frame != cls.TOPIC.value.encode():
+        raise SchemaError(
+            f"topic frame {_short(topic_frame)} does not match kind {kind.value!r}, "
+            f"which is published on topic {cls.TOPIC.value!r}"
+        )
+
+    kwargs: dict[str, Any] = {}
+    for spec in _FIELD_SPECS[kind]:
+        if spec.name not in payload:
+            if spec.required:
+                raise SchemaError(f"{kind.value}: missing required field {spec.name!r}")
+            continue
+        value = payload[spec.name]
+        try:
+            kwargs[spec.name] = spec.check(value)
+        except TypeError:
+            raise SchemaError(
+                f"{kind.value}: field {spec.name!r} expected {spec.type_name}, "
+                f"got {type(value).__name__} {_short(value)}"
+            ) from None
+    return cls(**kwargs)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."

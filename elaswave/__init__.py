@@ -2,6 +2,36 @@
 
 Layers import downward only: bus -> comm -> fabric -> engine -> runtime -> cli.
 ``model`` and ``data`` are leaf packages any layer may use.
+
+The embedding API is :func:`connect` and :class:`Session`; events are in
+:mod:`elaswave.bus.schema`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from elaswave.api import connect
+    from elaswave.bus.schema import EventKind
+    from elaswave.runtime.session import Session
+
+_LAZY = {
+    "connect": "elaswave.api",
+    "Session": "elaswave.runtime.session",
+    "EventKind": "elaswave.bus.schema",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing a leaf package (elaswave.model, ...) does not load the bus.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'elaswave' has no attribute {name!r}")
+
+
+__all__ = ["EventKind", "Session", "__version__", "connect"]

@@ -1,0 +1,84 @@
+"""Load a job from a TOML file plus command-line overrides into the frozen config classes.
+
+Sections map to config classes: [model] (optionally ``preset = "tiny"`` first), [data],
+[optim] and [train]. Unknown sections or keys, wrong types and out-of-range values raise
+ValueError with one message naming the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from elaswave.data.corpus import DataConfig
+from elaswave.fabric.zero import OptimizerConfig
+from elaswave.model.config import ModelConfig, preset
+from elaswave.runtime.config import JobConfig, TrainConfig
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimizerConfig,
+    "train": TrainConfig,
+}
+
+
+def _check_types(section: str, cls: type, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in values.items():
+        if key not in names:
+            raise ValueError(f"unknown key [{section}] {key!r}; valid keys: {', '.join(names)}")
+        hint = hints[key]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed = tuple(a for a in allowed if isinstance(a, type))
+        if float in allowed:
+            allowed += (int,)
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            want = " or ".join("none" if a is type(None) else a.__name__ for a in allowed)
+            raise ValueError(f"[{section}] {key} = {value!r}: expected {want}")
+
+
+def load_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ValueError(
+                f"unknown section [{section}] in {str(path)!r}; valid sections: "
+                f"{', '.join(SECTIONS)}"
+            )
+        if not isinstance(body, dict):
+            raise ValueError(f"{section} in {str(path)!r} must be a [{section}] table")
+    return raw
+
+
+def build_job(
+    file_values: dict[str, dict[str, Any]] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> JobConfig:
+    """Merge TOML values and overrides (overrides win) and validate everything."""
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for source in (file_values or {}, overrides or {}):
+        for section, values in source.items():
+            merged[section].update({k: v for k, v in values.items() if v is not None})
+    model_values = dict(merged["model"])
+    base = preset(str(model_values.pop("preset"))) if "preset" in model_values else ModelConfig()
+    parts: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        values = model_values if section == "model" else merged[section]
+        _check_types(section, cls, values)
+        if section == "model":
+            parts[section] = dataclasses.replace(base, **values)
+        else:
+            parts[section] = cls(**values)
+    return JobConfig(**parts)

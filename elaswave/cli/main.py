@@ -1,0 +1,161 @@
+"""The ``elaswave`` command: train, and read a run's event log.
+
+User errors (flags, config files, layouts) print one line, ``elaswave: error: ...``, and
+exit with status 2; a job that fails at run time exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from elaswave import logs
+from elaswave.bus.schema import Event, StepCompleted
+from elaswave.comm.backend import DEVICES
+
+
+class _Progress:
+    """The live progress line: step, loss, samples/s."""
+
+    def __init__(self, steps: int, stream=sys.stdout) -> None:
+        self.steps = steps
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, StepCompleted):
+            return
+        rate = event.samples / event.step_time_s if event.step_time_s > 0 else float("nan")
+        line = (
+            f"step {event.step + 1:>4}/{self.steps}  loss {event.loss:.4f}  {rate:8.1f} samples/s"
+        )
+        if self.tty:
+            self.stream.write("\r" + line)
+            if event.step + 1 == self.steps:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train with dp x pp local workers",
+        description="Start the Core and dp x pp local workers and train.",
+    )
+    p.add_argument("--config", type=Path, help="TOML file with [model], [data], [optim], [train]")
+    p.add_argument("--dp", type=int, help="data-parallel replicas per stage")
+    p.add_argument("--pp", type=int, help="pipeline stages")
+    p.add_argument("--world-size", type=int, help="processes to start (must equal dp x pp)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--global-batch", type=int, help="samples per step")
+    p.add_argument("--micro-batch", type=int, help="samples per micro-batch per replica")
+    p.add_argument("--seed", type=int, help="seed of initialisation and dropout")
+    p.add_argument("--device", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--model", help="model preset (tiny; llama2-* are for the simulator)")
+    p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
+    p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
+    p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")
+    p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
+
+
+def _check_fits_in_memory(job) -> None:
+    """Refuse a job whose parameters, gradients and optimizer state cannot fit in RAM."""
+    import os
+
+    from elaswave.model.config import parameter_count
+
+    params = parameter_count(job.model)
+    # Every replica holds fp32 parameters and gradients; ZeRO-1 shards 12 B of state.
+    need = params * (8 * job.train.dp + 12)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have // 2:
+        raise ValueError(
+            f"model of {params / 1e9:.2f}B parameters needs about {need / 2**30:.0f} GiB "
+            f"for dp={job.train.dp}, more than half of this machine's {have / 2**30:.0f} GiB; "
+            "the llama2-* presets are for the simulator, use --model tiny here"
+        )
+
+
+def _train(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from elaswave.cli.config_file import build_job, load_toml
+    from elaswave.runtime.launcher import JobFailed, run_job
+
+    file_values = load_toml(args.config) if args.config else None
+    overrides = {
+        "model": {"preset": args.model},
+        "data": {"path": args.data, "dtype": args.data_dtype},
+        "train": {
+            "dp": args.dp,
+            "pp": args.pp,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch,
+            "seed": args.seed,
+            "device": args.device,
+            "comm_timeout_s": args.comm_timeout,
+        },
+    }
+    job = build_job(file_values, overrides)
+    _check_fits_in_memory(job)
+    if job.data.path is not None:  # fail now, not in every worker
+        from elaswave.data.corpus import open_source
+
+        open_source(job.data, vocab_size=job.model.vocab_size, seq_len=job.model.seq_len)
+    t = job.train
+    print(
+        f"elaswave: training dp={t.dp} x pp={t.pp} ({t.num_ranks} workers, device {t.device}) "
+        f"for {t.steps} steps, global batch {t.global_batch}; run dir {args.out}"
+    )
+    try:
+        summary = uvloop.run(run_job(job, args.out, on_event=_Progress(t.steps)))
+    except JobFailed as exc:
+        print(f"elaswave: job failed: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"elaswave: done: {summary['steps_completed']} steps, final loss "
+        f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s (measured), "
+        f"{summary['events']} events; summary: {args.out / 'summary.json'}"
+    )
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from elaswave.bus.eventlog import format_record, read_event_log
+    from elaswave.runtime.core import EVENT_LOG
+
+    path = args.run_dir / EVENT_LOG
+    if not path.is_file():
+        raise ValueError(
+            f"no event log at {str(path)!r}; is {str(args.run_dir)!r} a run directory?"
+        )
+    for record in read_event_log(path):
+        print(format_record(record))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elaswave", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    ev = sub.add_parser("events", help="print a run's event log readably")
+    ev.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    logs.configure()
+    try:
+        return {"train": _train, "events": _events}[args.command](args)
+    except ValueError as exc:
+        print(f"elaswave: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("elaswave: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The Core: hosts the bus broker and records every event the job publishes.
+
+Every message the Core's subscriber sees, valid or not, is appended raw to
+RUN_DIR/events.log (``elaswave events RUN_DIR`` prints it); invalid messages are reported
+and skipped, never fatal. User code and the CLI observe the run through ``on_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from elaswave.bus.broker import Broker
+from elaswave.bus.client import BusClient
+from elaswave.bus.eventlog import EventLogWriter
+from elaswave.bus.schema import Event, RunFinished, WorkerFinished
+
+log = structlog.get_logger(__name__)
+
+EVENT_LOG = "events.log"
+
+
+class Core:
+    def __init__(self, run_dir: Path, *, on_event: Callable[[Event], None] | None = None) -> None:
+        self.run_dir = run_dir
+        self.on_event = on_event
+        self.broker = Broker()
+        self.num_events = 0
+        self.num_rejected = 0
+        self.finished: dict[int, WorkerFinished] = {}
+        self.run_finished: RunFinished | None = None
+        self._client: BusClient | None = None
+        self._writer: EventLogWriter | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def publish_endpoint(self) -> str:
+        return self.broker.publish_endpoint
+
+    @property
+    def subscribe_endpoint(self) -> str:
+        return self.broker.subscribe_endpoint
+
+    async def __aenter__(self) -> Core:
+        self.broker.start()
+        self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
+        self._client = BusClient(
+            "core", self.broker.publish_endpoint, self.broker.subscribe_endpoint
+        )
+        await self._client.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+        if self._writer is not None:
+            self._writer.close()
+        self.broker.close()
+
+    async def publish(self, event: Event) -> None:
+        assert self._client is not None, "Core used outside its context"
+        await self._client.publish(event)
+
+    async def listen(self) -> None:
+        """Record and dispatch events until cancelled."""
+        assert self._client is not None, "Core used outside its context"
+        assert self._writer is not None, "Core used outside its context"
+        while True:
+            frames, event, error = await self._client.recv_raw()
+            self._writer.append(frames, time.time())
+            self.num_events += 1
+            if event is None:
+                self.num_rejected += 1
+                log.warning("core.event_rejected", error=error)
+                continue
+            if isinstance(event, WorkerFinished):
+                self.finished[event.rank] = event
+            elif isinstance(event, RunFinished):
+                self.run_finished = event
+            if self.on_event is not None:
+                try:
+                    self.on_event(event)
+                except Exception:
+                    log.exception("core.on_event_failed", kind=str(event.KIND))
+            self._changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate()`` holds after some event, or the timeout passes."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True

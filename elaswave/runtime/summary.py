@@ -1,0 +1,64 @@
+"""RUN_DIR/summary.json: the contract that tests, benchmarks and users read.
+
+Later work extends it with new keys; existing keys are never renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elaswave.engine.plan import Plan
+
+
+def load_final_params(run_dir: Path, plan: Plan) -> dict[int, dict[str, torch.Tensor]]:
+    """Final parameters of every layer, merged from the stages' files."""
+    params: dict[int, dict[str, torch.Tensor]] = {}
+    for stage in range(plan.pp):
+        params.update(torch.load(run_dir / "params" / f"stage{stage}.pt", weights_only=True))
+    return dict(sorted(params.items()))
+
+
+def param_digest(params: dict[int, dict[str, torch.Tensor]]) -> str:
+    """sha256 of every parameter in canonical layer order, fp32 little-endian."""
+    h = hashlib.sha256()
+    for layer in sorted(params):
+        for _, tensor in params[layer].items():
+            data = tensor.detach().to(torch.float32).contiguous().cpu().numpy()
+            h.update(data.astype("<f4", copy=False).tobytes())
+    return h.hexdigest()
+
+
+def build_summary(
+    *,
+    run_dir: Path,
+    plan: Plan,
+    steps: int,
+    num_events: int,
+    device: str,
+) -> dict[str, Any]:
+    results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
+    reporter = next(r for r in results if r["loss"] is not None)
+    step_time = [max(r["step_time_s"][i] for r in results) for i in range(steps)]
+    params = load_final_params(run_dir, plan)
+    return {
+        "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
+        "global_batch": plan.global_batch,
+        "steps_completed": len(reporter["loss"]),
+        "loss": reporter["loss"],
+        "step_time_s": step_time,
+        "samples_per_s": plan.global_batch * steps / sum(step_time),
+        "param_digest": param_digest(params),
+        "events": num_events,
+        "recoveries": [],
+        "device": device,
+        "timing": "measured",
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,64 @@
+"""Bad input fails at start with one clear line naming the value; no traceback, no hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import elaswave
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dp", "2", "--pp", "2", "--world-size", "6"], "world size 6 != dp x pp = 2 x 2 = 4"),
+        (["--pp", "7"], "pp = 7 stages but the model has only 6 layers"),
+        (
+            ["--dp", "2", "--global-batch", "10", "--micro-batch", "2"],
+            "global batch 10 does not divide into micro-batches of 2 on 2 DP replicas",
+        ),
+        (["--device", "tpu"], "unknown device 'tpu'; valid devices: cpu, cuda, npu"),
+        (["--dp", "0"], "dp = 0: must be a positive integer"),
+        (["--model", "llama2-7b"], "the llama2-* presets are for the simulator"),
+        (
+            ["--data", "/nonexistent/tokens.bin"],
+            "data.path = '/nonexistent/tokens.bin': no such file",
+        ),
+        (
+            ["--data-dtype", "float32"],
+            "data.dtype = 'float32': valid values are uint16, int32, int64",
+        ),
+    ],
+)
+def test_bad_flags(tmp_path, args, message):
+    proc = elaswave("train", "--out", str(tmp_path / "run"), *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("elaswave: error: ") and message in lines[0], lines[0]
+
+
+def test_malformed_toml(tmp_path):
+    bad = tmp_path / "job.toml"
+    bad.write_text("[train]\ndp = = 2\n")
+    proc = elaswave("train", "--config", str(bad), "--out", str(tmp_path / "run"), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is not valid TOML" in proc.stderr and "line 2" in proc.stderr
+
+
+def test_non_integer_flag_is_one_usage_error(tmp_path):
+    proc = elaswave("train", "--dp", "two", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "argument --dp: invalid int value: 'two'" in proc.stderr
+
+
+def test_cuda_without_gpu_is_refused_cleanly(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the refusal is for machines without one")
+    proc = elaswave(
+        "train", "--device", "cuda", "--steps", "1", "--out", str(tmp_path / "r"), timeout=120
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no CUDA device" in proc.stderr

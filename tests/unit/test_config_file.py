@@ -1,0 +1,37 @@
+import pytest
+
+from elaswave.cli.config_file import build_job, load_toml
+
+
+def test_toml_and_overrides_merge(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[model]\npreset = "tiny"\nnum_blocks = 2\n[train]\ndp = 4\npp = 2\nsteps = 3\n'
+    )
+    job = build_job(load_toml(path), {"train": {"dp": 2, "steps": None}})
+    assert (job.train.dp, job.train.pp, job.train.steps) == (2, 2, 3)
+    assert job.model.num_layers == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[train\ndp = 2", "not valid TOML"),
+        ("[trian]\ndp = 2", r"unknown section \[trian\]"),
+        ("[train]\ndpp = 2", "unknown key .*'dpp'.*valid keys"),
+        ('[train]\ndp = "two"', "dp = 'two': expected int"),
+        ("[train]\ndp = 2\npp = 7", "pp = 7 stages but the model has only 6 layers"),
+        ('[train]\ndevice = "tpu"', "unknown device 'tpu'; valid devices: cpu, cuda, npu"),
+        ('[model]\npreset = "gpt5"', "unknown model preset 'gpt5'"),
+    ],
+)
+def test_bad_config_files_name_the_value(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        build_job(load_toml(path))
+
+
+def test_world_size_must_match_layout():
+    with pytest.raises(ValueError, match="world size 6 != dp x pp = 2 x 2 = 4"):
+        build_job(None, {"train": {"dp": 2, "pp": 2, "world_size": 6}})

@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("elaswave: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `elaswave events RUN | head`: the reader has what it wanted
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

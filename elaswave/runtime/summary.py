@@ -13,14 +13,7 @@ from typing import Any
 import torch
 
 from elaswave.engine.plan import Plan
-
-
-def load_final_params(run_dir: Path, plan: Plan) -> dict[int, dict[str, torch.Tensor]]:
-    """Final parameters of every layer, merged from the stages' files."""
-    params: dict[int, dict[str, torch.Tensor]] = {}
-    for stage in range(plan.pp):
-        params.update(torch.load(run_dir / "params" / f"stage{stage}.pt", weights_only=True))
-    return dict(sorted(params.items()))
+from elaswave.runtime.compare import load_params
 
 
 def param_digest(params: dict[int, dict[str, torch.Tensor]]) -> str:
@@ -44,7 +37,7 @@ def build_summary(
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
     reporter = next(r for r in results if r["loss"] is not None)
     step_time = [max(r["step_time_s"][i] for r in results) for i in range(steps)]
-    params = load_final_params(run_dir, plan)
+    params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
         "global_batch": plan.global_batch,

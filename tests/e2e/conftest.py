@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from elaswave.runtime.compare import load_params
+
 
 @dataclass
 class Run:
@@ -25,10 +27,7 @@ class Run:
         return [json.loads(p.read_text()) for p in sorted((self.out / "workers").glob("*.json"))]
 
     def params(self) -> dict[int, dict[str, torch.Tensor]]:
-        merged: dict[int, dict[str, torch.Tensor]] = {}
-        for path in sorted((self.out / "params").glob("stage*.pt")):
-            merged.update(torch.load(path, weights_only=True))
-        return merged
+        return load_params(self.out)
 
 
 def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elaswave.runtime.compare import compare_runs
 from elaswave.runtime.schedule import max_in_flight
 from tests.e2e.conftest import Run, train
 
@@ -32,26 +33,16 @@ def layout_runs(runs_dir) -> dict[tuple[int, int], Run]:
     }
 
 
-def _param_rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    scale = max(t.abs().max().item() for layer in b.values() for t in layer.values())
-    diff = max((a[k][n] - b[k][n]).abs().max().item() for k in b for n in b[k])
-    return diff / scale
-
-
 @pytest.mark.timeout(600)
 def test_layouts_agree_with_dropout_on(layout_runs):
     ref = layout_runs[(1, 1)]
     ref_loss = ref.summary["loss"]
     assert len(ref_loss) == STEPS
     assert ref_loss[-1] < ref_loss[0] - 1.0, "the tiny model should learn the corpus"
-    ref_params = ref.params()
     for layout, run in layout_runs.items():
-        loss = run.summary["loss"]
-        rel = max(abs(a - b) / abs(b) for a, b in zip(loss, ref_loss, strict=True))
-        assert rel <= 1e-5, f"{layout}: per-step loss differs by {rel:.2e} relative"
-        prel = _param_rel_diff(run.params(), ref_params)
-        assert prel <= 1e-5, f"{layout}: final parameters differ by {prel:.2e} relative"
+        diff = compare_runs(run.out, ref.out)
+        assert diff.loss_rel <= 1e-5, f"{layout}: losses differ by {diff.loss_rel:.2e} relative"
+        assert diff.param_rel <= 1e-5, f"{layout}: params differ by {diff.param_rel:.2e} relative"
 
 
 def test_dropout_is_on_and_matters(layout_runs, runs_dir):

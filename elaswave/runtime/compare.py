@@ -1,0 +1,61 @@
+"""Compare a run against a reference run: per-step losses and final parameters.
+
+Used by the tests and the scripts that check an elastic or re-laid-out run against the
+same job run plainly. Relative parameter difference is max |a - b| over max |b|.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Params = dict[int, dict[str, torch.Tensor]]
+
+
+def load_params(run_dir: Path) -> Params:
+    """Final parameters of every layer of a finished run, merged from its stage files."""
+    params: Params = {}
+    files = sorted((run_dir / "params").glob("stage*.pt"))
+    if not files:
+        raise FileNotFoundError(f"no parameter files under {run_dir / 'params'}")
+    for path in files:
+        params.update(torch.load(path, weights_only=True))
+    return dict(sorted(params.items()))
+
+
+def load_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def loss_rel_diff(loss: list[float], ref: list[float]) -> float:
+    if len(loss) != len(ref):
+        raise ValueError(f"runs have {len(loss)} and {len(ref)} steps")
+    return max(abs(a - b) / abs(b) for a, b in zip(loss, ref, strict=True))
+
+
+def param_rel_diff(params: Params, ref: Params) -> float:
+    if params.keys() != ref.keys():
+        raise ValueError(f"runs hold layers {sorted(params)} and {sorted(ref)}")
+    scale = max(t.abs().max().item() for layer in ref.values() for t in layer.values())
+    diff = max(
+        (params[layer][name] - ref[layer][name]).abs().max().item()
+        for layer in ref
+        for name in ref[layer]
+    )
+    return diff / scale
+
+
+@dataclass(frozen=True)
+class Comparison:
+    loss_rel: float
+    param_rel: float
+
+
+def compare_runs(run_dir: Path, ref_dir: Path) -> Comparison:
+    return Comparison(
+        loss_rel=loss_rel_diff(load_summary(run_dir)["loss"], load_summary(ref_dir)["loss"]),
+        param_rel=param_rel_diff(load_params(run_dir), load_params(ref_dir)),
+    )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,31 @@ def train(out: Path, *args: str, timeout: float = 240) -> Run:
     proc = elaswave("train", "--out", str(out), *args, timeout=timeout)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return Run(out, proc)
+
+
+@contextlib.contextmanager
+def background_job(out: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """``elaswave train`` running in the background; yields once RUN_DIR/job.json exists.
+
+    stdout and stderr are pipes (text). The job is killed if still running on exit.
+    """
+    job = subprocess.Popen(
+        [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "job.json").exists():
+            assert job.poll() is None, f"job ended early: {job.communicate()[1]}"
+            assert time.monotonic() < deadline, "job.json never appeared"
+            time.sleep(0.1)
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
 
 
 @pytest.fixture(scope="session")

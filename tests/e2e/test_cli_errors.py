@@ -38,6 +38,16 @@ def test_bad_flags(tmp_path, args, message):
     assert lines[0].startswith("elaswave: error: ") and message in lines[0], lines[0]
 
 
+def test_token_file_with_ids_beyond_vocab(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "tokens.i32"
+    np.full(1000, 500, dtype=np.int32).tofile(path)
+    proc = elaswave("train", "--data", str(path), "--data-dtype", "int32", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "token id 500 >= model.vocab_size 128" in proc.stderr
+
+
 def test_malformed_toml(tmp_path):
     bad = tmp_path / "job.toml"
     bad.write_text("[train]\ndp = = 2\n")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import elaswave
 from elaswave.bus.schema import EventKind
+from tests.e2e.conftest import background_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,31 +38,7 @@ def test_embed_example_pauses_on_recovery_and_streams_steps():
 @pytest.mark.timeout(180)
 def test_connect_to_a_running_job(tmp_path):
     out = tmp_path / "run"
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elaswave.cli.main",
-            "train",
-            "--dp",
-            "1",
-            "--pp",
-            "2",
-            "--steps",
-            "60",
-            "--out",
-            str(out),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not (out / "job.json").exists():
-            assert job.poll() is None, job.stderr.read() if job.stderr else ""
-            assert time.monotonic() < deadline, "job.json never appeared"
-            time.sleep(0.1)
+    with background_job(out, "--dp", "1", "--pp", "2", "--steps", "60") as job:
         steps: list[int] = []
 
         async def watch(session: elaswave.Session) -> None:
@@ -74,13 +50,8 @@ def test_connect_to_a_running_job(tmp_path):
         with elaswave.connect(out, sender="test-observer") as session:
             asyncio.run(asyncio.wait_for(watch(session), timeout=90))
         assert steps == sorted(steps) and len(steps) == 3
-        assert job.wait(timeout=120) == 0
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        if job.stderr is not None:
-            job.stderr.close()
+        _, stderr = job.communicate(timeout=120)
+        assert job.returncode == 0, stderr
 
 
 def test_connect_refuses_a_non_run_dir(tmp_path):

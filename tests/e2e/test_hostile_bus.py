@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import msgpack
 import pytest
@@ -12,6 +11,7 @@ import zmq
 
 from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted, encode
 from elaswave.runtime.config import JobSpec
+from tests.e2e.conftest import background_job
 
 
 def _bad_messages() -> list[list[bytes]]:
@@ -43,51 +43,24 @@ def _bad_messages() -> list[list[bytes]]:
 @pytest.mark.timeout(180)
 def test_live_job_survives_hostile_messages(tmp_path):
     out = tmp_path / "run"
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elaswave.cli.main",
-            "train",
-            "--dp",
-            "2",
-            "--pp",
-            "2",
-            "--steps",
-            "40",
-            "--out",
-            str(out),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    try:
-        deadline = time.monotonic() + 60
-        while not (out / "job.json").exists():
-            assert job.poll() is None, "job ended early"
-            assert time.monotonic() < deadline, "job.json never appeared"
-            time.sleep(0.1)
-        pub.connect(JobSpec.read(out).endpoints.bus_publish)
-        # Wait until the first step is out: every worker's session is then subscribed.
-        while "step    1/40" not in (line := job.stdout.readline()):
-            assert line, "job ended before its first step"
-        bad = _bad_messages()
-        for frames in bad:
-            pub.send_multipart(frames)
-        stdout, stderr = job.communicate(timeout=150)
-    finally:
-        pub.close(linger=0)
-        ctx.term()
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+    bad = _bad_messages()
+    with background_job(out, "--dp", "2", "--pp", "2", "--steps", "40") as job:
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        try:
+            pub.connect(JobSpec.read(out).endpoints.bus_publish)
+            # Once the first step is out, every worker's session is subscribed.
+            while "step    1/40" not in (line := job.stdout.readline()):
+                assert line, "job ended before its first step"
+            for frames in bad:
+                pub.send_multipart(frames)
+            stdout, stderr = job.communicate(timeout=150)
+        finally:
+            pub.close(linger=0)
+            ctx.term()
     assert job.returncode == 0, stderr
     assert "step   40/40" in stdout, stdout
-    rejected = stderr.count("bus_message_rejected")
-    assert rejected == len(bad), stderr
+    assert stderr.count("bus_message_rejected") == len(bad), stderr
     assert "unknown event kind 'mystery_kind'" in stderr
     assert "unsupported schema_version 99" in stderr
     log = subprocess.run(

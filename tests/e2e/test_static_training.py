@@ -121,3 +121,27 @@ def test_param_digest_matches_params(layout_runs):
     first = next(iter(perturbed[0].values()))
     first.view(-1)[0] += torch.finfo(torch.float32).eps
     assert param_digest(perturbed) != run.summary["param_digest"]
+
+
+def test_trains_on_a_user_token_file(runs_dir):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = (np.arange(40_000) * 7 + rng.integers(0, 3, 40_000)) % 128
+    path = runs_dir / "tokens.u16"
+    tokens.astype(np.uint16).tofile(path)
+    run = train(
+        runs_dir / "token_file",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "6",
+        "--data",
+        str(path),
+        "--data-dtype",
+        "uint16",
+    )
+    loss = run.summary["loss"]
+    assert len(loss) == 6 and loss[-1] < loss[0]

@@ -84,3 +84,27 @@ def test_per_sample_loss_shape():
 def test_model_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         ModelConfig(**{field: value})
+
+
+def test_token_file_windows_and_loader_are_layout_free(tmp_path):
+    import numpy as np
+
+    from elaswave.data.corpus import SampleLoader, TokenFile
+
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.int64).__mod__(100).astype(np.uint16).tofile(path)
+    source = TokenFile(path, dtype="uint16", seq_len=8, vocab_size=100)
+    assert len(source) == (1000 - 1) // 8
+    assert list(source.window(2)) == list(range(16, 25))
+    loader = SampleLoader(source, seed=1)
+    x, y = loader.batch([5, 300])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # A sample id names the same data alone or in any batch, across epochs too.
+    x2, _ = loader.batch([300])
+    assert torch.equal(x[1], x2[0])
+    for epoch in range(2):
+        ids = range(epoch * len(source), (epoch + 1) * len(source))
+        assert sorted(loader.corpus_index(i) for i in ids) == list(range(len(source)))
+    first = [loader.corpus_index(i) for i in range(len(source))]
+    second = [loader.corpus_index(i + len(source)) for i in range(len(source))]
+    assert first != second, "each epoch draws its own order"

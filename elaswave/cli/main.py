@@ -58,6 +58,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
     p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")
+    p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
+    p.add_argument("--verify-snapshots", action="store_true", default=None,
+                   help="record per-step digests of every optimizer shard and its snapshot")
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
 
 
@@ -99,6 +102,8 @@ def _train(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "device": args.device,
             "comm_timeout_s": args.comm_timeout,
+            "ranks_per_node": args.ranks_per_node,
+            "verify_snapshots": args.verify_snapshots,
         },
     }
     job = build_job(file_values, overrides)

@@ -14,10 +14,9 @@ from collections.abc import Collection
 
 from elaswave.data.sampler import even_split
 from elaswave.engine.plan import Plan
+from elaswave.fabric.errors import Unrecoverable
 
-
-class Unrecoverable(Exception):
-    """The change leaves the job unable to continue; the message names what was lost."""
+__all__ = ["Unrecoverable", "resize_after_failure"]
 
 
 def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from elaswave.comm.group import GroupSpec
 from elaswave.data.sampler import even_split
+from elaswave.fabric.placement import SnapshotPlacement, place_snapshots
+from elaswave.fabric.snapshot import snapshot_link_name
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,20 @@ class Plan:
                 GroupSpec(link_group_name(src, dst), (src, dst)) for src, dst in sorted(pairs)
             ]
         return specs
+
+
+def snapshot_placements(plan: Plan, ranks_per_node: int) -> dict[int, SnapshotPlacement]:
+    """Snapshot placement of every stage's DP group, by stage."""
+    return {s.stage: place_snapshots(s.ranks, ranks_per_node) for s in plan.stages}
+
+
+def snapshot_group_specs(plan: Plan, ranks_per_node: int) -> list[GroupSpec]:
+    """One owner -> holder link per optimizer shard."""
+    return [
+        GroupSpec(snapshot_link_name(owner, holder), (owner, holder))
+        for placement in snapshot_placements(plan, ranks_per_node).values()
+        for owner, holder in sorted(placement.holder.items())
+    ]
 
 
 def dp_group_name(stage: int) -> str:

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from elaswave.engine.dataflow import Unrecoverable
+from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 
 STATE_TENSORS = 3

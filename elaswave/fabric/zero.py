@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -86,6 +87,10 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
     state.master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
 
 
+class SnapshotSink(Protocol):
+    def send(self, grad_shard: torch.Tensor, step: int) -> None: ...
+
+
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
@@ -122,6 +127,20 @@ class ZeroAdamW:
             ]
             decay = self.layout.shard_of(masks, replica)
         self.state = ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
+        self._masks = masks
+        self.snapshot: SnapshotSink | None = None
+        """Where each step's reduced gradient shard is also sent (the snapshot holder)."""
+
+    def initial_state_of(self, replica: int) -> ShardState:
+        """Replica ``replica``'s shard state before any step, from this replica's params.
+
+        Valid only before the first step, while every replica holds identical parameters.
+        """
+        with torch.no_grad():
+            flats = [_flat([p.detach().float() for p in ps]) for ps in self.params]
+            master = self.layout.shard_of(flats, replica)
+            decay = self.layout.shard_of(self._masks, replica)
+        return ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
 
     def zero_grad(self) -> None:
         for ps in self.params:
@@ -158,5 +177,8 @@ class ZeroAdamW:
                     offset += n
 
     def step(self, step: int) -> None:
-        self.update(self.reduce_scatter_grads(), step)
+        grad = self.reduce_scatter_grads()
+        if self.snapshot is not None:
+            self.snapshot.send(grad, step)
+        self.update(grad, step)
         self.all_gather_params()

@@ -43,6 +43,12 @@ class TrainConfig:
     """Bound on any single collective or point-to-point wait."""
     trace_steps: int = 2
     """Record the per-stage 1F1B action trace of the first N steps."""
+    ranks_per_node: int = 1
+    """Consecutive ranks that share a node (a snapshot is kept on a different node)."""
+    snapshots: bool = True
+    """Keep per-step host snapshots of every optimizer shard on another rank."""
+    verify_snapshots: bool = False
+    """Record per-step digests of every shard and snapshot in the worker results."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "steps", "global_batch", "micro_batch"):
@@ -55,6 +61,8 @@ class TrainConfig:
                 f"world size {self.world_size} != dp x pp = {self.dp} x {self.pp} = "
                 f"{self.dp * self.pp}; set --world-size {self.dp * self.pp} or change --dp/--pp"
             )
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
 

@@ -26,11 +26,22 @@ from elaswave.comm.backend import backend_for
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
-from elaswave.engine.plan import dp_group_name
+from elaswave.engine.plan import (
+    Plan,
+    dp_group_name,
+    snapshot_group_specs,
+    snapshot_placements,
+)
+from elaswave.fabric.snapshot import (
+    SnapshotKeeper,
+    SnapshotSender,
+    snapshot_link_name,
+    state_digest,
+)
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import build_layer
 from elaswave.model.rng import CounterRng
-from elaswave.runtime.config import JobSpec
+from elaswave.runtime.config import JobConfig, JobSpec
 from elaswave.runtime.pipeline import StageRunner
 from elaswave.runtime.session import Session
 
@@ -80,7 +91,9 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
     device = backend.device_for(rank)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
     comm = Communicator(store, rank, backend, timeout=timedelta(seconds=cfg.train.comm_timeout_s))
-    comm.build(plan.group_specs())
+    rpn = cfg.train.ranks_per_node
+    snapshot_specs = snapshot_group_specs(plan, rpn) if cfg.train.snapshots else []
+    comm.build(plan.group_specs() + snapshot_specs)
     session.publish(
         WorkerStarted(
             sender=sender,
@@ -103,6 +116,7 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
         replica=replica,
         cfg=cfg.optim,
     )
+    keepers = _attach_snapshots(cfg, plan, rank, comm, optimizer) if cfg.train.snapshots else []
     source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     runner = StageRunner(
         plan=plan,
@@ -119,9 +133,14 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
     step_times: list[float] = []
     losses: list[float] = []
     traces: list[dict] = []
+    optimizer_digests: list[str] = []
     for step in range(cfg.train.steps):
+        for keeper in keepers:
+            keeper.expect(step)
         result = runner.run_step(step)
         step_times.append(result.seconds)
+        if cfg.train.verify_snapshots:
+            optimizer_digests.append(state_digest(optimizer.state))
         if step < cfg.train.trace_steps:
             traces.append({"step": step, "actions": result.trace})
         if reporter:
@@ -138,6 +157,12 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
                     samples=plan.global_batch,
                 )
             )
+
+    if optimizer.snapshot is not None:
+        optimizer.snapshot.flush()
+    for keeper in keepers:
+        keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
+        keeper.close()
 
     if replica == 0:
         path = stage_params_path(run_dir, stage)
@@ -158,6 +183,8 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
         "traces": traces,
         "optimizer_shard_numel": optimizer.state.numel(),
         "stage_param_numel": sum(p.numel() for p in layers.parameters()),
+        "optimizer_digests": optimizer_digests,
+        "snapshot_digests": {str(k.owner): k.digests for k in keepers},
     }
     path = worker_result_path(run_dir, rank)
     path.parent.mkdir(exist_ok=True)
@@ -178,6 +205,29 @@ def _die_with_parent() -> None:
         return  # not Linux: the launcher's own cleanup is all there is
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def _attach_snapshots(
+    cfg: JobConfig, plan: Plan, rank: int, comm: Communicator, optimizer: ZeroAdamW
+) -> list[SnapshotKeeper]:
+    """Make this rank send its shard's gradients to its holder and keep its owners' copies."""
+    stage, _ = plan.locate(rank)
+    placement = snapshot_placements(plan, cfg.train.ranks_per_node)[plan.stages[stage].stage]
+    if not placement.node_safe and placement.holder:
+        log.warning("snapshot.not_node_safe", stage=stage, ranks_per_node=placement.holder)
+    holder = placement.holder.get(rank)
+    if holder is not None:
+        optimizer.snapshot = SnapshotSender(comm[snapshot_link_name(rank, holder)], holder)
+    keepers = []
+    for owner in placement.holds(rank):
+        keeper = SnapshotKeeper(
+            owner=owner, link=comm[snapshot_link_name(owner, rank)], cfg=cfg.optim,
+            initial=optimizer.initial_state_of(plan.stages[stage].ranks.index(owner)),
+            record_digests=cfg.train.verify_snapshots,
+        )
+        keeper.start()
+        keepers.append(keeper)
+    return keepers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elaswave.engine.dataflow import Unrecoverable, resize_after_failure
+from elaswave.engine.dataflow import resize_after_failure
+from elaswave.fabric.errors import Unrecoverable
 from elaswave.engine.plan import initial_plan
 from elaswave.fabric.placement import node_of, place_snapshots
 from elaswave.fabric.remap import Source, plan_remap, shard_bounds

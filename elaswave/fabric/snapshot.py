@@ -1,0 +1,130 @@
+"""Per-step snapshots of ZeRO optimizer shards in host memory (paper §5.1).
+
+After the reduce-scatter, each owner sends its reduced gradient shard (not the three
+times larger optimizer state) to its snapshot holder, whose background thread applies
+the very same AdamW update to a host copy, overlapped with the next step. The holder
+keeps the last two step versions, so a step abandoned by a failure can roll back to the
+committed one. Bit-for-bit equality with the owner holds because both sides run
+:func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
+may round differently, which the integrity check tolerates by design of the remap).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from elaswave.comm.group import CommError, Group
+from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
+
+log = structlog.get_logger(__name__)
+
+
+def state_digest(state: ShardState) -> str:
+    """sha256 of a shard's master weights and moments (fp32 bytes)."""
+    h = hashlib.sha256()
+    for t in (state.master, state.exp_avg, state.exp_avg_sq):
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def snapshot_link_name(owner: int, holder: int) -> str:
+    return f"snap.{owner}-{holder}"
+
+
+@dataclass
+class SnapshotKeeper:
+    """Holds one owner's shard snapshot on this rank and keeps it current.
+
+    ``versions`` maps step -> state after that step's update (step -1: initial state);
+    only the two newest are kept.
+    """
+
+    owner: int
+    link: Group
+    cfg: OptimizerConfig
+    initial: ShardState
+    record_digests: bool = False
+    versions: dict[int, ShardState] = field(default_factory=dict)
+    digests: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    _steps: queue.Queue[int | None] = field(default_factory=lambda: queue.Queue(maxsize=4))
+    _done: threading.Condition = field(default_factory=threading.Condition)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self.versions[-1] = self.initial.clone_to("cpu")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"snapshot-{self.owner}",
+                                        daemon=True)
+        self._thread.start()
+
+    def expect(self, step: int) -> None:
+        """Tell the keeper the owner will send ``step``'s gradient (called each step)."""
+        self._steps.put(step)
+
+    def _run(self) -> None:
+        while (step := self._steps.get()) is not None:
+            try:
+                latest = self.versions[max(self.versions)]
+                grad = torch.empty_like(latest.master)
+                self.link.recv(grad, self.owner, tag=step % (1 << 20))
+                state = latest.clone_to("cpu")
+                adamw_update(state, grad, step=step, cfg=self.cfg)
+                digest = state_digest(state) if self.record_digests else ""
+            except BaseException as exc:  # surfaced to the training thread by wait()
+                log.warning("snapshot.failed", owner=self.owner, step=step, error=str(exc))
+                with self._done:
+                    self.error = exc
+                    self._done.notify_all()
+                return
+            with self._done:
+                self.versions[step] = state
+                for old in sorted(self.versions)[:-2]:
+                    del self.versions[old]
+                if self.record_digests:
+                    self.digests.append(digest)
+                self._done.notify_all()
+
+    def wait(self, step: int, timeout_s: float) -> ShardState:
+        """Block until ``step``'s snapshot is applied; raise if the keeper failed."""
+        with self._done:
+            ok = self._done.wait_for(lambda: step in self.versions or self.error is not None
+                                     or max(self.versions) > step, timeout=timeout_s)
+            if self.error is not None:
+                raise CommError(self.link.name, "snapshot", self.error)
+            if not ok:
+                raise CommError(self.link.name, "snapshot", f"step {step} not applied in time")
+            return self.versions[step]
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._steps.put(None)
+            self._thread.join(timeout=5)
+
+
+class SnapshotSender:
+    """The owner's side: ship each step's reduced gradient shard to the holder."""
+
+    def __init__(self, link: Group, holder: int) -> None:
+        self.link = link
+        self.holder = holder
+        self._pending: tuple | None = None
+
+    def send(self, grad_shard: torch.Tensor, step: int) -> None:
+        self.flush()
+        buf = grad_shard.detach().to("cpu").contiguous()
+        self._pending = (self.link.isend(buf, self.holder, tag=step % (1 << 20)), buf)
+
+    def flush(self) -> None:
+        """Wait for the previous send (called before the next one and at the end)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            self.link.wait_send(work)

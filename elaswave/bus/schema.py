@@ -71,6 +71,10 @@ class EventKind(enum.StrEnum):
     HEARTBEAT = "heartbeat"
     RECOVERY_STARTED = "recovery_started"
     RECOVERY_FINISHED = "recovery_finished"
+    FAILURE_DETECTED = "failure_detected"
+    RECOVERY_READY = "recovery_ready"
+    RECOVERY_PLAN = "recovery_plan"
+    RECOVERY_DONE = "recovery_done"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +308,61 @@ class RecoveryFinished(Event):
     kind: str
     ranks: list[int]
     mttr_s: float
+
+
+# The fail-stop protocol. ``generation`` (base field) is the plan generation the event
+# refers to: the failing one for FailureDetected/RecoveryReady, the new one afterwards.
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class FailureDetected(Event):
+    """The Core declares ``ranks`` dead; every survivor abandons its step."""
+
+    KIND = EventKind.FAILURE_DETECTED
+    TOPIC = Topic.RECOVERY
+    ranks: list[int]
+    source: str
+    """How it was detected: "process-exit", "heartbeat", "comm-error"."""
+    detail: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RecoveryReady(Event):
+    """A survivor has stopped at a step boundary; its last committed step."""
+
+    KIND = EventKind.RECOVERY_READY
+    TOPIC = Topic.RECOVERY
+    rank: int
+    committed_step: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPlan(Event):
+    """The Core's decision. Workers recompute the plan from these inputs with the same
+    pure planner and check ``plan_digest`` before applying it."""
+
+    KIND = EventKind.RECOVERY_PLAN
+    TOPIC = Topic.RECOVERY
+    failed: list[int]
+    committed_step: int
+    plan_digest: str
+    reason: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RecoveryDone(Event):
+    """A survivor applied the plan; seconds spent per executor phase."""
+
+    KIND = EventKind.RECOVERY_DONE
+    TOPIC = Topic.RECOVERY
+    rank: int
+    comm_s: float
+    remap_s: float
+    resume_s: float
 
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)

@@ -34,6 +34,11 @@ def _check_types(section: str, cls: type, values: dict[str, Any]) -> None:
         if key not in names:
             raise ValueError(f"unknown key [{section}] {key!r}; valid keys: {', '.join(names)}")
         hint = hints[key]
+        if typing.get_origin(hint) is tuple:  # e.g. faults: a TOML array of strings
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"[{section}] {key} = {value!r}: expected an array of strings")
+            values[key] = tuple(value)
+            continue
         allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         allowed = tuple(a for a in allowed if isinstance(a, type))
         if float in allowed:

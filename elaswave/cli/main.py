@@ -59,8 +59,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
     p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")
     p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
-    p.add_argument("--verify-snapshots", action="store_true", default=None,
-                   help="record per-step digests of every optimizer shard and its snapshot")
+    p.add_argument(
+        "--verify-snapshots",
+        action="store_true",
+        default=None,
+        help="record per-step digests of every optimizer shard and its snapshot",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        dest="faults",
+        metavar="SPEC",
+        help="inject a fault, repeatable: kill:RANK@STEP[:PHASE] or "
+        "kill-node:NODE@STEP[:PHASE]; PHASE: forward, backward, grad-sync, "
+        "snapshot, optimizer",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
 
 
@@ -86,7 +99,8 @@ def _train(args: argparse.Namespace) -> int:
     import uvloop
 
     from elaswave.cli.config_file import build_job, load_toml
-    from elaswave.runtime.launcher import JobFailed, run_job
+    from elaswave.runtime.launcher import run_job
+    from elaswave.runtime.supervisor import JobFailed
 
     file_values = load_toml(args.config) if args.config else None
     overrides = {
@@ -104,6 +118,7 @@ def _train(args: argparse.Namespace) -> int:
             "comm_timeout_s": args.comm_timeout,
             "ranks_per_node": args.ranks_per_node,
             "verify_snapshots": args.verify_snapshots,
+            "faults": tuple(args.faults) if args.faults else None,
         },
     }
     job = build_job(file_values, overrides)

@@ -10,12 +10,13 @@ recovery) edits this set group by group instead of rebuilding it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import structlog
 import torch.distributed as dist
 
+from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import Group, GroupSpec
 
@@ -31,13 +32,17 @@ class Communicator:
         *,
         timeout: timedelta,
         generation: int = 0,
+        abort: AbortSignal | None = None,
     ) -> None:
+        self.abort = abort
         self.store = store
         self.rank = rank
         self.backend = backend
         self.timeout = timeout
         self.generation = generation
         self._groups: dict[str, Group] = {}
+        self.dropped: list[Group] = []
+        """Groups an :meth:`edit` did not carry over (they may have work in flight)."""
 
     def build(self, specs: Iterable[GroupSpec]) -> float:
         """Create every group of ``specs`` that contains this rank. Returns seconds taken."""
@@ -56,10 +61,44 @@ class Communicator:
                 len(spec.ranks),
                 self.timeout,
             )
-            self._groups[spec.name] = Group(spec, pg, self.rank, self.timeout)
+            self._groups[spec.name] = Group(spec, pg, self.rank, self.timeout, self.abort)
         elapsed = time.perf_counter() - started
         log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
         return elapsed
+
+    def edit(
+        self,
+        specs: Iterable[GroupSpec],
+        *,
+        generation: int,
+        rebuild: Callable[[GroupSpec], bool] = lambda spec: False,
+    ) -> tuple[Communicator, int]:
+        """The communicator for ``specs``: same-membership groups are reused as they are.
+
+        A group is carried over (the same object) when ``specs`` holds it with the same
+        members and ``rebuild(spec)`` is false; every other group of ``specs`` that has
+        this rank is created under the new generation's prefix. Members agree without
+        talking: they all hold the same old specs. Returns (communicator, groups reused).
+        """
+        new = Communicator(
+            self.store,
+            self.rank,
+            self.backend,
+            timeout=self.timeout,
+            generation=generation,
+            abort=self.abort,
+        )
+        create = []
+        for spec in specs:
+            old = self._groups.get(spec.name)
+            if old is not None and old.spec == spec and not rebuild(spec):
+                new._groups[spec.name] = old
+            else:
+                create.append(spec)
+        new.build(create)
+        kept = set(map(id, new._groups.values()))
+        self.dropped = [g for g in self._groups.values() if id(g) not in kept]
+        return new, sum(1 for g in self._groups.values() if id(g) in kept)
 
     def __getitem__(self, name: str) -> Group:
         return self._groups[name]

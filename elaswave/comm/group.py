@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elaswave.comm.abort import AbortSignal, wait_abortable
+
 
 class CommError(RuntimeError):
     """A collective or point-to-point operation failed or timed out."""
@@ -44,6 +46,8 @@ class Group:
     rank: int
     """This process's global rank."""
     timeout: timedelta
+    abort: AbortSignal | None = None
+    """When set, waits poll it and raise StepAborted instead of blocking on."""
     _index: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,7 +68,10 @@ class Group:
 
     def _wait(self, work: dist.Work, op: str) -> None:
         try:
-            ok = work.wait(self.timeout)
+            if self.abort is None:
+                ok = work.wait(self.timeout)
+            else:
+                ok = wait_abortable(work, self.timeout, self.abort)
         except RuntimeError as exc:
             raise CommError(self.name, op, exc) from exc
         if ok is False:
@@ -109,6 +116,17 @@ class Group:
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
         self._wait(work, "recv")
+
+
+def p2p_tag(generation: int, step: int, index: int) -> int:
+    """A point-to-point tag unique per (plan generation, step, index) within a window.
+
+    A receive abandoned by an aborted step can then never match a message of the step
+    redone under the next plan generation.
+    """
+    if not 0 <= index < 1 << 14:
+        raise ValueError(f"p2p tag index {index} out of range [0, 16384)")
+    return ((generation % 64) << 24) | ((step % 1024) << 14) | index
 
 
 def members(specs: Sequence[GroupSpec], rank: int) -> list[GroupSpec]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from elaswave.comm.group import CommError, Group
+from elaswave.comm.group import CommError, Group, p2p_tag
 from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
 
 log = structlog.get_logger(__name__)
@@ -49,6 +49,9 @@ class SnapshotKeeper:
     link: Group
     cfg: OptimizerConfig
     initial: ShardState
+    generation: int = 0
+    initial_step: int = -1
+    """The step ``initial`` is the state after (-1: before any step)."""
     record_digests: bool = False
     versions: dict[int, ShardState] = field(default_factory=dict)
     digests: list[str] = field(default_factory=list)
@@ -58,11 +61,12 @@ class SnapshotKeeper:
     _thread: threading.Thread | None = None
 
     def __post_init__(self) -> None:
-        self.versions[-1] = self.initial.clone_to("cpu")
+        self.versions[self.initial_step] = self.initial.clone_to("cpu")
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"snapshot-{self.owner}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"snapshot-{self.owner}", daemon=True
+        )
         self._thread.start()
 
     def expect(self, step: int) -> None:
@@ -74,7 +78,7 @@ class SnapshotKeeper:
             try:
                 latest = self.versions[max(self.versions)]
                 grad = torch.empty_like(latest.master)
-                self.link.recv(grad, self.owner, tag=step % (1 << 20))
+                self.link.recv(grad, self.owner, tag=p2p_tag(self.generation, step, 0))
                 state = latest.clone_to("cpu")
                 adamw_update(state, grad, step=step, cfg=self.cfg)
                 digest = state_digest(state) if self.record_digests else ""
@@ -93,15 +97,27 @@ class SnapshotKeeper:
                 self._done.notify_all()
 
     def wait(self, step: int, timeout_s: float) -> ShardState:
-        """Block until ``step``'s snapshot is applied; raise if the keeper failed."""
+        """Block until ``step``'s snapshot is applied; raise if it never will be.
+
+        A version already applied is returned even if the keeper failed afterwards (its
+        owner dying mid-step is exactly when the committed version is needed).
+        """
         with self._done:
-            ok = self._done.wait_for(lambda: step in self.versions or self.error is not None
-                                     or max(self.versions) > step, timeout=timeout_s)
+            self._done.wait_for(
+                lambda: (
+                    step in self.versions or self.error is not None or max(self.versions) > step
+                ),
+                timeout=timeout_s,
+            )
+            if step in self.versions:
+                return self.versions[step]
             if self.error is not None:
                 raise CommError(self.link.name, "snapshot", self.error)
-            if not ok:
-                raise CommError(self.link.name, "snapshot", f"step {step} not applied in time")
-            return self.versions[step]
+            raise CommError(
+                self.link.name,
+                "snapshot",
+                f"step {step} not applied in time (have {sorted(self.versions)})",
+            )
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -112,15 +128,17 @@ class SnapshotKeeper:
 class SnapshotSender:
     """The owner's side: ship each step's reduced gradient shard to the holder."""
 
-    def __init__(self, link: Group, holder: int) -> None:
+    def __init__(self, link: Group, holder: int, generation: int = 0) -> None:
         self.link = link
         self.holder = holder
+        self.generation = generation
         self._pending: tuple | None = None
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
         self.flush()
         buf = grad_shard.detach().to("cpu").contiguous()
-        self._pending = (self.link.isend(buf, self.holder, tag=step % (1 << 20)), buf)
+        tag = p2p_tag(self.generation, step, 0)
+        self._pending = (self.link.isend(buf, self.holder, tag=tag), buf)
 
     def flush(self) -> None:
         """Wait for the previous send (called before the next one and at the end)."""

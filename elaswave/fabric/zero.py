@@ -9,7 +9,7 @@ tensors so that a snapshot holder can apply the very same update to a host copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +66,12 @@ class ShardState:
     def numel(self) -> int:
         return self.master.numel()
 
+    def updated_copy(self) -> ShardState:
+        """A copy to update out of place (the decay mask is constant and shared)."""
+        return ShardState(
+            self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone(), self.decay_mask
+        )
+
     def clone_to(self, device: torch.device | str) -> ShardState:
         return ShardState(
             *(
@@ -106,6 +112,8 @@ class ZeroAdamW:
         dp_group: Group,
         replica: int,
         cfg: OptimizerConfig,
+        state: ShardState | None = None,
+        committed_step: int = -1,
     ) -> None:
         self.cfg = cfg
         self.dp_group = dp_group
@@ -126,10 +134,26 @@ class ZeroAdamW:
                 for ps in self.params
             ]
             decay = self.layout.shard_of(masks, replica)
-        self.state = ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
+        if state is None:
+            state = ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
+        elif state.master.shape != master.shape:
+            raise ValueError(
+                f"shard of {state.master.numel()} elements given, layout needs {master.numel()}"
+            )
+        else:
+            state.decay_mask = decay
+        self.state = state
+        """The shard after step ``committed_step``."""
+        self.committed_step = committed_step
+        self.previous: ShardState | None = None
+        """The shard after step ``committed_step - 1``, kept for a one-step rollback."""
+        self.pending: ShardState | None = None
         self._masks = masks
         self.snapshot: SnapshotSink | None = None
         """Where each step's reduced gradient shard is also sent (the snapshot holder)."""
+
+    def decay_mask_of(self, replica: int) -> torch.Tensor:
+        return self.layout.shard_of(self._masks, replica)
 
     def initial_state_of(self, replica: int) -> ShardState:
         """Replica ``replica``'s shard state before any step, from this replica's params.
@@ -160,12 +184,9 @@ class ZeroAdamW:
         self.dp_group.reduce_scatter(shard, bucket)
         return shard
 
-    def update(self, grad_shard: torch.Tensor, step: int) -> None:
-        adamw_update(self.state, grad_shard, step=step, cfg=self.cfg)
-
-    def all_gather_params(self) -> None:
-        """Gather every replica's updated master shard into the full parameters."""
-        shard = self.state.master
+    def all_gather_params(self, shard: torch.Tensor | None = None) -> None:
+        """Gather every replica's master shard (default: committed) into the parameters."""
+        shard = self.state.master if shard is None else shard
         bucket = torch.empty(self.layout.dp * shard.numel(), dtype=shard.dtype, device=shard.device)
         self.dp_group.all_gather(bucket, shard)
         with torch.no_grad():
@@ -176,9 +197,34 @@ class ZeroAdamW:
                     p.copy_(flat[offset : offset + n].view_as(p))
                     offset += n
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, hook: Callable[[str], None] | None = None) -> None:
+        """Reduce-scatter, snapshot send, out-of-place update, all-gather; then commit()."""
         grad = self.reduce_scatter_grads()
         if self.snapshot is not None:
             self.snapshot.send(grad, step)
-        self.update(grad, step)
-        self.all_gather_params()
+        if hook is not None:
+            hook("snapshot")
+        pending = self.state.updated_copy()
+        adamw_update(pending, grad, step=step, cfg=self.cfg)
+        if hook is not None:
+            hook("optimizer")
+        self.all_gather_params(pending.master)
+        self.pending = pending
+
+    def commit(self, step: int) -> None:
+        """Make ``step``'s update the committed state (every phase of the step is done)."""
+        if self.pending is None or step != self.committed_step + 1:
+            raise RuntimeError(f"commit of step {step} after committed step {self.committed_step}")
+        self.previous, self.state, self.pending = self.state, self.pending, None
+        self.committed_step = step
+
+    def rollback(self, to_step: int) -> None:
+        """Drop any uncommitted update and, if needed, the last committed step."""
+        self.pending = None
+        if to_step == self.committed_step:
+            return
+        if to_step == self.committed_step - 1 and self.previous is not None:
+            self.state, self.previous = self.previous, None
+            self.committed_step = to_step
+            return
+        raise RuntimeError(f"cannot roll back from step {self.committed_step} to {to_step}")

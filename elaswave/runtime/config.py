@@ -17,6 +17,7 @@ from elaswave.data.corpus import DataConfig
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
+from elaswave.runtime.faults import validate_faults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,10 @@ class TrainConfig:
     """Keep per-step host snapshots of every optimizer shard on another rank."""
     verify_snapshots: bool = False
     """Record per-step digests of every shard and snapshot in the worker results."""
+    faults: tuple[str, ...] = ()
+    """Injected faults: kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE]."""
+    recovery: bool = True
+    """Recover from worker failures inside the step; False stops the job instead."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "steps", "global_batch", "micro_batch"):
@@ -63,6 +68,13 @@ class TrainConfig:
             )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
+        object.__setattr__(self, "faults", tuple(self.faults))
+        validate_faults(
+            self.faults,
+            world_size=self.num_ranks,
+            ranks_per_node=self.ranks_per_node,
+            steps=self.steps,
+        )
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
 

@@ -8,6 +8,7 @@ and skipped, never fatal. User code and the CLI observe the run through ``on_eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import structlog
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import EventLogWriter
-from elaswave.bus.schema import Event, RunFinished, WorkerFinished
+from elaswave.bus.schema import Event, RecoveryDone, RecoveryReady, RunFinished, WorkerFinished
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +34,8 @@ class Core:
         self.num_rejected = 0
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
+        self.recovery_events: list[Event] = []
+        """RecoveryReady and RecoveryDone events, for the supervisor's protocol."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
         self._changed = asyncio.Event()
@@ -80,6 +83,8 @@ class Core:
                 self.finished[event.rank] = event
             elif isinstance(event, RunFinished):
                 self.run_finished = event
+            elif isinstance(event, RecoveryReady | RecoveryDone):
+                self.recovery_events.append(event)
             if self.on_event is not None:
                 try:
                     self.on_event(event)
@@ -88,12 +93,17 @@ class Core:
             self._changed.set()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait until ``predicate()`` holds after some event, or the timeout passes."""
+        """Wait until ``predicate()`` holds, or the timeout passes.
+
+        It is re-checked after every event and at least every 0.1 s, so predicates may
+        also watch state that no event announces (a process's exit code).
+        """
         try:
             async with asyncio.timeout(timeout_s):
                 while not predicate():
                     self._changed.clear()
-                    await self._changed.wait()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), 0.1)
         except TimeoutError:
             return False
         return True

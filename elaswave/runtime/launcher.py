@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -20,14 +19,11 @@ from elaswave.comm.store import serve_store
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.core import EVENT_LOG, Core
 from elaswave.runtime.summary import build_summary, write_summary
+from elaswave.runtime.supervisor import JobFailed, Supervisor
 
 log = structlog.get_logger(__name__)
 
-_RUN_OUTPUTS = ("workers", "params", "logs", EVENT_LOG, "summary.json", "job.json")
-
-
-class JobFailed(RuntimeError):
-    """The job could not complete; the message says which rank and why."""
+_RUN_OUTPUTS = ("workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json")
 
 
 def _prepare_run_dir(run_dir: Path) -> None:
@@ -39,22 +35,6 @@ def _prepare_run_dir(run_dir: Path) -> None:
         elif path.exists():
             path.unlink()
     (run_dir / "logs").mkdir()
-
-
-def _last_error(log_path: Path) -> str:
-    """The worker's own account of its failure: the last 'error' field in its log."""
-    import json
-
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            doc = json.loads(line)
-            if isinstance(doc, dict) and doc.get("error"):
-                return str(doc["error"])
-    return lines[-1] if lines else ""
 
 
 async def _spawn(run_dir: Path, rank: int) -> asyncio.subprocess.Process:
@@ -74,35 +54,10 @@ async def _spawn(run_dir: Path, rank: int) -> asyncio.subprocess.Process:
         )
 
 
-async def _supervise(run_dir: Path, procs: dict[int, asyncio.subprocess.Process]) -> None:
-    """Wait for every worker; on the first failure stop the others and raise."""
-    waits = {asyncio.ensure_future(p.wait()): rank for rank, p in procs.items()}
-    try:
-        pending = set(waits)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                rank, code = waits[fut], fut.result()
-                if code != 0:
-                    reason = _last_error(run_dir / "logs" / f"rank{rank}.log")
-                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-                    raise JobFailed(
-                        f"rank {rank} exited with {how}: {reason or 'no message'} "
-                        f"(log: {run_dir / 'logs' / f'rank{rank}.log'})"
-                    )
-    finally:
-        for proc in procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-        for fut in waits:
-            with contextlib.suppress(BaseException):
-                await fut
-
-
 async def _run_workers(
     cfg: JobConfig, run_dir: Path, run_id: str, store_port: int, core: Core
-) -> None:
+) -> list[dict[str, Any]]:
+    """Run the workers to the end, recovering from failures; returns the recoveries."""
     plan = cfg.plan()
     JobSpec(
         run_id=run_id,
@@ -130,9 +85,12 @@ async def _run_workers(
     ok, reason = True, ""
     try:
         procs = {rank: await _spawn(run_dir, rank) for rank in plan.ranks}
-        await _supervise(run_dir, procs)
+        supervisor = Supervisor(cfg, run_dir, core, procs)
+        await supervisor.run()
         # Workers publish WorkerFinished just before exiting; give the bus a moment.
-        await core.wait_until(lambda: len(core.finished) == len(procs), timeout_s=5.0)
+        survivors = set(supervisor.plan.ranks)
+        await core.wait_until(lambda: survivors <= set(core.finished), timeout_s=5.0)
+        return supervisor.recoveries
     except JobFailed as exc:
         ok, reason = False, str(exc)
         raise
@@ -157,7 +115,7 @@ async def run_job(
     async with Core(run_dir, on_event=on_event) as core:
         listener = asyncio.create_task(core.listen())
         try:
-            await _run_workers(cfg, run_dir, run_id, store.port, core)
+            recoveries = await _run_workers(cfg, run_dir, run_id, store.port, core)
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,6 +126,7 @@ async def run_job(
         steps=cfg.train.steps,
         num_events=core.num_events,
         device=cfg.train.device,
+        recoveries=recoveries,
     )
     write_summary(run_dir, summary)
     return summary

@@ -11,12 +11,14 @@ by the global batch, so gradients do not depend on how samples are split among r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
+from elaswave.comm.group import p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
@@ -24,6 +26,7 @@ from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.rng import DropoutRng
+from elaswave.runtime.faults import Phase
 from elaswave.runtime.schedule import Op, one_f_one_b
 
 
@@ -36,12 +39,8 @@ class StepResult:
     trace: list[tuple[str, int]] = field(default_factory=list)
 
 
-def _fwd_tag(mb: int) -> int:
-    return 2 * mb
-
-
-def _bwd_tag(mb: int) -> int:
-    return 2 * mb + 1
+def _no_fault(phase: Phase, step: int) -> None:
+    return None
 
 
 class StageRunner:
@@ -57,7 +56,9 @@ class StageRunner:
         rng: DropoutRng,
         model: ModelConfig,
         device: torch.device,
+        fault_hook: Callable[[Phase, int], None] = _no_fault,
     ) -> None:
+        self.fault_hook = fault_hook
         self.plan = plan
         self.rank = rank
         self.stage, self.replica = plan.locate(rank)
@@ -124,15 +125,20 @@ class StageRunner:
                 if op is Op.FORWARD:
                     saved[mb] = self._forward(step, mb, pending, loss_sum)
                 else:
-                    self._backward(mb, saved.pop(mb), pending)
+                    self._backward(step, mb, saved.pop(mb), pending)
         for group, work, _ in pending:
             group.wait_send(work)
-        self.optimizer.step(step)
+        self.fault_hook(Phase.GRAD_SYNC, step)
+        self.optimizer.step(step, hook=lambda phase: self.fault_hook(Phase(phase), step))
         total = None
         if self.is_last:
             self.comm[dp_group_name(self.stage)].all_reduce(loss_sum)
             total = float(loss_sum)
+        self.optimizer.commit(step)
         return StepResult(step, total, time.perf_counter() - started, trace)
+
+    def _tag(self, step: int, mb: int, backward: bool) -> int:
+        return p2p_tag(self.plan.generation, step, 2 * mb + int(backward))
 
     def _forward(self, step: int, mb: int, pending: list, loss_sum: torch.Tensor):
         ids = self.sample_ids(step, mb)
@@ -142,10 +148,13 @@ class StageRunner:
             x_in = None
             x = inputs.to(self.device)
         else:
-            x_in = self._recv(self.inbound, lambda r: r.src, _fwd_tag(mb)).requires_grad_()
+            x_in = self._recv(self.inbound, lambda r: r.src, self._tag(step, mb, False))
+            x_in.requires_grad_()
             x = x_in
         for layer in self.layers:
             x = layer(x, ctx)
+        if mb == 0:
+            self.fault_hook(Phase.FORWARD, step)
         if self.is_last:
             _, targets = self.loader.batch(ids)
             per_sample = per_sample_loss(x, targets.to(self.device))
@@ -153,15 +162,19 @@ class StageRunner:
             out = per_sample.sum() / self.plan.global_batch
         else:
             out = x
-            self._send(x.detach(), self.outbound, lambda r: r.dst, _fwd_tag(mb), pending)
+            self._send(
+                x.detach(), self.outbound, lambda r: r.dst, self._tag(step, mb, False), pending
+            )
         return x_in, out
 
-    def _backward(self, mb: int, saved, pending: list) -> None:
+    def _backward(self, step: int, mb: int, saved, pending: list) -> None:
         x_in, out = saved
         if self.is_last:
             out.backward()
         else:
-            grad = self._recv(self.outbound, lambda r: r.dst, _bwd_tag(mb))
+            grad = self._recv(self.outbound, lambda r: r.dst, self._tag(step, mb, True))
             torch.autograd.backward(out, grad)
+        if mb == 0:
+            self.fault_hook(Phase.BACKWARD, step)
         if x_in is not None:
-            self._send(x_in.grad, self.inbound, lambda r: r.src, _bwd_tag(mb), pending)
+            self._send(x_in.grad, self.inbound, lambda r: r.src, self._tag(step, mb, True), pending)

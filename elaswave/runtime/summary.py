@@ -33,10 +33,14 @@ def build_summary(
     steps: int,
     num_events: int,
     device: str,
+    recoveries: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
-    reporter = next(r for r in results if r["loss"] is not None)
-    step_time = [max(r["step_time_s"][i] for r in results) for i in range(steps)]
+    # Any surviving last-stage rank knows every step's loss; pick the longest record.
+    reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
+    step_time = [
+        max(r["step_time_s"][i] for r in results if i < len(r["step_time_s"])) for i in range(steps)
+    ]
     params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
@@ -47,7 +51,7 @@ def build_summary(
         "samples_per_s": plan.global_batch * steps / sum(step_time),
         "param_digest": param_digest(params),
         "events": num_events,
-        "recoveries": [],
+        "recoveries": recoveries or [],
         "device": device,
         "timing": "measured",
     }

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import socket
 import sys
+import time
 import traceback
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -21,29 +23,31 @@ import torch
 from torch import nn
 
 from elaswave import logs
-from elaswave.bus.schema import StepCompleted, Topic, WorkerFinished, WorkerStarted
+from elaswave.bus.schema import (
+    Event,
+    EventKind,
+    FailureDetected,
+    RecoveryDone,
+    RecoveryPlan,
+    RecoveryReady,
+    StepCompleted,
+    Topic,
+    WorkerFinished,
+    WorkerStarted,
+)
+from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.backend import backend_for
-from elaswave.comm.communicator import Communicator
+from elaswave.comm.group import CommError
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
-from elaswave.engine.plan import (
-    Plan,
-    dp_group_name,
-    snapshot_group_specs,
-    snapshot_placements,
-)
-from elaswave.fabric.snapshot import (
-    SnapshotKeeper,
-    SnapshotSender,
-    snapshot_link_name,
-    state_digest,
-)
-from elaswave.fabric.zero import ZeroAdamW
+from elaswave.engine.recovery import next_plan, plan_digest
+from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
 from elaswave.model.rng import CounterRng
-from elaswave.runtime.config import JobConfig, JobSpec
-from elaswave.runtime.pipeline import StageRunner
+from elaswave.runtime.config import JobSpec
+from elaswave.runtime.faults import FaultInjector, validate_faults
 from elaswave.runtime.session import Session
+from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer, recover
 
 log = structlog.get_logger(__name__)
 
@@ -58,19 +62,28 @@ def stage_params_path(run_dir: Path, stage: int) -> Path:
 
 def run_worker(run_dir: Path, rank: int) -> None:
     spec = JobSpec.read(run_dir)
-    cfg, ep = spec.config, spec.endpoints
+    ep = spec.endpoints
     torch.set_num_threads(1)
-    plan = cfg.plan()
-    stage, replica = plan.locate(rank)
+    stage, replica = spec.config.plan().locate(rank)
     structlog.contextvars.bind_contextvars(rank=rank, stage=stage, replica=replica)
-
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
         f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY]
     )
+    abort = AbortSignal()
+    inbox: queue.Queue[Event] = queue.Queue()
+
+    def on_recovery_event(event: Event) -> None:  # on the session's thread
+        if isinstance(event, FailureDetected):
+            abort.set(f"ranks {event.ranks} failed ({event.source})")
+        inbox.put(event)
+
+    session.subscribe(
+        on_recovery_event, kinds=[EventKind.FAILURE_DETECTED, EventKind.RECOVERY_PLAN]
+    )
     session.start()
     try:
-        _train(run_dir, rank, spec, session)
+        _train(run_dir, rank, spec, session, abort, inbox)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -82,18 +95,121 @@ def run_worker(run_dir: Path, rank: int) -> None:
         session.close()
 
 
-def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
+def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> WorkerContext:
     cfg, ep = spec.config, spec.endpoints
-    plan = cfg.plan()
-    stage, replica = plan.locate(rank)
-    sender = f"rank{rank}"
     backend = backend_for(cfg.train.device)
     device = backend.device_for(rank)
-    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
-    comm = Communicator(store, rank, backend, timeout=timedelta(seconds=cfg.train.comm_timeout_s))
-    rpn = cfg.train.ranks_per_node
-    snapshot_specs = snapshot_group_specs(plan, rpn) if cfg.train.snapshots else []
-    comm.build(plan.group_specs() + snapshot_specs)
+    plan = cfg.plan()
+    stage, _ = plan.locate(rank)
+    layers = nn.ModuleList(
+        build_layer(cfg.model, i, seed=cfg.train.seed) for i in plan.stages[stage].layers
+    ).to(device)
+    source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
+    faults = validate_faults(
+        cfg.train.faults,
+        world_size=cfg.train.num_ranks,
+        ranks_per_node=cfg.train.ranks_per_node,
+        steps=cfg.train.steps,
+    )
+    return WorkerContext(
+        cfg=cfg,
+        rank=rank,
+        run_dir=run_dir,
+        store=connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s),
+        backend=backend,
+        device=device,
+        layers=layers,
+        loader=SampleLoader(source, seed=cfg.data.seed),
+        rng=CounterRng(cfg.train.seed),
+        abort=abort,
+        faults=FaultInjector(rank, cfg.train.ranks_per_node, faults, run_dir),
+    )
+
+
+def _await_event(
+    inbox: queue.Queue[Event], want: Callable[[Event], bool], timeout_s: float, what: str
+) -> Event:
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            event = inbox.get(timeout=left)
+        except queue.Empty:
+            break
+        if want(event):
+            return event
+    raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
+
+
+def _recover(
+    ctx: WorkerContext,
+    trainer: Trainer,
+    session: Session,
+    inbox: queue.Queue[Event],
+    cause: BaseException,
+) -> Trainer:
+    """Stop at the step boundary, report, and apply the Core's plan."""
+    gen, sender, timeout = trainer.plan.generation, f"rank{ctx.rank}", ctx.cfg.train.comm_timeout_s
+    try:
+        detected = _await_event(
+            inbox,
+            lambda e: isinstance(e, FailureDetected) and e.generation == gen,
+            timeout,
+            f"failure announcement after {type(cause).__name__}: {cause}",
+        )
+    except TimeoutError:
+        raise cause from None  # a communication error nobody explains: not a recovery
+    log.info(
+        "recovery.stopped",
+        failed=detected.ranks,
+        committed_step=trainer.committed_step,
+        cause=str(cause),
+    )
+    session.publish(
+        RecoveryReady(
+            sender=sender, generation=gen, rank=ctx.rank, committed_step=trainer.committed_step
+        )
+    )
+    decision = _await_event(
+        inbox,
+        lambda e: isinstance(e, RecoveryPlan) and e.generation == gen + 1,
+        timeout,
+        f"recovery plan for generation {gen + 1}",
+    )
+    assert isinstance(decision, RecoveryPlan)
+    new_plan, _ = next_plan(trainer.plan, decision.failed)
+    if plan_digest(new_plan) != decision.plan_digest:
+        raise RuntimeError(
+            f"plan digest {plan_digest(new_plan)} differs from the Core's "
+            f"{decision.plan_digest}: planners disagree"
+        )
+    ctx.abort.clear()
+    trainer, phases = recover(ctx, trainer, new_plan, set(decision.failed), decision.committed_step)
+    session.publish(
+        RecoveryDone(
+            sender=sender,
+            generation=gen + 1,
+            rank=ctx.rank,
+            comm_s=phases["comm"],
+            remap_s=phases["remap"],
+            resume_s=phases["resume"],
+        )
+    )
+    return trainer
+
+
+def _train(
+    run_dir: Path,
+    rank: int,
+    spec: JobSpec,
+    session: Session,
+    abort: AbortSignal,
+    inbox: queue.Queue[Event],
+) -> None:
+    cfg = spec.config
+    sender = f"rank{rank}"
+    ctx = _context(run_dir, rank, spec, abort)
+    trainer = initial_trainer(ctx)
+    stage, replica = trainer.plan.locate(rank)
     session.publish(
         WorkerStarted(
             sender=sender,
@@ -104,73 +220,56 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
             host=socket.gethostname(),
         )
     )
-
-    stage_plan = plan.stages[stage]
-    layers = nn.ModuleList(
-        build_layer(cfg.model, i, seed=cfg.train.seed) for i in stage_plan.layers
-    ).to(device)
-    optimizer = ZeroAdamW(
-        layers,
-        layer_ids=list(stage_plan.layers),
-        dp_group=comm[dp_group_name(stage)],
-        replica=replica,
-        cfg=cfg.optim,
-    )
-    keepers = _attach_snapshots(cfg, plan, rank, comm, optimizer) if cfg.train.snapshots else []
-    source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
-    runner = StageRunner(
-        plan=plan,
-        rank=rank,
-        layers=layers,
-        optimizer=optimizer,
-        comm=comm,
-        loader=SampleLoader(source, seed=cfg.data.seed),
-        rng=CounterRng(cfg.train.seed),
-        model=cfg.model,
-        device=device,
-    )
-    reporter = runner.is_last and replica == 0
-    step_times: list[float] = []
-    losses: list[float] = []
+    step_times: dict[int, float] = {}
+    losses: dict[int, float] = {}
     traces: list[dict] = []
-    optimizer_digests: list[str] = []
-    for step in range(cfg.train.steps):
-        for keeper in keepers:
+    optimizer_digests: dict[int, str] = {}
+    step = 0
+    while step < cfg.train.steps:
+        for keeper in trainer.keepers:
             keeper.expect(step)
-        result = runner.run_step(step)
-        step_times.append(result.seconds)
-        if cfg.train.verify_snapshots:
-            optimizer_digests.append(state_digest(optimizer.state))
-        if step < cfg.train.trace_steps:
+        try:
+            result = trainer.runner.run_step(step)
+        except (StepAborted, CommError) as exc:
+            trainer = _recover(ctx, trainer, session, inbox, exc)
+            step = trainer.committed_step + 1
+            for record in (step_times, losses, optimizer_digests):
+                for later in [s for s in record if s >= step]:
+                    del record[later]
+            continue
+        step_times[step] = result.seconds
+        if step < cfg.train.trace_steps and trainer.plan.generation == 0:
             traces.append({"step": step, "actions": result.trace})
-        if reporter:
-            assert result.loss_sum is not None
-            loss = result.loss_sum / plan.global_batch
-            losses.append(loss)
-            session.publish(
-                StepCompleted(
-                    sender=sender,
-                    rank=rank,
-                    step=step,
-                    loss=loss,
-                    step_time_s=result.seconds,
-                    samples=plan.global_batch,
+        if cfg.train.verify_snapshots:
+            optimizer_digests[step] = state_digest(trainer.optimizer.state)
+        if result.loss_sum is not None:
+            losses[step] = result.loss_sum / trainer.plan.global_batch
+            if trainer.plan.stages[-1].ranks[0] == rank:
+                session.publish(
+                    StepCompleted(
+                        sender=sender,
+                        rank=rank,
+                        step=step,
+                        loss=losses[step],
+                        step_time_s=result.seconds,
+                        samples=trainer.plan.global_batch,
+                    )
                 )
-            )
+        step += 1
 
-    if optimizer.snapshot is not None:
-        optimizer.snapshot.flush()
-    for keeper in keepers:
+    if trainer.optimizer.snapshot is not None:
+        trainer.optimizer.snapshot.flush()
+    for keeper in trainer.keepers:
         keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
         keeper.close()
-
+    stage, replica = trainer.plan.locate(rank)
     if replica == 0:
         path = stage_params_path(run_dir, stage)
         path.parent.mkdir(exist_ok=True)
         torch.save(
             {
                 layer.index: {n: p.detach().cpu() for n, p in layer.named_parameters()}
-                for layer in layers
+                for layer in ctx.layers
             },
             path,
         )
@@ -178,13 +277,14 @@ def _train(run_dir: Path, rank: int, spec: JobSpec, session: Session) -> None:
         "rank": rank,
         "stage": stage,
         "replica": replica,
-        "step_time_s": step_times,
-        "loss": losses if reporter else None,
+        "step_time_s": [step_times[s] for s in sorted(step_times)],
+        "loss": [losses[s] for s in sorted(losses)] if losses else None,
         "traces": traces,
-        "optimizer_shard_numel": optimizer.state.numel(),
-        "stage_param_numel": sum(p.numel() for p in layers.parameters()),
-        "optimizer_digests": optimizer_digests,
-        "snapshot_digests": {str(k.owner): k.digests for k in keepers},
+        "optimizer_shard_numel": trainer.optimizer.state.numel(),
+        "stage_param_numel": sum(p.numel() for p in ctx.layers.parameters()),
+        "optimizer_digests": [optimizer_digests[s] for s in sorted(optimizer_digests)],
+        "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
+        "generation": trainer.plan.generation,
     }
     path = worker_result_path(run_dir, rank)
     path.parent.mkdir(exist_ok=True)
@@ -205,29 +305,6 @@ def _die_with_parent() -> None:
         return  # not Linux: the launcher's own cleanup is all there is
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
-
-
-def _attach_snapshots(
-    cfg: JobConfig, plan: Plan, rank: int, comm: Communicator, optimizer: ZeroAdamW
-) -> list[SnapshotKeeper]:
-    """Make this rank send its shard's gradients to its holder and keep its owners' copies."""
-    stage, _ = plan.locate(rank)
-    placement = snapshot_placements(plan, cfg.train.ranks_per_node)[plan.stages[stage].stage]
-    if not placement.node_safe and placement.holder:
-        log.warning("snapshot.not_node_safe", stage=stage, ranks_per_node=placement.holder)
-    holder = placement.holder.get(rank)
-    if holder is not None:
-        optimizer.snapshot = SnapshotSender(comm[snapshot_link_name(rank, holder)], holder)
-    keepers = []
-    for owner in placement.holds(rank):
-        keeper = SnapshotKeeper(
-            owner=owner, link=comm[snapshot_link_name(owner, rank)], cfg=cfg.optim,
-            initial=optimizer.initial_state_of(plan.stages[stage].ranks.index(owner)),
-            record_digests=cfg.train.verify_snapshots,
-        )
-        keeper.start()
-        keepers.append(keeper)
-    return keepers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,3 +126,23 @@ def test_shard_bounds_cover_exactly():
             spans = [shard_bounds(n, d, j) for j in range(d)]
             assert spans[0][0] == 0 and spans[-1][1] == n
             assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_plan_fail_stop_rolls_back_to_oldest_commit_and_checks_integrity():
+    from elaswave.engine.recovery import next_plan, plan_digest, plan_fail_stop
+
+    plan = initial_plan(num_layers=6, dp=4, pp=2, global_batch=32, micro_batch=2)
+    commits = {r: 7 for r in plan.ranks if r != 5} | {0: 8, 1: 8}
+    decision = plan_fail_stop(plan, {5}, commits, ranks_per_node=1, snapshots=True)
+    assert decision.committed_step == 7 and decision.failed == (5,)
+    assert plan_digest(decision.plan) == plan_digest(next_plan(plan, {5})[0])
+    assert plan_digest(decision.plan) != plan_digest(plan)
+    with pytest.raises(Unrecoverable, match="owner 5"):
+        plan_fail_stop(plan, {5}, commits, ranks_per_node=1, snapshots=False)
+    # Rank 4 holds rank... placement is a ring shift: owner 4 -> holder 5 -> lost together.
+    with pytest.raises(Unrecoverable, match="owner 4, snapshot holder 5"):
+        plan_fail_stop(plan, {4, 5}, {r: 7 for r in plan.ranks if r not in (4, 5)},
+                       ranks_per_node=1, snapshots=True)
+    with pytest.raises(ValueError, match=r"no committed step reported by surviving ranks \[7\]"):
+        plan_fail_stop(plan, {5}, {r: 7 for r in plan.ranks if r not in (5, 7)},
+                       ranks_per_node=1, snapshots=True)

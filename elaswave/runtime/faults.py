@@ -1,0 +1,127 @@
+"""Fault injection for users and tests: a real SIGKILL at a named point of a step.
+
+    --fault kill:RANK@STEP[:PHASE]       kill one worker
+    --fault kill-node:NODE@STEP[:PHASE]  kill every worker of a node (see --ranks-per-node)
+
+PHASE is where in the step the process dies: forward (after the first micro-batch's
+forward compute), backward (after its backward compute), grad-sync (before the
+reduce-scatter), snapshot (after the gradient shard was sent to the snapshot holder),
+optimizer (after the optimizer update, before the parameter all-gather). Default: forward.
+Just before dying, the worker writes the kill time to RUN_DIR/faults/ so that detection
+latency is measured from the real kill.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class Phase(enum.StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    GRAD_SYNC = "grad-sync"
+    SNAPSHOT = "snapshot"
+    OPTIMIZER = "optimizer"
+
+
+class FaultKind(enum.StrEnum):
+    KILL = "kill"
+    KILL_NODE = "kill-node"
+
+
+_FAULT = re.compile(r"^(?P<kind>[a-z-]+):(?P<target>\d+)@(?P<step>\d+)(?::(?P<phase>[a-z-]+))?$")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: FaultKind
+    target: int
+    """A rank (kill) or a node (kill-node)."""
+    step: int
+    phase: Phase
+
+    def ranks(self, ranks_per_node: int) -> list[int]:
+        if self.kind is FaultKind.KILL:
+            return [self.target]
+        return list(range(self.target * ranks_per_node, (self.target + 1) * ranks_per_node))
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.target}@{self.step}:{self.phase}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse one --fault value; ValueError names the value and the valid forms."""
+    match = _FAULT.match(text.strip())
+    valid = "kill:RANK@STEP[:PHASE] or kill-node:NODE@STEP[:PHASE], PHASE one of " + ", ".join(
+        p.value for p in Phase
+    )
+    if match is None:
+        raise ValueError(f"fault {text!r} is malformed; expected {valid}")
+    try:
+        kind = FaultKind(match["kind"])
+    except ValueError:
+        raise ValueError(
+            f"fault {text!r}: unknown kind {match['kind']!r}; expected {valid}"
+        ) from None
+    try:
+        phase = Phase(match["phase"] or Phase.FORWARD)
+    except ValueError:
+        raise ValueError(
+            f"fault {text!r}: unknown phase {match['phase']!r}; expected {valid}"
+        ) from None
+    return FaultSpec(kind, int(match["target"]), int(match["step"]), phase)
+
+
+def validate_faults(
+    faults: Iterable[str], *, world_size: int, ranks_per_node: int, steps: int
+) -> list[FaultSpec]:
+    specs = [parse_fault(f) for f in faults]
+    num_nodes = -(-world_size // ranks_per_node)
+    for spec in specs:
+        if spec.kind is FaultKind.KILL and not 0 <= spec.target < world_size:
+            raise ValueError(f"fault {spec}: rank {spec.target} is not in 0..{world_size - 1}")
+        if spec.kind is FaultKind.KILL_NODE and not 0 <= spec.target < num_nodes:
+            raise ValueError(
+                f"fault {spec}: node {spec.target} is not in 0..{num_nodes - 1} "
+                f"({ranks_per_node} ranks per node)"
+            )
+        if not 0 <= spec.step < steps:
+            raise ValueError(f"fault {spec}: step {spec.step} is not in 0..{steps - 1}")
+    return specs
+
+
+class FaultInjector:
+    """Called by the stage runner at each phase; kills this process where a fault says."""
+
+    def __init__(
+        self,
+        rank: int,
+        ranks_per_node: int,
+        specs: Iterable[FaultSpec],
+        run_dir: Path | None = None,
+    ) -> None:
+        self.rank = rank
+        self.run_dir = run_dir
+        self.mine = [s for s in specs if rank in s.ranks(ranks_per_node)]
+
+    def at(self, phase: Phase, step: int) -> None:
+        for spec in self.mine:
+            if spec.step == step and spec.phase is phase:
+                self._die(spec)
+
+    def _die(self, spec: FaultSpec) -> None:
+        if self.run_dir is not None:
+            path = self.run_dir / "faults" / f"rank{self.rank}.json"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(
+                json.dumps({"rank": self.rank, "fault": str(spec), "killed_at": time.time()})
+            )
+        os.kill(os.getpid(), signal.SIGKILL)

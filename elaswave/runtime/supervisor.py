@@ -1,0 +1,244 @@
+"""The Core's side of fail-stop recovery: watch the workers, plan, record.
+
+A worker process that exits non-zero is declared failed at once (a launcher sees the
+exit within milliseconds, far below a collective timeout). Exits within a short grace
+window are treated as one failure (a node loss kills several ranks together). The
+supervisor then runs the protocol: FailureDetected -> every survivor stops at a step
+boundary and reports its committed step (RecoveryReady) -> the Schedule Engine's pure
+planner decides -> RecoveryPlan -> every survivor applies it (RecoveryDone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from elaswave.bus.schema import (
+    FailureDetected,
+    RecoveryDone,
+    RecoveryFinished,
+    RecoveryPlan,
+    RecoveryReady,
+    RecoveryStarted,
+)
+from elaswave.engine.recovery import plan_digest, plan_fail_stop
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.runtime.config import JobConfig
+from elaswave.runtime.core import Core
+
+log = structlog.get_logger(__name__)
+
+GRACE_S = 0.3
+"""Exits this close together are one failure."""
+
+
+class JobFailed(RuntimeError):
+    """The job could not complete; the message says which rank and why."""
+
+
+def last_error(log_path: Path) -> str:
+    """The worker's own account of its failure: the last 'error' field in its log."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and doc.get("error"):
+                return str(doc["error"])
+    return lines[-1] if lines else ""
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: Path,
+        core: Core,
+        procs: dict[int, asyncio.subprocess.Process],
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.core = core
+        self.procs = procs
+        self.plan = cfg.plan()
+        self.alive = set(procs)
+        self.recoveries: list[dict[str, Any]] = []
+        self.timeout_s = max(30.0, cfg.train.comm_timeout_s)
+
+    async def run(self) -> None:
+        waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
+        pending = set(waits)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed = {waits[f]: f.result() for f in done if f.result() != 0}
+                self.alive -= {waits[f] for f in done}
+                if not failed:
+                    continue
+                seen_at = time.time()
+                more, pending = await asyncio.wait(pending, timeout=GRACE_S)
+                failed |= {waits[f]: f.result() for f in more if f.result() != 0}
+                self.alive -= {waits[f] for f in more}
+                await self._on_failure(failed, seen_at)
+        finally:
+            for proc in self.procs.values():
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            for fut in waits:
+                with contextlib.suppress(BaseException):
+                    await fut
+
+    def _describe(self, failed: dict[int, int]) -> str:
+        return "; ".join(
+            f"rank {r} exited with {_exit_text(c)}"
+            + (f": {why}" if (why := last_error(self.run_dir / "logs" / f"rank{r}.log")) else "")
+            for r, c in sorted(failed.items())
+        )
+
+    async def _on_failure(self, failed: dict[int, int], seen_at: float) -> None:
+        detail = self._describe(failed)
+        if not self.cfg.train.recovery:
+            raise JobFailed(f"{detail} (recovery is off)")
+        if not self.alive:
+            raise JobFailed(f"{detail}; no worker survives")
+        ranks = sorted(failed)
+        gen = self.plan.generation
+        killed = [self._kill_time(r) for r in ranks]
+        origin = min((t for t in killed if t is not None), default=seen_at)
+        log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
+        await self.core.publish(
+            FailureDetected(
+                sender="core", generation=gen, ranks=ranks, source="process-exit", detail=detail
+            )
+        )
+        survivors = set(self.alive)
+        if not await self.core.wait_until(
+            lambda: survivors <= set(self._events(RecoveryReady, gen)), self.timeout_s
+        ):
+            missing = sorted(survivors - set(self._events(RecoveryReady, gen)))
+            raise JobFailed(
+                f"{detail}; ranks {missing} did not stop at a step boundary "
+                f"within {self.timeout_s:g} s"
+            )
+        commits = {r: e.committed_step for r, e in self._events(RecoveryReady, gen).items()}
+        try:
+            decision = plan_fail_stop(
+                self.plan,
+                ranks,
+                commits,
+                ranks_per_node=self.cfg.train.ranks_per_node,
+                snapshots=self.cfg.train.snapshots,
+            )
+        except Unrecoverable as exc:
+            raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
+        planned_at = time.time()
+        redo = decision.committed_step + 1
+        await self.core.publish(
+            RecoveryStarted(
+                sender="core",
+                generation=gen + 1,
+                step=redo,
+                kind="fail-stop",
+                ranks=ranks,
+                reason=decision.reason,
+            )
+        )
+        await self.core.publish(
+            RecoveryPlan(
+                sender="core",
+                generation=gen + 1,
+                failed=ranks,
+                committed_step=decision.committed_step,
+                plan_digest=plan_digest(decision.plan),
+                reason=decision.reason,
+            )
+        )
+        if not await self.core.wait_until(
+            lambda: survivors <= set(self._events(RecoveryDone, gen + 1)), self.timeout_s
+        ):
+            missing = sorted(survivors - set(self._events(RecoveryDone, gen + 1)))
+            raise JobFailed(
+                f"{detail}; ranks {missing} did not apply the recovery plan "
+                f"within {self.timeout_s:g} s"
+            )
+        done_at = time.time()
+        done = self._events(RecoveryDone, gen + 1).values()
+        record = {
+            "step": redo,
+            "kind": "fail-stop",
+            "ranks": ranks,
+            "mttr_s": done_at - origin,
+            "generation": gen + 1,
+            "committed_step": decision.committed_step,
+            "reason": decision.reason,
+            "phases": {
+                "detect": seen_at - origin,
+                "plan": planned_at - seen_at,
+                "comm": max(e.comm_s for e in done),
+                "remap": max(e.remap_s for e in done),
+                "resume": max(e.resume_s for e in done),
+            },
+        }
+        self.recoveries.append(record)
+        self.plan = decision.plan
+        await self.core.publish(
+            RecoveryFinished(
+                sender="core",
+                generation=gen + 1,
+                step=redo,
+                kind="fail-stop",
+                ranks=ranks,
+                mttr_s=record["mttr_s"],
+            )
+        )
+        log.warning("core.recovered", **{k: v for k, v in record.items() if k != "reason"})
+
+    async def _await_all(
+        self, ranks: set[int], kind: type, generation: int, detail: str, what: str
+    ) -> None:
+        """Wait for ``kind`` from every rank; fail at once if one of them exits."""
+
+        def exited() -> dict[int, int]:
+            return {
+                r: self.procs[r].returncode for r in ranks if self.procs[r].returncode is not None
+            }
+
+        ok = await self.core.wait_until(
+            lambda: ranks <= set(self._events(kind, generation)) or bool(exited()),
+            self.timeout_s,
+        )
+        if gone := exited():
+            raise JobFailed(
+                f"{detail}; then during recovery: {self._describe(gone)} "
+                "(a failure during recovery is not recovered)"
+            )
+        if not ok:
+            missing = sorted(ranks - set(self._events(kind, generation)))
+            raise JobFailed(f"{detail}; ranks {missing} did not {what} within {self.timeout_s:g} s")
+
+    def _events(self, kind: type, generation: int) -> dict[int, Any]:
+        return {
+            e.rank: e
+            for e in self.core.recovery_events
+            if isinstance(e, kind) and e.generation == generation
+        }
+
+    def _kill_time(self, rank: int) -> float | None:
+        path = self.run_dir / "faults" / f"rank{rank}.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return float(json.loads(path.read_text())["killed_at"])
+        return None

@@ -30,6 +30,8 @@ class AbortSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
+        self.generation = 0
+        """The plan generation whose failures this signal reports."""
 
     def set(self, reason: str) -> None:
         self.reason = reason

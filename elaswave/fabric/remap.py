@@ -94,7 +94,7 @@ def check_integrity(
     if lost:
         raise Unrecoverable(
             "optimizer state lost: " + "; ".join(lost) + " — the owner and its snapshot "
-            "holder both failed; resume from a disk checkpoint"
+            "holder both failed, so no copy of it is left in memory"
         )
     return sources
 

@@ -13,13 +13,14 @@ latency is measured from the real kill.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +108,13 @@ class FaultInjector:
         ranks_per_node: int,
         specs: Iterable[FaultSpec],
         run_dir: Path | None = None,
+        pid_of: Callable[[int], int] | None = None,
     ) -> None:
+        """``pid_of(rank)`` gives a node peer's process id: a kill-node takes the node at once."""
         self.rank = rank
         self.run_dir = run_dir
+        self.ranks_per_node = ranks_per_node
+        self.pid_of = pid_of
         self.mine = [s for s in specs if rank in s.ranks(ranks_per_node)]
 
     def at(self, phase: Phase, step: int) -> None:
@@ -118,10 +123,20 @@ class FaultInjector:
                 self._die(spec)
 
     def _die(self, spec: FaultSpec) -> None:
-        if self.run_dir is not None:
-            path = self.run_dir / "faults" / f"rank{self.rank}.json"
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(
-                json.dumps({"rank": self.rank, "fault": str(spec), "killed_at": time.time()})
-            )
+        """SIGKILL every rank the fault names (a whole node at once), this one last."""
+        now = time.time()
+        victims = spec.ranks(self.ranks_per_node)
+        for rank in victims:
+            self._record(spec, rank, now)
+        for rank in victims:
+            if rank != self.rank and self.pid_of is not None:
+                with contextlib.suppress(ProcessLookupError, RuntimeError, ValueError):
+                    os.kill(self.pid_of(rank), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _record(self, spec: FaultSpec, rank: int, when: float) -> None:
+        if self.run_dir is None:
+            return
+        path = self.run_dir / "faults" / f"rank{rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"rank": rank, "fault": str(spec), "killed_at": when}))

@@ -35,8 +35,9 @@ from elaswave.runtime.core import Core
 
 log = structlog.get_logger(__name__)
 
-GRACE_S = 0.3
-"""Exits this close together are one failure."""
+GRACE_S = 0.02
+"""Exits this close together are announced as one failure. Later exits, until every
+survivor has stopped, widen the announced set instead of starting a second recovery."""
 
 
 class JobFailed(RuntimeError):
@@ -44,7 +45,10 @@ class JobFailed(RuntimeError):
 
 
 def last_error(log_path: Path) -> str:
-    """The worker's own account of its failure: the last 'error' field in its log."""
+    """The worker's own account of its failure (its ``worker.failed`` log record), if any.
+
+    A SIGKILLed worker has none: whatever else it logged is not the cause.
+    """
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
@@ -52,9 +56,9 @@ def last_error(log_path: Path) -> str:
     for line in reversed(lines):
         with contextlib.suppress(ValueError):
             doc = json.loads(line)
-            if isinstance(doc, dict) and doc.get("error"):
-                return str(doc["error"])
-    return lines[-1] if lines else ""
+            if isinstance(doc, dict) and doc.get("event") == "worker.failed":
+                return str(doc.get("error", ""))
+    return ""
 
 
 def _exit_text(code: int) -> str:
@@ -84,14 +88,12 @@ class Supervisor:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                failed = {waits[f]: f.result() for f in done if f.result() != 0}
-                self.alive -= {waits[f] for f in done}
+                failed = self._exits({waits[f] for f in done})
                 if not failed:
                     continue
                 seen_at = time.time()
-                more, pending = await asyncio.wait(pending, timeout=GRACE_S)
-                failed |= {waits[f]: f.result() for f in more if f.result() != 0}
-                self.alive -= {waits[f] for f in more}
+                await asyncio.sleep(GRACE_S)
+                failed |= self._exits(self.alive)
                 await self._on_failure(failed, seen_at)
         finally:
             for proc in self.procs.values():
@@ -102,6 +104,19 @@ class Supervisor:
                 with contextlib.suppress(BaseException):
                     await fut
 
+    def _exits(self, ranks: set[int]) -> dict[int, int]:
+        """Exit codes of the ``ranks`` that have exited with an error since last asked.
+
+        Every exited rank leaves ``alive``; a clean exit (code 0) is a finished worker.
+        """
+        gone = {
+            r: self.procs[r].returncode
+            for r in ranks
+            if r in self.alive and self.procs[r].returncode is not None
+        }
+        self.alive -= set(gone)
+        return {r: code for r, code in gone.items() if code != 0}
+
     def _describe(self, failed: dict[int, int]) -> str:
         return "; ".join(
             f"rank {r} exited with {_exit_text(c)}"
@@ -110,31 +125,44 @@ class Supervisor:
         )
 
     async def _on_failure(self, failed: dict[int, int], seen_at: float) -> None:
-        detail = self._describe(failed)
         if not self.cfg.train.recovery:
-            raise JobFailed(f"{detail} (recovery is off)")
-        if not self.alive:
-            raise JobFailed(f"{detail}; no worker survives")
-        ranks = sorted(failed)
+            raise JobFailed(f"{self._describe(failed)} (recovery is off)")
         gen = self.plan.generation
-        killed = [self._kill_time(r) for r in ranks]
-        origin = min((t for t in killed if t is not None), default=seen_at)
-        log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
-        await self.core.publish(
-            FailureDetected(
-                sender="core", generation=gen, ranks=ranks, source="process-exit", detail=detail
+        while True:
+            ranks, detail = sorted(failed), self._describe(failed)
+            if not self.alive:
+                raise JobFailed(f"{detail}; no worker survives")
+            log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
+            await self.core.publish(
+                FailureDetected(
+                    sender="core", generation=gen, ranks=ranks, source="process-exit", detail=detail
+                )
             )
-        )
-        survivors = set(self.alive)
-        if not await self.core.wait_until(
-            lambda: survivors <= set(self._events(RecoveryReady, gen)), self.timeout_s
-        ):
+            survivors = set(self.alive)
+            ok = await self.core.wait_until(
+                lambda survivors=survivors: (
+                    survivors <= set(self._events(RecoveryReady, gen))
+                    or any(self.procs[r].returncode is not None for r in survivors)
+                ),
+                self.timeout_s,
+            )
+            more = self._exits(survivors)
+            if not more:
+                break
+            failed |= more  # e.g. the rest of a node: widen the announced set
+        if not ok:
             missing = sorted(survivors - set(self._events(RecoveryReady, gen)))
             raise JobFailed(
                 f"{detail}; ranks {missing} did not stop at a step boundary "
                 f"within {self.timeout_s:g} s"
             )
-        commits = {r: e.committed_step for r, e in self._events(RecoveryReady, gen).items()}
+        killed = [self._kill_time(r) for r in ranks]
+        origin = min((t for t in killed if t is not None), default=seen_at)
+        commits = {
+            r: e.committed_step
+            for r, e in self._events(RecoveryReady, gen).items()
+            if r in survivors
+        }
         try:
             decision = plan_fail_stop(
                 self.plan,
@@ -167,14 +195,7 @@ class Supervisor:
                 reason=decision.reason,
             )
         )
-        if not await self.core.wait_until(
-            lambda: survivors <= set(self._events(RecoveryDone, gen + 1)), self.timeout_s
-        ):
-            missing = sorted(survivors - set(self._events(RecoveryDone, gen + 1)))
-            raise JobFailed(
-                f"{detail}; ranks {missing} did not apply the recovery plan "
-                f"within {self.timeout_s:g} s"
-            )
+        await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
         done_at = time.time()
         done = self._events(RecoveryDone, gen + 1).values()
         record = {

@@ -74,7 +74,9 @@ def run_worker(run_dir: Path, rank: int) -> None:
     inbox: queue.Queue[Event] = queue.Queue()
 
     def on_recovery_event(event: Event) -> None:  # on the session's thread
-        if isinstance(event, FailureDetected):
+        # A repeat announcement (a widened failure set) for a generation this worker
+        # is already leaving must not abort the recovery itself.
+        if isinstance(event, FailureDetected) and event.generation == abort.generation:
             abort.set(f"ranks {event.ranks} failed ({event.source})")
         inbox.put(event)
 
@@ -111,18 +113,26 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         ranks_per_node=cfg.train.ranks_per_node,
         steps=cfg.train.steps,
     )
+    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
+    store.set(f"pid/{rank}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     return WorkerContext(
         cfg=cfg,
         rank=rank,
         run_dir=run_dir,
-        store=connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s),
+        store=store,
         backend=backend,
         device=device,
         layers=layers,
         loader=SampleLoader(source, seed=cfg.data.seed),
         rng=CounterRng(cfg.train.seed),
         abort=abort,
-        faults=FaultInjector(rank, cfg.train.ranks_per_node, faults, run_dir),
+        faults=FaultInjector(
+            rank,
+            cfg.train.ranks_per_node,
+            faults,
+            run_dir,
+            pid_of=lambda peer: int(store.get(f"pid/{peer}")),
+        ),
     )
 
 
@@ -182,6 +192,7 @@ def _recover(
             f"plan digest {plan_digest(new_plan)} differs from the Core's "
             f"{decision.plan_digest}: planners disagree"
         )
+    ctx.abort.generation = gen + 1
     ctx.abort.clear()
     trainer, phases = recover(ctx, trainer, new_plan, set(decision.failed), decision.committed_step)
     session.publish(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import elaswave
+from tests.runs import elaswave
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 
 import elaswave
 from elaswave.bus.schema import EventKind
-from tests.e2e.conftest import background_job
+from tests.runs import background_job
 
 ROOT = Path(__file__).resolve().parents[2]
 

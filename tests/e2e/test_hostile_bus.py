@@ -11,7 +11,7 @@ import zmq
 
 from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted, encode
 from elaswave.runtime.config import JobSpec
-from tests.e2e.conftest import background_job
+from tests.runs import background_job
 
 
 def _bad_messages() -> list[list[bytes]]:

@@ -5,13 +5,23 @@ from __future__ import annotations
 import pytest
 
 from elaswave.fabric.placement import node_of
-from tests.e2e.conftest import train
+from tests.runs import train
 
 
 @pytest.mark.timeout(240)
 def test_snapshots_equal_owner_shards_every_step_and_live_on_other_nodes(runs_dir):
-    run = train(runs_dir / "snapshots", "--dp", "4", "--pp", "2", "--steps", "6",
-                "--ranks-per-node", "2", "--verify-snapshots")
+    run = train(
+        runs_dir / "snapshots",
+        "--dp",
+        "4",
+        "--pp",
+        "2",
+        "--steps",
+        "6",
+        "--ranks-per-node",
+        "2",
+        "--verify-snapshots",
+    )
     workers = {w["rank"]: w for w in run.workers()}
     owners_seen = set()
     for holder, worker in workers.items():

@@ -7,7 +7,7 @@ import torch
 
 from elaswave.runtime.compare import compare_runs
 from elaswave.runtime.schedule import max_in_flight
-from tests.e2e.conftest import Run, train
+from tests.runs import Run, train
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]
 STEPS = 20
@@ -102,7 +102,7 @@ def test_zero1_each_rank_holds_only_its_shard(layout_runs):
 
 
 def test_events_log_readable(layout_runs):
-    from tests.e2e.conftest import elaswave
+    from tests.runs import elaswave
 
     out = elaswave("events", str(layout_runs[(2, 2)].out))
     assert out.returncode == 0, out.stderr

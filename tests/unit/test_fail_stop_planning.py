@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elaswave.engine.dataflow import resize_after_failure
-from elaswave.fabric.errors import Unrecoverable
 from elaswave.engine.plan import initial_plan
+from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import node_of, place_snapshots
 from elaswave.fabric.remap import Source, plan_remap, shard_bounds
 
@@ -141,8 +141,18 @@ def test_plan_fail_stop_rolls_back_to_oldest_commit_and_checks_integrity():
         plan_fail_stop(plan, {5}, commits, ranks_per_node=1, snapshots=False)
     # Rank 4 holds rank... placement is a ring shift: owner 4 -> holder 5 -> lost together.
     with pytest.raises(Unrecoverable, match="owner 4, snapshot holder 5"):
-        plan_fail_stop(plan, {4, 5}, {r: 7 for r in plan.ranks if r not in (4, 5)},
-                       ranks_per_node=1, snapshots=True)
+        plan_fail_stop(
+            plan,
+            {4, 5},
+            {r: 7 for r in plan.ranks if r not in (4, 5)},
+            ranks_per_node=1,
+            snapshots=True,
+        )
     with pytest.raises(ValueError, match=r"no committed step reported by surviving ranks \[7\]"):
-        plan_fail_stop(plan, {5}, {r: 7 for r in plan.ranks if r not in (5, 7)},
-                       ranks_per_node=1, snapshots=True)
+        plan_fail_stop(
+            plan,
+            {5},
+            {r: 7 for r in plan.ranks if r not in (5, 7)},
+            ranks_per_node=1,
+            snapshots=True,
+        )

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 
 from elaswave.runtime.compare import load_params
@@ -72,8 +71,3 @@ def background_job(out: Path, *args: str) -> Iterator[subprocess.Popen]:
         if job.poll() is None:
             job.kill()
         job.communicate()
-
-
-@pytest.fixture(scope="session")
-def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runs")

@@ -1,0 +1,181 @@
+"""Fail-stop recovery with real SIGKILLs at named phases, checked against fault-free runs.
+
+Each faulty run must finish every step with the survivors, start no process again, and
+match the same job without the fault (losses and final parameters within 1e-4 relative;
+what differs is only float reduction order after micro-batch resizing).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import WorkerStarted
+from elaswave.runtime.compare import compare_runs
+from tests.runs import Run, elaswave, train
+
+STEPS = 6
+JOB = ("--steps", str(STEPS), "--global-batch", "16", "--micro-batch", "2")
+
+
+@pytest.fixture(scope="module")
+def reference(runs_dir):
+    cache: dict[tuple[int, int, int], Run] = {}
+
+    def get(dp: int, pp: int, rpn: int = 1) -> Run:
+        if (dp, pp, rpn) not in cache:
+            cache[(dp, pp, rpn)] = train(
+                runs_dir / f"ref_{dp}x{pp}_{rpn}",
+                "--dp",
+                str(dp),
+                "--pp",
+                str(pp),
+                "--ranks-per-node",
+                str(rpn),
+                *JOB,
+            )
+        return cache[(dp, pp, rpn)]
+
+    return get
+
+
+def _check_recovered(run: Run, ref: Run, *, world: int, failed: list[list[int]]) -> None:
+    s = run.summary
+    assert s["steps_completed"] == STEPS
+    assert [r["ranks"] for r in s["recoveries"]] == failed
+    for rec in s["recoveries"]:
+        assert rec["kind"] == "fail-stop" and rec["mttr_s"] > 0
+        assert rec["phases"]["detect"] < 1.0, "detection must not wait for a collective timeout"
+        assert set(rec["phases"]) == {"detect", "plan", "comm", "remap", "resume"}
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
+    # No process was started again: one WorkerStarted per rank, ever.
+    started = [
+        rec.event.rank
+        for rec in read_event_log(run.out / "events.log")
+        if isinstance(rec.event, WorkerStarted)
+    ]
+    assert sorted(started) == list(range(world))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("dp", "pp", "fault"),
+    [
+        (4, 2, "kill:1@3:backward"),  # first stage
+        (4, 3, "kill:5@3:optimizer"),  # middle stage, after the update: rollback needed
+        (4, 2, "kill:6@3:snapshot"),  # last stage, gradient already at the snapshot holder
+        (4, 2, "kill:7@2:grad-sync"),
+        (4, 3, "kill:4@4:forward"),
+    ],
+)
+def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
+    name = fault.replace(":", "_").replace("@", "_")
+    run = train(
+        runs_dir / f"{dp}x{pp}_{name}", "--dp", str(dp), "--pp", str(pp), *JOB, "--fault", fault
+    )
+    _check_recovered(
+        run, reference(dp, pp), world=dp * pp, failed=[[int(fault.split(":")[1].split("@")[0])]]
+    )
+
+
+@pytest.mark.timeout(300)
+def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, reference):
+    run = train(
+        runs_dir / "two_same_stage",
+        "--dp",
+        "4",
+        "--pp",
+        "2",
+        *JOB,
+        "--fault",
+        "kill:5@2:backward",
+        "--fault",
+        "kill:6@4:optimizer",
+    )
+    _check_recovered(run, reference(4, 2), world=8, failed=[[5], [6]])
+    run = train(
+        runs_dir / "two_stages",
+        "--dp",
+        "4",
+        "--pp",
+        "2",
+        *JOB,
+        "--fault",
+        "kill:1@2:forward",
+        "--fault",
+        "kill:6@4:grad-sync",
+    )
+    _check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
+
+
+@pytest.mark.timeout(300)
+def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
+    run = train(
+        runs_dir / "node",
+        "--dp",
+        "4",
+        "--pp",
+        "2",
+        "--ranks-per-node",
+        "2",
+        *JOB,
+        "--fault",
+        "kill-node:1@3:backward",
+    )
+    _check_recovered(run, reference(4, 2, 2), world=8, failed=[[2, 3]])
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            [
+                "--dp",
+                "4",
+                "--pp",
+                "2",
+                "--fault",
+                "kill:0@3:backward",
+                "--fault",
+                "kill:1@3:backward",
+            ],
+            "optimizer state lost: shard 0 of ranks [0, 1, 2, 3] (owner 0, snapshot holder 1)",
+        ),
+        (
+            [
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--fault",
+                "kill:2@2:backward",
+                "--fault",
+                "kill:3@4:forward",
+            ],
+            "stage 1 (layers 3-5) lost all its ranks [3]: no replica holds its layers",
+        ),
+    ],
+)
+def test_unrecoverable_failures_stop_with_a_clear_message(tmp_path, args, message):
+    proc = elaswave("train", "--out", str(tmp_path / "run"), *JOB, *args, timeout=150)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "elaswave: job failed: unrecoverable: " in proc.stderr
+    assert message in proc.stderr
+
+
+def test_bad_fault_specs_are_refused_at_start(tmp_path):
+    for spec, message in [
+        ("kill:9@3", "rank 9 is not in 0..3"),
+        ("kill:1@30", "step 30 is not in 0..5"),
+        ("kill:1@3:lunch", "unknown phase 'lunch'"),
+        ("explode:1@3", "unknown kind 'explode'"),
+        ("kill-node:5@1", "node 5 is not in 0..3"),
+        ("kill1@3", "is malformed"),
+    ]:
+        proc = elaswave("train", "--out", str(tmp_path / "r"), *JOB, "--fault", spec, timeout=60)
+        assert proc.returncode == 2, (spec, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

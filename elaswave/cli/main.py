@@ -74,6 +74,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "kill-node:NODE@STEP[:PHASE]; PHASE: forward, backward, grad-sync, "
         "snapshot, optimizer",
     )
+    p.add_argument("--rng", help="dropout randomness: counter (default) or stateful")
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
 
 
@@ -119,6 +120,7 @@ def _train(args: argparse.Namespace) -> int:
             "ranks_per_node": args.ranks_per_node,
             "verify_snapshots": args.verify_snapshots,
             "faults": tuple(args.faults) if args.faults else None,
+            "rng": args.rng,
         },
     }
     job = build_job(file_values, overrides)

@@ -72,3 +72,51 @@ class CounterRng:
             gen.manual_seed(stream_key(self.seed, step, sample, layer, site))
             masks.append(torch.rand(sample_shape, generator=gen) >= p)
         return torch.stack(masks).to(device)
+
+
+class StatefulRng:
+    """The baseline without RNG resharding: one generator per rank, consumed in execution
+    order (as Megatron's RNG tracker does). Masks then depend on which rank runs which
+    samples in which order, so a layout change alters them. Its state at the start of
+    recent steps is kept so that a rolled-back step replays the same draws.
+    """
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(stream_key(seed, 0x57A7E, rank) & ((1 << 63) - 1))
+        self._starts: dict[int, torch.Tensor] = {}
+
+    def begin_step(self, step: int) -> None:
+        self._starts[step] = self._gen.get_state()
+        for old in sorted(self._starts)[:-3]:
+            del self._starts[old]
+
+    def rewind(self, step: int) -> None:
+        """Back to the state at the start of ``step`` (after a rollback)."""
+        if step in self._starts:
+            self._gen.set_state(self._starts[step])
+
+    def keep_mask(
+        self,
+        *,
+        step: int,
+        sample_ids: Sequence[int],
+        layer: int,
+        site: int,
+        sample_shape: tuple[int, ...],
+        p: float,
+        device: torch.device,
+    ) -> torch.Tensor:
+        shape = (len(sample_ids), *sample_shape)
+        return (torch.rand(shape, generator=self._gen) >= p).to(device)
+
+
+RNG_KINDS = ("counter", "stateful")
+
+
+def make_rng(kind: str, *, seed: int, rank: int) -> CounterRng | StatefulRng:
+    if kind == "counter":
+        return CounterRng(seed)
+    if kind == "stateful":
+        return StatefulRng(seed, rank)
+    raise ValueError(f"rng = {kind!r}: valid values are {', '.join(RNG_KINDS)}")

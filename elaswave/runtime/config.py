@@ -17,6 +17,7 @@ from elaswave.data.corpus import DataConfig
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
+from elaswave.model.rng import RNG_KINDS
 from elaswave.runtime.faults import validate_faults
 
 
@@ -52,6 +53,13 @@ class TrainConfig:
     """Record per-step digests of every shard and snapshot in the worker results."""
     faults: tuple[str, ...] = ()
     """Injected faults: kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE]."""
+    rng: str = "counter"
+    """Dropout randomness: counter (keyed by sample and layer, layout-independent) or
+    stateful (one generator per rank in execution order: the baseline)."""
+    heartbeat_interval_s: float = 0.2
+    """Seconds between a worker's heartbeats."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker silent this long is declared hung and fenced (SIGKILL), then recovered."""
     recovery: bool = True
     """Recover from worker failures inside the step; False stops the job instead."""
 
@@ -68,6 +76,8 @@ class TrainConfig:
             )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
+        if self.rng not in RNG_KINDS:
+            raise ValueError(f"rng = {self.rng!r}: valid values are {', '.join(RNG_KINDS)}")
         object.__setattr__(self, "faults", tuple(self.faults))
         validate_faults(
             self.faults,
@@ -75,6 +85,11 @@ class TrainConfig:
             ranks_per_node=self.ranks_per_node,
             steps=self.steps,
         )
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeat interval {self.heartbeat_interval_s!r} s must be positive and below "
+                f"the heartbeat timeout {self.heartbeat_timeout_s!r} s"
+            )
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
 

@@ -18,7 +18,14 @@ import structlog
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import EventLogWriter
-from elaswave.bus.schema import Event, RecoveryDone, RecoveryReady, RunFinished, WorkerFinished
+from elaswave.bus.schema import (
+    Event,
+    Heartbeat,
+    RecoveryDone,
+    RecoveryReady,
+    RunFinished,
+    WorkerFinished,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +41,8 @@ class Core:
         self.num_rejected = 0
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
+        self.last_heartbeat: dict[int, float] = {}
+        """rank -> monotonic time its last heartbeat arrived."""
         self.recovery_events: list[Event] = []
         """RecoveryReady and RecoveryDone events, for the supervisor's protocol."""
         self._client: BusClient | None = None
@@ -79,7 +88,9 @@ class Core:
             if event is None:  # the client has logged why; the raw frames are in the log
                 self.num_rejected += 1
                 continue
-            if isinstance(event, WorkerFinished):
+            if isinstance(event, Heartbeat):
+                self.last_heartbeat[event.rank] = time.monotonic()
+            elif isinstance(event, WorkerFinished):
                 self.finished[event.rank] = event
             elif isinstance(event, RunFinished):
                 self.run_finished = event

@@ -2,6 +2,7 @@
 
     --fault kill:RANK@STEP[:PHASE]       kill one worker
     --fault kill-node:NODE@STEP[:PHASE]  kill every worker of a node (see --ranks-per-node)
+    --fault hang:RANK@STEP[:PHASE]       stop one worker (SIGSTOP): alive but silent
 
 PHASE is where in the step the process dies: forward (after the first micro-batch's
 forward compute), backward (after its backward compute), grad-sync (before the
@@ -36,6 +37,7 @@ class Phase(enum.StrEnum):
 class FaultKind(enum.StrEnum):
     KILL = "kill"
     KILL_NODE = "kill-node"
+    HANG = "hang"
 
 
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+):(?P<target>\d+)@(?P<step>\d+)(?::(?P<phase>[a-z-]+))?$")
@@ -50,7 +52,7 @@ class FaultSpec:
     phase: Phase
 
     def ranks(self, ranks_per_node: int) -> list[int]:
-        if self.kind is FaultKind.KILL:
+        if self.kind is not FaultKind.KILL_NODE:
             return [self.target]
         return list(range(self.target * ranks_per_node, (self.target + 1) * ranks_per_node))
 
@@ -61,8 +63,9 @@ class FaultSpec:
 def parse_fault(text: str) -> FaultSpec:
     """Parse one --fault value; ValueError names the value and the valid forms."""
     match = _FAULT.match(text.strip())
-    valid = "kill:RANK@STEP[:PHASE] or kill-node:NODE@STEP[:PHASE], PHASE one of " + ", ".join(
-        p.value for p in Phase
+    valid = (
+        "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE] or hang:RANK@STEP[:PHASE], "
+        "PHASE one of " + ", ".join(p.value for p in Phase)
     )
     if match is None:
         raise ValueError(f"fault {text!r} is malformed; expected {valid}")
@@ -87,7 +90,7 @@ def validate_faults(
     specs = [parse_fault(f) for f in faults]
     num_nodes = -(-world_size // ranks_per_node)
     for spec in specs:
-        if spec.kind is FaultKind.KILL and not 0 <= spec.target < world_size:
+        if spec.kind is not FaultKind.KILL_NODE and not 0 <= spec.target < world_size:
             raise ValueError(f"fault {spec}: rank {spec.target} is not in 0..{world_size - 1}")
         if spec.kind is FaultKind.KILL_NODE and not 0 <= spec.target < num_nodes:
             raise ValueError(
@@ -123,8 +126,16 @@ class FaultInjector:
                 self._die(spec)
 
     def _die(self, spec: FaultSpec) -> None:
-        """SIGKILL every rank the fault names (a whole node at once), this one last."""
+        """SIGKILL every rank the fault names (a whole node at once), this one last.
+
+        A hang fault SIGSTOPs this process instead: it stays alive, silent, holding its
+        connections, which only missed heartbeats reveal.
+        """
         now = time.time()
+        if spec.kind is FaultKind.HANG:
+            self._record(spec, self.rank, now)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         victims = spec.ranks(self.ranks_per_node)
         for rank in victims:
             self._record(spec, rank, now)

@@ -80,11 +80,14 @@ class Supervisor:
         self.plan = cfg.plan()
         self.alive = set(procs)
         self.recoveries: list[dict[str, Any]] = []
+        self.fenced: dict[int, str] = {}
+        """rank -> why the Core killed it (a hang seen from missed heartbeats)."""
         self.timeout_s = max(30.0, cfg.train.comm_timeout_s)
 
     async def run(self) -> None:
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
         pending = set(waits)
+        monitor = asyncio.create_task(self._watch_heartbeats())
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -96,6 +99,9 @@ class Supervisor:
                 failed |= self._exits(self.alive)
                 await self._on_failure(failed, seen_at)
         finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
             for proc in self.procs.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -103,6 +109,20 @@ class Supervisor:
             for fut in waits:
                 with contextlib.suppress(BaseException):
                     await fut
+
+    async def _watch_heartbeats(self) -> None:
+        """Fence a worker that is alive but silent: SIGKILL it, so it fails like a crash."""
+        timeout = self.cfg.train.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(0.1, timeout / 4))
+            now = time.monotonic()
+            for rank in sorted(self.alive - set(self.fenced)):
+                last = self.core.last_heartbeat.get(rank)
+                if last is not None and now - last > timeout:
+                    self.fenced[rank] = f"no heartbeat for {now - last:.1f} s (hung); fenced"
+                    log.warning("core.fencing", rank=rank, silent_s=now - last)
+                    with contextlib.suppress(ProcessLookupError):
+                        self.procs[rank].kill()
 
     def _exits(self, ranks: set[int]) -> dict[int, int]:
         """Exit codes of the ``ranks`` that have exited with an error since last asked.
@@ -119,7 +139,11 @@ class Supervisor:
 
     def _describe(self, failed: dict[int, int]) -> str:
         return "; ".join(
-            f"rank {r} exited with {_exit_text(c)}"
+            (
+                f"rank {r}: {self.fenced[r]}"
+                if r in self.fenced
+                else f"rank {r} exited with {_exit_text(c)}"
+            )
             + (f": {why}" if (why := last_error(self.run_dir / "logs" / f"rank{r}.log")) else "")
             for r, c in sorted(failed.items())
         )

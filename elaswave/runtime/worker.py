@@ -43,7 +43,8 @@ from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.recovery import next_plan, plan_digest
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
-from elaswave.model.rng import CounterRng
+from elaswave.model.rng import make_rng
+from elaswave.runtime.agent import Agent
 from elaswave.runtime.config import JobSpec
 from elaswave.runtime.faults import FaultInjector, validate_faults
 from elaswave.runtime.session import Session
@@ -84,8 +85,10 @@ def run_worker(run_dir: Path, rank: int) -> None:
         on_recovery_event, kinds=[EventKind.FAILURE_DETECTED, EventKind.RECOVERY_PLAN]
     )
     session.start()
+    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
+    agent.start()
     try:
-        _train(run_dir, rank, spec, session, abort, inbox)
+        _train(run_dir, rank, spec, session, abort, inbox, agent)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -94,6 +97,7 @@ def run_worker(run_dir: Path, rank: int) -> None:
         )
         raise
     finally:
+        agent.close()
         session.close()
 
 
@@ -124,7 +128,7 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         device=device,
         layers=layers,
         loader=SampleLoader(source, seed=cfg.data.seed),
-        rng=CounterRng(cfg.train.seed),
+        rng=make_rng(cfg.train.rng, seed=cfg.train.seed, rank=rank),
         abort=abort,
         faults=FaultInjector(
             rank,
@@ -215,6 +219,7 @@ def _train(
     session: Session,
     abort: AbortSignal,
     inbox: queue.Queue[Event],
+    agent: Agent,
 ) -> None:
     cfg = spec.config
     sender = f"rank{rank}"
@@ -239,11 +244,16 @@ def _train(
     while step < cfg.train.steps:
         for keeper in trainer.keepers:
             keeper.expect(step)
+        agent.step = step
+        if hasattr(ctx.rng, "begin_step"):
+            ctx.rng.begin_step(step)
         try:
             result = trainer.runner.run_step(step)
         except (StepAborted, CommError) as exc:
             trainer = _recover(ctx, trainer, session, inbox, exc)
             step = trainer.committed_step + 1
+            if hasattr(ctx.rng, "rewind"):
+                ctx.rng.rewind(step)
             for record in (step_times, losses, optimizer_digests):
                 for later in [s for s in record if s >= step]:
                     del record[later]

@@ -35,3 +35,10 @@ def test_bad_config_files_name_the_value(tmp_path, text, message):
 def test_world_size_must_match_layout():
     with pytest.raises(ValueError, match="world size 6 != dp x pp = 2 x 2 = 4"):
         build_job(None, {"train": {"dp": 2, "pp": 2, "world_size": 6}})
+
+
+def test_heartbeat_and_rng_settings_are_validated():
+    with pytest.raises(ValueError, match=r"heartbeat interval 2\.0 s must be positive and below"):
+        build_job(None, {"train": {"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 1.0}})
+    with pytest.raises(ValueError, match="rng = 'mersenne': valid values are counter, stateful"):
+        build_job(None, {"train": {"rng": "mersenne"}})

@@ -1,0 +1,37 @@
+"""The Agent: a worker's liveness signal on the bus.
+
+A daemon thread publishes a Heartbeat with the worker's current step every interval.
+Publishing goes through the Session's queue, so it never touches the training thread.
+A worker that hangs (stopped, deadlocked in a driver, swapping) stops heartbeating even
+though its process is alive; the Core's heartbeat monitor then fences it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from elaswave.bus.schema import Heartbeat
+from elaswave.runtime.session import Session
+
+
+class Agent:
+    def __init__(self, session: Session, rank: int, *, interval_s: float) -> None:
+        self.session = session
+        self.rank = rank
+        self.interval_s = interval_s
+        self.step = -1
+        """The step being trained; set by the training loop."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"agent-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        sender = f"rank{self.rank}"
+        while not self._stop.wait(self.interval_s):
+            self.session.publish(Heartbeat(sender=sender, rank=self.rank, step=self.step))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)

@@ -75,7 +75,43 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "snapshot, optimizer",
     )
     p.add_argument("--rng", help="dropout randomness: counter (default) or stateful")
-    p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
+    p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR's job from its latest complete checkpoint, on the "
+        "layout the flags give (default: the same)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="run directory (default runs/train; with --resume, the resumed run directory)",
+    )
+
+
+def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
+    """The resumed job: RUN_DIR's config, then the TOML file, then flags (applied later)."""
+    from elaswave.fabric.checkpoint import latest_complete
+    from elaswave.runtime.config import JobSpec
+
+    if not (run_dir / "job.json").is_file():
+        raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no job.json)")
+    old = JobSpec.read(run_dir).config
+    step = latest_complete(run_dir, old.model.num_layers)
+    if step is None:
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: no complete checkpoint under "
+            f"{str(run_dir / 'checkpoints')!r}; train with --checkpoint-every K first"
+        )
+    values = old.to_dict()
+    values["train"] = {
+        k: v for k, v in values["train"].items() if k not in ("faults", "resume_dir", "resume_step")
+    }
+    for section, body in (file_values or {}).items():
+        values.setdefault(section, {}).update(body)
+    values["train"].update({"resume_dir": str(run_dir.resolve()), "resume_step": step})
+    return values
 
 
 def _check_fits_in_memory(job) -> None:
@@ -104,6 +140,9 @@ def _train(args: argparse.Namespace) -> int:
     from elaswave.runtime.supervisor import JobFailed
 
     file_values = load_toml(args.config) if args.config else None
+    if args.resume is not None:
+        file_values = _resume_values(args.resume, file_values)
+    out = args.out or args.resume or Path("runs/train")
     overrides = {
         "model": {"preset": args.model},
         "data": {"path": args.data, "dtype": args.data_dtype},
@@ -121,6 +160,7 @@ def _train(args: argparse.Namespace) -> int:
             "verify_snapshots": args.verify_snapshots,
             "faults": tuple(args.faults) if args.faults else None,
             "rng": args.rng,
+            "checkpoint_every": args.checkpoint_every,
         },
     }
     job = build_job(file_values, overrides)
@@ -132,17 +172,17 @@ def _train(args: argparse.Namespace) -> int:
     t = job.train
     print(
         f"elaswave: training dp={t.dp} x pp={t.pp} ({t.num_ranks} workers, device {t.device}) "
-        f"for {t.steps} steps, global batch {t.global_batch}; run dir {args.out}"
+        f"for {t.steps} steps, global batch {t.global_batch}; run dir {out}"
     )
     try:
-        summary = uvloop.run(run_job(job, args.out, on_event=_Progress(t.steps)))
+        summary = uvloop.run(run_job(job, out, on_event=_Progress(t.steps)))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)
         return 1
     print(
         f"elaswave: done: {summary['steps_completed']} steps, final loss "
         f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s (measured), "
-        f"{summary['events']} events; summary: {args.out / 'summary.json'}"
+        f"{summary['events']} events; summary: {out / 'summary.json'}"
     )
     return 0
 

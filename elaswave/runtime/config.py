@@ -60,6 +60,12 @@ class TrainConfig:
     """Seconds between a worker's heartbeats."""
     heartbeat_timeout_s: float = 3.0
     """A worker silent this long is declared hung and fenced (SIGKILL), then recovered."""
+    checkpoint_every: int = 0
+    """Write a disk checkpoint every K steps, in the background (0: never)."""
+    resume_dir: str | None = None
+    """Run directory whose latest complete checkpoint this run starts from."""
+    resume_step: int | None = None
+    """The checkpoint's step; training continues at the next one."""
     recovery: bool = True
     """Recover from worker failures inside the step; False stops the job instead."""
 
@@ -90,8 +96,19 @@ class TrainConfig:
                 f"heartbeat interval {self.heartbeat_interval_s!r} s must be positive and below "
                 f"the heartbeat timeout {self.heartbeat_timeout_s!r} s"
             )
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every = {self.checkpoint_every}: must be >= 0")
+        if self.resume_step is not None and not -1 <= self.resume_step < self.steps - 1:
+            raise ValueError(
+                f"the checkpoint is at step {self.resume_step}, at or past the last step "
+                f"{self.steps - 1}: raise --steps to train further"
+            )
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
+
+    @property
+    def first_step(self) -> int:
+        return 0 if self.resume_step is None else self.resume_step + 1
 
     @property
     def num_ranks(self) -> int:

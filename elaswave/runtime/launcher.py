@@ -16,6 +16,7 @@ import structlog
 
 from elaswave.bus.schema import Event, RunFinished, RunStarted
 from elaswave.comm.store import serve_store
+from elaswave.fabric.checkpoint import CHECKPOINTS
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.core import EVENT_LOG, Core
 from elaswave.runtime.summary import build_summary, write_summary
@@ -26,9 +27,12 @@ log = structlog.get_logger(__name__)
 _RUN_OUTPUTS = ("workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json")
 
 
-def _prepare_run_dir(run_dir: Path) -> None:
+def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
+    """Clear a previous run's outputs; its checkpoints too unless resuming from them."""
+    keep_checkpoints = resume_dir is not None and Path(resume_dir).resolve() == run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in _RUN_OUTPUTS:
+    names = _RUN_OUTPUTS if keep_checkpoints else (*_RUN_OUTPUTS, CHECKPOINTS)
+    for name in names:
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -108,7 +112,7 @@ async def run_job(
     on_event: Callable[[Event], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with dp x pp local worker processes; return the summary."""
-    _prepare_run_dir(run_dir)
+    _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
     plan = cfg.plan()
     store = serve_store(timeout_s=cfg.train.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]

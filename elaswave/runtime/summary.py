@@ -38,22 +38,25 @@ def build_summary(
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
     # Any surviving last-stage rank knows every step's loss; pick the longest record.
     reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
+    trained = len(reporter["loss"])  # steps this run trained (fewer when resumed)
     step_time = [
-        max(r["step_time_s"][i] for r in results if i < len(r["step_time_s"])) for i in range(steps)
+        max(r["step_time_s"][i] for r in results if i < len(r["step_time_s"]))
+        for i in range(trained)
     ]
     params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
         "global_batch": plan.global_batch,
-        "steps_completed": len(reporter["loss"]),
+        "steps_completed": reporter["first_step"] + trained,
         "loss": reporter["loss"],
         "step_time_s": step_time,
-        "samples_per_s": plan.global_batch * steps / sum(step_time),
+        "samples_per_s": plan.global_batch * trained / sum(step_time),
         "param_digest": param_digest(params),
         "events": num_events,
         "recoveries": recoveries or [],
         "device": device,
         "timing": "measured",
+        "first_step": reporter["first_step"],
     }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -31,6 +32,7 @@ from elaswave.engine.plan import (
     snapshot_group_specs,
     snapshot_placements,
 )
+from elaswave.fabric.checkpoint import load_layers, shard_of_layers, step_dir
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import plan_remap
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
@@ -127,11 +129,33 @@ def _optimizer(
 
 
 def initial_trainer(ctx: WorkerContext) -> Trainer:
+    """The trainer at the start of the run, or at a checkpoint when resuming."""
     plan = ctx.cfg.plan()
     comm = Communicator(ctx.store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort)
     comm.build(plan.group_specs() + _snapshot_specs(ctx, plan))
-    optimizer = _optimizer(ctx, plan, comm)
-    keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
+    t = ctx.cfg.train
+    if t.resume_dir is None or t.resume_step is None:
+        optimizer = _optimizer(ctx, plan, comm)
+        keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
+        return Trainer(plan, comm, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
+    stage, replica = plan.locate(ctx.rank)
+    loaded = load_layers(step_dir(Path(t.resume_dir), t.resume_step), plan.stages[stage].layers)
+    with torch.no_grad():
+        for layer in ctx.layers:
+            master, offset = loaded[layer.index][0], 0
+            for param in layer.parameters():
+                param.copy_(master[offset : offset + param.numel()].view_as(param))
+                offset += param.numel()
+    optimizer = _optimizer(ctx, plan, comm, committed_step=t.resume_step)
+    cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
+    optimizer.state = cut(replica)
+    optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
+    initial = {}
+    for owner in snapshot_placements(plan, t.ranks_per_node)[stage].holds(ctx.rank):
+        owner_replica = plan.stages[stage].ranks.index(owner)
+        initial[owner] = cut(owner_replica)
+        initial[owner].decay_mask = optimizer.decay_mask_of(owner_replica)
+    keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=t.resume_step, initial=initial)
     return Trainer(plan, comm, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
 
 

@@ -8,6 +8,7 @@ thread beside it, so publishing an event never blocks a step.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import queue
@@ -41,6 +42,7 @@ from elaswave.comm.group import CommError
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.recovery import next_plan, plan_digest
+from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
 from elaswave.model.rng import make_rng
@@ -240,7 +242,9 @@ def _train(
     losses: dict[int, float] = {}
     traces: list[dict] = []
     optimizer_digests: dict[int, str] = {}
-    step = 0
+    writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+    writes: list[concurrent.futures.Future] = []
+    step = cfg.train.first_step
     while step < cfg.train.steps:
         for keeper in trainer.keepers:
             keeper.expect(step)
@@ -259,6 +263,11 @@ def _train(
                     del record[later]
             continue
         step_times[step] = result.seconds
+        every = cfg.train.checkpoint_every
+        if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
+            _, replica = trainer.plan.locate(rank)
+            pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
+            writes.append(writer.submit(write_pieces, run_dir, step, rank, pieces))
         if step < cfg.train.trace_steps and trainer.plan.generation == 0:
             traces.append({"step": step, "actions": result.trace})
         if cfg.train.verify_snapshots:
@@ -278,6 +287,9 @@ def _train(
                 )
         step += 1
 
+    writer.shutdown(wait=True)
+    for write in writes:
+        write.result()  # surface a failed checkpoint write
     if trainer.optimizer.snapshot is not None:
         trainer.optimizer.snapshot.flush()
     for keeper in trainer.keepers:
@@ -306,6 +318,7 @@ def _train(
         "optimizer_digests": [optimizer_digests[s] for s in sorted(optimizer_digests)],
         "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
         "generation": trainer.plan.generation,
+        "first_step": cfg.train.first_step,
     }
     path = worker_result_path(run_dir, rank)
     path.parent.mkdir(exist_ok=True)

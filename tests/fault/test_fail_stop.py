@@ -225,3 +225,43 @@ def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(run
     without = mean_rel(stateful, stateful_ref)
     assert with_resharding < 1e-6
     assert without > 10 * with_resharding and without > 1e-6
+
+
+@pytest.mark.timeout(400)
+def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_dir):
+    steps = ("--steps", "10", "--global-batch", "16", "--micro-batch", "2")
+    crashed = runs_dir / "crashed"
+    proc = elaswave(
+        "train",
+        "--out",
+        str(crashed),
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        *steps,
+        "--checkpoint-every",
+        "3",
+        "--ranks-per-node",
+        "2",
+        "--fault",
+        "kill-node:1@7:backward",
+        timeout=200,
+    )
+    assert proc.returncode == 1 and "unrecoverable" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step2", "step5"]
+    resumed = train(runs_dir / "resumed", "--resume", str(crashed), "--dp", "4", "--pp", "3")
+    ref = train(runs_dir / "uninterrupted", "--dp", "2", "--pp", "2", *steps)
+    s = resumed.summary
+    assert s["first_step"] == 6 and s["steps_completed"] == 10
+    assert s["layout"] == {"dp": 4, "pp": 3, "tp": 1}
+    from elaswave.runtime.compare import load_params, loss_rel_diff, param_rel_diff
+
+    assert loss_rel_diff(s["loss"], ref.summary["loss"][6:]) <= 1e-5
+    assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
+
+
+def test_resume_refuses_a_run_without_checkpoints(runs_dir, reference):
+    proc = elaswave("train", "--resume", str(reference(4, 2).out), "--steps", "20", timeout=60)
+    assert proc.returncode == 2 and "no complete checkpoint under" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -336,6 +336,8 @@ class RecoveryReady(Event):
     TOPIC = Topic.RECOVERY
     rank: int
     committed_step: int
+    tainted: list[str] = dataclasses.field(default_factory=list)
+    """Groups of this rank with a collective that did not complete."""
 
 
 @_register
@@ -350,6 +352,8 @@ class RecoveryPlan(Event):
     committed_step: int
     plan_digest: str
     reason: str
+    rebuild: list[str] = dataclasses.field(default_factory=list)
+    """Surviving groups to rebuild (tainted on some member); all others are reused."""
 
 
 @_register

@@ -49,6 +49,8 @@ class Group:
     abort: AbortSignal | None = None
     """When set, waits poll it and raise StepAborted instead of blocking on."""
     _index: dict[int, int] = field(init=False)
+    tainted: bool = field(init=False, default=False)
+    """A collective on this group did not complete (see :meth:`_collective`)."""
 
     def __post_init__(self) -> None:
         self._index = {r: i for i, r in enumerate(self.spec.ranks)}
@@ -66,6 +68,17 @@ class Group:
         """This process's position in the group."""
         return self._index[self.rank]
 
+    def _collective(self, work: dist.Work, op: str) -> None:
+        """Wait for a collective; if it does not complete, the group stays ``tainted``.
+
+        A collective that one member abandoned while others entered it leaves gloo's
+        per-group sequence out of step, so a tainted group must be rebuilt, not reused.
+        P2P traffic never taints: its tags are unique per generation and step.
+        """
+        self.tainted = True
+        self._wait(work, op)
+        self.tainted = False
+
     def _wait(self, work: dist.Work, op: str) -> None:
         try:
             if self.abort is None:
@@ -80,7 +93,7 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.pg.allreduce([tensor], opts), "all_reduce")
+        self._collective(self.pg.allreduce([tensor], opts), "all_reduce")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum ``input`` (``size`` chunks) over members; chunk ``index`` lands in ``output``."""
@@ -89,14 +102,14 @@ class Group:
             return
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
+        self._collective(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every member's ``input`` into ``output`` in group order."""
         if self.size == 1:
             output.copy_(input)
             return
-        self._wait(self.pg._allgather_base(output, input), "all_gather")
+        self._collective(self.pg._allgather_base(output, input), "all_gather")
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))

@@ -41,7 +41,7 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
         sizes = even_split(total, len(survivors))
         stages.append(dataclasses.replace(stage, ranks=survivors, sizes=sizes))
         reasons.append(
-            f"stage {stage.stage}: ranks {lost} failed; {len(survivors)} replicas now take "
+            f"stage {stage.stage}: ranks {lost} failed; ranks {list(survivors)} now take "
             f"{list(sizes)} of every {total}-sample micro-batch"
         )
     if not reasons:

@@ -217,6 +217,14 @@ class Supervisor:
                 committed_step=decision.committed_step,
                 plan_digest=plan_digest(decision.plan),
                 reason=decision.reason,
+                rebuild=sorted(
+                    {
+                        name
+                        for r, e in self._events(RecoveryReady, gen).items()
+                        if r in survivors
+                        for name in e.tainted
+                    }
+                ),
             )
         )
         await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")

@@ -232,7 +232,13 @@ def _exchange_snapshot_states(
 
 
 def recover(
-    ctx: WorkerContext, old: Trainer, new_plan: Plan, failed: set[int], committed_step: int
+    ctx: WorkerContext,
+    old: Trainer,
+    new_plan: Plan,
+    failed: set[int],
+    committed_step: int,
+    *,
+    rebuild: set[str],
 ) -> tuple[Trainer, dict[str, float]]:
     """Apply a fail-stop plan on this survivor; returns the new trainer and phase times."""
     c = committed_step
@@ -264,7 +270,7 @@ def recover(
         specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
     # Each stage's remap links are created by that stage's survivors only.
     comm, reused = old.comm.edit(
-        specs, generation=new_plan.generation, rebuild=lambda spec: spec.name.startswith("dp.")
+        specs, generation=new_plan.generation, rebuild=lambda spec: spec.name in rebuild
     )
     _RETIRED.extend(old.comm.dropped)
     t1 = time.perf_counter()

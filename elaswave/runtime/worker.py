@@ -182,7 +182,11 @@ def _recover(
     )
     session.publish(
         RecoveryReady(
-            sender=sender, generation=gen, rank=ctx.rank, committed_step=trainer.committed_step
+            sender=sender,
+            generation=gen,
+            rank=ctx.rank,
+            committed_step=trainer.committed_step,
+            tainted=trainer.comm.tainted(),
         )
     )
     decision = _await_event(
@@ -200,7 +204,14 @@ def _recover(
         )
     ctx.abort.generation = gen + 1
     ctx.abort.clear()
-    trainer, phases = recover(ctx, trainer, new_plan, set(decision.failed), decision.committed_step)
+    trainer, phases = recover(
+        ctx,
+        trainer,
+        new_plan,
+        set(decision.failed),
+        decision.committed_step,
+        rebuild=set(decision.rebuild),
+    )
     session.publish(
         RecoveryDone(
             sender=sender,

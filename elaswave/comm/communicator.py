@@ -106,6 +106,10 @@ class Communicator:
     def get(self, name: str) -> Group | None:
         return self._groups.get(name)
 
+    def tainted(self) -> list[str]:
+        """Names of the groups with a collective that did not complete."""
+        return sorted(n for n, g in self._groups.items() if getattr(g, "tainted", False))
+
     @property
     def names(self) -> list[str]:
         return sorted(self._groups)

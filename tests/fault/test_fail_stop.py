@@ -65,11 +65,12 @@ def _check_recovered(
 @pytest.mark.parametrize(
     ("dp", "pp", "fault"),
     [
-        (4, 2, "kill:1@3:backward"),  # first stage
-        (4, 3, "kill:5@3:optimizer"),  # middle stage, after the update: rollback needed
-        (4, 2, "kill:6@3:snapshot"),  # last stage, gradient already at the snapshot holder
-        (4, 2, "kill:7@2:grad-sync"),
-        (4, 3, "kill:4@4:forward"),
+        # The full dp=4 matrix is scripts/fault_matrix.py; CI runs smaller layouts.
+        (2, 2, "kill:1@3:backward"),  # first stage
+        (2, 3, "kill:3@3:optimizer"),  # middle stage, after the update: rollback needed
+        (2, 2, "kill:3@3:snapshot"),  # last stage, gradient already at the snapshot holder
+        (2, 2, "kill:2@2:grad-sync"),
+        (2, 3, "kill:2@4:forward"),
     ],
 )
 def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
@@ -190,18 +191,19 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
     run = train(
         runs_dir / "hang",
         "--dp",
-        "4",
+        "2",
         "--pp",
         "2",
         *JOB,
         "--config",
         str(config),
         "--fault",
-        "hang:5@3:backward",
+        "hang:3@3:backward",
     )
-    _check_recovered(run, reference(4, 2), world=8, failed=[[5]], max_detect_s=2.5)
+    _check_recovered(run, reference(2, 2), world=4, failed=[[3]], max_detect_s=2.5)
     detect = run.summary["recoveries"][0]["phases"]["detect"]
-    assert 1.0 <= detect < 2.5, f"a hang is seen after the heartbeat timeout, got {detect:.2f} s"
+    # Silence counts from the last heartbeat, up to one interval (0.2 s) before the hang.
+    assert 0.75 <= detect < 2.5, f"a hang is seen at the heartbeat timeout, got {detect:.2f} s"
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
 
 
@@ -213,15 +215,15 @@ def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(run
         pairs = zip(run.summary["loss"], ref.summary["loss"], strict=True)
         return statistics.mean(abs(a - b) / b for a, b in pairs)
 
-    fault = ("--fault", "kill:5@2:backward")
-    counter = train(runs_dir / "rng_counter", "--dp", "4", "--pp", "2", *JOB, *fault)
+    fault = ("--fault", "kill:3@2:backward")
+    counter = train(runs_dir / "rng_counter", "--dp", "2", "--pp", "2", *JOB, *fault)
     stateful = train(
-        runs_dir / "rng_stateful", "--dp", "4", "--pp", "2", *JOB, *fault, "--rng", "stateful"
+        runs_dir / "rng_stateful", "--dp", "2", "--pp", "2", *JOB, *fault, "--rng", "stateful"
     )
     stateful_ref = train(
-        runs_dir / "rng_stateful_ref", "--dp", "4", "--pp", "2", *JOB, "--rng", "stateful"
+        runs_dir / "rng_stateful_ref", "--dp", "2", "--pp", "2", *JOB, "--rng", "stateful"
     )
-    with_resharding = mean_rel(counter, reference(4, 2))
+    with_resharding = mean_rel(counter, reference(2, 2))
     without = mean_rel(stateful, stateful_ref)
     assert with_resharding < 1e-6
     assert without > 10 * with_resharding and without > 1e-6

@@ -3,8 +3,9 @@
 Each group lives under its own store prefix ``g{generation}/{name}``, so groups of a
 later generation never collide with earlier ones. Every rank creates its groups in one
 global order (sorted by name), which is deadlock-free: the first unfinished group in that
-order always has all its members waiting on it. The dynamic communicator (fail-stop
-recovery) edits this set group by group instead of rebuilding it.
+order always has all its members waiting on it. The dynamic communicator
+(:mod:`elaswave.comm.dynamic`) edits this set group by group instead of rebuilding it;
+it also holds :class:`~elaswave.comm.ring.RingGroup` objects here, under their names.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.ring import RingGroup
 
 log = structlog.get_logger(__name__)
+
+CommGroup = Group | RingGroup
+"""A gloo process group, or a ring over pooled links with the same collectives."""
 
 
 class Communicator:
@@ -40,8 +45,8 @@ class Communicator:
         self.backend = backend
         self.timeout = timeout
         self.generation = generation
-        self._groups: dict[str, Group] = {}
-        self.dropped: list[Group] = []
+        self._groups: dict[str, CommGroup] = {}
+        self.dropped: list[CommGroup] = []
         """Groups an :meth:`edit` did not carry over (they may have work in flight)."""
 
     def build(self, specs: Iterable[GroupSpec]) -> float:
@@ -100,11 +105,29 @@ class Communicator:
         self.dropped = [g for g in self._groups.values() if id(g) not in kept]
         return new, sum(1 for g in self._groups.values() if id(g) in kept)
 
-    def __getitem__(self, name: str) -> Group:
+    def put(self, group: CommGroup) -> None:
+        """Hold ``group`` under its name (a ring, or a group carried over from another
+        communicator). The name must be free."""
+        if group.name in self._groups:
+            raise ValueError(f"group {group.name!r} is already in the communicator")
+        if self.rank not in group.spec.ranks:
+            raise ValueError(f"rank {self.rank} is not a member of group {group.name!r}")
+        self._groups[group.name] = group
+
+    def __getitem__(self, name: str) -> CommGroup:
         return self._groups[name]
 
-    def get(self, name: str) -> Group | None:
+    def get(self, name: str) -> CommGroup | None:
         return self._groups.get(name)
+
+    def groups(self) -> list[CommGroup]:
+        """Every group this rank holds, sorted by name."""
+        return [self._groups[name] for name in sorted(self._groups)]
+
+    @property
+    def specs(self) -> list[GroupSpec]:
+        """The specs of the groups this rank holds, sorted by name."""
+        return [g.spec for g in self.groups()]
 
     def tainted(self) -> list[str]:
         """Names of the groups with a collective that did not complete."""

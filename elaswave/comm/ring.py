@@ -1,0 +1,457 @@
+"""Ring groups over pooled pairwise links: the unit the dynamic communicator edits.
+
+gloo cannot shrink a process group in place, so a DP group is not one process group but
+a ring over 2-rank *links* (one small ProcessGroupGloo per pair of neighbours). Links are
+kept in a per-process :class:`LinkPool` keyed by the unordered pair of global ranks, so
+that when a member fails the ring is re-formed over its survivors by connecting only its
+two former neighbours; every other link, and every group without the failed rank, stays
+as it is.
+
+Collectives are the textbook ring algorithms (``size - 1`` steps; each step sends one
+chunk to the next member and receives one from the previous member, with tagged
+send/recv so neighbours cannot deadlock). Their results equal gloo's own
+``_reduce_scatter_base`` / ``_allgather_base`` / ``allreduce`` up to float rounding:
+the ring sums a chunk in ring order, starting at the member after its owner, which is
+not gloo's order.
+
+Waits never time out inside gloo: a gloo wait that times out closes its pair, and a
+link that a survivor merely waited on for too long must stay usable after a failure.
+Each wait runs on a daemon waiter thread with a practically unbounded gloo timeout, and
+the caller gives up after :attr:`RingGroup.timeout` (or when the abort signal is set)
+with :class:`CommError`; the abandoned wait stays parked on its thread until the link's
+peer dies. Tags carry the ring's generation, so an abandoned send or receive can never
+match a message of a ring formed later. A process group destroyed under a blocked wait
+aborts the process, so each parked wait holds its link's group, and retired links are
+kept (:attr:`LinkPool.retired`); an idle gloo group costs about 1 ms of CPU per second
+(measured here), which bounds what keeping them costs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+import time
+import zlib
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elaswave.comm.abort import AbortSignal, StepAborted
+from elaswave.comm.backend import GroupBackend
+from elaswave.comm.group import CommError, GroupSpec
+
+log = structlog.get_logger(__name__)
+
+Pair = tuple[int, int]
+"""A link's two global ranks, lower first."""
+
+_PARKED = timedelta(days=365)
+"""gloo-level timeout of a ring wait: never reached, so a wait never closes its pair."""
+_POLL_S = 0.002
+_TAG_RING = 1 << 30
+"""Set in every ring tag; :func:`elaswave.comm.group.p2p_tag` tags stay below it."""
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def pair(a: int, b: int) -> Pair:
+    if a == b:
+        raise ValueError(f"a link needs two distinct ranks, got {a} twice")
+    return (a, b) if a < b else (b, a)
+
+
+def ring_pairs(ranks: Sequence[int]) -> list[Pair]:
+    """The links a ring over ``ranks`` (in ring order) needs: ``(r[i], r[i+1 mod D])``.
+
+    A ring of D >= 3 members needs D links, of two members one, of one member none.
+    """
+    size = len(ranks)
+    if size < 2:
+        return []
+    out = [pair(ranks[i], ranks[(i + 1) % size]) for i in range(size)]
+    return sorted(set(out))
+
+
+def ring_neighbours(ranks: Sequence[int], rank: int) -> tuple[int, int]:
+    """(previous, next) member of ``rank`` in the ring ``ranks``."""
+    index = list(ranks).index(rank)
+    return ranks[(index - 1) % len(ranks)], ranks[(index + 1) % len(ranks)]
+
+
+def reduce_scatter_schedule(index: int, size: int) -> list[tuple[int, int]]:
+    """(chunk sent, chunk received and accumulated) at each step, for ring position ``index``.
+
+    After ``size - 1`` steps position ``index`` holds the full sum of chunk ``index``.
+    """
+    return [((index - step - 1) % size, (index - step - 2) % size) for step in range(size - 1)]
+
+
+def all_gather_schedule(index: int, size: int) -> list[tuple[int, int]]:
+    """(chunk sent, chunk received) at each step; position ``index`` starts with its own."""
+    return [((index - step) % size, (index - step - 1) % size) for step in range(size - 1)]
+
+
+def ring_tag(generation: int, key: int, counter: int) -> int:
+    """A send/recv tag: ring bit | generation (6 bits) | ring key (4 bits) | counter (20 bits).
+
+    Members agree on every field without talking: the generation the ring was formed in,
+    a hash of its name, and the number of steps the ring has run.
+    """
+    return _TAG_RING | ((generation % 64) << 24) | ((key % 16) << 20) | (counter % (1 << 20))
+
+
+def ring_key(name: str) -> int:
+    return zlib.crc32(name.encode()) % 16
+
+
+# --------------------------------------------------------------------------- waiter threads
+
+
+class _Waiters:
+    """Daemon threads for blocking gloo waits; one that is given up on parks for good.
+
+    A thread pool from ``concurrent.futures`` would not do: its threads are joined at
+    interpreter exit, and a parked wait would then hang the exit.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[], None], concurrent.futures.Future[None]]] = []
+        self._ready = threading.Condition(self._lock)
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._items.append((fn, future))
+            if self._idle > len(self._items) - 1:
+                self._ready.notify()
+                return future
+        threading.Thread(target=self._run, name="ew-ring-wait", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._items:
+                    self._idle += 1
+                    self._ready.wait()
+                    self._idle -= 1
+                fn, future = self._items.pop(0)
+            try:
+                fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            del fn, future  # an idle thread must not keep the last group alive
+
+
+_WAITERS = _Waiters()
+
+
+# --------------------------------------------------------------------------- links
+
+
+@dataclass(frozen=True)
+class Link:
+    """One 2-rank process group; the lower rank is index 0."""
+
+    pair: Pair
+    pg: dist.ProcessGroup
+    generation: int
+    """The change generation it was created in (part of its store prefix)."""
+
+    def index_of(self, rank: int) -> int:
+        return self.pair.index(rank)
+
+
+class LinkPool:
+    """This process's links, keyed by pair; shared by every ring it belongs to.
+
+    Both ends of a link always hold the same entry: links are created by both ends in the
+    same change and retired only when one end is removed (or all at once, by a full
+    rebuild), so "is the pair in my pool" has the same answer on both ends and needs no
+    message.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        backend: GroupBackend,
+        *,
+        timeout: timedelta,
+        prefix: str = "link",
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.backend = backend
+        self.timeout = timeout
+        self.prefix = prefix
+        self._links: dict[Pair, Link] = {}
+        self.retired: list[Link] = []
+        """Links no longer in the pool. Kept alive: destroying a process group while a
+        parked wait is blocked on it aborts the process."""
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._links
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    @property
+    def pairs(self) -> frozenset[Pair]:
+        return frozenset(self._links)
+
+    def get(self, a: int, b: int) -> Link:
+        return self._links[pair(a, b)]
+
+    def connect(self, pairs: Iterable[Pair], *, generation: int) -> int:
+        """Create every link of ``pairs`` not yet in the pool; returns how many were created.
+
+        Links are created in sorted pair order. Every process does so, which is
+        deadlock-free: the smallest unfinished pair always has both ends waiting on it.
+        """
+        created = 0
+        for key in sorted({pair(*p) for p in pairs}):
+            if key in self._links:
+                continue
+            if self.rank not in key:
+                raise ValueError(f"rank {self.rank} cannot create link {key} it is not part of")
+            lo, hi = key
+            prefix = f"{self.prefix}/{lo}-{hi}/g{generation}"
+            try:
+                pg = self.backend.create(
+                    dist.PrefixStore(prefix, self.store), key.index(self.rank), 2, self.timeout
+                )
+            except RuntimeError as exc:
+                raise CommError(f"link.{lo}-{hi}", "connect", exc) from exc
+            self._links[key] = Link(key, pg, generation)
+            created += 1
+            log.debug("link.connected", rank=self.rank, pair=key, generation=generation)
+        return created
+
+    def retire(self, ranks: Collection[int] | None = None) -> list[Pair]:
+        """Take the links touching any of ``ranks`` (all links if None) out of the pool."""
+        keys = [k for k in self._links if ranks is None or k[0] in ranks or k[1] in ranks]
+        for key in sorted(keys):
+            self.retired.append(self._links.pop(key))
+        return sorted(keys)
+
+
+# --------------------------------------------------------------------------- ring group
+
+
+class RingGroup:
+    """A group whose collectives run as rings over pooled links.
+
+    Offers the collectives of :class:`elaswave.comm.group.Group` that data parallelism
+    uses (``reduce_scatter``, ``all_gather``, ``all_reduce``, ``barrier``) with the same
+    semantics; the ring order is the member order of ``spec``. Every member must run the
+    same collectives in the same order (as for any process group).
+    """
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        links: LinkPool,
+        *,
+        timeout: timedelta,
+        generation: int,
+        abort: AbortSignal | None = None,
+    ) -> None:
+        if rank not in spec.ranks:
+            raise ValueError(f"rank {rank} is not a member of ring {spec.name} {spec.ranks}")
+        self.spec = spec
+        self.rank = rank
+        self.timeout = timeout
+        self.generation = generation
+        self.abort = abort
+        self._index = spec.ranks.index(rank)
+        self._key = ring_key(spec.name)
+        self._counter = 0
+        self.tainted = False
+        """A collective on this ring did not complete. Its members may then disagree on
+        the step counter, so the ring must be re-formed (``rebuild``), not reused; under
+        EDIT that creates no link, only a fresh tag space."""
+        self._prev: tuple[Link, int] | None = None
+        self._next: tuple[Link, int] | None = None
+        if self.size > 1:
+            prev, nxt = ring_neighbours(spec.ranks, rank)
+            try:
+                prev_link, next_link = links.get(prev, rank), links.get(rank, nxt)
+            except KeyError as exc:
+                raise ValueError(
+                    f"ring {spec.name}: link {exc} missing from the pool; connect it first"
+                ) from None
+            self._prev = (prev_link, prev_link.index_of(prev))
+            self._next = (next_link, next_link.index_of(nxt))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def size(self) -> int:
+        return len(self.spec.ranks)
+
+    @property
+    def index(self) -> int:
+        """This process's position in the ring."""
+        return self._index
+
+    @property
+    def pairs(self) -> list[Pair]:
+        """The links this process uses in the ring (at most two)."""
+        return sorted({lk.pair for lk, _ in (self._prev, self._next) if lk is not None})
+
+    def __repr__(self) -> str:
+        return f"RingGroup({self.name!r}, ranks={self.spec.ranks}, rank={self.rank})"
+
+    # ----------------------------------------------------------------- collectives
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Sum ``input`` (``size`` chunks) over members; chunk ``index`` lands in ``output``."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(
+                f"{self.name}: reduce_scatter input has {input.numel()} elements, "
+                f"expected output ({output.numel()}) x size ({self.size})"
+            )
+        if self.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return
+        acc = input.detach().reshape(-1).clone()
+        chunks = list(acc.split(output.numel()))
+        self.tainted = True
+        self._reduce_scatter_chunks(chunks, "reduce_scatter")
+        self.tainted = False
+        output.copy_(chunks[self._index].view(output.shape))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Concatenate every member's ``input`` into ``output`` in ring order."""
+        if output.numel() != input.numel() * self.size:
+            raise ValueError(
+                f"{self.name}: all_gather output has {output.numel()} elements, "
+                f"expected input ({input.numel()}) x size ({self.size})"
+            )
+        if self.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return
+        direct = output.is_contiguous()
+        flat = output.view(-1) if direct else torch.empty_like(output).view(-1)
+        chunks = list(flat.split(input.numel()))
+        chunks[self._index].copy_(input.reshape(-1))
+        self.tainted = True
+        self._all_gather_chunks(chunks, "all_gather")
+        self.tainted = False
+        if not direct:
+            output.copy_(flat.view(output.shape))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over members, in place (reduce-scatter then all-gather)."""
+        if self.size == 1:
+            return
+        direct = tensor.is_contiguous()
+        flat = tensor.view(-1) if direct else tensor.reshape(-1).clone()
+        chunks = list(flat.tensor_split(self.size))
+        self.tainted = True
+        self._reduce_scatter_chunks(chunks, "all_reduce")
+        self._all_gather_chunks(chunks, "all_reduce")
+        self.tainted = False
+        if not direct:
+            tensor.copy_(flat.view(tensor.shape))
+
+    def barrier(self) -> None:
+        # One element per member, so that every step carries a message.
+        self.all_reduce(torch.zeros(self.size))
+
+    # ----------------------------------------------------------------- ring steps
+
+    def _reduce_scatter_chunks(self, chunks: list[torch.Tensor], op: str) -> None:
+        base = self._reserve()
+        scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype)
+        schedule = reduce_scatter_schedule(self._index, self.size)
+        for step, (send, recv) in enumerate(schedule):
+            buf = scratch[: chunks[recv].numel()]
+            self._step(chunks[send], buf, ring_tag(self.generation, self._key, base + step), op)
+            chunks[recv].add_(buf)
+
+    def _all_gather_chunks(self, chunks: list[torch.Tensor], op: str) -> None:
+        base = self._reserve()
+        for step, (send, recv) in enumerate(all_gather_schedule(self._index, self.size)):
+            tag = ring_tag(self.generation, self._key, base + step)
+            self._step(chunks[send], chunks[recv], tag, op)
+
+    def _reserve(self) -> int:
+        """Tag counters of the next ``size - 1`` steps, reserved before any is sent.
+
+        Members that entered the same collectives agree on the counter even when one of
+        them was abandoned halfway.
+        """
+        base = self._counter
+        self._counter += self.size - 1
+        return base
+
+    def _step(self, send: torch.Tensor, recv: torch.Tensor, tag: int, op: str) -> None:
+        """Send to the next member and receive from the previous one (empty chunks skip)."""
+        assert self._next is not None
+        assert self._prev is not None
+        posted: list[tuple[dist.Work, dist.ProcessGroup]] = []
+        try:
+            if send.numel():
+                link, peer = self._next
+                posted.append((link.pg.send([send], peer, tag), link.pg))
+            if recv.numel():
+                link, peer = self._prev
+                posted.append((link.pg.recv([recv], peer, tag), link.pg))
+        except RuntimeError as exc:
+            _park(posted)
+            raise CommError(self.name, op, exc) from exc
+        self._wait(posted, op)
+
+    def _wait(self, posted: list[tuple[dist.Work, dist.ProcessGroup]], op: str) -> None:
+        futures = _park(posted)
+        if not futures:
+            return
+        if self.abort is not None:
+            self.abort.check()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pending = set(futures)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommError(self.name, op, f"timed out after {self.timeout}")
+            slice_s = remaining if self.abort is None else min(remaining, _POLL_S)
+            done, pending = concurrent.futures.wait(
+                pending, timeout=slice_s, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
+            for future in done:
+                exc = future.exception()
+                if exc is not None:
+                    raise CommError(self.name, op, exc) from exc
+            if pending and self.abort is not None and self.abort.is_set():
+                raise StepAborted(self.abort.reason)
+
+
+def _park(
+    posted: list[tuple[dist.Work, dist.ProcessGroup]],
+) -> list[concurrent.futures.Future[None]]:
+    """Wait for each posted operation on a waiter thread, with no gloo-level timeout.
+
+    The thread holds the operation's process group: a group destroyed under a blocked
+    wait aborts the process, and this way none can be while a wait is parked on it.
+    """
+    return [_WAITERS.submit(functools.partial(_wait_parked, work, pg)) for work, pg in posted]
+
+
+def _wait_parked(work: dist.Work, pg: dist.ProcessGroup) -> None:
+    """``pg`` is only held (by the partial that calls this), never used."""
+    work.wait(_PARKED)

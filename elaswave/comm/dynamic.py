@@ -10,9 +10,11 @@ membership by one of three strategies, the paper's method and its two baselines:
   links and groups to a removed rank are dropped without any collective on them.
 * :attr:`RebuildStrategy.PARTIAL` (partial restart): every group whose members changed
   is created from scratch as a full gloo process group; the others are reused.
-* :attr:`RebuildStrategy.FULL` (full restart): every group and link is dropped and every
-  group of the new membership is created again as a full gloo process group, as
-  :meth:`Communicator.build` does at start-up.
+* :attr:`RebuildStrategy.FULL` (full restart): every group and link is dropped and the
+  job's communication is initialised again the way a torch job initialises it at
+  start-up (Megatron's ``initialize_model_parallel``): ``init_process_group`` over every
+  survivor (the global communicator), then ``new_group`` for every group of the job in
+  one global order, every rank taking part in the creation of every group.
 
 Which groups are rings is decided by a predicate (by default the trainer's DP groups,
 ``dp.s{stage}``, see :func:`elaswave.engine.plan.dp_group_name`); every other group (the
@@ -96,6 +98,10 @@ class ChangePlan:
     """Groups created as full process groups, in creation order (by name)."""
     drop: tuple[str, ...]
     """Groups of the old membership not carried over."""
+    world: tuple[int, ...]
+    """FULL only: the ranks of the re-initialised global group, in rank order. Every one
+    of them takes part in creating every group of ``groups``, which then holds every
+    group of the job, not only this rank's."""
     retire_links: tuple[Pair, ...]
     """Pooled links taken out: those touching a removed rank (all of them for FULL)."""
     new_links: tuple[Pair, ...]
@@ -118,7 +124,9 @@ def plan_change(
     """Plan the change of this rank's groups from ``current`` to ``specs`` (pure).
 
     ``current`` are the specs of the groups this rank holds, ``pooled`` its links,
-    ``specs`` the new membership's groups (those without this rank are ignored). A group
+    ``specs`` the new membership's groups (those without this rank are ignored, except
+    under FULL, where every rank creates every group of the job: there ``specs`` must be
+    the whole job's groups, the same on every survivor). A group
     is reused only if its spec is unchanged and ``rebuild(spec)`` is false; under EDIT a
     rebuilt ring is re-formed over the links it has (no new link, fresh tag space).
     """
@@ -140,13 +148,22 @@ def plan_change(
         retire = sorted(p for p in pooled if p[0] in removed or p[1] in removed)
     pooled_after = set(pooled) - set(retire)
 
+    if strategy is RebuildStrategy.FULL:
+        world = sorted({r for s in specs for r in s.ranks} | {rank})
+        return ChangePlan(
+            strategy=strategy,
+            reuse=(),
+            rings=(),
+            groups=tuple(sorted(specs, key=lambda s: s.name)),
+            drop=tuple(sorted(old)),
+            world=tuple(world),
+            retire_links=tuple(retire),
+            new_links=(),
+            kept_links=(),
+        )
     reuse, rings, groups = [], [], []
     for spec in sorted((s for s in specs if rank in s.ranks), key=lambda s: s.name):
-        if (
-            strategy is not RebuildStrategy.FULL
-            and old.get(spec.name) == spec
-            and not rebuild(spec)
-        ):
+        if old.get(spec.name) == spec and not rebuild(spec):
             reuse.append(spec.name)
         elif strategy is RebuildStrategy.EDIT and is_ring(spec):
             rings.append(spec)
@@ -159,6 +176,7 @@ def plan_change(
         rings=tuple(rings),
         groups=tuple(groups),
         drop=tuple(sorted(set(old) - set(reuse))),
+        world=(),
         retire_links=tuple(retire),
         new_links=tuple(p for p in needed if p not in pooled_after),
         kept_links=tuple(p for p in needed if p in pooled_after),
@@ -169,7 +187,7 @@ def plan_change(
 class ChangeStats:
     """One rank's account of one change. Link counts are this rank's pairwise
     connections: a new 2-rank link counts once on each end, a new full group of n
-    members n - 1 on each member."""
+    members n - 1 on each member (a full rebuild's global group of N ranks: N - 1)."""
 
     strategy: RebuildStrategy
     generation: int
@@ -271,7 +289,10 @@ class DynamicCommunicator:
             raise ValueError(
                 f"generation {new_generation} must be above the current {self.generation}"
             )
+        strategy = RebuildStrategy(strategy)
         if specs is None:
+            if strategy is RebuildStrategy.FULL:
+                raise ValueError("a full rebuild creates every group of the job: pass specs")
             specs = shrink_specs(self._comm.specs, removed, is_ring=self.is_ring)
         plan = plan_change(
             rank=self.rank,
@@ -286,6 +307,31 @@ class DynamicCommunicator:
         return self._execute(plan, new_generation, removed=removed)
 
     # ----------------------------------------------------------------- execution
+
+    def _initialise_world(self, plan: ChangePlan, generation: int, into: Communicator) -> None:
+        """FULL: initialise communication again as a torch job does at start-up.
+
+        The global group over every survivor (``init_process_group``, replacing the one
+        a previous full rebuild made), then ``new_group`` for every group of the job in
+        name order; each call is collective over the whole world (a store barrier), as in
+        Megatron's ``initialize_model_parallel``. Members keep their groups.
+        """
+        world = list(plan.world)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(
+            self.backend.name,
+            store=dist.PrefixStore(f"world/g{generation}", self.store),
+            rank=world.index(self.rank),
+            world_size=len(world),
+            timeout=self.timeout,
+        )
+        for spec in plan.groups:
+            pg = dist.new_group(
+                [world.index(r) for r in spec.ranks], timeout=self.timeout, sort_ranks=False
+            )
+            if self.rank in spec.ranks:
+                into.put(Group(spec, pg, self.rank, self.timeout, self.abort))
 
     def _communicator(self, generation: int) -> Communicator:
         return Communicator(
@@ -312,7 +358,10 @@ class DynamicCommunicator:
         for name in plan.reuse:
             new.put(old[name])
         # One global creation order: full groups by name, then links by pair.
-        new.build(plan.groups)
+        if plan.strategy is RebuildStrategy.FULL:
+            self._initialise_world(plan, generation, new)
+        else:
+            new.build(plan.groups)
         created_links = self.links.connect(plan.new_links, generation=generation)
         for spec in plan.rings:
             new.put(
@@ -332,6 +381,8 @@ class DynamicCommunicator:
         seconds = time.perf_counter() - started
 
         reused = [new[name] for name in plan.reuse]
+        mine = [s for s in plan.groups if self.rank in s.ranks]
+        world_links = len(plan.world) - 1 if plan.world else 0
         ring_links = set(plan.kept_links)
         full_links = 0
         for group in reused:
@@ -345,10 +396,10 @@ class DynamicCommunicator:
             generation=generation,
             rank=self.rank,
             seconds=seconds,
-            groups_created=len(plan.rings) + len(plan.groups),
+            groups_created=len(plan.rings) + len(mine) + int(bool(plan.world)),
             groups_reused=len(plan.reuse),
             groups_dropped=len(plan.drop),
-            links_created=created_links + sum(len(s.ranks) - 1 for s in plan.groups),
+            links_created=created_links + world_links + sum(len(s.ranks) - 1 for s in mine),
             links_reused=len(ring_links) + full_links,
             links_retired=len(retired_links),
         )

@@ -16,14 +16,16 @@ not gloo's order.
 
 Waits never time out inside gloo: a gloo wait that times out closes its pair, and a
 link that a survivor merely waited on for too long must stay usable after a failure.
-Each wait runs on a daemon waiter thread with a practically unbounded gloo timeout, and
-the caller gives up after :attr:`RingGroup.timeout` (or when the abort signal is set)
-with :class:`CommError`; the abandoned wait stays parked on its thread until the link's
-peer dies. Tags carry the ring's generation, so an abandoned send or receive can never
-match a message of a ring formed later. A process group destroyed under a blocked wait
-aborts the process, so each parked wait holds its link's group, and retired links are
-kept (:attr:`LinkPool.retired`); an idle gloo group costs about 1 ms of CPU per second
-(measured here), which bounds what keeping them costs.
+Each collective runs whole on a daemon waiter thread (one thread hand-off per
+collective, as for a gloo collective) with a practically unbounded gloo timeout, and the
+caller gives up after :attr:`RingGroup.timeout` (or when the abort signal is set) with
+:class:`CommError`; the abandoned collective posts nothing more and stays parked on its
+thread until the link's peer dies. Tags carry the ring's generation, so an abandoned send
+or receive can never match a message of a ring formed later. A process group destroyed
+under a blocked wait aborts the process, so each parked collective holds its ring and
+with it its links' groups, and retired links are kept (:attr:`LinkPool.retired`); an
+idle gloo group costs about 1 ms of CPU per second (measured here), which bounds what
+keeping them costs.
 """
 
 from __future__ import annotations
@@ -330,9 +332,10 @@ class RingGroup:
             return
         acc = input.detach().reshape(-1).clone()
         chunks = list(acc.split(output.numel()))
-        self.tainted = True
-        self._reduce_scatter_chunks(chunks, "reduce_scatter")
-        self.tainted = False
+        base = self._reserve(1)
+        self._run(
+            lambda cancel: self._reduce_scatter_chunks(chunks, base, cancel), "reduce_scatter"
+        )
         output.copy_(chunks[self._index].view(output.shape))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -349,9 +352,8 @@ class RingGroup:
         flat = output.view(-1) if direct else torch.empty_like(output).view(-1)
         chunks = list(flat.split(input.numel()))
         chunks[self._index].copy_(input.reshape(-1))
-        self.tainted = True
-        self._all_gather_chunks(chunks, "all_gather")
-        self.tainted = False
+        base = self._reserve(1)
+        self._run(lambda cancel: self._all_gather_chunks(chunks, base, cancel), "all_gather")
         if not direct:
             output.copy_(flat.view(output.shape))
 
@@ -362,10 +364,13 @@ class RingGroup:
         direct = tensor.is_contiguous()
         flat = tensor.view(-1) if direct else tensor.reshape(-1).clone()
         chunks = list(flat.tensor_split(self.size))
-        self.tainted = True
-        self._reduce_scatter_chunks(chunks, "all_reduce")
-        self._all_gather_chunks(chunks, "all_reduce")
-        self.tainted = False
+        base = self._reserve(2)
+
+        def run(cancel: threading.Event) -> None:
+            self._reduce_scatter_chunks(chunks, base, cancel)
+            self._all_gather_chunks(chunks, base + self.size - 1, cancel)
+
+        self._run(run, "all_reduce")
         if not direct:
             tensor.copy_(flat.view(tensor.shape))
 
@@ -375,83 +380,82 @@ class RingGroup:
 
     # ----------------------------------------------------------------- ring steps
 
-    def _reduce_scatter_chunks(self, chunks: list[torch.Tensor], op: str) -> None:
-        base = self._reserve()
+    def _reserve(self, phases: int) -> int:
+        """Tag counters of the next ``phases`` x ``(size - 1)`` steps, reserved on the
+        caller's thread before any is sent: members that entered the same collectives
+        agree on the counter even when one of them was abandoned halfway."""
+        base = self._counter
+        self._counter += phases * (self.size - 1)
+        return base
+
+    def _reduce_scatter_chunks(
+        self, chunks: list[torch.Tensor], base: int, cancel: threading.Event
+    ) -> None:
         scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype)
         schedule = reduce_scatter_schedule(self._index, self.size)
         for step, (send, recv) in enumerate(schedule):
             buf = scratch[: chunks[recv].numel()]
-            self._step(chunks[send], buf, ring_tag(self.generation, self._key, base + step), op)
+            self._step(chunks[send], buf, ring_tag(self.generation, self._key, base + step), cancel)
             chunks[recv].add_(buf)
 
-    def _all_gather_chunks(self, chunks: list[torch.Tensor], op: str) -> None:
-        base = self._reserve()
+    def _all_gather_chunks(
+        self, chunks: list[torch.Tensor], base: int, cancel: threading.Event
+    ) -> None:
         for step, (send, recv) in enumerate(all_gather_schedule(self._index, self.size)):
             tag = ring_tag(self.generation, self._key, base + step)
-            self._step(chunks[send], chunks[recv], tag, op)
+            self._step(chunks[send], chunks[recv], tag, cancel)
 
-    def _reserve(self) -> int:
-        """Tag counters of the next ``size - 1`` steps, reserved before any is sent.
-
-        Members that entered the same collectives agree on the counter even when one of
-        them was abandoned halfway.
-        """
-        base = self._counter
-        self._counter += self.size - 1
-        return base
-
-    def _step(self, send: torch.Tensor, recv: torch.Tensor, tag: int, op: str) -> None:
-        """Send to the next member and receive from the previous one (empty chunks skip)."""
+    def _step(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: int, cancel: threading.Event
+    ) -> None:
+        """Send to the next member and receive from the previous one, blocking (on the
+        collective's waiter thread). Empty chunks skip. Nothing new is posted once the
+        caller has given up on the collective."""
         assert self._next is not None
         assert self._prev is not None
-        posted: list[tuple[dist.Work, dist.ProcessGroup]] = []
-        try:
-            if send.numel():
-                link, peer = self._next
-                posted.append((link.pg.send([send], peer, tag), link.pg))
-            if recv.numel():
-                link, peer = self._prev
-                posted.append((link.pg.recv([recv], peer, tag), link.pg))
-        except RuntimeError as exc:
-            _park(posted)
-            raise CommError(self.name, op, exc) from exc
-        self._wait(posted, op)
+        if cancel.is_set():
+            raise _Cancelled
+        posted: list[dist.Work] = []
+        if send.numel():
+            link, peer = self._next
+            posted.append(link.pg.send([send], peer, tag))
+        if recv.numel():
+            link, peer = self._prev
+            posted.append(link.pg.recv([recv], peer, tag))
+        for work in posted:
+            work.wait(_PARKED)
 
-    def _wait(self, posted: list[tuple[dist.Work, dist.ProcessGroup]], op: str) -> None:
-        futures = _park(posted)
-        if not futures:
-            return
+    def _run(self, collective: Callable[[threading.Event], None], op: str) -> None:
+        """Run ``collective`` on a waiter thread; wait for it here, bounded by the timeout
+        and the abort signal. One thread hand-off per collective, whatever the ring size.
+
+        A collective given up on stays parked on its thread (blocked on a dead or hung
+        peer) and posts nothing more; the ring stays ``tainted``.
+        """
         if self.abort is not None:
             self.abort.check()
+        self.tainted = True
+        cancel = threading.Event()
+        future = _WAITERS.submit(functools.partial(collective, cancel))
         deadline = time.monotonic() + self.timeout.total_seconds()
-        pending = set(futures)
-        while pending:
+        while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                cancel.set()
                 raise CommError(self.name, op, f"timed out after {self.timeout}")
             slice_s = remaining if self.abort is None else min(remaining, _POLL_S)
-            done, pending = concurrent.futures.wait(
-                pending, timeout=slice_s, return_when=concurrent.futures.FIRST_EXCEPTION
-            )
-            for future in done:
-                exc = future.exception()
-                if exc is not None:
-                    raise CommError(self.name, op, exc) from exc
-            if pending and self.abort is not None and self.abort.is_set():
-                raise StepAborted(self.abort.reason)
+            try:
+                future.result(timeout=slice_s)
+            except concurrent.futures.TimeoutError:
+                if self.abort is not None and self.abort.is_set():
+                    cancel.set()
+                    raise StepAborted(self.abort.reason) from None
+                continue
+            except RuntimeError as exc:
+                raise CommError(self.name, op, exc) from exc
+            break
+        self.tainted = False
 
 
-def _park(
-    posted: list[tuple[dist.Work, dist.ProcessGroup]],
-) -> list[concurrent.futures.Future[None]]:
-    """Wait for each posted operation on a waiter thread, with no gloo-level timeout.
-
-    The thread holds the operation's process group: a group destroyed under a blocked
-    wait aborts the process, and this way none can be while a wait is parked on it.
-    """
-    return [_WAITERS.submit(functools.partial(_wait_parked, work, pg)) for work, pg in posted]
-
-
-def _wait_parked(work: dist.Work, pg: dist.ProcessGroup) -> None:
-    """``pg`` is only held (by the partial that calls this), never used."""
-    work.wait(_PARKED)
+class _Cancelled(Exception):
+    """A given-up collective's thread stops before posting its next step."""

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from elaswave.comm.group import Group
+from elaswave.comm.communicator import CommGroup
 from elaswave.fabric.layout import InterleavedLayout
 
 
@@ -109,7 +109,7 @@ class ZeroAdamW:
         layers: Sequence[nn.Module],
         *,
         layer_ids: Sequence[int],
-        dp_group: Group,
+        dp_group: CommGroup,
         replica: int,
         cfg: OptimizerConfig,
         state: ShardState | None = None,

@@ -1,11 +1,12 @@
 """What a worker trains with, and how a recovery plan turns one trainer into the next.
 
-A :class:`Trainer` holds everything a plan change replaces: the plan, the communicator,
-the ZeRO optimizer shard, the snapshot sender and keepers, and the stage runner. The
-layers and their parameters stay (fail-stop recovery moves no layer). :func:`recover`
-is the recovery executor: roll back to the committed step, edit the communicator,
-live-remap the optimizer shards of the stages that lost ranks, re-place snapshots, and
-rebuild the runner.
+A :class:`Trainer` holds everything a plan change replaces: the plan, the ZeRO
+optimizer shard, the snapshot sender and keepers, and the stage runner, all over the
+current generation of the worker's dynamic communicator. The layers and their parameters
+stay (fail-stop recovery moves no layer). :func:`recover` is the recovery executor: roll
+back to the committed step, edit the communicator (only the groups and links the failure
+touched), live-remap the optimizer shards of the stages that lost ranks, re-place
+snapshots, and rebuild the runner.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
+from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import GroupSpec, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.plan import (
@@ -44,10 +46,6 @@ from elaswave.runtime.faults import FaultInjector
 from elaswave.runtime.pipeline import StageRunner
 
 log = structlog.get_logger(__name__)
-
-# Groups replaced by an edit may still have work in flight that nothing will complete;
-# destroying a gloo group then can block, so they are parked here until the process ends.
-_RETIRED: list[object] = []
 
 
 @dataclass(frozen=True)
@@ -74,10 +72,16 @@ class WorkerContext:
 @dataclass
 class Trainer:
     plan: Plan
-    comm: Communicator
+    links: DynamicCommunicator
+    """The worker's groups and links across generations (shared by successive trainers)."""
     optimizer: ZeroAdamW
     runner: StageRunner
     keepers: list[SnapshotKeeper] = field(default_factory=list)
+
+    @property
+    def comm(self) -> Communicator:
+        """The current generation's groups."""
+        return self.links.comm
 
     @property
     def committed_step(self) -> int:
@@ -131,13 +135,16 @@ def _optimizer(
 def initial_trainer(ctx: WorkerContext) -> Trainer:
     """The trainer at the start of the run, or at a checkpoint when resuming."""
     plan = ctx.cfg.plan()
-    comm = Communicator(ctx.store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort)
-    comm.build(plan.group_specs() + _snapshot_specs(ctx, plan))
+    links = DynamicCommunicator(
+        ctx.store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort
+    )
+    links.build(plan.group_specs() + _snapshot_specs(ctx, plan))
+    comm = links.comm
     t = ctx.cfg.train
     if t.resume_dir is None or t.resume_step is None:
         optimizer = _optimizer(ctx, plan, comm)
         keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
-        return Trainer(plan, comm, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
+        return Trainer(plan, links, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
     stage, replica = plan.locate(ctx.rank)
     loaded = load_layers(step_dir(Path(t.resume_dir), t.resume_step), plan.stages[stage].layers)
     with torch.no_grad():
@@ -156,7 +163,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
         initial[owner] = cut(owner_replica)
         initial[owner].decay_mask = optimizer.decay_mask_of(owner_replica)
     keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=t.resume_step, initial=initial)
-    return Trainer(plan, comm, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
+    return Trainer(plan, links, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
 
 
 def _attach_snapshots(
@@ -269,10 +276,14 @@ def recover(
         pairs = {tuple(sorted((t.src, t.dst))) for t in remap.transfers if t.src != t.dst}
         specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
     # Each stage's remap links are created by that stage's survivors only.
-    comm, reused = old.comm.edit(
-        specs, generation=new_plan.generation, rebuild=lambda spec: spec.name in rebuild
+    change = old.links.apply(
+        specs,
+        removed=failed,
+        strategy=RebuildStrategy.EDIT,
+        generation=new_plan.generation,
+        rebuild=lambda spec: spec.name in rebuild,
     )
-    _RETIRED.extend(old.comm.dropped)
+    comm = old.links.comm
     t1 = time.perf_counter()
 
     if remap is not None:
@@ -296,13 +307,17 @@ def recover(
 
     initial = _exchange_snapshot_states(ctx, new_plan, comm, optimizer, c)
     keepers = _attach_snapshots(ctx, new_plan, comm, optimizer, step=c, initial=initial)
-    trainer = Trainer(new_plan, comm, optimizer, _runner(ctx, new_plan, comm, optimizer), keepers)
+    trainer = Trainer(
+        new_plan, old.links, optimizer, _runner(ctx, new_plan, comm, optimizer), keepers
+    )
     t3 = time.perf_counter()
     log.info(
         "recovery.applied",
         generation=new_plan.generation,
         committed_step=c,
-        reused_groups=reused,
+        reused_groups=change.groups_reused,
+        created_groups=change.groups_created,
+        created_links=change.links_created,
         affected=affected,
     )
     return trainer, {"comm": t1 - t0, "remap": t2 - t1, "resume": t3 - t2}

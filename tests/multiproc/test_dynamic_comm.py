@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
+from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy, shrink_specs
 from elaswave.comm.group import CommError, Group, GroupSpec
 from elaswave.comm.ring import RingGroup
 from elaswave.comm.store import connect_store, serve_store
@@ -195,7 +195,9 @@ def _survive_kill(rank: int, store: dist.Store, strategy: str) -> dict[str, Any]
         detected["after_kill_s"] = detected["at"] - float(store.get("killed_at"))
 
     _barrier(store, "recovering", 5)
-    stats = dyn.apply(removed={VICTIM}, strategy=RebuildStrategy(strategy))
+    stats = dyn.apply(
+        shrink_specs(SPECS, {VICTIM}), removed={VICTIM}, strategy=RebuildStrategy(strategy)
+    )
 
     # The next collectives over the survivors are correct.
     if rank in (0, 2, 3):
@@ -292,5 +294,6 @@ def test_sigkill_then_full_rebuilds_everything() -> None:
     _check_detection(results)
     assert all(r["same_objects"] == [] for r in results.values())
     assert results[4]["types"] == {"dp.s1": "Group", "link.0-4": "Group"}
+    # The global group over the 5 survivors (4 connections each), then every group.
     created = {rank: r["stats"]["links_created"] for rank, r in results.items()}
-    assert created == {0: 3, 2: 2, 3: 2, 4: 2, 5: 1}
+    assert created == {0: 4 + 3, 2: 4 + 2, 3: 4 + 2, 4: 4 + 2, 5: 4 + 1}

@@ -197,12 +197,13 @@ def test_partial_and_full_rebuild_as_full_groups() -> None:
     assert partial[0].groups == () and "dp.s0" in partial[0].reuse
     assert partial[6].retire_links == ((5, 6),)
     _, full = _strategy_plans(FULL)
-    for rank, plan in full.items():
+    for plan in full.values():
         assert plan.reuse == () and plan.rings == ()
-        assert {s.name for s in plan.groups} == {
-            s.name for s in shrink_specs(specs, {5}) if rank in s.ranks
-        }
+        # torch's way: every rank takes part in creating every group of the job.
+        assert plan.groups == tuple(sorted(shrink_specs(specs, {5}), key=lambda s: s.name))
+        assert plan.world == tuple(r for r in range(12) if r != 5)
         assert len(plan.retire_links) == 2
+    assert partial[4].world == ()
 
 
 def test_rebuild_reforms_a_ring_over_its_links() -> None:
@@ -265,8 +266,10 @@ def test_every_member_agrees_and_creation_never_deadlocks(
         if r not in removed
     }
     for plans_of in (builds, plans):
+        # A unit is created by its members; under FULL by the whole world (new_group).
         queues = {
-            r: [("g", s.name, s.ranks) for s in p.groups] + [("l", lk, lk) for lk in p.new_links]
+            r: [("g", s.name, p.world or s.ranks) for s in p.groups]
+            + [("l", lk, lk) for lk in p.new_links]
             for r, p in plans_of.items()
         }
         for unit in {u for q in queues.values() for u in q}:

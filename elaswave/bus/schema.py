@@ -300,7 +300,8 @@ class RecoveryStarted(Event):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryFinished(Event):
-    """A recovery ended; ``mttr_s`` is the time from detection to training again."""
+    """A recovery ended: the redone step completed. ``mttr_s``: seconds from the failure
+    (the kill when known, else its detection) to that completion."""
 
     KIND = EventKind.RECOVERY_FINISHED
     TOPIC = Topic.RECOVERY

@@ -60,6 +60,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")
     p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
     p.add_argument(
+        "--no-snapshots",
+        action="store_false",
+        dest="snapshots",
+        default=None,
+        help="keep no host snapshots of optimizer shards (a lost shard is then unrecoverable)",
+    )
+    p.add_argument(
         "--verify-snapshots",
         action="store_true",
         default=None,
@@ -157,6 +164,7 @@ def _train(args: argparse.Namespace) -> int:
             "device": args.device,
             "comm_timeout_s": args.comm_timeout,
             "ranks_per_node": args.ranks_per_node,
+            "snapshots": args.snapshots,
             "verify_snapshots": args.verify_snapshots,
             "faults": tuple(args.faults) if args.faults else None,
             "rng": args.rng,

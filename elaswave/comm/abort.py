@@ -2,8 +2,11 @@
 
 A gloo wait that times out closes its pair and breaks the group, and ``pg.abort()`` does
 not unblock a wait in flight, so neither can stop a step when a peer fails. Instead, each
-blocking wait runs on a waiter thread while the training thread polls both the wait and
-an :class:`AbortSignal` that the bus sets when the Core announces a failure. An abandoned
+blocking wait runs on a waiter thread while the calling thread sleeps until either the
+wait completes or an :class:`AbortSignal` (set by the bus when the Core announces a
+failure) fires. Nothing polls: the wait's completion and the signal both wake the caller,
+so a thread blocked in a wait costs no CPU (on 2 shared cores, polling every few
+milliseconds from every waiting thread was a measurable tax on training). An abandoned
 wait stays parked on its thread; P2P tags carry the plan generation and step, so a stale
 receive can never match a message of the redone step.
 """
@@ -11,13 +14,15 @@ receive can never match a message of the redone step.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="ew-wait")
-_POLL_S = 0.002
+T = TypeVar("T")
 
 
 class StepAborted(Exception):
@@ -25,21 +30,28 @@ class StepAborted(Exception):
 
 
 class AbortSignal:
-    """Set from any thread (the bus callback); checked by the training thread."""
+    """Set from any thread (the bus callback); checked and watched by waiting threads."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._watchers: set[threading.Event] = set()
         self.reason = ""
         self.generation = 0
         """The plan generation whose failures this signal reports."""
 
     def set(self, reason: str) -> None:
-        self.reason = reason
-        self._event.set()
+        with self._lock:
+            self.reason = reason
+            self._event.set()
+            watchers = list(self._watchers)
+        for wake in watchers:
+            wake.set()
 
     def clear(self) -> None:
-        self.reason = ""
-        self._event.clear()
+        with self._lock:
+            self.reason = ""
+            self._event.clear()
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -51,6 +63,86 @@ class AbortSignal:
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
 
+    @contextlib.contextmanager
+    def watch(self, wake: threading.Event) -> Iterator[None]:
+        """Set ``wake`` when the signal fires (at once if it already has) while inside."""
+        with self._lock:
+            self._watchers.add(wake)
+            if self._event.is_set():
+                wake.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watchers.discard(wake)
+
+
+class Waiters:
+    """Daemon threads for blocking waits; one that is given up on parks for good.
+
+    A thread pool from ``concurrent.futures`` would not do: its threads are joined at
+    interpreter exit (a parked wait would then hang the exit), and a bounded pool runs
+    out once enough waits are parked.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
+        self._ready = threading.Condition(self._lock)
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            self._items.append((fn, future))
+            if self._idle > len(self._items) - 1:
+                self._ready.notify()
+                return future
+        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._items:
+                    self._idle += 1
+                    self._ready.wait()
+                    self._idle -= 1
+                fn, future = self._items.pop(0)
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del fn, future  # an idle thread must not keep the last group alive
+
+
+WAITERS = Waiters("ew-wait")
+
+
+def await_future(
+    future: concurrent.futures.Future[T], timeout_s: float, signal: AbortSignal | None
+) -> tuple[bool, T | None]:
+    """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires.
+
+    Returns ``(True, result)`` when it completed (re-raising its exception), ``(False,
+    None)`` on timeout; raises :class:`StepAborted` when the signal fired first.
+    """
+    wake = threading.Event()
+    future.add_done_callback(lambda _: wake.set())
+    if signal is None:
+        wake.wait(timeout_s)
+    else:
+        with signal.watch(wake):
+            wake.wait(timeout_s)
+    if future.done():
+        return True, future.result()
+    if signal is not None and signal.is_set():
+        raise StepAborted(signal.reason)
+    return False, None
+
 
 def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> bool:
     """``work.wait(timeout)``, abandoned with :class:`StepAborted` if ``signal`` is set.
@@ -58,10 +150,7 @@ def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> 
     Returns what ``wait`` returned; re-raises its RuntimeError.
     """
     signal.check()
-    future = _POOL.submit(work.wait, timeout)
-    while True:
-        done, _ = concurrent.futures.wait([future], timeout=_POLL_S)
-        if done:
-            return future.result()
-        if signal.is_set():
-            raise StepAborted(signal.reason)
+    future = WAITERS.submit(lambda: work.wait(timeout))
+    # gloo's own timeout ends the wait; the margin only guards against a stuck waiter.
+    done, ok = await_future(future, timeout.total_seconds() + 5.0, signal)
+    return bool(ok) if done else False

@@ -8,7 +8,7 @@ silent hang, which is what fail-stop detection builds on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, wait_abortable
+
+DETACHED = timedelta(days=365)
+"""gloo-level timeout of a detached wait: never reached, so the wait never closes its
+pair (a gloo wait that times out does)."""
 
 
 class CommError(RuntimeError):
@@ -129,6 +133,25 @@ class Group:
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
         self._wait(work, "recv")
+
+    def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Send and wait on the calling thread, unbounded and deaf to the abort signal.
+
+        For background threads that may be abandoned mid-wait (they then stay blocked,
+        holding this group, which must therefore never be destroyed). A dead peer still
+        ends the wait with :class:`CommError`.
+        """
+        self._detached(lambda: self.pg.send([tensor], self._index[peer], tag), "send")
+
+    def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Receive on the calling thread; see :meth:`send_detached`."""
+        self._detached(lambda: self.pg.recv([tensor], self._index[peer], tag), "recv")
+
+    def _detached(self, post: Callable[[], dist.Work], op: str) -> None:
+        try:
+            post().wait(DETACHED)
+        except RuntimeError as exc:
+            raise CommError(self.name, op, exc) from exc
 
 
 def p2p_tag(generation: int, step: int, index: int) -> int:

@@ -30,10 +30,8 @@ keeping them costs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import threading
-import time
 import zlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -43,18 +41,15 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.abort import AbortSignal, StepAborted
+from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
 from elaswave.comm.backend import GroupBackend
-from elaswave.comm.group import CommError, GroupSpec
+from elaswave.comm.group import DETACHED, CommError, GroupSpec
 
 log = structlog.get_logger(__name__)
 
 Pair = tuple[int, int]
 """A link's two global ranks, lower first."""
 
-_PARKED = timedelta(days=365)
-"""gloo-level timeout of a ring wait: never reached, so a wait never closes its pair."""
-_POLL_S = 0.002
 _TAG_RING = 1 << 30
 """Set in every ring tag; :func:`elaswave.comm.group.p2p_tag` tags stay below it."""
 
@@ -110,52 +105,6 @@ def ring_tag(generation: int, key: int, counter: int) -> int:
 
 def ring_key(name: str) -> int:
     return zlib.crc32(name.encode()) % 16
-
-
-# --------------------------------------------------------------------------- waiter threads
-
-
-class _Waiters:
-    """Daemon threads for blocking gloo waits; one that is given up on parks for good.
-
-    A thread pool from ``concurrent.futures`` would not do: its threads are joined at
-    interpreter exit, and a parked wait would then hang the exit.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._items: list[tuple[Callable[[], None], concurrent.futures.Future[None]]] = []
-        self._ready = threading.Condition(self._lock)
-        self._idle = 0
-
-    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        with self._lock:
-            self._items.append((fn, future))
-            if self._idle > len(self._items) - 1:
-                self._ready.notify()
-                return future
-        threading.Thread(target=self._run, name="ew-ring-wait", daemon=True).start()
-        return future
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._items:
-                    self._idle += 1
-                    self._ready.wait()
-                    self._idle -= 1
-                fn, future = self._items.pop(0)
-            try:
-                fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-            del fn, future  # an idle thread must not keep the last group alive
-
-
-_WAITERS = _Waiters()
 
 
 # --------------------------------------------------------------------------- links
@@ -423,7 +372,7 @@ class RingGroup:
             link, peer = self._prev
             posted.append(link.pg.recv([recv], peer, tag))
         for work in posted:
-            work.wait(_PARKED)
+            work.wait(DETACHED)
 
     def _run(self, collective: Callable[[threading.Event], None], op: str) -> None:
         """Run ``collective`` on a waiter thread; wait for it here, bounded by the timeout
@@ -436,24 +385,17 @@ class RingGroup:
             self.abort.check()
         self.tainted = True
         cancel = threading.Event()
-        future = _WAITERS.submit(functools.partial(collective, cancel))
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                cancel.set()
-                raise CommError(self.name, op, f"timed out after {self.timeout}")
-            slice_s = remaining if self.abort is None else min(remaining, _POLL_S)
-            try:
-                future.result(timeout=slice_s)
-            except concurrent.futures.TimeoutError:
-                if self.abort is not None and self.abort.is_set():
-                    cancel.set()
-                    raise StepAborted(self.abort.reason) from None
-                continue
-            except RuntimeError as exc:
-                raise CommError(self.name, op, exc) from exc
-            break
+        future = WAITERS.submit(functools.partial(collective, cancel))
+        try:
+            done, _ = await_future(future, self.timeout.total_seconds(), self.abort)
+        except StepAborted:
+            cancel.set()
+            raise
+        except RuntimeError as exc:
+            raise CommError(self.name, op, exc) from exc
+        if not done:
+            cancel.set()
+            raise CommError(self.name, op, f"timed out after {self.timeout}")
         self.tainted = False
 
 

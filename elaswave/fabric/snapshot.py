@@ -2,7 +2,8 @@
 
 After the reduce-scatter, each owner sends its reduced gradient shard (not the three
 times larger optimizer state) to its snapshot holder, whose background thread applies
-the very same AdamW update to a host copy, overlapped with the next step. The holder
+the very same AdamW update to a host copy, overlapped with the next step. Both ends run
+on background threads that block in gloo directly: the training thread only enqueues. The holder
 keeps the last two step versions, so a step abandoned by a failure can roll back to the
 committed one. Bit-for-bit equality with the owner holds because both sides run
 :func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
@@ -56,9 +57,10 @@ class SnapshotKeeper:
     versions: dict[int, ShardState] = field(default_factory=dict)
     digests: list[str] = field(default_factory=list)
     error: BaseException | None = None
-    _steps: queue.Queue[int | None] = field(default_factory=lambda: queue.Queue(maxsize=4))
+    _steps: queue.Queue[int | None] = field(default_factory=queue.Queue)
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
+    _closed: bool = False
 
     def __post_init__(self) -> None:
         self.versions[self.initial_step] = self.initial.clone_to("cpu")
@@ -74,16 +76,18 @@ class SnapshotKeeper:
         self._steps.put(step)
 
     def _run(self) -> None:
-        while (step := self._steps.get()) is not None:
+        while (step := self._steps.get()) is not None and not self._closed:
             try:
                 latest = self.versions[max(self.versions)]
                 grad = torch.empty_like(latest.master)
-                self.link.recv(grad, self.owner, tag=p2p_tag(self.generation, step, 0))
+                # Blocks this thread only; a dead owner ends it with CommError.
+                self.link.recv_detached(grad, self.owner, tag=p2p_tag(self.generation, step, 0))
                 state = latest.clone_to("cpu")
                 adamw_update(state, grad, step=step, cfg=self.cfg)
                 digest = state_digest(state) if self.record_digests else ""
             except BaseException as exc:  # surfaced to the training thread by wait()
-                log.warning("snapshot.failed", owner=self.owner, step=step, error=str(exc))
+                if not self._closed:
+                    log.warning("snapshot.failed", owner=self.owner, step=step, error=str(exc))
                 with self._done:
                     self.error = exc
                     self._done.notify_all()
@@ -120,29 +124,64 @@ class SnapshotKeeper:
             )
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._steps.put(None)
-            self._thread.join(timeout=5)
+        """Stop keeping. Returns at once: a keeper blocked on a gradient that will never
+        come (its owner abandoned the step) stays parked on its daemon thread."""
+        self._closed = True
+        self._steps.put(None)
 
 
 class SnapshotSender:
-    """The owner's side: ship each step's reduced gradient shard to the holder."""
+    """The owner's side: ship each step's reduced gradient shard to the holder.
+
+    :meth:`send` only enqueues; a background thread posts the send and waits for it, so
+    the training thread never waits on the snapshot path.
+    """
 
     def __init__(self, link: Group, holder: int, generation: int = 0) -> None:
         self.link = link
         self.holder = holder
         self.generation = generation
-        self._pending: tuple | None = None
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[torch.Tensor, int] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._in_flight = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"snapshot-send-{holder}", daemon=True
+        )
+        self._thread.start()
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
-        self.flush()
-        buf = grad_shard.detach().to("cpu").contiguous()
-        tag = p2p_tag(self.generation, step, 0)
-        self._pending = (self.link.isend(buf, self.holder, tag=tag), buf)
+        """Queue ``step``'s gradient shard (not modified afterwards) for the holder."""
+        with self._idle:
+            self._in_flight += 1
+        self._queue.put((grad_shard.detach().to("cpu").contiguous(), step))
 
-    def flush(self) -> None:
-        """Wait for the previous send (called before the next one and at the end)."""
-        if self._pending is not None:
-            work, _ = self._pending
-            self._pending = None
-            self.link.wait_send(work)
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            buf, step = item
+            try:
+                self.link.send_detached(buf, self.holder, tag=p2p_tag(self.generation, step, 0))
+            except BaseException as exc:
+                log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))
+                with self._idle:
+                    self.error = exc
+                    self._idle.notify_all()
+                return
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every queued gradient has been delivered (at the end of training)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0 or self.error, timeout=timeout_s)
+            if self.error is not None:
+                raise CommError(self.link.name, "snapshot send", self.error)
+            if self._in_flight:
+                raise CommError(
+                    self.link.name, "snapshot send", f"not delivered within {timeout_s:g} s"
+                )
+
+    def close(self) -> None:
+        """Stop sending; returns at once (a send blocked on a dead holder stays parked)."""
+        self._queue.put(None)

@@ -96,6 +96,10 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
 class SnapshotSink(Protocol):
     def send(self, grad_shard: torch.Tensor, step: int) -> None: ...
 
+    def flush(self, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)

@@ -24,6 +24,7 @@ from elaswave.bus.schema import (
     RecoveryDone,
     RecoveryReady,
     RunFinished,
+    StepCompleted,
     WorkerFinished,
 )
 
@@ -45,6 +46,8 @@ class Core:
         """rank -> monotonic time its last heartbeat arrived."""
         self.recovery_events: list[Event] = []
         """RecoveryReady and RecoveryDone events, for the supervisor's protocol."""
+        self.steps_completed: list[tuple[int, float]] = []
+        """(step, wall time it arrived) of every StepCompleted, in arrival order."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
         self._changed = asyncio.Event()
@@ -96,6 +99,8 @@ class Core:
                 self.run_finished = event
             elif isinstance(event, RecoveryReady | RecoveryDone):
                 self.recovery_events.append(event)
+            elif isinstance(event, StepCompleted):
+                self.steps_completed.append((event.step, time.time()))
             if self.on_event is not None:
                 try:
                     self.on_event(event)

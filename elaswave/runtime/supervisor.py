@@ -83,6 +83,8 @@ class Supervisor:
         self.fenced: dict[int, str] = {}
         """rank -> why the Core killed it (a hang seen from missed heartbeats)."""
         self.timeout_s = max(30.0, cfg.train.comm_timeout_s)
+        self._finishing: list[asyncio.Task[None]] = []
+        """Recoveries waiting for their redone step to complete."""
 
     async def run(self) -> None:
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
@@ -102,6 +104,13 @@ class Supervisor:
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
+            # Every worker has exited: each redone step has completed, or never will.
+            for task in self._finishing:
+                if not task.done():
+                    await asyncio.wait([task], timeout=1.0)
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             for proc in self.procs.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -244,21 +253,44 @@ class Supervisor:
                 "comm": max(e.comm_s for e in done),
                 "remap": max(e.remap_s for e in done),
                 "resume": max(e.resume_s for e in done),
+                "redo": None,
             },
         }
         self.recoveries.append(record)
         self.plan = decision.plan
+        log.warning("core.recovered", **{k: v for k, v in record.items() if k != "reason"})
+        self._finishing.append(
+            asyncio.create_task(self._finish_recovery(record, origin, planned_at, done_at))
+        )
+
+    async def _finish_recovery(
+        self, record: dict[str, Any], origin: float, planned_at: float, done_at: float
+    ) -> None:
+        """MTTR ends when the redone step completes (its StepCompleted, published after
+        the last stage committed it): record it, then announce RecoveryFinished."""
+        redo = record["step"]
+
+        def redone() -> float | None:
+            return next(
+                (t for s, t in self.core.steps_completed if s == redo and t >= planned_at), None
+            )
+
+        try:
+            await self.core.wait_until(lambda: redone() is not None, self.timeout_s)
+        finally:
+            if (at := redone()) is not None:
+                record["mttr_s"] = at - origin
+                record["phases"]["redo"] = max(0.0, at - done_at)
         await self.core.publish(
             RecoveryFinished(
                 sender="core",
-                generation=gen + 1,
+                generation=record["generation"],
                 step=redo,
                 kind="fail-stop",
-                ranks=ranks,
+                ranks=record["ranks"],
                 mttr_s=record["mttr_s"],
             )
         )
-        log.warning("core.recovered", **{k: v for k, v in record.items() if k != "reason"})
 
     async def _await_all(
         self, ranks: set[int], kind: type, generation: int, detail: str, what: str

@@ -90,6 +90,8 @@ class Trainer:
     def close_snapshots(self) -> None:
         for keeper in self.keepers:
             keeper.close()
+        if self.optimizer.snapshot is not None:
+            self.optimizer.snapshot.close()
 
 
 def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:

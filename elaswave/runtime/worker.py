@@ -256,6 +256,7 @@ def _train(
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
     writes: list[concurrent.futures.Future] = []
     step = cfg.train.first_step
+    cpu_started = time.process_time()
     while step < cfg.train.steps:
         for keeper in trainer.keepers:
             keeper.expect(step)
@@ -298,11 +299,12 @@ def _train(
                 )
         step += 1
 
+    cpu_s = time.process_time() - cpu_started  # every thread: training, snapshots, bus
     writer.shutdown(wait=True)
     for write in writes:
         write.result()  # surface a failed checkpoint write
     if trainer.optimizer.snapshot is not None:
-        trainer.optimizer.snapshot.flush()
+        trainer.optimizer.snapshot.flush(cfg.train.comm_timeout_s)
     for keeper in trainer.keepers:
         keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
         keeper.close()
@@ -330,6 +332,7 @@ def _train(
         "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
         "generation": trainer.plan.generation,
         "first_step": cfg.train.first_step,
+        "cpu_s": cpu_s,
     }
     path = worker_result_path(run_dir, rank)
     path.parent.mkdir(exist_ok=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +14,6 @@ from elaswave.comm.dynamic import (
 )
 from elaswave.comm.group import GroupSpec, p2p_tag
 from elaswave.comm.ring import (
-    _WAITERS,
     all_gather_schedule,
     pair,
     reduce_scatter_schedule,
@@ -87,16 +84,6 @@ def test_ring_tags_stay_clear_of_p2p_tags_and_int32() -> None:
     assert len(tags) == 18
     assert all(top < t < 1 << 31 for t in tags)
     assert ring_tag(1, 0, 0) != ring_tag(2, 0, 0), "a re-formed ring must not match old tags"
-
-
-def test_abandoned_wait_does_not_block_other_waits() -> None:
-    forever = threading.Event()
-    parked = _WAITERS.submit(forever.wait)
-    for _ in range(3):
-        assert _WAITERS.submit(lambda: None).result(timeout=5) is None
-    assert not parked.done()
-    forever.set()
-    assert parked.result(timeout=5) is None
 
 
 # --------------------------------------------------------------------------- plans

@@ -1,0 +1,64 @@
+"""Event-driven abortable waits: completion, timeout and the abort signal each wake the
+caller at once, with no polling."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_completion_returns_the_result() -> None:
+    assert await_future(WAITERS.submit(lambda: 7), 5.0, AbortSignal()) == (True, 7)
+
+
+def test_a_failed_wait_reraises() -> None:
+    def boom() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        await_future(WAITERS.submit(boom), 5.0, None)
+
+
+def test_timeout_returns_not_done() -> None:
+    forever = threading.Event()
+    started = time.monotonic()
+    assert await_future(WAITERS.submit(forever.wait), 0.05, AbortSignal()) == (False, None)
+    assert time.monotonic() - started < 1.0
+    forever.set()
+
+
+def test_abort_wakes_the_waiter_at_once() -> None:
+    forever, signal = threading.Event(), AbortSignal()
+    threading.Timer(0.05, signal.set, args=("rank 3 failed",)).start()
+    started = time.monotonic()
+    with pytest.raises(StepAborted, match="rank 3 failed"):
+        await_future(WAITERS.submit(forever.wait), 10.0, signal)
+    assert time.monotonic() - started < 1.0
+    forever.set()
+
+
+def test_a_signal_already_set_aborts_and_watchers_are_released() -> None:
+    forever, signal = threading.Event(), AbortSignal()
+    signal.set("earlier failure")
+    with pytest.raises(StepAborted):
+        await_future(WAITERS.submit(forever.wait), 10.0, signal)
+    assert not signal._watchers
+    signal.clear()
+    assert await_future(WAITERS.submit(lambda: 1), 5.0, signal) == (True, 1)
+    forever.set()
+
+
+def test_a_parked_wait_does_not_block_other_waits() -> None:
+    forever = threading.Event()
+    parked = WAITERS.submit(forever.wait)
+    for _ in range(3):
+        assert WAITERS.submit(lambda: None).result(timeout=5) is None
+    assert not parked.done()
+    forever.set()
+    assert parked.result(timeout=5) is True

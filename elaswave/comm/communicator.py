@@ -20,12 +20,14 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
 
 log = structlog.get_logger(__name__)
 
-CommGroup = Group | RingGroup
-"""A gloo process group, or a ring over pooled links with the same collectives."""
+CommGroup = Group | RingGroup | PairGroup
+"""A gloo process group; a ring over pooled links with the same collectives; or a
+2-rank view over a pooled link with the same point-to-point methods."""
 
 
 class Communicator:

@@ -7,7 +7,10 @@ membership by one of three strategies, the paper's method and its two baselines:
   not change is reused as the same object; a ring (DP group) that lost or gained members
   is re-formed over the links it already has, creating only the missing ones (one
   failure in a ring of D >= 4: one new link, between the failed rank's two neighbours);
-  links and groups to a removed rank are dropped without any collective on them.
+  every 2-rank group (a pipeline route, a snapshot or remap link) is a view over the
+  pooled link of its pair, so a change connects only pairs that no link serves yet,
+  whatever purpose the existing link was made for; links and groups to a removed rank
+  are dropped without any collective on them.
 * :attr:`RebuildStrategy.PARTIAL` (partial restart): every group whose members changed
   is created from scratch as a full gloo process group; the others are reused.
 * :attr:`RebuildStrategy.FULL` (full restart): every group and link is dropped and the
@@ -17,8 +20,9 @@ membership by one of three strategies, the paper's method and its two baselines:
   one global order, every rank taking part in the creation of every group.
 
 Which groups are rings is decided by a predicate (by default the trainer's DP groups,
-``dp.s{stage}``, see :func:`elaswave.engine.plan.dp_group_name`); every other group (the
-pipeline's 2-rank ``link.{src}-{dst}`` groups) is a plain gloo group.
+``dp.s{stage}``, see :func:`elaswave.engine.plan.dp_group_name`). Under EDIT every other
+2-rank group is a :class:`~elaswave.comm.links.PairGroup`; larger groups are gloo
+groups.
 
 The plan of a change is a pure function of this rank's groups, its pooled links and the
 new membership (:func:`plan_change`); :class:`DynamicCommunicator` executes it. Only
@@ -43,7 +47,8 @@ from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import CommGroup, Communicator
 from elaswave.comm.group import Group, GroupSpec
-from elaswave.comm.ring import LinkPool, Pair, RingGroup, ring_pairs
+from elaswave.comm.links import LinkPool, Pair, PairGroup, pair
+from elaswave.comm.ring import RingGroup, ring_pairs
 
 log = structlog.get_logger(__name__)
 
@@ -94,6 +99,8 @@ class ChangePlan:
     """Groups carried over as the same objects."""
     rings: tuple[GroupSpec, ...]
     """Rings (re-)formed over pooled links."""
+    pairs: tuple[GroupSpec, ...]
+    """2-rank groups served as views over the pooled link of their pair."""
     groups: tuple[GroupSpec, ...]
     """Groups created as full process groups, in creation order (by name)."""
     drop: tuple[str, ...]
@@ -154,6 +161,7 @@ def plan_change(
             strategy=strategy,
             reuse=(),
             rings=(),
+            pairs=(),
             groups=tuple(sorted(specs, key=lambda s: s.name)),
             drop=tuple(sorted(old)),
             world=tuple(world),
@@ -161,19 +169,25 @@ def plan_change(
             new_links=(),
             kept_links=(),
         )
-    reuse, rings, groups = [], [], []
+    reuse, rings, pairs, groups = [], [], [], []
     for spec in sorted((s for s in specs if rank in s.ranks), key=lambda s: s.name):
         if old.get(spec.name) == spec and not rebuild(spec):
             reuse.append(spec.name)
         elif strategy is RebuildStrategy.EDIT and is_ring(spec):
             rings.append(spec)
+        elif strategy is RebuildStrategy.EDIT and len(spec.ranks) == 2:
+            pairs.append(spec)
         else:
             groups.append(spec)
-    needed = sorted({p for s in rings for p in ring_pairs(s.ranks) if rank in p})
+    needed = sorted(
+        {p for s in rings for p in ring_pairs(s.ranks) if rank in p}
+        | {pair(*s.ranks) for s in pairs}
+    )
     return ChangePlan(
         strategy=strategy,
         reuse=tuple(reuse),
         rings=tuple(rings),
+        pairs=tuple(pairs),
         groups=tuple(groups),
         drop=tuple(sorted(set(old) - set(reuse))),
         world=(),
@@ -194,7 +208,7 @@ class ChangeStats:
     rank: int
     seconds: float
     groups_created: int
-    """Rings formed plus full groups created."""
+    """Rings formed, pair views made and full groups created."""
     groups_reused: int
     groups_dropped: int
     links_created: int
@@ -374,6 +388,8 @@ class DynamicCommunicator:
                     abort=self.abort,
                 )
             )
+        for spec in plan.pairs:
+            new.put(PairGroup(spec, self.rank, self.links, timeout=self.timeout, abort=self.abort))
         dropped = [old[name] for name in plan.drop]
         self.retired.extend(dropped)
         old.dropped = dropped
@@ -383,11 +399,13 @@ class DynamicCommunicator:
         reused = [new[name] for name in plan.reuse]
         mine = [s for s in plan.groups if self.rank in s.ranks]
         world_links = len(plan.world) - 1 if plan.world else 0
-        ring_links = set(plan.kept_links)
+        pooled_links = set(plan.kept_links)
         full_links = 0
         for group in reused:
             if isinstance(group, RingGroup):
-                ring_links.update(group.pairs)
+                pooled_links.update(group.pairs)
+            elif isinstance(group, PairGroup):
+                pooled_links.add(group.link.pair)
             else:
                 assert isinstance(group, Group)
                 full_links += group.size - 1
@@ -396,11 +414,11 @@ class DynamicCommunicator:
             generation=generation,
             rank=self.rank,
             seconds=seconds,
-            groups_created=len(plan.rings) + len(mine) + int(bool(plan.world)),
+            groups_created=len(plan.rings) + len(plan.pairs) + len(mine) + int(bool(plan.world)),
             groups_reused=len(plan.reuse),
             groups_dropped=len(plan.drop),
             links_created=created_links + world_links + sum(len(s.ranks) - 1 for s in mine),
-            links_reused=len(ring_links) + full_links,
+            links_reused=len(pooled_links) + full_links,
             links_retired=len(retired_links),
         )
         log.info("communicator.changed", **stats.to_dict())

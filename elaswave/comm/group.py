@@ -8,6 +8,7 @@ silent hang, which is what fail-stop detection builds on.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -154,6 +155,23 @@ class Group:
             raise CommError(self.name, op, exc) from exc
 
 
+class TagSpace(enum.IntEnum):
+    """Where each kind of point-to-point traffic starts in a step's 14-bit tag index.
+
+    A pooled link serves every purpose of its pair (pipeline route, snapshot, recovery
+    transfers), so each purpose keeps to its own range of indexes.
+    """
+
+    SNAPSHOT = 0
+    """A step's reduced gradient shard, owner to snapshot holder."""
+    SNAPSHOT_STATE = 1
+    """Recovery: a shard's whole committed state, owner to its new holder."""
+    REMAP = 2
+    """Recovery: live-remap transfer ``i`` uses ``REMAP + i`` (up to 4094 transfers)."""
+    PIPELINE = 4096
+    """Activations and gradients: ``PIPELINE + 2 * micro_batch + backward``."""
+
+
 def p2p_tag(generation: int, step: int, index: int) -> int:
     """A point-to-point tag unique per (plan generation, step, index) within a window.
 
@@ -162,6 +180,8 @@ def p2p_tag(generation: int, step: int, index: int) -> int:
     """
     if not 0 <= index < 1 << 14:
         raise ValueError(f"p2p tag index {index} out of range [0, 16384)")
+    if TagSpace.REMAP + 4094 < index < TagSpace.PIPELINE:
+        raise ValueError(f"p2p tag index {index} falls between tag spaces")
     return ((generation % 64) << 24) | ((step % 1024) << 14) | index
 
 

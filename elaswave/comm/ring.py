@@ -1,11 +1,9 @@
-"""Ring groups over pooled pairwise links: the unit the dynamic communicator edits.
+"""DP rings over pooled links: the group the dynamic communicator edits in place.
 
-gloo cannot shrink a process group in place, so a DP group is not one process group but
-a ring over 2-rank *links* (one small ProcessGroupGloo per pair of neighbours). Links are
-kept in a per-process :class:`LinkPool` keyed by the unordered pair of global ranks, so
-that when a member fails the ring is re-formed over its survivors by connecting only its
-two former neighbours; every other link, and every group without the failed rank, stays
-as it is.
+A DP group is not one gloo process group (gloo cannot shrink one) but a ring over the
+pooled links between ring neighbours (:mod:`elaswave.comm.links`). When a member fails
+the ring is re-formed over its survivors by connecting only its two former neighbours;
+every other link stays as it is.
 
 Collectives are the textbook ring algorithms (``size - 1`` steps; each step sends one
 chunk to the next member and receives one from the previous member, with tagged
@@ -14,8 +12,6 @@ send/recv so neighbours cannot deadlock). Their results equal gloo's own
 the ring sums a chunk in ring order, starting at the member after its owner, which is
 not gloo's order.
 
-Waits never time out inside gloo: a gloo wait that times out closes its pair, and a
-link that a survivor merely waited on for too long must stay usable after a failure.
 Each collective runs whole on a daemon waiter thread (one thread hand-off per
 collective, as for a gloo collective) with a practically unbounded gloo timeout, and the
 caller gives up after :attr:`RingGroup.timeout` (or when the abort signal is set) with
@@ -33,8 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import zlib
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import structlog
@@ -42,25 +37,16 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
-from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import DETACHED, CommError, GroupSpec
+from elaswave.comm.links import Link, LinkPool, Pair, pair
 
 log = structlog.get_logger(__name__)
-
-Pair = tuple[int, int]
-"""A link's two global ranks, lower first."""
 
 _TAG_RING = 1 << 30
 """Set in every ring tag; :func:`elaswave.comm.group.p2p_tag` tags stay below it."""
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def pair(a: int, b: int) -> Pair:
-    if a == b:
-        raise ValueError(f"a link needs two distinct ranks, got {a} twice")
-    return (a, b) if a < b else (b, a)
 
 
 def ring_pairs(ranks: Sequence[int]) -> list[Pair]:
@@ -105,96 +91,6 @@ def ring_tag(generation: int, key: int, counter: int) -> int:
 
 def ring_key(name: str) -> int:
     return zlib.crc32(name.encode()) % 16
-
-
-# --------------------------------------------------------------------------- links
-
-
-@dataclass(frozen=True)
-class Link:
-    """One 2-rank process group; the lower rank is index 0."""
-
-    pair: Pair
-    pg: dist.ProcessGroup
-    generation: int
-    """The change generation it was created in (part of its store prefix)."""
-
-    def index_of(self, rank: int) -> int:
-        return self.pair.index(rank)
-
-
-class LinkPool:
-    """This process's links, keyed by pair; shared by every ring it belongs to.
-
-    Both ends of a link always hold the same entry: links are created by both ends in the
-    same change and retired only when one end is removed (or all at once, by a full
-    rebuild), so "is the pair in my pool" has the same answer on both ends and needs no
-    message.
-    """
-
-    def __init__(
-        self,
-        store: dist.Store,
-        rank: int,
-        backend: GroupBackend,
-        *,
-        timeout: timedelta,
-        prefix: str = "link",
-    ) -> None:
-        self.store = store
-        self.rank = rank
-        self.backend = backend
-        self.timeout = timeout
-        self.prefix = prefix
-        self._links: dict[Pair, Link] = {}
-        self.retired: list[Link] = []
-        """Links no longer in the pool. Kept alive: destroying a process group while a
-        parked wait is blocked on it aborts the process."""
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._links
-
-    def __len__(self) -> int:
-        return len(self._links)
-
-    @property
-    def pairs(self) -> frozenset[Pair]:
-        return frozenset(self._links)
-
-    def get(self, a: int, b: int) -> Link:
-        return self._links[pair(a, b)]
-
-    def connect(self, pairs: Iterable[Pair], *, generation: int) -> int:
-        """Create every link of ``pairs`` not yet in the pool; returns how many were created.
-
-        Links are created in sorted pair order. Every process does so, which is
-        deadlock-free: the smallest unfinished pair always has both ends waiting on it.
-        """
-        created = 0
-        for key in sorted({pair(*p) for p in pairs}):
-            if key in self._links:
-                continue
-            if self.rank not in key:
-                raise ValueError(f"rank {self.rank} cannot create link {key} it is not part of")
-            lo, hi = key
-            prefix = f"{self.prefix}/{lo}-{hi}/g{generation}"
-            try:
-                pg = self.backend.create(
-                    dist.PrefixStore(prefix, self.store), key.index(self.rank), 2, self.timeout
-                )
-            except RuntimeError as exc:
-                raise CommError(f"link.{lo}-{hi}", "connect", exc) from exc
-            self._links[key] = Link(key, pg, generation)
-            created += 1
-            log.debug("link.connected", rank=self.rank, pair=key, generation=generation)
-        return created
-
-    def retire(self, ranks: Collection[int] | None = None) -> list[Pair]:
-        """Take the links touching any of ``ranks`` (all links if None) out of the pool."""
-        keys = [k for k in self._links if ranks is None or k[0] in ranks or k[1] in ranks]
-        for key in sorted(keys):
-            self.retired.append(self._links.pop(key))
-        return sorted(keys)
 
 
 # --------------------------------------------------------------------------- ring group

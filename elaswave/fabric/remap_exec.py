@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from elaswave.comm.group import Group, p2p_tag
+from elaswave.comm.group import Group, TagSpace, p2p_tag
+from elaswave.comm.links import PairGroup
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source
 from elaswave.fabric.zero import ShardState
@@ -36,7 +37,7 @@ def execute_remap(
     new_layout: InterleavedLayout,
     device_state: ShardState | None,
     host_states: Mapping[int, ShardState],
-    link: Callable[[int, int], Group],
+    link: Callable[[int, int], Group | PairGroup],
     generation: int,
     step: int,
 ) -> ShardState | None:
@@ -72,13 +73,17 @@ def execute_remap(
             group = link(t.src, t.dst)
             piece = piece.contiguous()
             sends.append(
-                (group, group.isend(piece, t.dst, p2p_tag(generation, step, 2 + index)), piece)
+                (
+                    group,
+                    group.isend(piece, t.dst, p2p_tag(generation, step, TagSpace.REMAP + index)),
+                    piece,
+                )
             )
         else:
             recvs.append((index, t, n_lo))
     for index, t, n_lo in recvs:
         buf = torch.empty(3, t.numel)
-        link(t.src, t.dst).recv(buf, t.src, p2p_tag(generation, step, 2 + index))
+        link(t.src, t.dst).recv(buf, t.src, p2p_tag(generation, step, TagSpace.REMAP + index))
         for dst, src in zip(out, buf, strict=True):
             dst[n_lo : n_lo + t.numel] = src
     for group, work, _ in sends:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from elaswave.comm.group import CommError, Group, p2p_tag
+from elaswave.comm.group import CommError, Group, TagSpace, p2p_tag
+from elaswave.comm.links import PairGroup
 from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
 
 log = structlog.get_logger(__name__)
@@ -47,7 +48,7 @@ class SnapshotKeeper:
     """
 
     owner: int
-    link: Group
+    link: Group | PairGroup
     cfg: OptimizerConfig
     initial: ShardState
     generation: int = 0
@@ -81,7 +82,9 @@ class SnapshotKeeper:
                 latest = self.versions[max(self.versions)]
                 grad = torch.empty_like(latest.master)
                 # Blocks this thread only; a dead owner ends it with CommError.
-                self.link.recv_detached(grad, self.owner, tag=p2p_tag(self.generation, step, 0))
+                self.link.recv_detached(
+                    grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
+                )
                 state = latest.clone_to("cpu")
                 adamw_update(state, grad, step=step, cfg=self.cfg)
                 digest = state_digest(state) if self.record_digests else ""
@@ -137,7 +140,7 @@ class SnapshotSender:
     the training thread never waits on the snapshot path.
     """
 
-    def __init__(self, link: Group, holder: int, generation: int = 0) -> None:
+    def __init__(self, link: Group | PairGroup, holder: int, generation: int = 0) -> None:
         self.link = link
         self.holder = holder
         self.generation = generation
@@ -160,7 +163,9 @@ class SnapshotSender:
         while (item := self._queue.get()) is not None:
             buf, step = item
             try:
-                self.link.send_detached(buf, self.holder, tag=p2p_tag(self.generation, step, 0))
+                self.link.send_detached(
+                    buf, self.holder, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
+                )
             except BaseException as exc:
                 log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))
                 with self._idle:

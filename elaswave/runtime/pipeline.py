@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import p2p_tag
+from elaswave.comm.group import TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
@@ -138,7 +138,7 @@ class StageRunner:
         return StepResult(step, total, time.perf_counter() - started, trace)
 
     def _tag(self, step: int, mb: int, backward: bool) -> int:
-        return p2p_tag(self.plan.generation, step, 2 * mb + int(backward))
+        return p2p_tag(self.plan.generation, step, TagSpace.PIPELINE + 2 * mb + int(backward))
 
     def _forward(self, step: int, mb: int, pending: list, loss_sum: torch.Tensor):
         ids = self.sample_ids(step, mb)

@@ -26,7 +26,7 @@ from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
-from elaswave.comm.group import GroupSpec, p2p_tag
+from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.plan import (
     Plan,
@@ -219,7 +219,7 @@ def _exchange_snapshot_states(
     """Owners send their full committed shard to their (new) holders."""
     stage, _ = plan.locate(ctx.rank)
     placement = snapshot_placements(plan, ctx.cfg.train.ranks_per_node)[stage]
-    tag = p2p_tag(plan.generation, step, 1)
+    tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
     pending = None
     holder = placement.holder.get(ctx.rank)
     if holder is not None:

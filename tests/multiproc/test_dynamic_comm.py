@@ -23,6 +23,7 @@ from elaswave.comm.backend import GlooBackend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy, shrink_specs
 from elaswave.comm.group import CommError, Group, GroupSpec
+from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.logs import configure
@@ -185,7 +186,7 @@ def _survive_kill(rank: int, store: dist.Store, strategy: str) -> dict[str, Any]
             dyn["dp.s0"].all_reduce(torch.ones(8))
         elif rank == 5:
             group = dyn["link.1-5"]
-            assert isinstance(group, Group)
+            assert isinstance(group, PairGroup)
             group.recv(torch.empty(4), VICTIM, 7)
     except CommError as exc:
         detected = {"at": time.time(), "error": str(exc)}
@@ -215,7 +216,7 @@ def _survive_kill(rank: int, store: dist.Store, strategy: str) -> dict[str, Any]
         assert ones.tolist() == [2.0] * 3
     if rank in (0, 4):
         link = dyn["link.0-4"]
-        assert isinstance(link, Group)
+        assert isinstance(link, Group | PairGroup)
         peer = 4 - rank
         buf = torch.empty(2)
         work = link.isend(torch.full((2,), float(rank)), peer, 11)
@@ -269,7 +270,7 @@ def test_sigkill_then_edit_creates_one_link_and_reuses_the_rest() -> None:
     _check_detection(results)
     stats = {rank: r["stats"] for rank, r in results.items()}
     assert {rank: s["links_created"] for rank, s in stats.items()} == {0: 1, 2: 1, 3: 0, 4: 0, 5: 0}
-    assert results[0]["types"] == {"dp.s0": "RingGroup", "link.0-4": "Group"}
+    assert results[0]["types"] == {"dp.s0": "RingGroup", "link.0-4": "PairGroup"}
     assert results[0]["same_objects"] == ["link.0-4"]
     assert results[3]["same_objects"] == []
     assert results[4]["same_objects"] == ["dp.s1", "link.0-4"]
@@ -282,7 +283,7 @@ def test_sigkill_then_edit_creates_one_link_and_reuses_the_rest() -> None:
 def test_sigkill_then_partial_rebuilds_the_affected_group() -> None:
     results = _kill_and_recover(RebuildStrategy.PARTIAL)
     _check_detection(results)
-    assert results[0]["types"] == {"dp.s0": "Group", "link.0-4": "Group"}
+    assert results[0]["types"] == {"dp.s0": "Group", "link.0-4": "PairGroup"}
     assert results[4]["same_objects"] == ["dp.s1", "link.0-4"]
     created = {rank: r["stats"]["links_created"] for rank, r in results.items()}
     assert created == {0: 2, 2: 2, 3: 2, 4: 0, 5: 0}

@@ -13,15 +13,16 @@ from elaswave.comm.dynamic import (
     shrink_specs,
 )
 from elaswave.comm.group import GroupSpec, p2p_tag
+from elaswave.comm.links import pair
 from elaswave.comm.ring import (
     all_gather_schedule,
-    pair,
     reduce_scatter_schedule,
     ring_neighbours,
     ring_pairs,
     ring_tag,
 )
-from elaswave.engine.plan import initial_plan
+from elaswave.engine.plan import initial_plan, snapshot_group_specs
+from elaswave.engine.recovery import next_plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,6 +176,34 @@ def test_edit_reuses_every_untouched_group() -> None:
         untouched = {s.name for s in specs if rank in s.ranks and 5 not in s.ranks}
         assert set(plan.reuse) == untouched
         assert set(plan.drop) == mine - untouched
+
+
+def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
+    """dp=4 x pp=4, rank 6 (stage 1) fails; the recovery plan's groups (resized routes,
+    re-placed snapshots) need new pairs only where no link serves the pair yet."""
+    plan = initial_plan(num_layers=4, dp=4, pp=4, global_batch=8, micro_batch=2)
+    new_plan, _ = next_plan(plan, {6})
+    old = plan.group_specs() + snapshot_group_specs(plan, 1)
+    new = new_plan.group_specs() + snapshot_group_specs(new_plan, 1)
+    builds = {r: plan_change(rank=r, current=[], pooled=[], specs=old) for r in plan.ranks}
+    # One link per pair: snap.5-6 and the ring link (5, 6) are one connection.
+    assert builds[5].new_links == ((1, 5), (4, 5), (5, 6), (5, 9))
+    assert {s.name for s in builds[5].pairs} == {"link.1-5", "link.5-9", "snap.5-6", "snap.4-5"}
+    created = {}
+    for r in new_plan.ranks:
+        change = plan_change(
+            rank=r,
+            current=[s for s in old if r in s.ranks],
+            pooled=builds[r].new_links,
+            specs=new,
+            removed={6},
+        )
+        assert change.groups == ()
+        created[r] = change.new_links
+    # Rank 5 takes part of rank 6's samples: its ring and snapshot neighbour is now 7
+    # (one link for both), and it needs the failed rank's upstream and downstream peers.
+    assert created[5] == ((2, 5), (5, 7), (5, 10))
+    assert max(len(c) for c in created.values()) == 3
 
 
 def test_partial_and_full_rebuild_as_full_groups() -> None:

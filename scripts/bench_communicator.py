@@ -47,6 +47,7 @@ import torch.distributed as dist
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.links import PairGroup
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.engine.plan import Plan, initial_plan, snapshot_group_specs
 from elaswave.engine.recovery import next_plan
@@ -84,7 +85,7 @@ def _exchange(dyn: DynamicCommunicator, rank: int, tag: int) -> None:
     links = [dyn[n] for n in dyn.names if not n.startswith("dp.")]
     sends, recvs = [], []
     for link in links:
-        assert isinstance(link, Group)
+        assert isinstance(link, Group | PairGroup)
         peer = next(r for r in link.spec.ranks if r != rank)
         sends.append((link, link.isend(torch.full((2,), float(rank)), peer, tag)))
         recvs.append((link, peer, torch.empty(2)))

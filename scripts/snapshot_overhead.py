@@ -14,8 +14,11 @@ runs, so each pair also reports the snapshots' CPU cost: the CPU seconds every w
 process spent in its training loop (all threads: training, snapshot keeper, bus), summed
 over workers, per step. With more worker processes than cores, throughput is bounded by
 that sum, so ``cpu with / cpu without - 1`` is the overhead the machine pays, measured
-with far less noise. On an accelerator the holder's host-side update runs on the
-otherwise idle host CPU instead. Writes docs/snapshot_overhead.{md,json}.
+with less noise. Finally, the snapshot sender and keeper threads account their own CPU
+time (``time.thread_time``), so each run with snapshots also reports their share of all
+CPU the workers used: the direct cost, free of run-to-run noise. On an accelerator the
+holder's host-side update runs on the otherwise idle host CPU instead. Writes
+docs/snapshot_overhead.{md,json}.
 """
 
 from __future__ import annotations
@@ -64,10 +67,19 @@ def throughput(summary: dict) -> float:
     return summary["global_batch"] / statistics.median(summary["step_time_s"][WARMUP_STEPS:])
 
 
+def workers_of(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank*.json")]
+
+
 def cpu_per_step(run_dir: Path, steps: int) -> float:
     """CPU seconds per step, summed over every worker's training loop."""
-    workers = [json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank*.json")]
-    return sum(w["cpu_s"] for w in workers) / steps
+    return sum(w["cpu_s"] for w in workers_of(run_dir)) / steps
+
+
+def snapshot_share(run_dir: Path) -> float:
+    """The snapshot threads' CPU (sender and keepers) as a fraction of all loop CPU."""
+    workers = workers_of(run_dir)
+    return sum(w["snapshot_cpu_s"] for w in workers) / sum(w["cpu_s"] for w in workers)
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -99,6 +111,8 @@ def main() -> int:
                 out = args.out / f"{dp}x{pp}_{i}_{'on' if snapshots else 'off'}"
                 runs[snapshots] = train(out, dp, pp, args.steps, snapshots)
                 cpu[snapshots] = cpu_per_step(out, args.steps)
+                if snapshots:
+                    share = snapshot_share(out)
             if runs[True]["param_digest"] != runs[False]["param_digest"]:
                 raise SystemExit(f"{dp}x{pp} pair {i}: snapshots changed the parameters")
             with_, without = throughput(runs[True]), throughput(runs[False])
@@ -110,13 +124,14 @@ def main() -> int:
                     "cpu_with_s": cpu[True],
                     "cpu_without_s": cpu[False],
                     "cpu_overhead": cpu[True] / cpu[False] - 1,
+                    "snapshot_cpu_share": share,
                 }
             )
             print(
                 f"{dp}x{pp} pair {i}: {with_:.1f} samples/s with snapshots, {without:.1f} "
                 f"without: overhead {pairs[-1]['overhead']:+.2%}; CPU per step "
                 f"{cpu[True] * 1e3:.1f} ms vs {cpu[False] * 1e3:.1f} ms "
-                f"({pairs[-1]['cpu_overhead']:+.2%})",
+                f"({pairs[-1]['cpu_overhead']:+.2%}); snapshot threads {share:.2%} of CPU",
                 flush=True,
             )
         results.append(
@@ -128,6 +143,9 @@ def main() -> int:
                 "median_without": statistics.median(p["without"] for p in pairs),
                 "median_overhead": statistics.median(p["overhead"] for p in pairs),
                 "median_cpu_overhead": statistics.median(p["cpu_overhead"] for p in pairs),
+                "median_snapshot_cpu_share": statistics.median(
+                    p["snapshot_cpu_share"] for p in pairs
+                ),
             }
         )
 
@@ -138,8 +156,9 @@ def main() -> int:
         "2-core CPU (gloo); the holder's host update shares the cores with training.",
         "",
         "| layout | samples/s with | samples/s without | throughput overhead (median of "
-        "pairs) | pair overheads | CPU overhead (median of pairs) | pair CPU overheads |",
-        "|---|---|---|---|---|---|---|",
+        "pairs) | pair overheads | CPU overhead (median of pairs) | pair CPU overheads | "
+        "snapshot threads' share of CPU (median) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['dp']}x{r['pp']} | {r['median_with']:.1f} | {r['median_without']:.1f} | "
@@ -147,7 +166,7 @@ def main() -> int:
         + ", ".join(f"{p['overhead']:+.1%}" for p in r["pairs"])
         + f" | {r['median_cpu_overhead']:+.2%} | "
         + ", ".join(f"{p['cpu_overhead']:+.1%}" for p in r["pairs"])
-        + " |"
+        + f" | {r['median_snapshot_cpu_share']:.2%} |"
         for r in results
     ]
     text = "\n".join(lines)

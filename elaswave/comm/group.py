@@ -9,7 +9,7 @@ silent hang, which is what fail-stop detection builds on.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -142,15 +142,20 @@ class Group:
         holding this group, which must therefore never be destroyed). A dead peer still
         ends the wait with :class:`CommError`.
         """
-        self._detached(lambda: self.pg.send([tensor], self._index[peer], tag), "send")
+        self.wait_detached(self.isend(tensor, peer, tag), "send")
 
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Receive on the calling thread; see :meth:`send_detached`."""
-        self._detached(lambda: self.pg.recv([tensor], self._index[peer], tag), "recv")
-
-    def _detached(self, post: Callable[[], dist.Work], op: str) -> None:
         try:
-            post().wait(DETACHED)
+            work = self.pg.recv([tensor], self._index[peer], tag)
+        except RuntimeError as exc:
+            raise CommError(self.name, "recv", exc) from exc
+        self.wait_detached(work, "recv")
+
+    def wait_detached(self, work: dist.Work, op: str) -> None:
+        """Wait for posted work on the calling thread; see :meth:`send_detached`."""
+        try:
+            work.wait(DETACHED)
         except RuntimeError as exc:
             raise CommError(self.name, op, exc) from exc
 

@@ -195,18 +195,22 @@ class PairGroup:
     def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Send and wait on the calling thread, unbounded and deaf to the abort signal
         (for background threads that may be abandoned mid-wait)."""
-        work = self.isend(tensor, peer, tag)
-        try:
-            work.wait(DETACHED)
-        except RuntimeError as exc:
-            raise CommError(self.name, "send", exc) from exc
+        self.wait_detached(self.isend(tensor, peer, tag), "send")
 
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Receive on the calling thread; see :meth:`send_detached`."""
         try:
-            self.link.pg.recv([tensor], self.link.index_of(peer), tag).wait(DETACHED)
+            work = self.link.pg.recv([tensor], self.link.index_of(peer), tag)
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
+        self.wait_detached(work, "recv")
+
+    def wait_detached(self, work: dist.Work, op: str) -> None:
+        """Wait for posted work on the calling thread; see :meth:`send_detached`."""
+        try:
+            work.wait(DETACHED)
+        except RuntimeError as exc:
+            raise CommError(self.name, op, exc) from exc
 
     def _wait(self, work: dist.Work, op: str) -> None:
         if self.abort is not None:

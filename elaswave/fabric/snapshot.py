@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import structlog
 import torch
+import torch.distributed as dist
 
 from elaswave.comm.group import CommError, Group, TagSpace, p2p_tag
 from elaswave.comm.links import PairGroup
@@ -58,10 +60,11 @@ class SnapshotKeeper:
     versions: dict[int, ShardState] = field(default_factory=dict)
     digests: list[str] = field(default_factory=list)
     error: BaseException | None = None
-    _steps: queue.Queue[int | None] = field(default_factory=queue.Queue)
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
+    cpu_s: float = 0.0
+    """CPU seconds this keeper's thread has used (receiving and updating)."""
 
     def __post_init__(self) -> None:
         self.versions[self.initial_step] = self.initial.clone_to("cpu")
@@ -72,20 +75,20 @@ class SnapshotKeeper:
         )
         self._thread.start()
 
-    def expect(self, step: int) -> None:
-        """Tell the keeper the owner will send ``step``'s gradient (called each step)."""
-        self._steps.put(step)
-
     def _run(self) -> None:
-        while (step := self._steps.get()) is not None and not self._closed:
+        """Receive and apply each step's gradient, the steps after ``initial_step`` in
+        order; the receive for the next step is posted as soon as the last is applied."""
+        step = self.initial_step
+        while not self._closed:
+            step += 1
             try:
-                latest = self.versions[max(self.versions)]
+                latest = self.versions[step - 1]
                 grad = torch.empty_like(latest.master)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
                 )
-                state = latest.clone_to("cpu")
+                state = latest.updated_copy()
                 adamw_update(state, grad, step=step, cfg=self.cfg)
                 digest = state_digest(state) if self.record_digests else ""
             except BaseException as exc:  # surfaced to the training thread by wait()
@@ -101,6 +104,7 @@ class SnapshotKeeper:
                     del self.versions[old]
                 if self.record_digests:
                     self.digests.append(digest)
+                self.cpu_s = time.thread_time()
                 self._done.notify_all()
 
     def wait(self, step: int, timeout_s: float) -> ShardState:
@@ -128,16 +132,16 @@ class SnapshotKeeper:
 
     def close(self) -> None:
         """Stop keeping. Returns at once: a keeper blocked on a gradient that will never
-        come (its owner abandoned the step) stays parked on its daemon thread."""
+        come (its owner abandoned the step, or training ended) stays parked on its daemon
+        thread."""
         self._closed = True
-        self._steps.put(None)
 
 
 class SnapshotSender:
     """The owner's side: ship each step's reduced gradient shard to the holder.
 
-    :meth:`send` only enqueues; a background thread posts the send and waits for it, so
-    the training thread never waits on the snapshot path.
+    :meth:`send` posts the send and hands it to a background thread that waits for it,
+    so the training thread never waits on the snapshot path.
     """
 
     def __init__(self, link: Group | PairGroup, holder: int, generation: int = 0) -> None:
@@ -145,27 +149,29 @@ class SnapshotSender:
         self.holder = holder
         self.generation = generation
         self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[torch.Tensor, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[dist.Work, torch.Tensor, int] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._in_flight = 0
+        self.cpu_s = 0.0
+        """CPU seconds the sender's thread has used."""
         self._thread = threading.Thread(
             target=self._run, name=f"snapshot-send-{holder}", daemon=True
         )
         self._thread.start()
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
-        """Queue ``step``'s gradient shard (not modified afterwards) for the holder."""
+        """Send ``step``'s gradient shard (not modified afterwards) to the holder."""
+        buf = grad_shard.detach().to("cpu").contiguous()
+        work = self.link.isend(buf, self.holder, p2p_tag(self.generation, step, TagSpace.SNAPSHOT))
         with self._idle:
             self._in_flight += 1
-        self._queue.put((grad_shard.detach().to("cpu").contiguous(), step))
+        self._queue.put((work, buf, step))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            buf, step = item
+            work, _buf, step = item  # the buffer stays alive until the send is done
             try:
-                self.link.send_detached(
-                    buf, self.holder, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
-                )
+                self.link.wait_detached(work, "send")
             except BaseException as exc:
                 log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))
                 with self._idle:
@@ -174,6 +180,7 @@ class SnapshotSender:
                 return
             with self._idle:
                 self._in_flight -= 1
+                self.cpu_s = time.thread_time()
                 self._idle.notify_all()
 
     def flush(self, timeout_s: float) -> None:

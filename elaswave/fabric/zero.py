@@ -94,6 +94,8 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
 
 
 class SnapshotSink(Protocol):
+    cpu_s: float
+
     def send(self, grad_shard: torch.Tensor, step: int) -> None: ...
 
     def flush(self, timeout_s: float) -> None: ...

@@ -258,8 +258,6 @@ def _train(
     step = cfg.train.first_step
     cpu_started = time.process_time()
     while step < cfg.train.steps:
-        for keeper in trainer.keepers:
-            keeper.expect(step)
         agent.step = step
         if hasattr(ctx.rng, "begin_step"):
             ctx.rng.begin_step(step)
@@ -333,6 +331,8 @@ def _train(
         "generation": trainer.plan.generation,
         "first_step": cfg.train.first_step,
         "cpu_s": cpu_s,
+        "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
+        + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
     }
     path = worker_result_path(run_dir, rank)
     path.parent.mkdir(exist_ok=True)

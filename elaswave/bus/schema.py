@@ -75,6 +75,7 @@ class EventKind(enum.StrEnum):
     RECOVERY_READY = "recovery_ready"
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
+    STEP_TIMING = "step_timing"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +287,29 @@ class Heartbeat(Event):
 
 @_register
 @dataclass(frozen=True, kw_only=True)
+class StepTiming(Event):
+    """How long a rank's compute took in one step, for the fail-slow detector.
+
+    ``compute_s`` is forward plus backward seconds over the step's ``micro_batches``
+    (modelled under ``--device emulated``, else measured); ``expected_s`` is the cost
+    model's time for the same work at the nominal clock without slowdown (0 when the
+    rank has no model of its device).
+    """
+
+    KIND = EventKind.STEP_TIMING
+    TOPIC = Topic.HEALTH
+    rank: int
+    step: int
+    compute_s: float
+    expected_s: float
+    micro_batches: int
+    overruns: int = 0
+    """Emulated compute blocks whose real compute overran the model (see
+    :mod:`elaswave.runtime.emulation`)."""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
 class RecoveryStarted(Event):
     """A recovery of ``kind`` (e.g. "fail", "join", "slow") began for ``ranks``."""
 
@@ -355,6 +379,14 @@ class RecoveryPlan(Event):
     reason: str
     rebuild: list[str] = dataclasses.field(default_factory=list)
     """Surviving groups to rebuild (tainted on some member); all others are reused."""
+    policy: str = "resize"
+    """The throughput planner's policy (see :mod:`elaswave.engine.rebalance`)."""
+    slow_ranks: list[int] = dataclasses.field(default_factory=list)
+    """Ranks the straggler detector measured as slow ..."""
+    slow_factors: list[float] = dataclasses.field(default_factory=list)
+    """... and their slowdown factors, in the same order."""
+    kind: str = "fail-stop"
+    """What the plan answers: "fail-stop" or "fail-slow"."""
 
 
 @_register
@@ -368,6 +400,8 @@ class RecoveryDone(Event):
     comm_s: float
     remap_s: float
     resume_s: float
+    bytes_sent: int = 0
+    """Optimizer-state bytes this rank sent (live remap and layer migration)."""
 
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)

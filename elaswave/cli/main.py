@@ -18,8 +18,9 @@ from elaswave.comm.backend import DEVICES
 class _Progress:
     """The live progress line: step, loss, samples/s."""
 
-    def __init__(self, steps: int, stream=sys.stdout) -> None:
+    def __init__(self, steps: int, *, emulated: bool = False, stream=sys.stdout) -> None:
         self.steps = steps
+        self.unit = "samples/s (emulated)" if emulated else "samples/s"
         self.stream = stream
         self.tty = stream.isatty()
 
@@ -28,7 +29,7 @@ class _Progress:
             return
         rate = event.samples / event.step_time_s if event.step_time_s > 0 else float("nan")
         line = (
-            f"step {event.step + 1:>4}/{self.steps}  loss {event.loss:.4f}  {rate:8.1f} samples/s"
+            f"step {event.step + 1:>4}/{self.steps}  loss {event.loss:.4f}  {rate:8.1f} {self.unit}"
         )
         if self.tty:
             self.stream.write("\r" + line)
@@ -82,6 +83,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "snapshot, optimizer",
     )
     p.add_argument("--rng", help="dropout randomness: counter (default) or stateful")
+    p.add_argument(
+        "--rebalance",
+        help="answer to a failure or straggler: none, resize (default), migrate "
+        "(+ layer migration) or migrate+dvfs (+ frequency scaling)",
+    )
+    p.add_argument(
+        "--partition",
+        help="initial layers per stage: even (default) or balanced (minimax under the "
+        "cost model)",
+    )
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps")
     p.add_argument(
         "--resume",
@@ -168,6 +179,8 @@ def _train(args: argparse.Namespace) -> int:
             "verify_snapshots": args.verify_snapshots,
             "faults": tuple(args.faults) if args.faults else None,
             "rng": args.rng,
+            "rebalance": args.rebalance,
+            "partition": args.partition,
             "checkpoint_every": args.checkpoint_every,
         },
     }
@@ -183,13 +196,15 @@ def _train(args: argparse.Namespace) -> int:
         f"for {t.steps} steps, global batch {t.global_batch}; run dir {out}"
     )
     try:
-        summary = uvloop.run(run_job(job, out, on_event=_Progress(t.steps)))
+        progress = _Progress(t.steps, emulated=t.device == "emulated")
+        summary = uvloop.run(run_job(job, out, on_event=progress))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)
         return 1
     print(
         f"elaswave: done: {summary['steps_completed']} steps, final loss "
-        f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s (measured), "
+        f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
+        f"({summary['timing']}), "
         f"{summary['events']} events; summary: {out / 'summary.json'}"
     )
     return 0

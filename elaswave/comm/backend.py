@@ -20,6 +20,8 @@ class Device(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     NPU = "npu"
+    EMULATED = "emulated"
+    """CPU processes over gloo that keep the time of a modelled accelerator."""
 
 
 DEVICES = tuple(d.value for d in Device)
@@ -102,7 +104,7 @@ class HcclBackend:
 
 def backend_for(device: Device | str) -> GroupBackend:
     device = parse_device(str(device))
-    if device is Device.CPU:
+    if device in (Device.CPU, Device.EMULATED):
         return GlooBackend()
     if device is Device.CUDA:
         if not torch.cuda.is_available():

@@ -26,6 +26,8 @@ class StagePlan:
     """Global ranks of the stage's DP replicas, in replica order."""
     sizes: tuple[int, ...]
     """Each replica's share of every global micro-batch (samples)."""
+    mhz: float | None = None
+    """The clock the stage's devices run at (DVFS); None: the device's base clock."""
 
     @property
     def layers(self) -> range:

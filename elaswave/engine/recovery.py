@@ -1,9 +1,10 @@
 """The fail-stop planner: a pure function of (plan, failed ranks, survivors' commits).
 
-It returns the next plan (micro-batch resizing over the survivors), the step every
-survivor rolls back to (the oldest committed step: ranks are at most one step apart,
-and each keeps one step of history), and a reason; or raises Unrecoverable naming the
-state that is gone. Workers rerun :func:`next_plan` themselves and compare
+It returns the next plan (micro-batch resizing over the survivors, then the throughput
+planner's rebalancing under the job's policy, :mod:`elaswave.engine.rebalance`), the
+step every survivor rolls back to (the oldest committed step: ranks are at most one
+step apart, and each keeps one step of history), and a reason; or raises Unrecoverable
+naming the state that is gone. Workers rerun :func:`next_plan` themselves and compare
 :func:`plan_digest` with the Core's, so a plan is never shipped, only its inputs.
 """
 
@@ -12,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.plan import Plan, snapshot_placements
+from elaswave.engine.rebalance import Policy, rebalance
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
@@ -35,8 +38,50 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
-def next_plan(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
-    return resize_after_failure(plan, failed)
+@dataclass(frozen=True, kw_only=True)
+class Rebalancing:
+    """What the throughput planner may change after the failures are absorbed."""
+
+    policy: Policy = Policy.RESIZE
+    slowdowns: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """Per-rank compute slowdown factors the straggler detector measured (>= 1)."""
+    layers: Sequence[LayerCost] = ()
+    """The cost model's layers (needed unless the policy is resize or none)."""
+    device: DeviceSpec | None = None
+    """The device the cost model prices (needed unless the policy is resize or none)."""
+
+
+def next_plan(
+    plan: Plan, failed: Collection[int], rebalancing: Rebalancing | None = None
+) -> tuple[Plan, str]:
+    """The plan after ``failed`` leave (micro-batch resizing), rebalanced as asked.
+
+    The result is one generation after ``plan`` whatever changed, or ``plan`` itself
+    when nothing did.
+    """
+    resized, reason = resize_after_failure(plan, failed)
+    policy = Policy.NONE if rebalancing is None else rebalancing.policy
+    if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) or (
+        policy is Policy.RESIZE and rebalancing is not None and rebalancing.slowdowns
+    ):
+        assert rebalancing is not None
+        decision = rebalance(
+            resized,
+            layers=rebalancing.layers,
+            device=_device(rebalancing),
+            policy=policy,
+            slowdowns=rebalancing.slowdowns,
+        )
+        resized, reason = decision.plan, f"{reason}; {decision.reason}"
+    if resized == plan:
+        return plan, reason
+    return dataclasses.replace(resized, generation=plan.generation + 1), reason
+
+
+def _device(rebalancing: Rebalancing) -> DeviceSpec:
+    if rebalancing.device is None or not rebalancing.layers:
+        raise ValueError(f"policy {rebalancing.policy} needs the cost model's layers and device")
+    return rebalancing.device
 
 
 def plan_fail_stop(
@@ -46,6 +91,7 @@ def plan_fail_stop(
     *,
     ranks_per_node: int,
     snapshots: bool,
+    rebalancing: Rebalancing | None = None,
 ) -> RecoveryDecision:
     failed = set(failed)
     survivors = set(plan.ranks) - failed
@@ -55,7 +101,7 @@ def plan_fail_stop(
     steps = {commits[r] for r in survivors}
     if max(steps) - min(steps) > 1:
         raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
-    new, reason = next_plan(plan, failed)
+    new, reason = next_plan(plan, failed, rebalancing)
     placements = (
         snapshot_placements(plan, ranks_per_node)
         if snapshots

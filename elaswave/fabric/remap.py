@@ -1,16 +1,20 @@
 """Live remap planning (paper §5.2): integrity check and transfer plan, as pure code.
 
-When a stage's DP membership changes, every layer's flat optimizer state moves from the
-old interleaved partition (D shards) to the new one (D' shards). Each old shard's source
-is its owner's device copy if the owner survives, else the host snapshot on its holder.
-The plan lists, per layer, the element ranges each source sends to each new owner: the
-overlap matrix of source and target partitions. Executing it is the executor's job.
+Any plan change moves optimizer state: when a stage's DP membership changes, every
+layer's flat state moves from the old interleaved partition (D shards) to the new one
+(D' shards); when a layer migrates, its D shards move to the new stage's D' owners. Both
+are the same problem, solved per layer by :func:`plan_reshard`: each old shard's source
+is its owner's device copy if the owner survives, else the host snapshot on its holder,
+and the plan lists the element ranges each source sends to each new owner (the overlap
+matrix of source and target partitions). Under the interleaved layout a layer moving
+between stages of equal width is exactly D disjoint rank-to-rank sends. Executing the
+plan is the executor's job.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.fabric.errors import Unrecoverable
@@ -34,6 +38,8 @@ class Transfer:
     src: int
     kind: Source
     dst: int
+    owner: int
+    """The old owner of the shard the range is read from (``src`` itself for DEVICE)."""
 
     @property
     def numel(self) -> int:
@@ -45,11 +51,19 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class RemapPlan:
+class LayerShards:
+    """Who owns one layer's interleaved shards before and after a change."""
+
+    layer: int
+    numel: int
     old_ranks: tuple[int, ...]
+    """Owner of each old shard, in replica order (the layer's old stage)."""
     new_ranks: tuple[int, ...]
-    sources: dict[int, tuple[int, Source]]
-    """Old replica index -> (rank, device or host) its shard is read from."""
+    """Owner of each new shard, in replica order (the layer's new stage)."""
+
+
+@dataclass(frozen=True)
+class RemapPlan:
     transfers: tuple[Transfer, ...]
 
     def overlap_matrix(self) -> dict[tuple[int, int], int]:
@@ -99,6 +113,54 @@ def check_integrity(
     return sources
 
 
+def plan_reshard(
+    layers: Sequence[LayerShards],
+    *,
+    failed: Collection[int] = (),
+    holder_of: Mapping[int, int] | None = None,
+) -> RemapPlan:
+    """Transfers that move every layer's shards from its old owners to its new ones.
+
+    ``holder_of`` maps an owner rank to the rank holding its host snapshot. Raises
+    Unrecoverable naming every shard with neither a surviving owner nor a surviving
+    holder. Transfers are ordered by layer, old shard, new shard: every rank derives the
+    same list, so a transfer's position can name its message.
+    """
+    failed, holder_of = set(failed), dict(holder_of or {})
+    lost, transfers = [], []
+    for item in layers:
+        if not item.new_ranks:
+            raise Unrecoverable(f"layer {item.layer} has no new owner")
+        d_old, d_new = len(item.old_ranks), len(item.new_ranks)
+        for j, owner in enumerate(item.old_ranks):
+            if owner not in failed:
+                src, kind = owner, Source.DEVICE
+            else:
+                holder = holder_of.get(owner)
+                if holder is None or holder in failed:
+                    lost.append(
+                        f"shard {j} of ranks {list(item.old_ranks)} (owner {owner}, snapshot "
+                        f"holder {holder if holder is not None else 'none'})"
+                    )
+                    continue
+                src, kind = holder, Source.HOST
+            olo, ohi = shard_bounds(item.numel, d_old, j)
+            for jn in range(d_new):
+                nlo, nhi = shard_bounds(item.numel, d_new, jn)
+                lo, hi = max(olo, nlo), min(ohi, nhi)
+                if lo < hi:
+                    transfers.append(
+                        Transfer(item.layer, lo, hi, src, kind, item.new_ranks[jn], owner)
+                    )
+    if lost:
+        unique = list(dict.fromkeys(lost))
+        raise Unrecoverable(
+            "optimizer state lost: " + "; ".join(unique) + " — the owner and its snapshot "
+            "holder both failed, so no copy of it is left in memory"
+        )
+    return RemapPlan(tuple(transfers))
+
+
 def plan_remap(
     *,
     layer_numels: Sequence[tuple[int, int]],
@@ -107,19 +169,12 @@ def plan_remap(
     failed: Collection[int],
     placement: SnapshotPlacement,
 ) -> RemapPlan:
-    """Transfers that rebuild the interleaved layout over ``new_ranks``."""
+    """Transfers that rebuild one stage's interleaved layout over ``new_ranks``."""
     if not new_ranks:
         raise Unrecoverable(f"no surviving rank in DP group {list(old_ranks)}")
-    sources = check_integrity(old_ranks, failed, placement)
-    d_old, d_new = len(old_ranks), len(new_ranks)
-    transfers = []
-    for layer, numel in layer_numels:
-        for j in range(d_old):
-            olo, ohi = shard_bounds(numel, d_old, j)
-            src, kind = sources[j]
-            for jn in range(d_new):
-                nlo, nhi = shard_bounds(numel, d_new, jn)
-                lo, hi = max(olo, nlo), min(ohi, nhi)
-                if lo < hi:
-                    transfers.append(Transfer(layer, lo, hi, src, kind, new_ranks[jn]))
-    return RemapPlan(tuple(old_ranks), tuple(new_ranks), sources, tuple(transfers))
+    check_integrity(old_ranks, failed, placement)
+    return plan_reshard(
+        [LayerShards(layer, n, tuple(old_ranks), tuple(new_ranks)) for layer, n in layer_numels],
+        failed=failed,
+        holder_of=placement.holder,
+    )

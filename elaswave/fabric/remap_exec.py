@@ -9,6 +9,7 @@ sends posted before any receive so that no ordering can deadlock.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,20 @@ def _offsets(layout: InterleavedLayout) -> dict[int, tuple[int, int]]:
     return {layer: (lo, hi - lo) for layer, lo, hi in layout.shard_slices()}
 
 
+def vector_offset(layout: InterleavedLayout, layer: int, lo: int) -> int:
+    """Where element ``lo`` of ``layer``'s flat state sits in its owner's shard vector."""
+    base, size = _offsets(layout)[layer]
+    return base + lo - (lo // size) * size
+
+
+@dataclass(frozen=True)
+class RemapResult:
+    state: ShardState
+    """This rank's new shard over the new layout (decay mask left empty)."""
+    bytes_sent: int
+    """Bytes this rank handed to point-to-point sends (a counter, not the plan)."""
+
+
 def execute_remap(
     plan: RemapPlan,
     *,
@@ -40,28 +55,22 @@ def execute_remap(
     link: Callable[[int, int], Group | PairGroup],
     generation: int,
     step: int,
-) -> ShardState | None:
-    """Run the transfers that involve ``rank``; return its new shard (None if not a target).
+) -> RemapResult:
+    """Run the transfers that involve ``rank``; return its new shard over ``new_layout``.
 
-    ``device_state`` is this rank's own committed shard (if it was a member);
-    ``host_states`` maps an old owner rank to the snapshot this rank holds for it.
+    ``old_layout`` and ``device_state`` are this rank's committed layout and shard
+    (``device_state`` None if it owned nothing); ``host_states`` maps an old owner rank
+    to the snapshot this rank holds for it (an owner in the same stage, same layout).
     """
-    old_off, new_off = _offsets(old_layout), _offsets(new_layout)
-    out = None
-    if rank in plan.new_ranks:
-        size = new_layout.shard_numel
-        out = [torch.zeros(size) for _ in range(3)]
-    sends, recvs = [], []
+    out = [torch.zeros(new_layout.shard_numel) for _ in range(3)]
+    sends, recvs, bytes_sent = [], [], 0
     for index, t in enumerate(plan.transfers):
         if t.src != rank and t.dst != rank:
             continue
-        o_base, o_size = old_off[t.layer]
-        n_base, n_size = new_off[t.layer]
-        o_lo = o_base + t.lo - (t.lo // o_size) * o_size
-        n_lo = n_base + t.lo - (t.lo // n_size) * n_size
+        n_lo = vector_offset(new_layout, t.layer, t.lo) if t.dst == rank else -1
         if t.src == rank:
-            owner = plan.old_ranks[t.lo // o_size]
-            state = device_state if t.kind is Source.DEVICE else host_states[owner]
+            o_lo = vector_offset(old_layout, t.layer, t.lo)
+            state = device_state if t.kind is Source.DEVICE else host_states[t.owner]
             assert state is not None, f"rank {rank} has no state for transfer {t}"
             piece = torch.stack(
                 [x[o_lo : o_lo + t.numel] for x in (state.master, state.exp_avg, state.exp_avg_sq)]
@@ -72,6 +81,7 @@ def execute_remap(
                 continue
             group = link(t.src, t.dst)
             piece = piece.contiguous()
+            bytes_sent += piece.numel() * piece.element_size()
             sends.append(
                 (
                     group,
@@ -88,6 +98,4 @@ def execute_remap(
             dst[n_lo : n_lo + t.numel] = src
     for group, work, _ in sends:
         group.wait_send(work)
-    if out is None:
-        return None
-    return ShardState(out[0], out[1], out[2], torch.zeros(0))
+    return RemapResult(ShardState(out[0], out[1], out[2], torch.zeros(0)), bytes_sent)

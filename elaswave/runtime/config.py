@@ -14,11 +14,19 @@ from typing import Any
 
 from elaswave.comm.backend import parse_device
 from elaswave.data.corpus import DataConfig
+from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
+from elaswave.engine.cost import device as cost_device
 from elaswave.engine.plan import Plan, initial_plan
+from elaswave.engine.rebalance import POLICIES, balanced_counts
 from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import RNG_KINDS
 from elaswave.runtime.faults import validate_faults
+
+EMULATED_DEVICE = "emulated"
+"""The cost model's device preset that ``--device emulated`` keeps the time of."""
+
+PARTITIONS = ("even", "balanced")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +46,8 @@ class TrainConfig:
     seed: int = 0
     """Seed of parameter initialisation and dropout streams."""
     device: str = "cpu"
-    """cpu (gloo), cuda (nccl) or npu (hccl via torch_npu)."""
+    """cpu (gloo), cuda (nccl), npu (hccl via torch_npu), or emulated (gloo on CPU,
+    keeping the time of the cost model's emulated accelerator)."""
     world_size: int | None = None
     """Processes to start; must equal dp x pp when given."""
     comm_timeout_s: float = 60.0
@@ -68,6 +77,12 @@ class TrainConfig:
     """The checkpoint's step; training continues at the next one."""
     recovery: bool = True
     """Recover from worker failures inside the step; False stops the job instead."""
+    rebalance: str = "resize"
+    """How a change (failure, straggler) is answered: none, resize (micro-batch resizing
+    only), migrate (+ layer migration), or migrate+dvfs (+ frequency scaling)."""
+    partition: str = "even"
+    """Initial layers per stage: even (equal counts) or balanced (the graph planner's
+    minimax partition under the cost model)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "steps", "global_batch", "micro_batch"):
@@ -103,6 +118,14 @@ class TrainConfig:
                 f"the checkpoint is at step {self.resume_step}, at or past the last step "
                 f"{self.steps - 1}: raise --steps to train further"
             )
+        if self.rebalance not in POLICIES:
+            raise ValueError(
+                f"rebalance = {self.rebalance!r}: valid policies are {', '.join(POLICIES)}"
+            )
+        if self.partition not in PARTITIONS:
+            raise ValueError(
+                f"partition = {self.partition!r}: valid values are {', '.join(PARTITIONS)}"
+            )
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
 
@@ -127,13 +150,30 @@ class JobConfig:
 
     def plan(self) -> Plan:
         t = self.train
+        counts = None
+        if t.partition == "balanced" and t.pp > 1:
+            counts = balanced_counts(
+                self.model, dp=t.dp, pp=t.pp, micro_batch=t.micro_batch, device=self.cost_device
+            )
         return initial_plan(
             num_layers=self.model.num_layers,
             dp=t.dp,
             pp=t.pp,
             global_batch=t.global_batch,
             micro_batch=t.micro_batch,
+            layer_counts=counts,
         )
+
+    @property
+    def cost_device(self) -> DeviceSpec:
+        """The device the cost model prices: the emulated one, whose relative layer costs
+        also stand in for devices ElasWave has no model of (cpu)."""
+        return cost_device(EMULATED_DEVICE)
+
+    @property
+    def layer_costs(self) -> list[LayerCost]:
+        """The cost model's layers, fp32 as the runtime trains."""
+        return layer_costs(self.model, dtype_bytes=4)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

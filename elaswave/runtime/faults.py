@@ -3,6 +3,7 @@
     --fault kill:RANK@STEP[:PHASE]       kill one worker
     --fault kill-node:NODE@STEP[:PHASE]  kill every worker of a node (see --ranks-per-node)
     --fault hang:RANK@STEP[:PHASE]       stop one worker (SIGSTOP): alive but silent
+    --fault slow:RANK=FACTOR@STEP        from STEP on, RANK computes FACTOR times slower
 
 PHASE is where in the step the process dies: forward (after the first micro-batch's
 forward compute), backward (after its backward compute), grad-sync (before the
@@ -38,9 +39,13 @@ class FaultKind(enum.StrEnum):
     KILL = "kill"
     KILL_NODE = "kill-node"
     HANG = "hang"
+    SLOW = "slow"
 
 
-_FAULT = re.compile(r"^(?P<kind>[a-z-]+):(?P<target>\d+)@(?P<step>\d+)(?::(?P<phase>[a-z-]+))?$")
+_FAULT = re.compile(
+    r"^(?P<kind>[a-z-]+):(?P<target>\d+)(?:=(?P<factor>[0-9]*\.?[0-9]+))?"
+    r"@(?P<step>\d+)(?::(?P<phase>[a-z-]+))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class FaultSpec:
     """A rank (kill) or a node (kill-node)."""
     step: int
     phase: Phase
+    factor: float = 1.0
+    """Slow faults: the compute slowdown factor (> 1)."""
 
     def ranks(self, ranks_per_node: int) -> list[int]:
         if self.kind is not FaultKind.KILL_NODE:
@@ -57,6 +64,8 @@ class FaultSpec:
         return list(range(self.target * ranks_per_node, (self.target + 1) * ranks_per_node))
 
     def __str__(self) -> str:
+        if self.kind is FaultKind.SLOW:
+            return f"{self.kind}:{self.target}={self.factor:g}@{self.step}"
         return f"{self.kind}:{self.target}@{self.step}:{self.phase}"
 
 
@@ -64,8 +73,8 @@ def parse_fault(text: str) -> FaultSpec:
     """Parse one --fault value; ValueError names the value and the valid forms."""
     match = _FAULT.match(text.strip())
     valid = (
-        "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE] or hang:RANK@STEP[:PHASE], "
-        "PHASE one of " + ", ".join(p.value for p in Phase)
+        "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE] or "
+        "slow:RANK=FACTOR@STEP, PHASE one of " + ", ".join(p.value for p in Phase)
     )
     if match is None:
         raise ValueError(f"fault {text!r} is malformed; expected {valid}")
@@ -81,6 +90,15 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(
             f"fault {text!r}: unknown phase {match['phase']!r}; expected {valid}"
         ) from None
+    factor = match["factor"]
+    if kind is FaultKind.SLOW:
+        if factor is None or match["phase"] is not None:
+            raise ValueError(f"fault {text!r}: a slow fault is slow:RANK=FACTOR@STEP")
+        if not float(factor) > 1.0:
+            raise ValueError(f"fault {text!r}: slowdown factor {factor} must be above 1")
+        return FaultSpec(kind, int(match["target"]), int(match["step"]), phase, float(factor))
+    if factor is not None:
+        raise ValueError(f"fault {text!r}: only a slow fault takes =FACTOR; expected {valid}")
     return FaultSpec(kind, int(match["target"]), int(match["step"]), phase)
 
 
@@ -122,8 +140,13 @@ class FaultInjector:
 
     def at(self, phase: Phase, step: int) -> None:
         for spec in self.mine:
-            if spec.step == step and spec.phase is phase:
+            if spec.kind is not FaultKind.SLOW and spec.step == step and spec.phase is phase:
                 self._die(spec)
+
+    def slowdown(self, step: int) -> float:
+        """This rank's compute slowdown factor at ``step`` (1.0 when not slowed)."""
+        started = [s for s in self.mine if s.kind is FaultKind.SLOW and s.step <= step]
+        return max(started, key=lambda s: s.step).factor if started else 1.0
 
     def _die(self, spec: FaultSpec) -> None:
         """SIGKILL every rank the fault names (a whole node at once), this one last.

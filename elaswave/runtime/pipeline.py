@@ -26,6 +26,7 @@ from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.rng import DropoutRng
+from elaswave.runtime.emulation import DelayedSend, Pacer
 from elaswave.runtime.faults import Phase
 from elaswave.runtime.schedule import Op, one_f_one_b
 
@@ -57,8 +58,10 @@ class StageRunner:
         model: ModelConfig,
         device: torch.device,
         fault_hook: Callable[[Phase, int], None] = _no_fault,
+        pacer: Pacer | None = None,
     ) -> None:
         self.fault_hook = fault_hook
+        self.pacer = pacer
         self.plan = plan
         self.rank = rank
         self.stage, self.replica = plan.locate(rank)
@@ -80,6 +83,7 @@ class StageRunner:
         self.outbound: list[Route] = (
             [] if self.is_last else [r for r in plan.routes(self.stage) if r.src == rank]
         )
+        self.layer_ids = [layer.index for layer in layers]
         self.schedule = one_f_one_b(
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )
@@ -110,7 +114,13 @@ class StageRunner:
         for route in routes:
             chunk = tensor[route.lo - self.lo : route.hi - self.lo].contiguous()
             group = self.comm[link_group_name(route.src, route.dst)]
-            pending.append((group, group.isend(chunk, peer_of(route), tag), chunk))
+            peer = peer_of(route)
+            if self.pacer is not None and self.pacer.emulated:
+                delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
+                post = lambda g=group, c=chunk, p=peer: g.isend(c, p, tag)  # noqa: E731
+                pending.append((group, DelayedSend(post, delay), chunk))
+            else:
+                pending.append((group, group.isend(chunk, peer, tag), chunk))
 
     def run_step(self, step: int) -> StepResult:
         started = time.perf_counter()
@@ -118,6 +128,8 @@ class StageRunner:
         pending: list[tuple] = []
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros(1, dtype=torch.float64)
+        if self.pacer is not None:
+            self.pacer.begin_step()
         self.optimizer.zero_grad()
         if self.size > 0:
             for op, mb in self.schedule:
@@ -127,9 +139,15 @@ class StageRunner:
                 else:
                     self._backward(step, mb, saved.pop(mb), pending)
         for group, work, _ in pending:
+            if isinstance(work, DelayedSend):
+                work = work.work(self.optimizer.dp_group.timeout.total_seconds())
             group.wait_send(work)
         self.fault_hook(Phase.GRAD_SYNC, step)
+        synced = time.perf_counter()
         self.optimizer.step(step, hook=lambda phase: self.fault_hook(Phase(phase), step))
+        if self.pacer is not None:
+            layout = self.optimizer.layout
+            self.pacer.collectives(layout.dp * layout.shard_numel * 4, layout.dp, synced)
         total = None
         if self.is_last:
             self.comm[dp_group_name(self.stage)].all_reduce(loss_sum)
@@ -151,6 +169,7 @@ class StageRunner:
             x_in = self._recv(self.inbound, lambda r: r.src, self._tag(step, mb, False))
             x_in.requires_grad_()
             x = x_in
+        started = time.perf_counter()
         for layer in self.layers:
             x = layer(x, ctx)
         if mb == 0:
@@ -162,6 +181,9 @@ class StageRunner:
             out = per_sample.sum() / self.plan.global_batch
         else:
             out = x
+        if self.pacer is not None:
+            self.pacer.compute(self.layer_ids, len(ids), started, backward=False)
+        if not self.is_last:
             self._send(
                 x.detach(), self.outbound, lambda r: r.dst, self._tag(step, mb, False), pending
             )
@@ -170,10 +192,14 @@ class StageRunner:
     def _backward(self, step: int, mb: int, saved, pending: list) -> None:
         x_in, out = saved
         if self.is_last:
+            started = time.perf_counter()
             out.backward()
         else:
             grad = self._recv(self.outbound, lambda r: r.dst, self._tag(step, mb, True))
+            started = time.perf_counter()
             torch.autograd.backward(out, grad)
+        if self.pacer is not None:
+            self.pacer.compute(self.layer_ids, self.size, started, backward=True)
         if mb == 0:
             self.fault_hook(Phase.BACKWARD, step)
         if x_in is not None:

@@ -55,7 +55,7 @@ def build_summary(
         "events": num_events,
         "recoveries": recoveries or [],
         "device": device,
-        "timing": "measured",
+        "timing": "emulated" if device == "emulated" else "measured",
         "first_step": reporter["first_step"],
     }
 

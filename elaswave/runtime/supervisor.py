@@ -28,7 +28,9 @@ from elaswave.bus.schema import (
     RecoveryReady,
     RecoveryStarted,
 )
-from elaswave.engine.recovery import plan_digest, plan_fail_stop
+from elaswave.engine.plan import Plan
+from elaswave.engine.rebalance import Policy
+from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.core import Core
@@ -38,6 +40,23 @@ log = structlog.get_logger(__name__)
 GRACE_S = 0.02
 """Exits this close together are announced as one failure. Later exits, until every
 survivor has stopped, widen the announced set instead of starting a second recovery."""
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """A plan as summary.json records it: per stage, its layers, ranks, micro-batch
+    shares and clock."""
+    return {
+        "generation": plan.generation,
+        "stages": [
+            {
+                "layers": [s.layer_start, s.layer_stop],
+                "ranks": list(s.ranks),
+                "sizes": list(s.sizes),
+                "mhz": s.mhz,
+            }
+            for s in plan.stages
+        ],
+    }
 
 
 class JobFailed(RuntimeError):
@@ -83,8 +102,19 @@ class Supervisor:
         self.fenced: dict[int, str] = {}
         """rank -> why the Core killed it (a hang seen from missed heartbeats)."""
         self.timeout_s = max(30.0, cfg.train.comm_timeout_s)
+        self.slowdowns: dict[int, float] = {}
+        """Compute slowdown factors of the ranks the straggler detector flagged."""
         self._finishing: list[asyncio.Task[None]] = []
         """Recoveries waiting for their redone step to complete."""
+
+    def rebalancing(self) -> Rebalancing:
+        """The throughput planner's inputs: the job's policy and the measured slowdowns."""
+        return Rebalancing(
+            policy=Policy(self.cfg.train.rebalance),
+            slowdowns=dict(self.slowdowns),
+            layers=self.cfg.layer_costs,
+            device=self.cfg.cost_device,
+        )
 
     async def run(self) -> None:
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
@@ -203,6 +233,7 @@ class Supervisor:
                 commits,
                 ranks_per_node=self.cfg.train.ranks_per_node,
                 snapshots=self.cfg.train.snapshots,
+                rebalancing=self.rebalancing(),
             )
         except Unrecoverable as exc:
             raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
@@ -234,6 +265,9 @@ class Supervisor:
                         for name in e.tainted
                     }
                 ),
+                policy=self.cfg.train.rebalance,
+                slow_ranks=sorted(self.slowdowns),
+                slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
             )
         )
         await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
@@ -255,6 +289,8 @@ class Supervisor:
                 "resume": max(e.resume_s for e in done),
                 "redo": None,
             },
+            "bytes_moved": sum(e.bytes_sent for e in done),
+            "plan": plan_summary(decision.plan),
         }
         self.recoveries.append(record)
         self.plan = decision.plan

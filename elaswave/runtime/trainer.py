@@ -1,12 +1,12 @@
-"""What a worker trains with, and how a recovery plan turns one trainer into the next.
+"""What a worker trains with, and how a new plan turns one trainer into the next.
 
-A :class:`Trainer` holds everything a plan change replaces: the plan, the ZeRO
-optimizer shard, the snapshot sender and keepers, and the stage runner, all over the
-current generation of the worker's dynamic communicator. The layers and their parameters
-stay (fail-stop recovery moves no layer). :func:`recover` is the recovery executor: roll
-back to the committed step, edit the communicator (only the groups and links the failure
-touched), live-remap the optimizer shards of the stages that lost ranks, re-place
-snapshots, and rebuild the runner.
+A :class:`Trainer` holds everything a plan change replaces: the plan, the rank's layer
+modules, the ZeRO optimizer shard, the snapshot sender and keepers, and the stage
+runner, all over the current generation of the worker's dynamic communicator.
+:func:`reconfigure` is the recovery executor for every kind of change: roll back to the
+committed step, edit the communicator (only the groups and links the change touched),
+move optimizer shards (live remap of failed ranks' shards, migrating layers), gather
+parameters, re-place snapshots, set the stage clock, and rebuild the runner.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
+from elaswave.comm.links import pair
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.plan import (
     Plan,
@@ -36,12 +37,14 @@ from elaswave.engine.plan import (
 )
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers, step_dir
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.remap import plan_remap
+from elaswave.fabric.remap import LayerShards, RemapPlan, plan_reshard
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
 from elaswave.fabric.zero import ShardState, ZeroAdamW
+from elaswave.model.llama import build_layer
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.config import JobConfig
+from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector
 from elaswave.runtime.pipeline import StageRunner
 
@@ -63,6 +66,13 @@ class WorkerContext:
     rng: DropoutRng
     abort: AbortSignal
     faults: FaultInjector
+    pacer: Pacer
+    """Keeps the modelled device's time (``--device emulated``) and fail-slow delays."""
+
+    @property
+    def numels(self) -> dict[int, int]:
+        """Parameters of every layer of the model, by layer index."""
+        return {c.index: c.params for c in self.cfg.layer_costs}
 
     @property
     def timeout(self) -> timedelta:
@@ -76,6 +86,8 @@ class Trainer:
     """The worker's groups and links across generations (shared by successive trainers)."""
     optimizer: ZeroAdamW
     runner: StageRunner
+    layers: nn.ModuleList
+    """This rank's layer modules under ``plan``, in layer order."""
     keepers: list[SnapshotKeeper] = field(default_factory=list)
 
     @property
@@ -100,11 +112,13 @@ def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     return snapshot_group_specs(plan, ctx.cfg.train.ranks_per_node)
 
 
-def _runner(ctx: WorkerContext, plan: Plan, comm: Communicator, opt: ZeroAdamW) -> StageRunner:
+def _runner(
+    ctx: WorkerContext, plan: Plan, comm: Communicator, layers: nn.ModuleList, opt: ZeroAdamW
+) -> StageRunner:
     return StageRunner(
         plan=plan,
         rank=ctx.rank,
-        layers=ctx.layers,
+        layers=layers,
         optimizer=opt,
         comm=comm,
         loader=ctx.loader,
@@ -112,6 +126,7 @@ def _runner(ctx: WorkerContext, plan: Plan, comm: Communicator, opt: ZeroAdamW) 
         model=ctx.cfg.model,
         device=ctx.device,
         fault_hook=ctx.faults.at,
+        pacer=ctx.pacer,
     )
 
 
@@ -119,12 +134,13 @@ def _optimizer(
     ctx: WorkerContext,
     plan: Plan,
     comm: Communicator,
+    layers: nn.ModuleList,
     state: ShardState | None = None,
     committed_step: int = -1,
 ) -> ZeroAdamW:
     stage, replica = plan.locate(ctx.rank)
     return ZeroAdamW(
-        ctx.layers,
+        layers,
         layer_ids=list(plan.stages[stage].layers),
         dp_group=comm[dp_group_name(stage)],
         replica=replica,
@@ -143,10 +159,12 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     links.build(plan.group_specs() + _snapshot_specs(ctx, plan))
     comm = links.comm
     t = ctx.cfg.train
+    layers = ctx.layers
     if t.resume_dir is None or t.resume_step is None:
-        optimizer = _optimizer(ctx, plan, comm)
+        optimizer = _optimizer(ctx, plan, comm, layers)
         keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
-        return Trainer(plan, links, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
+        runner = _runner(ctx, plan, comm, layers, optimizer)
+        return Trainer(plan, links, optimizer, runner, layers, keepers)
     stage, replica = plan.locate(ctx.rank)
     loaded = load_layers(step_dir(Path(t.resume_dir), t.resume_step), plan.stages[stage].layers)
     with torch.no_grad():
@@ -155,7 +173,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
             for param in layer.parameters():
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
-    optimizer = _optimizer(ctx, plan, comm, committed_step=t.resume_step)
+    optimizer = _optimizer(ctx, plan, comm, layers, committed_step=t.resume_step)
     cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
     optimizer.state = cut(replica)
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
@@ -165,7 +183,8 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
         initial[owner] = cut(owner_replica)
         initial[owner].decay_mask = optimizer.decay_mask_of(owner_replica)
     keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=t.resume_step, initial=initial)
-    return Trainer(plan, links, optimizer, _runner(ctx, plan, comm, optimizer), keepers)
+    runner = _runner(ctx, plan, comm, layers, optimizer)
+    return Trainer(plan, links, optimizer, runner, layers, keepers)
 
 
 def _attach_snapshots(
@@ -240,7 +259,47 @@ def _exchange_snapshot_states(
     return received
 
 
-def recover(
+def _changed_stages(old: Plan, new: Plan) -> set[int]:
+    """Stages whose members or layers differ between the plans."""
+    return {
+        a.stage
+        for a, b in zip(old.stages, new.stages, strict=True)
+        if a.ranks != b.ranks or a.layers != b.layers
+    }
+
+
+def plan_state_moves(ctx: WorkerContext, old: Plan, new: Plan, failed: set[int]) -> RemapPlan:
+    """Every optimizer-shard transfer from ``old`` to ``new`` (pure, the same on every
+    rank): for each layer of a stage that changes, its old stage's shards (or their
+    snapshots, for failed owners) to its new stage's owners."""
+    changed = _changed_stages(old, new)
+    holder_of: dict[int, int] = {}
+    for placement in snapshot_placements(old, ctx.cfg.train.ranks_per_node).values():
+        holder_of.update(placement.holder)
+    if not ctx.cfg.train.snapshots:
+        holder_of = {}
+    items = []
+    for layer in range(ctx.cfg.model.num_layers):
+        src = next(s for s in old.stages if layer in s.layers)
+        dst = next(s for s in new.stages if layer in s.layers)
+        if src.stage in changed or dst.stage in changed:
+            items.append(LayerShards(layer, ctx.numels[layer], src.ranks, dst.ranks))
+    return plan_reshard(items, failed=failed, holder_of=holder_of)
+
+
+def _stage_layers(ctx: WorkerContext, old: Trainer, layer_ids: range) -> nn.ModuleList:
+    """This rank's layer modules for ``layer_ids``: kept ones as they are, new ones built
+    (their parameters arrive through the optimizer's all-gather)."""
+    have = {layer.index: layer for layer in old.layers}
+    return nn.ModuleList(
+        have[i]
+        if i in have
+        else build_layer(ctx.cfg.model, i, seed=ctx.cfg.train.seed).to(ctx.device)
+        for i in layer_ids
+    )
+
+
+def reconfigure(
     ctx: WorkerContext,
     old: Trainer,
     new_plan: Plan,
@@ -249,11 +308,16 @@ def recover(
     *,
     rebuild: set[str],
 ) -> tuple[Trainer, dict[str, float]]:
-    """Apply a fail-stop plan on this survivor; returns the new trainer and phase times."""
+    """The recovery executor: apply ``new_plan`` on this surviving rank.
+
+    One pass for any change of plan: ranks that failed (their shards rebuilt from host
+    snapshots), micro-batch resizing, layers migrating between stages (their optimizer
+    state moves as D disjoint shard sends under the interleaved layout) and stage clocks
+    (DVFS). Roll back to ``committed_step``, edit the communicator, move optimizer state,
+    gather parameters, re-place snapshots, set the clock, and rebuild the runner. Returns
+    the new trainer and the phase times (and bytes moved).
+    """
     c = committed_step
-    stage, _ = old.plan.locate(ctx.rank)
-    old_stage = old.plan.stages[stage]
-    affected = bool(failed & set(old_stage.ranks))
     # Host snapshots this rank holds for failed owners, at the committed step.
     host_states = {
         k.owner: k.wait(c, ctx.cfg.train.comm_timeout_s) for k in old.keepers if k.owner in failed
@@ -262,22 +326,10 @@ def recover(
     old.optimizer.rollback(c)
 
     t0 = time.perf_counter()
-    layer_numels = [(s.layer, s.numel) for s in old.optimizer.layout.layers]
-    placement = snapshot_placements(old.plan, ctx.cfg.train.ranks_per_node)[stage]
-    new_stage = new_plan.stages[stage]
-    remap = None
+    moves = plan_state_moves(ctx, old.plan, new_plan, failed)
+    pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
-    if affected:
-        remap = plan_remap(
-            layer_numels=layer_numels,
-            old_ranks=old_stage.ranks,
-            new_ranks=new_stage.ranks,
-            failed=failed,
-            placement=placement,
-        )
-        pairs = {tuple(sorted((t.src, t.dst))) for t in remap.transfers if t.src != t.dst}
-        specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
-    # Each stage's remap links are created by that stage's survivors only.
+    specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
     change = old.links.apply(
         specs,
         removed=failed,
@@ -288,29 +340,43 @@ def recover(
     comm = old.links.comm
     t1 = time.perf_counter()
 
-    if remap is not None:
-        new_layout = InterleavedLayout.build(layer_numels, new_stage.dp)
-        state = execute_remap(
-            remap,
-            rank=ctx.rank,
-            old_layout=old.optimizer.layout,
-            new_layout=new_layout,
-            device_state=old.optimizer.state,
-            host_states=host_states,
-            link=lambda a, b: comm[remap_link_name(a, b)],
-            generation=new_plan.generation,
-            step=c,
-        )
-    else:
-        state = old.optimizer.state
-    optimizer = _optimizer(ctx, new_plan, comm, state=state, committed_step=c)
-    optimizer.all_gather_params()  # every replica's parameters back to the committed step
+    stage, _ = new_plan.locate(ctx.rank)
+    new_stage = new_plan.stages[stage]
+    layers = _stage_layers(ctx, old, new_stage.layers)
+    moved_in = stage in _changed_stages(old.plan, new_plan)
+    new_layout = (
+        InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
+        if moved_in
+        else old.optimizer.layout
+    )
+    # Every survivor runs it: a rank whose stage does not change may still be a source.
+    result = execute_remap(
+        moves,
+        rank=ctx.rank,
+        old_layout=old.optimizer.layout,
+        new_layout=new_layout,
+        device_state=old.optimizer.state,
+        host_states=host_states,
+        link=lambda a, b: comm[remap_link_name(a, b)],
+        generation=new_plan.generation,
+        step=c,
+    )
+    state = result.state if moved_in else old.optimizer.state
+    optimizer = _optimizer(ctx, new_plan, comm, layers, state=state, committed_step=c)
+    optimizer.all_gather_params()  # every replica's parameters at the committed step
     t2 = time.perf_counter()
 
     initial = _exchange_snapshot_states(ctx, new_plan, comm, optimizer, c)
     keepers = _attach_snapshots(ctx, new_plan, comm, optimizer, step=c, initial=initial)
+    if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
+        ctx.pacer.frequency.set_mhz(0, new_stage.mhz or ctx.cfg.cost_device.base_mhz)
     trainer = Trainer(
-        new_plan, old.links, optimizer, _runner(ctx, new_plan, comm, optimizer), keepers
+        new_plan,
+        old.links,
+        optimizer,
+        _runner(ctx, new_plan, comm, layers, optimizer),
+        layers,
+        keepers,
     )
     t3 = time.perf_counter()
     log.info(
@@ -320,6 +386,11 @@ def recover(
         reused_groups=change.groups_reused,
         created_groups=change.groups_created,
         created_links=change.links_created,
-        affected=affected,
+        bytes_sent=result.bytes_sent,
     )
-    return trainer, {"comm": t1 - t0, "remap": t2 - t1, "resume": t3 - t2}
+    return trainer, {
+        "comm": t1 - t0,
+        "remap": t2 - t1,
+        "resume": t3 - t2,
+        "bytes_sent": float(result.bytes_sent),
+    }

@@ -32,25 +32,31 @@ from elaswave.bus.schema import (
     RecoveryPlan,
     RecoveryReady,
     StepCompleted,
+    StepTiming,
     Topic,
     WorkerFinished,
     WorkerStarted,
 )
 from elaswave.comm.abort import AbortSignal, StepAborted
-from elaswave.comm.backend import backend_for
+from elaswave.comm.backend import Device, backend_for, parse_device
 from elaswave.comm.group import CommError
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
-from elaswave.engine.recovery import next_plan, plan_digest
+from elaswave.engine.cost import device as device_spec
+from elaswave.engine.cost import layer_costs
+from elaswave.engine.rebalance import Policy
+from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
 from elaswave.model.rng import make_rng
 from elaswave.runtime.agent import Agent
-from elaswave.runtime.config import JobSpec
+from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
+from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector, validate_faults
+from elaswave.runtime.frequency import EmulatedFrequency
 from elaswave.runtime.session import Session
-from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer, recover
+from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer, reconfigure
 
 log = structlog.get_logger(__name__)
 
@@ -119,6 +125,15 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         ranks_per_node=cfg.train.ranks_per_node,
         steps=cfg.train.steps,
     )
+    costs = {c.index: c for c in layer_costs(cfg.model, dtype_bytes=4)}
+    if parse_device(cfg.train.device) is Device.EMULATED:
+        spec = device_spec(EMULATED_DEVICE)
+        clock = EmulatedFrequency(
+            base_mhz=spec.base_mhz, min_mhz=spec.min_mhz, max_mhz=spec.max_mhz
+        )
+        pacer = Pacer(spec, costs, clock)
+    else:
+        pacer = Pacer(None, costs)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
     store.set(f"pid/{rank}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     return WorkerContext(
@@ -139,6 +154,7 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
             run_dir,
             pid_of=lambda peer: int(store.get(f"pid/{peer}")),
         ),
+        pacer=pacer,
     )
 
 
@@ -154,6 +170,16 @@ def _await_event(
         if want(event):
             return event
     raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
+
+
+def rebalancing_of(ctx: WorkerContext, decision: RecoveryPlan) -> Rebalancing:
+    """The throughput planner's inputs as the Core announced them."""
+    return Rebalancing(
+        policy=Policy(decision.policy),
+        slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
+        layers=ctx.cfg.layer_costs,
+        device=ctx.cfg.cost_device,
+    )
 
 
 def _recover(
@@ -196,7 +222,7 @@ def _recover(
         f"recovery plan for generation {gen + 1}",
     )
     assert isinstance(decision, RecoveryPlan)
-    new_plan, _ = next_plan(trainer.plan, decision.failed)
+    new_plan, _ = next_plan(trainer.plan, decision.failed, rebalancing_of(ctx, decision))
     if plan_digest(new_plan) != decision.plan_digest:
         raise RuntimeError(
             f"plan digest {plan_digest(new_plan)} differs from the Core's "
@@ -204,7 +230,7 @@ def _recover(
         )
     ctx.abort.generation = gen + 1
     ctx.abort.clear()
-    trainer, phases = recover(
+    trainer, phases = reconfigure(
         ctx,
         trainer,
         new_plan,
@@ -220,6 +246,7 @@ def _recover(
             comm_s=phases["comm"],
             remap_s=phases["remap"],
             resume_s=phases["resume"],
+            bytes_sent=int(phases["bytes_sent"]),
         )
     )
     return trainer
@@ -259,6 +286,7 @@ def _train(
     cpu_started = time.process_time()
     while step < cfg.train.steps:
         agent.step = step
+        ctx.pacer.slowdown = ctx.faults.slowdown(step)
         if hasattr(ctx.rng, "begin_step"):
             ctx.rng.begin_step(step)
         try:
@@ -273,6 +301,19 @@ def _train(
                     del record[later]
             continue
         step_times[step] = result.seconds
+        clock = ctx.pacer.clock
+        session.publish(
+            StepTiming(
+                sender=sender,
+                generation=trainer.plan.generation,
+                rank=rank,
+                step=step,
+                compute_s=clock.compute_s,
+                expected_s=clock.expected_s,
+                micro_batches=clock.micro_batches,
+                overruns=clock.overruns,
+            )
+        )
         every = cfg.train.checkpoint_every
         if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
             _, replica = trainer.plan.locate(rank)
@@ -313,7 +354,7 @@ def _train(
         torch.save(
             {
                 layer.index: {n: p.detach().cpu() for n, p in layer.named_parameters()}
-                for layer in ctx.layers
+                for layer in trainer.layers
             },
             path,
         )
@@ -325,7 +366,7 @@ def _train(
         "loss": [losses[s] for s in sorted(losses)] if losses else None,
         "traces": traces,
         "optimizer_shard_numel": trainer.optimizer.state.numel(),
-        "stage_param_numel": sum(p.numel() for p in ctx.layers.parameters()),
+        "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),
         "optimizer_digests": [optimizer_digests[s] for s in sorted(optimizer_digests)],
         "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
         "generation": trainer.plan.generation,

@@ -1,0 +1,231 @@
+"""The throughput planner: dataflow, graph and DVFS together (paper §4.1-4.3).
+
+After micro-batch resizing (:mod:`elaswave.engine.dataflow`) the stage that lost ranks
+runs larger micro-batches and becomes the pipeline's straggler; a slow rank (fail-slow)
+does the same to its stage. :func:`rebalance` is a pure function of (plan, per-rank
+slowdowns, policy) that restores balance along the policy's dimensions:
+
+1. **Dataflow.** Inside each stage, samples are re-split in inverse proportion to the
+   replicas' slowdowns, so a slow rank takes fewer (every policy but ``none``).
+2. **Graph** (``migrate``). The minimax partition (:func:`elaswave.engine.graph.plan_layers`)
+   over the stages as they now are (widths, micro-batches, clocks, slowdowns) moves
+   layers off the straggler; adopted only if it shortens the slowest mini-step by more
+   than ``min_gain``.
+3. **DVFS** (``migrate+dvfs``). The stage still slowest is up-clocked, as little as
+   needed, to the next-slowest stage's time (:func:`elaswave.engine.dvfs.plan_frequency`,
+   observing the cost model).
+
+It returns the next plan (generation + 1) and a reason naming what changed and the
+predicted mini-step times; a plan identical to the input is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs, segment_tables
+from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
+from elaswave.engine.graph import plan_layers
+from elaswave.engine.plan import Plan, StagePlan
+from elaswave.model.config import ModelConfig
+
+__all__ = ["Policy", "RebalanceDecision", "balanced_counts", "rebalance", "split_by_speed"]
+
+
+class Policy(enum.StrEnum):
+    """Which dimensions a change may rebalance (the paper's ablation)."""
+
+    NONE = "none"
+    """Keep the plan (no mitigation of a fail-slow rank)."""
+    RESIZE = "resize"
+    """Dataflow only: micro-batch resizing and speed-proportional splits."""
+    MIGRATE = "migrate"
+    """Dataflow and graph: layers migrate between stages."""
+    MIGRATE_DVFS = "migrate+dvfs"
+    """Dataflow, graph and DVFS."""
+
+
+POLICIES = tuple(p.value for p in Policy)
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    plan: Plan
+    ministep_before_s: tuple[float, ...]
+    """Predicted mini-step time of every stage under the input plan."""
+    ministep_after_s: tuple[float, ...]
+    """The same under the returned plan."""
+    moved: tuple[tuple[int, int, int], ...]
+    """(layer, from stage, to stage) of every layer that changes stage."""
+    frequency: FrequencyDecision | None
+    """The DVFS planner's decision (``migrate+dvfs`` only)."""
+    reason: str
+
+
+def split_by_speed(total: int, slowdowns: Sequence[float]) -> tuple[int, ...]:
+    """Split ``total`` samples so that the slowest replica's time ``size x slowdown`` is
+    as small as possible (ties: earlier replicas take more). Exact: each sample goes to
+    the replica whose time after taking it is smallest."""
+    if total < 1 or not slowdowns or min(slowdowns) < 1.0:
+        raise ValueError(f"cannot split {total} samples over slowdowns {list(slowdowns)}")
+    sizes = [0] * len(slowdowns)
+    for _ in range(total):
+        best = min(range(len(sizes)), key=lambda j: ((sizes[j] + 1) * slowdowns[j], j))
+        sizes[best] += 1
+    return tuple(sizes)
+
+
+def _slowdowns(stage: StagePlan, slowdowns: Mapping[int, float]) -> list[float]:
+    return [max(1.0, slowdowns.get(rank, 1.0)) for rank in stage.ranks]
+
+
+def _stage_specs(
+    plan: Plan, slowdowns: Mapping[int, float], device: DeviceSpec, memory_cap_bytes: float
+) -> list[StageSpec]:
+    specs = []
+    for stage in plan.stages:
+        slow = _slowdowns(stage, slowdowns)
+        largest = max(stage.sizes)
+        # The stage's mini-step is set by its slowest replica: max over replicas of
+        # size x slowdown, expressed as the largest micro-batch times a factor >= 1.
+        worst = max(size * s for size, s in zip(stage.sizes, slow, strict=True) if size)
+        specs.append(
+            StageSpec(
+                dp=stage.dp,
+                micro_batch=largest,
+                mhz=stage.mhz if stage.mhz is not None else device.base_mhz,
+                slowdown=max(1.0, worst / largest),
+                memory_cap_bytes=memory_cap_bytes,
+            )
+        )
+    return specs
+
+
+def _times(
+    layers: Sequence[LayerCost],
+    specs: Sequence[StageSpec],
+    device: DeviceSpec,
+    boundaries: Sequence[int],
+    num_micro_batches: int,
+) -> tuple[float, ...]:
+    times, _ = segment_tables(layers, specs, device, num_micro_batches=num_micro_batches)
+    return tuple(
+        float(times[p, boundaries[p], boundaries[p + 1]]) for p in range(len(boundaries) - 1)
+    )
+
+
+def _fmt(times: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{t * 1e3:.1f}" for t in times) + "] ms"
+
+
+def rebalance(
+    plan: Plan,
+    *,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    policy: Policy | str,
+    slowdowns: Mapping[int, float] | None = None,
+    memory_cap_bytes: float | None = None,
+    min_gain: float = 0.02,
+) -> RebalanceDecision:
+    """The next plan under ``policy`` for ``plan`` with per-rank ``slowdowns`` (>= 1)."""
+    policy = Policy(policy)
+    slowdowns = dict(slowdowns or {})
+    unknown = set(slowdowns) - set(plan.ranks)
+    if unknown:
+        raise ValueError(f"slowdowns given for ranks {sorted(unknown)} not in the plan")
+    cap = device.memory_bytes if memory_cap_bytes is None else memory_cap_bytes
+    num_mb = plan.num_micro_batches
+    boundaries = [s.layer_start for s in plan.stages] + [plan.stages[-1].layer_stop]
+    before = _times(layers, _stage_specs(plan, slowdowns, device, cap), device, boundaries, num_mb)
+    if policy is Policy.NONE:
+        return RebalanceDecision(plan, before, before, (), None, "policy none: plan kept")
+
+    reasons = []
+    stages = list(plan.stages)
+    for i, stage in enumerate(stages):  # 1. dataflow: split by speed
+        slow = _slowdowns(stage, slowdowns)
+        sizes = split_by_speed(sum(stage.sizes), slow) if max(slow) > 1.0 else stage.sizes
+        if sizes != stage.sizes:
+            stages[i] = dataclasses.replace(stage, sizes=sizes)
+            reasons.append(f"stage {stage.stage} splits samples {list(sizes)} by speed")
+    current = dataclasses.replace(plan, stages=tuple(stages))
+    specs = _stage_specs(current, slowdowns, device, cap)
+    times = _times(layers, specs, device, boundaries, num_mb)
+
+    moved: list[tuple[int, int, int]] = []
+    if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and plan.pp > 1:  # 2. graph
+        partition = plan_layers(layers, specs, device, num_micro_batches=num_mb)
+        if partition.bottleneck_s < max(times) * (1.0 - min_gain):
+            new_bounds = list(partition.boundaries)
+            for layer in range(len(layers)):
+                src = next(p for p in range(plan.pp) if boundaries[p] <= layer < boundaries[p + 1])
+                dst = next(p for p in range(plan.pp) if new_bounds[p] <= layer < new_bounds[p + 1])
+                if src != dst:
+                    moved.append((layer, src, dst))
+            boundaries = new_bounds
+            stages = [
+                dataclasses.replace(s, layer_start=boundaries[i], layer_stop=boundaries[i + 1])
+                for i, s in enumerate(stages)
+            ]
+            times = _times(layers, specs, device, boundaries, num_mb)
+            reasons.append(
+                f"layers {[m[0] for m in moved]} move stages "
+                f"({', '.join(f'{m[0]}: {m[1]}->{m[2]}' for m in moved)}): {partition.reason}"
+            )
+        else:
+            reasons.append(
+                f"no partition shortens the slowest mini-step by more than {min_gain:.0%} "
+                f"(best {partition.bottleneck_s * 1e3:.1f} ms)"
+            )
+
+    frequency = None
+    if policy is Policy.MIGRATE_DVFS and plan.pp > 1:  # 3. DVFS on the residual straggler
+        slowest = max(range(plan.pp), key=lambda p: (times[p], -p))
+        target = max(t for p, t in enumerate(times) if p != slowest)
+        spec = specs[slowest]
+
+        def observe(mhz: float, slowest: int = slowest) -> float:
+            trial = list(specs)
+            trial[slowest] = dataclasses.replace(spec, mhz=mhz)
+            return _times(layers, trial, device, boundaries, num_mb)[slowest]
+
+        frequency = plan_frequency(
+            observe,
+            current_mhz=spec.mhz,
+            max_mhz=device.max_mhz,
+            target_s=target,
+            tolerance_s=0.01 * target,
+            min_step_mhz=10.0,
+        )
+        if frequency.mhz != spec.mhz:
+            stages[slowest] = dataclasses.replace(stages[slowest], mhz=frequency.mhz)
+            specs[slowest] = dataclasses.replace(spec, mhz=frequency.mhz)
+            times = _times(layers, specs, device, boundaries, num_mb)
+        reasons.append(f"stage {slowest}: {frequency.reason}")
+
+    new = dataclasses.replace(plan, stages=tuple(stages))
+    if new == plan:
+        return RebalanceDecision(
+            plan, before, before, (), frequency, "; ".join([*reasons, "plan kept"])
+        )
+    new = dataclasses.replace(new, generation=plan.generation + 1)
+    summary = f"predicted mini-steps {_fmt(before)} -> {_fmt(times)}"
+    return RebalanceDecision(
+        new, before, times, tuple(moved), frequency, "; ".join([*reasons, summary])
+    )
+
+
+def balanced_counts(
+    model: ModelConfig, *, dp: int, pp: int, micro_batch: int, device: DeviceSpec
+) -> tuple[int, ...]:
+    """Layers per stage of the minimax partition of a static job (an AdaPipe-like
+    balanced start, so that a later change is measured against a balanced pipeline)."""
+    spec = StageSpec(
+        dp=dp, micro_batch=micro_batch, mhz=device.base_mhz, memory_cap_bytes=device.memory_bytes
+    )
+    partition = plan_layers(layer_costs(model, dtype_bytes=4), [spec] * pp, device)
+    return partition.counts

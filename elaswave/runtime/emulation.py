@@ -1,0 +1,146 @@
+"""Device pacing: make a CPU worker keep the time of a modelled accelerator.
+
+On a 2-core CPU shared by many workers, real compute is too small and too contended to
+show pipeline dynamics. With ``--device emulated`` each worker trains for real (gloo on
+CPU, the numbers are the real numbers) but keeps the time of a modelled device: after
+each layer block's real forward or backward it waits out the rest of the time the cost
+model (:mod:`elaswave.engine.cost`) gives for that work at the device's current clock,
+its point-to-point sends are delivered after the modelled transfer time, and each
+optimizer step lasts at least the modelled DP collectives. As long as the real work is
+shorter than the modelled work, step times, bubbles, stragglers and MTTR follow the model,
+not the host: these figures are *emulated*, and every output says so.
+
+A fail-slow fault (``slow:RANK=FACTOR@STEP``) multiplies this rank's compute time from
+that step on; on real devices (``cpu``, ``cuda``, ``npu``) it is emulated the same way by
+waiting ``FACTOR - 1`` times the measured compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from elaswave.engine.cost import DeviceSpec, LayerCost, compute_time, p2p_time
+from elaswave.engine.cost import ring_allreduce_time as ring_time
+from elaswave.runtime.frequency import EmulatedFrequency
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StepClock:
+    """What one step's compute cost on this rank, for the fail-slow detector."""
+
+    compute_s: float = 0.0
+    """Forward plus backward seconds (modelled when emulated, else measured)."""
+    expected_s: float = 0.0
+    """The same work at the nominal clock without slowdown (modelled), 0 when unknown."""
+    micro_batches: int = 0
+    overruns: int = 0
+    """Emulated compute blocks whose real compute took longer than the model allowed
+    (the emulation fell behind: the host is too slow or too loaded for the model)."""
+
+
+@dataclass
+class Pacer:
+    """Keeps one worker on the time of its modelled device (or adds a fail-slow delay).
+
+    ``model`` is None on real devices: then only a slowdown factor above 1 adds waiting.
+    """
+
+    model: DeviceSpec | None
+    layers: dict[int, LayerCost]
+    """Cost of every layer of the model, by global layer index."""
+    frequency: EmulatedFrequency | None = None
+    """The emulated clock (the DVFS executor sets it); None on real devices."""
+    slowdown: float = 1.0
+    """Fail-slow factor applied to compute time."""
+    clock: StepClock = field(default_factory=StepClock)
+    sleep: Callable[[float], None] = time.sleep
+
+    @property
+    def emulated(self) -> bool:
+        return self.model is not None
+
+    @property
+    def mhz(self) -> float:
+        assert self.model is not None
+        return self.frequency.get_mhz(0) if self.frequency is not None else self.model.base_mhz
+
+    def begin_step(self) -> None:
+        self.clock = StepClock()
+
+    def _flops(self, layer_ids: Sequence[int], samples: int, backward: bool) -> float:
+        per = (lambda c: c.bwd_flops_per_sample) if backward else (lambda c: c.fwd_flops_per_sample)
+        return samples * sum(per(self.layers[i]) for i in layer_ids)
+
+    def compute(
+        self, layer_ids: Sequence[int], samples: int, started: float, *, backward: bool
+    ) -> None:
+        """Called right after the real compute of ``layer_ids`` on ``samples`` samples,
+        which began at ``started`` (``time.perf_counter``): wait out the modelled rest."""
+        measured = time.perf_counter() - started
+        if self.model is None:
+            spent = measured * self.slowdown
+            expected = 0.0
+        else:
+            flops = self._flops(layer_ids, samples, backward)
+            expected = compute_time(flops, self.model, self.model.base_mhz)
+            spent = compute_time(flops, self.model, self.mhz) * self.slowdown
+        self.clock.compute_s += spent
+        self.clock.expected_s += expected
+        if not backward:
+            self.clock.micro_batches += 1
+        if not self._wait_until(started + spent) and self.model is not None:
+            self.clock.overruns += 1
+
+    def p2p_delay(self, num_bytes: int) -> float:
+        """Seconds a send of ``num_bytes`` takes on the modelled link (0 on real devices)."""
+        return 0.0 if self.model is None else p2p_time(num_bytes, self.model)
+
+    def collectives(self, num_bytes: int, dp: int, started: float) -> None:
+        """Called after a step's reduce-scatter and all-gather of a ``num_bytes`` bucket
+        over ``dp`` ranks, begun at ``started``: wait out their modelled time."""
+        if self.model is not None and dp > 1:
+            self._wait_until(started + ring_time(num_bytes, self.model, dp=dp))
+
+    def _wait_until(self, deadline: float) -> bool:
+        """Sleep until ``deadline``; False if it had already passed."""
+        remaining = deadline - time.perf_counter()
+        if remaining > 0:
+            self.sleep(remaining)
+            return True
+        return False
+
+
+class DelayedSend:
+    """A point-to-point send posted after the modelled transfer time, off the caller's
+    thread, so that compute goes on meanwhile; :meth:`work` waits for the post."""
+
+    def __init__(self, post: Callable[[], object], delay_s: float) -> None:
+        self._posted = threading.Event()
+        self._work: object = None
+        self._error: BaseException | None = None
+        self._post = post
+        self._timer = threading.Timer(delay_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        try:
+            self._work = self._post()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._posted.set()
+
+    def work(self, timeout_s: float) -> object:
+        if not self._posted.wait(timeout_s):
+            raise TimeoutError(f"a delayed send was not posted within {timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._work

@@ -1,0 +1,87 @@
+"""Device pacing (``--device emulated``) and fail-slow fault parsing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elaswave.engine.cost import compute_time, device, layer_costs
+from elaswave.model.config import TINY
+from elaswave.runtime.emulation import DelayedSend, Pacer
+from elaswave.runtime.faults import FaultInjector, FaultKind, parse_fault
+from elaswave.runtime.frequency import EmulatedFrequency
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = device("emulated")
+COSTS = {c.index: c for c in layer_costs(TINY, dtype_bytes=4)}
+
+
+def _pacer(**kwargs) -> tuple[Pacer, list[float]]:
+    slept: list[float] = []
+    clock = EmulatedFrequency(base_mhz=SPEC.base_mhz, min_mhz=SPEC.min_mhz, max_mhz=SPEC.max_mhz)
+    return Pacer(SPEC, COSTS, clock, sleep=slept.append, **kwargs), slept
+
+
+def test_compute_waits_out_the_modelled_time() -> None:
+    pacer, slept = _pacer()
+    started = time.perf_counter()
+    pacer.compute([1, 2], 2, started, backward=False)
+    model = compute_time(2 * (COSTS[1].fwd_flops_per_sample * 2), SPEC, SPEC.base_mhz)
+    assert model == pytest.approx(0.020, rel=0.01)  # two tiny blocks, 2 samples: 20 ms
+    assert len(slept) == 1 and slept[0] == pytest.approx(model, abs=2e-3)
+    assert pacer.clock.compute_s == pytest.approx(model)
+    assert pacer.clock.expected_s == pytest.approx(model)
+    assert pacer.clock.micro_batches == 1
+
+
+def test_frequency_and_slowdown_scale_compute() -> None:
+    pacer, _ = _pacer(slowdown=2.0)
+    assert pacer.frequency is not None
+    pacer.frequency.set_mhz(0, SPEC.max_mhz)
+    pacer.compute([1], 2, time.perf_counter(), backward=True)
+    base = compute_time(2 * COSTS[1].bwd_flops_per_sample, SPEC, SPEC.base_mhz)
+    assert pacer.clock.compute_s == pytest.approx(2.0 * base * SPEC.base_mhz / SPEC.max_mhz)
+    assert pacer.clock.expected_s == pytest.approx(base)
+
+
+def test_overrun_is_counted_when_real_work_exceeds_the_model() -> None:
+    pacer, slept = _pacer()
+    pacer.compute([1], 2, time.perf_counter() - 1.0, backward=False)  # took a second
+    assert slept == [] and pacer.clock.overruns == 1
+
+
+def test_real_device_only_adds_the_slowdown() -> None:
+    slept: list[float] = []
+    pacer = Pacer(None, COSTS, sleep=slept.append)
+    pacer.compute([1], 2, time.perf_counter(), backward=False)
+    assert slept == [] and not pacer.emulated and pacer.p2p_delay(10**6) == 0.0
+    pacer.slowdown = 3.0
+    started = time.perf_counter() - 0.01  # 10 ms of real work
+    pacer.compute([1], 2, started, backward=False)
+    assert len(slept) == 1 and 0.015 < slept[0] < 0.03  # waits 2 x the measured 10 ms
+
+
+def test_delayed_send_posts_after_the_delay() -> None:
+    posted: list[float] = []
+    started = time.perf_counter()
+    send = DelayedSend(lambda: posted.append(time.perf_counter()) or "work", 0.05)
+    assert send.work(5.0) == "work"
+    assert posted[0] - started >= 0.045
+
+
+def test_slow_fault_parses_and_applies_from_its_step() -> None:
+    spec = parse_fault("slow:3=1.5@10")
+    assert (spec.kind, spec.target, spec.step, spec.factor) == (FaultKind.SLOW, 3, 10, 1.5)
+    assert str(spec) == "slow:3=1.5@10"
+    faults = FaultInjector(3, 1, [spec, parse_fault("slow:3=2@20"), parse_fault("slow:4=3@0")])
+    assert [faults.slowdown(s) for s in (9, 10, 19, 20)] == [1.0, 1.5, 1.5, 2.0]
+    for bad, message in [
+        ("slow:3@10", "slow:RANK=FACTOR@STEP"),
+        ("slow:3=0.5@10", "must be above 1"),
+        ("kill:3=2@10", "only a slow fault"),
+        ("slow:3=2@10:forward", "slow:RANK=FACTOR@STEP"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_fault(bad)

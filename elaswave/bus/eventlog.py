@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -163,6 +163,9 @@ def format_record(record: LogRecord) -> str:
 
     2026-11-22T14:03:01.123Z  lifecycle  worker_started  rank3#1 gen=0  rank=3 stage=1 ...
     2026-11-22T14:03:01.125Z  metrics  INVALID: undecodable msgpack payload (...)
+
+    Fields with a default that hold it (most often fields appended to a schema that the
+    sender did not need) are left out.
     """
     stamp = _format_time(record.t)
     event = record.event
@@ -172,12 +175,20 @@ def format_record(record: LogRecord) -> str:
     body = " ".join(
         f"{f.name}={_format_value(getattr(event, f.name))}"
         for f in fields(event)
-        if f.name not in _BASE_FIELDS
+        if f.name not in _BASE_FIELDS and not _at_default(f, getattr(event, f.name))
     )
     return (
         f"{stamp}  {event.TOPIC.value}  {event.KIND.value}  "
         f"{event.sender}#{event.seq} gen={event.generation}  {body}"
     )
+
+
+def _at_default(field: Field[Any], value: object) -> bool:
+    if field.default is not MISSING:
+        return value == field.default
+    if field.default_factory is not MISSING:
+        return value == field.default_factory()
+    return False
 
 
 def _format_time(t: float) -> str:

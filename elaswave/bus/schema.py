@@ -76,6 +76,9 @@ class EventKind(enum.StrEnum):
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
     STEP_TIMING = "step_timing"
+    STRAGGLER_DETECTED = "straggler_detected"
+    PAUSE_REQUEST = "pause_request"
+    SCALE_REQUEST = "scale_request"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +237,8 @@ class WorkerStarted(Event):
     replica: int
     pid: int
     host: str
+    joining: bool = False
+    """A worker added to a running job: it has no place yet (stage and replica -1)."""
 
 
 @_register
@@ -354,6 +359,45 @@ class FailureDetected(Event):
 
 @_register
 @dataclass(frozen=True, kw_only=True)
+class StragglerDetected(Event):
+    """The fail-slow detector's verdict changed: ``ranks`` are slow by ``factors`` (the
+    same order); ``recovered`` are back to normal speed."""
+
+    KIND = EventKind.STRAGGLER_DETECTED
+    TOPIC = Topic.HEALTH
+    step: int
+    ranks: list[int]
+    factors: list[float]
+    recovered: list[int] = dataclasses.field(default_factory=list)
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class PauseRequest(Event):
+    """Every worker stops at the boundary after committing ``after_step`` (a worker
+    already in a later step abandons it) and reports with RecoveryReady; a RecoveryPlan
+    follows. For planned changes: fail-slow rebalancing, scale-up."""
+
+    KIND = EventKind.PAUSE_REQUEST
+    TOPIC = Topic.RECOVERY
+    after_step: int
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class ScaleRequest(Event):
+    """Someone (``elaswave scale``) asks the Core to add ``add`` workers to the job."""
+
+    KIND = EventKind.SCALE_REQUEST
+    TOPIC = Topic.CONTROL
+    add: int
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
 class RecoveryReady(Event):
     """A survivor has stopped at a step boundary; its last committed step."""
 
@@ -386,7 +430,9 @@ class RecoveryPlan(Event):
     slow_factors: list[float] = dataclasses.field(default_factory=list)
     """... and their slowdown factors, in the same order."""
     kind: str = "fail-stop"
-    """What the plan answers: "fail-stop" or "fail-slow"."""
+    """What the plan answers: "fail-stop", "fail-slow" or "join"."""
+    joined: list[int] = dataclasses.field(default_factory=list)
+    """Ranks joining the job (they read the current plan from the store)."""
 
 
 @_register

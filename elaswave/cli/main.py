@@ -90,8 +90,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--partition",
-        help="initial layers per stage: even (default) or balanced (minimax under the "
-        "cost model)",
+        help="initial layers per stage: even (default) or balanced (minimax under the cost model)",
     )
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps")
     p.add_argument(
@@ -224,16 +223,54 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    """Ask a running job's Core for more workers, and wait until they have joined."""
+    import queue
+
+    from elaswave.api import connect
+    from elaswave.bus.schema import EventKind, RecoveryFinished, RunFinished, ScaleRequest
+
+    if args.add < 1:
+        raise ValueError(f"--add {args.add}: must be at least 1 worker")
+    if (args.run_dir / "summary.json").is_file():
+        raise ValueError(f"the job in {str(args.run_dir)!r} has already finished")
+    done: queue.Queue[object] = queue.Queue()
+    with connect(args.run_dir, sender="elaswave-scale") as session:
+        session.subscribe(done.put, kinds=[EventKind.RECOVERY_FINISHED, EventKind.RUN_FINISHED])
+        session.publish(ScaleRequest(sender="elaswave-scale", add=args.add, reason=args.reason))
+        print(f"elaswave: asked for {args.add} more worker(s); waiting for them to join")
+        joined: list[int] = []
+        while len(joined) < args.add:
+            try:
+                event = done.get(timeout=args.timeout)
+            except queue.Empty:
+                raise ValueError(
+                    f"no worker joined within {args.timeout:g} s; see "
+                    f"`elaswave events {args.run_dir}`"
+                ) from None
+            if isinstance(event, RunFinished):
+                raise ValueError("the job finished before the workers could join")
+            if isinstance(event, RecoveryFinished) and event.kind == "join":
+                joined += event.ranks
+                print(f"elaswave: ranks {event.ranks} joined at step {event.step}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
+    sc = sub.add_parser("scale", help="add workers to a running job")
+    sc.add_argument("run_dir", type=Path)
+    sc.add_argument("--add", type=int, default=1, help="workers to add (default 1)")
+    sc.add_argument("--reason", default="elaswave scale", help="recorded with the request")
+    sc.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for them to join")
     args = parser.parse_args(argv)
     logs.configure()
     try:
-        return {"train": _train, "events": _events}[args.command](args)
+        return {"train": _train, "events": _events, "scale": _scale}[args.command](args)
     except ValueError as exc:
         print(f"elaswave: error: {exc}", file=sys.stderr)
         return 2

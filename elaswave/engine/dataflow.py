@@ -10,13 +10,13 @@ The planner is a pure function of (plan, failed ranks) returning a plan and a re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from elaswave.data.sampler import even_split
 from elaswave.engine.plan import Plan
 from elaswave.fabric.errors import Unrecoverable
 
-__all__ = ["Unrecoverable", "resize_after_failure"]
+__all__ = ["Unrecoverable", "add_ranks", "resize_after_failure"]
 
 
 def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
@@ -46,5 +46,26 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
         )
     if not reasons:
         return plan, "no rank of the plan failed"
+    new = dataclasses.replace(plan, generation=plan.generation + 1, stages=tuple(stages))
+    return new, "; ".join(reasons)
+
+
+def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
+    """The plan with each new rank of ``placement`` (rank -> stage) appended to its
+    stage's replicas; that stage's shares are re-split evenly (same global batch)."""
+    known = set(plan.ranks) & set(placement)
+    if known:
+        raise ValueError(f"ranks {sorted(known)} are already in plan generation {plan.generation}")
+    stages, reasons = list(plan.stages), []
+    for rank, stage in sorted(placement.items()):
+        if not 0 <= stage < plan.pp:
+            raise ValueError(f"rank {rank}: stage {stage} is not in 0..{plan.pp - 1}")
+        old = stages[stage]
+        ranks = (*old.ranks, rank)
+        sizes = even_split(sum(old.sizes), len(ranks))
+        stages[stage] = dataclasses.replace(old, ranks=ranks, sizes=sizes)
+        reasons.append(f"rank {rank} joins stage {stage}, which now takes {list(sizes)}")
+    if not reasons:
+        return plan, "no rank joined"
     new = dataclasses.replace(plan, generation=plan.generation + 1, stages=tuple(stages))
     return new, "; ".join(reasons)

@@ -8,8 +8,10 @@ so applying a new plan needs no other state. Everything here is pure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elaswave.comm.group import GroupSpec
 from elaswave.data.sampler import even_split
@@ -98,6 +100,41 @@ class Plan:
                 GroupSpec(link_group_name(src, dst), (src, dst)) for src, dst in sorted(pairs)
             ]
         return specs
+
+
+def plan_key(generation: int) -> str:
+    """The store key under which the Core publishes generation ``generation``'s plan for
+    workers that join (they have not seen the changes that led to it)."""
+    return f"plan/g{generation}"
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """A plan as plain data (JSON, msgpack); :func:`plan_from_dict` inverts it."""
+    return dataclasses.asdict(plan)
+
+
+def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
+    """The plan ``doc`` describes; ValueError naming what is malformed."""
+    try:
+        stages = tuple(
+            StagePlan(
+                stage=int(s["stage"]),
+                layer_start=int(s["layer_start"]),
+                layer_stop=int(s["layer_stop"]),
+                ranks=tuple(int(r) for r in s["ranks"]),
+                sizes=tuple(int(n) for n in s["sizes"]),
+                mhz=None if s.get("mhz") is None else float(s["mhz"]),
+            )
+            for s in doc["stages"]
+        )
+        return Plan(
+            generation=int(doc["generation"]),
+            global_batch=int(doc["global_batch"]),
+            num_micro_batches=int(doc["num_micro_batches"]),
+            stages=stages,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed plan document: {exc!r}") from None
 
 
 def snapshot_placements(plan: Plan, ranks_per_node: int) -> dict[int, SnapshotPlacement]:

@@ -27,12 +27,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs, segment_tables
+from elaswave.engine.dataflow import add_ranks
 from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
 from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, StagePlan
 from elaswave.model.config import ModelConfig
 
-__all__ = ["Policy", "RebalanceDecision", "balanced_counts", "rebalance", "split_by_speed"]
+__all__ = [
+    "Policy",
+    "RebalanceDecision",
+    "balanced_counts",
+    "place_joiners",
+    "rebalance",
+    "split_by_speed",
+]
 
 
 class Policy(enum.StrEnum):
@@ -146,6 +154,10 @@ def rebalance(
 
     reasons = []
     stages = list(plan.stages)
+    if policy is Policy.MIGRATE_DVFS and any(s.mhz is not None for s in stages):
+        # DVFS asks for the lowest clocks that align the stages: re-plan them from base.
+        stages = [dataclasses.replace(s, mhz=None) for s in stages]
+        reasons.append("stage clocks re-planned from base")
     for i, stage in enumerate(stages):  # 1. dataflow: split by speed
         slow = _slowdowns(stage, slowdowns)
         sizes = split_by_speed(sum(stage.sizes), slow) if max(slow) > 1.0 else stage.sizes
@@ -229,3 +241,35 @@ def balanced_counts(
     )
     partition = plan_layers(layer_costs(model, dtype_bytes=4), [spec] * pp, device)
     return partition.counts
+
+
+def place_joiners(
+    plan: Plan,
+    joined: Sequence[int],
+    *,
+    layers: Sequence[LayerCost] | None = None,
+    device: DeviceSpec | None = None,
+    policy: Policy | str = Policy.RESIZE,
+    slowdowns: Mapping[int, float] | None = None,
+) -> dict[int, int]:
+    """The stage each joining rank goes to, one rank at a time: the stage whose taking it
+    (and the rebalancing ``policy`` then allows) leaves the slowest mini-step shortest;
+    without a cost model, the stage with the fewest replicas. Ties to the lower stage."""
+    placement: dict[int, int] = {}
+    current = plan
+    for rank in joined:
+        if layers and device is not None:
+
+            def bottleneck(stage: int, current: Plan = current, rank: int = rank) -> float:
+                trial, _ = add_ranks(current, {rank: stage})
+                decision = rebalance(
+                    trial, layers=layers, device=device, policy=policy, slowdowns=slowdowns
+                )
+                return max(decision.ministep_after_s)
+
+            stage = min(range(current.pp), key=lambda p: (bottleneck(p), p))
+        else:
+            stage = min(range(current.pp), key=lambda p: (current.stages[p].dp, p))
+        placement[rank] = stage
+        current, _ = add_ranks(current, {rank: stage})
+    return placement

@@ -17,9 +17,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.engine.cost import DeviceSpec, LayerCost
-from elaswave.engine.dataflow import resize_after_failure
+from elaswave.engine.dataflow import add_ranks, resize_after_failure
 from elaswave.engine.plan import Plan, snapshot_placements
-from elaswave.engine.rebalance import Policy, rebalance
+from elaswave.engine.rebalance import Policy, place_joiners, rebalance
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
@@ -52,14 +52,30 @@ class Rebalancing:
 
 
 def next_plan(
-    plan: Plan, failed: Collection[int], rebalancing: Rebalancing | None = None
+    plan: Plan,
+    failed: Collection[int],
+    rebalancing: Rebalancing | None = None,
+    joined: Sequence[int] = (),
 ) -> tuple[Plan, str]:
-    """The plan after ``failed`` leave (micro-batch resizing), rebalanced as asked.
+    """The plan after ``failed`` leave (micro-batch resizing) and ``joined`` arrive (each
+    to the slowest stage), rebalanced as asked.
 
     The result is one generation after ``plan`` whatever changed, or ``plan`` itself
     when nothing did.
     """
     resized, reason = resize_after_failure(plan, failed)
+    if joined:
+        with_model = rebalancing is not None and rebalancing.device is not None
+        placement = place_joiners(
+            resized,
+            joined,
+            layers=rebalancing.layers if with_model else None,
+            device=rebalancing.device if with_model else None,
+            policy=rebalancing.policy if rebalancing is not None else Policy.RESIZE,
+            slowdowns=rebalancing.slowdowns if with_model else None,
+        )
+        resized, why = add_ranks(resized, placement)
+        reason = f"{reason}; {why}"
     policy = Policy.NONE if rebalancing is None else rebalancing.policy
     if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) or (
         policy is Policy.RESIZE and rebalancing is not None and rebalancing.slowdowns
@@ -92,6 +108,7 @@ def plan_fail_stop(
     ranks_per_node: int,
     snapshots: bool,
     rebalancing: Rebalancing | None = None,
+    joined: Sequence[int] = (),
 ) -> RecoveryDecision:
     failed = set(failed)
     survivors = set(plan.ranks) - failed
@@ -101,7 +118,7 @@ def plan_fail_stop(
     steps = {commits[r] for r in survivors}
     if max(steps) - min(steps) > 1:
         raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
-    new, reason = next_plan(plan, failed, rebalancing)
+    new, reason = next_plan(plan, failed, rebalancing, joined=joined)
     placements = (
         snapshot_placements(plan, ranks_per_node)
         if snapshots

@@ -80,6 +80,16 @@ class TrainConfig:
     rebalance: str = "resize"
     """How a change (failure, straggler) is answered: none, resize (micro-batch resizing
     only), migrate (+ layer migration), or migrate+dvfs (+ frequency scaling)."""
+    straggler_detection: bool | None = None
+    """Watch for fail-slow ranks. None: on for emulated and accelerator devices, off for
+    cpu, where measured compute time reflects how the OS shares the host's cores among
+    the workers, not the speed of a device."""
+    straggler_window: int = 5
+    """Steps over which the fail-slow detector takes each rank's median slowness."""
+    straggler_threshold: float = 1.25
+    """A rank slower than this factor times its peers' median is slow in a step."""
+    straggler_min_steps: int = 2
+    """Consecutive slow (or normal again) evaluations before a rank is flagged (cleared)."""
     partition: str = "even"
     """Initial layers per stage: even (equal counts) or balanced (the graph planner's
     minimax partition under the cost model)."""
@@ -118,6 +128,13 @@ class TrainConfig:
                 f"the checkpoint is at step {self.resume_step}, at or past the last step "
                 f"{self.steps - 1}: raise --steps to train further"
             )
+        if self.straggler_window < 1 or self.straggler_min_steps < 1:
+            raise ValueError(
+                f"straggler_window = {self.straggler_window}, straggler_min_steps = "
+                f"{self.straggler_min_steps}: both must be at least 1"
+            )
+        if not self.straggler_threshold > 1.0:
+            raise ValueError(f"straggler_threshold = {self.straggler_threshold!r}: must be above 1")
         if self.rebalance not in POLICIES:
             raise ValueError(
                 f"rebalance = {self.rebalance!r}: valid policies are {', '.join(POLICIES)}"
@@ -132,6 +149,12 @@ class TrainConfig:
     @property
     def first_step(self) -> int:
         return 0 if self.resume_step is None else self.resume_step + 1
+
+    @property
+    def detects_stragglers(self) -> bool:
+        if self.straggler_detection is not None:
+            return self.straggler_detection
+        return self.device != "cpu"
 
     @property
     def num_ranks(self) -> int:

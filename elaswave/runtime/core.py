@@ -24,8 +24,11 @@ from elaswave.bus.schema import (
     RecoveryDone,
     RecoveryReady,
     RunFinished,
+    ScaleRequest,
     StepCompleted,
+    StepTiming,
     WorkerFinished,
+    WorkerStarted,
 )
 
 log = structlog.get_logger(__name__)
@@ -48,6 +51,12 @@ class Core:
         """RecoveryReady and RecoveryDone events, for the supervisor's protocol."""
         self.steps_completed: list[tuple[int, float]] = []
         """(step, wall time it arrived) of every StepCompleted, in arrival order."""
+        self.step_timings: list[StepTiming] = []
+        """Every StepTiming, in arrival order (the fail-slow detector's input)."""
+        self.scale_requests: list[ScaleRequest] = []
+        """Requests to add workers (``elaswave scale``), in arrival order."""
+        self.joining: list[WorkerStarted] = []
+        """WorkerStarted of every worker that joined the running job."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
         self._changed = asyncio.Event()
@@ -101,6 +110,12 @@ class Core:
                 self.recovery_events.append(event)
             elif isinstance(event, StepCompleted):
                 self.steps_completed.append((event.step, time.time()))
+            elif isinstance(event, StepTiming):
+                self.step_timings.append(event)
+            elif isinstance(event, ScaleRequest):
+                self.scale_requests.append(event)
+            elif isinstance(event, WorkerStarted) and event.joining:
+                self.joining.append(event)
             if self.on_event is not None:
                 try:
                     self.on_event(event)

@@ -38,7 +38,8 @@ class StepClock:
     compute_s: float = 0.0
     """Forward plus backward seconds (modelled when emulated, else measured)."""
     expected_s: float = 0.0
-    """The same work at the nominal clock without slowdown (modelled), 0 when unknown."""
+    """The same work without slowdown, priced by the cost model (at the current clock
+    when emulated), 0 when unknown."""
     micro_batches: int = 0
     overruns: int = 0
     """Emulated compute blocks whose real compute took longer than the model allowed
@@ -57,6 +58,10 @@ class Pacer:
     """Cost of every layer of the model, by global layer index."""
     frequency: EmulatedFrequency | None = None
     """The emulated clock (the DVFS executor sets it); None on real devices."""
+    reference: DeviceSpec | None = None
+    """The device ``expected_s`` is priced on when ``model`` is None (real devices): the
+    fail-slow detector compares ranks by measured over expected time, so the expected
+    time only has to be proportional to each rank's work."""
     slowdown: float = 1.0
     """Fail-slow factor applied to compute time."""
     clock: StepClock = field(default_factory=StepClock)
@@ -84,13 +89,16 @@ class Pacer:
         """Called right after the real compute of ``layer_ids`` on ``samples`` samples,
         which began at ``started`` (``time.perf_counter``): wait out the modelled rest."""
         measured = time.perf_counter() - started
+        flops = self._flops(layer_ids, samples, backward)
         if self.model is None:
             spent = measured * self.slowdown
-            expected = 0.0
+            reference = self.reference
+            expected = (
+                0.0 if reference is None else compute_time(flops, reference, reference.base_mhz)
+            )
         else:
-            flops = self._flops(layer_ids, samples, backward)
-            expected = compute_time(flops, self.model, self.model.base_mhz)
-            spent = compute_time(flops, self.model, self.mhz) * self.slowdown
+            expected = compute_time(flops, self.model, self.mhz)
+            spent = expected * self.slowdown
         self.clock.compute_s += spent
         self.clock.expected_s += expected
         if not backward:

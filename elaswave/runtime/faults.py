@@ -4,6 +4,7 @@
     --fault kill-node:NODE@STEP[:PHASE]  kill every worker of a node (see --ranks-per-node)
     --fault hang:RANK@STEP[:PHASE]       stop one worker (SIGSTOP): alive but silent
     --fault slow:RANK=FACTOR@STEP        from STEP on, RANK computes FACTOR times slower
+    --fault join@STEP                    a new worker joins the job once STEP is reached
 
 PHASE is where in the step the process dies: forward (after the first micro-batch's
 forward compute), backward (after its backward compute), grad-sync (before the
@@ -40,10 +41,11 @@ class FaultKind(enum.StrEnum):
     KILL_NODE = "kill-node"
     HANG = "hang"
     SLOW = "slow"
+    JOIN = "join"
 
 
 _FAULT = re.compile(
-    r"^(?P<kind>[a-z-]+):(?P<target>\d+)(?:=(?P<factor>[0-9]*\.?[0-9]+))?"
+    r"^(?P<kind>[a-z-]+)(?::(?P<target>\d+)(?:=(?P<factor>[0-9]*\.?[0-9]+))?)?"
     r"@(?P<step>\d+)(?::(?P<phase>[a-z-]+))?$"
 )
 
@@ -59,6 +61,8 @@ class FaultSpec:
     """Slow faults: the compute slowdown factor (> 1)."""
 
     def ranks(self, ranks_per_node: int) -> list[int]:
+        if self.kind is FaultKind.JOIN:
+            return []
         if self.kind is not FaultKind.KILL_NODE:
             return [self.target]
         return list(range(self.target * ranks_per_node, (self.target + 1) * ranks_per_node))
@@ -66,6 +70,8 @@ class FaultSpec:
     def __str__(self) -> str:
         if self.kind is FaultKind.SLOW:
             return f"{self.kind}:{self.target}={self.factor:g}@{self.step}"
+        if self.kind is FaultKind.JOIN:
+            return f"{self.kind}@{self.step}"
         return f"{self.kind}:{self.target}@{self.step}:{self.phase}"
 
 
@@ -73,8 +79,8 @@ def parse_fault(text: str) -> FaultSpec:
     """Parse one --fault value; ValueError names the value and the valid forms."""
     match = _FAULT.match(text.strip())
     valid = (
-        "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE] or "
-        "slow:RANK=FACTOR@STEP, PHASE one of " + ", ".join(p.value for p in Phase)
+        "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE], "
+        "slow:RANK=FACTOR@STEP or join@STEP, PHASE one of " + ", ".join(p.value for p in Phase)
     )
     if match is None:
         raise ValueError(f"fault {text!r} is malformed; expected {valid}")
@@ -91,6 +97,12 @@ def parse_fault(text: str) -> FaultSpec:
             f"fault {text!r}: unknown phase {match['phase']!r}; expected {valid}"
         ) from None
     factor = match["factor"]
+    if kind is FaultKind.JOIN:
+        if match["target"] is not None or match["phase"] is not None:
+            raise ValueError(f"fault {text!r}: a join is join@STEP")
+        return FaultSpec(kind, -1, int(match["step"]), phase)
+    if match["target"] is None:
+        raise ValueError(f"fault {text!r} is malformed; expected {valid}")
     if kind is FaultKind.SLOW:
         if factor is None or match["phase"] is not None:
             raise ValueError(f"fault {text!r}: a slow fault is slow:RANK=FACTOR@STEP")
@@ -108,7 +120,8 @@ def validate_faults(
     specs = [parse_fault(f) for f in faults]
     num_nodes = -(-world_size // ranks_per_node)
     for spec in specs:
-        if spec.kind is not FaultKind.KILL_NODE and not 0 <= spec.target < world_size:
+        targets_a_rank = spec.kind not in (FaultKind.JOIN, FaultKind.KILL_NODE)
+        if targets_a_rank and not 0 <= spec.target < world_size:
             raise ValueError(f"fault {spec}: rank {spec.target} is not in 0..{world_size - 1}")
         if spec.kind is FaultKind.KILL_NODE and not 0 <= spec.target < num_nodes:
             raise ValueError(

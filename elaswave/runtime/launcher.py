@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch.distributed as dist
 
 from elaswave.bus.schema import Event, RunFinished, RunStarted
 from elaswave.comm.store import serve_store
@@ -41,7 +42,7 @@ def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
     (run_dir / "logs").mkdir()
 
 
-async def _spawn(run_dir: Path, rank: int) -> asyncio.subprocess.Process:
+async def _spawn(run_dir: Path, rank: int, *, join: bool = False) -> asyncio.subprocess.Process:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with (run_dir / "logs" / f"rank{rank}.log").open("wb") as out:
         return await asyncio.create_subprocess_exec(
@@ -52,6 +53,7 @@ async def _spawn(run_dir: Path, rank: int) -> asyncio.subprocess.Process:
             str(run_dir),
             "--rank",
             str(rank),
+            *(["--join"] if join else []),
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
             env=env,
@@ -59,7 +61,7 @@ async def _spawn(run_dir: Path, rank: int) -> asyncio.subprocess.Process:
 
 
 async def _run_workers(
-    cfg: JobConfig, run_dir: Path, run_id: str, store_port: int, core: Core
+    cfg: JobConfig, run_dir: Path, run_id: str, store: dist.TCPStore, core: Core
 ) -> list[dict[str, Any]]:
     """Run the workers to the end, recovering from failures; returns the recoveries."""
     plan = cfg.plan()
@@ -68,7 +70,7 @@ async def _run_workers(
         config=cfg,
         endpoints=Endpoints(
             store_host="127.0.0.1",
-            store_port=store_port,
+            store_port=store.port,
             bus_publish=core.publish_endpoint,
             bus_subscribe=core.subscribe_endpoint,
         ),
@@ -89,7 +91,14 @@ async def _run_workers(
     ok, reason = True, ""
     try:
         procs = {rank: await _spawn(run_dir, rank) for rank in plan.ranks}
-        supervisor = Supervisor(cfg, run_dir, core, procs)
+        supervisor = Supervisor(
+            cfg,
+            run_dir,
+            core,
+            procs,
+            spawn=lambda rank: _spawn(run_dir, rank, join=True),
+            store=store,
+        )
         await supervisor.run()
         # Workers publish WorkerFinished just before exiting; give the bus a moment.
         survivors = set(supervisor.plan.ranks)
@@ -97,6 +106,9 @@ async def _run_workers(
         return supervisor.recoveries
     except JobFailed as exc:
         ok, reason = False, str(exc)
+        raise
+    except BaseException as exc:  # interrupted (Ctrl-C, cancelled) or a Core bug
+        ok, reason = False, f"the Core stopped: {type(exc).__name__}: {exc}".rstrip(": ")
         raise
     finally:
         await core.publish(
@@ -119,7 +131,7 @@ async def run_job(
     async with Core(run_dir, on_event=on_event) as core:
         listener = asyncio.create_task(core.listen())
         try:
-            recoveries = await _run_workers(cfg, run_dir, run_id, store.port, core)
+            recoveries = await _run_workers(cfg, run_dir, run_id, store, core)
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -15,25 +15,32 @@ import contextlib
 import json
 import signal
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
+import torch.distributed as dist
 
 from elaswave.bus.schema import (
     FailureDetected,
+    PauseRequest,
     RecoveryDone,
     RecoveryFinished,
     RecoveryPlan,
     RecoveryReady,
     RecoveryStarted,
+    StragglerDetected,
 )
-from elaswave.engine.plan import Plan
+from elaswave.engine.plan import Plan, plan_key, plan_to_dict
 from elaswave.engine.rebalance import Policy
-from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
+from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
+from elaswave.engine.straggler import StragglerVerdict
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.core import Core
+from elaswave.runtime.faults import FaultKind, validate_faults
+from elaswave.runtime.slowwatch import StragglerWatch
 
 log = structlog.get_logger(__name__)
 
@@ -91,9 +98,16 @@ class Supervisor:
         run_dir: Path,
         core: Core,
         procs: dict[int, asyncio.subprocess.Process],
+        *,
+        spawn: Callable[[int], Awaitable[asyncio.subprocess.Process]] | None = None,
+        store: dist.Store | None = None,
     ) -> None:
+        """``spawn(rank)`` starts a worker that joins the running job; ``store`` is where
+        the Core publishes the current plan for it."""
         self.cfg = cfg
         self.run_dir = run_dir
+        self.spawn = spawn
+        self.store = store
         self.core = core
         self.procs = procs
         self.plan = cfg.plan()
@@ -106,6 +120,17 @@ class Supervisor:
         """Compute slowdown factors of the ranks the straggler detector flagged."""
         self._finishing: list[asyncio.Task[None]] = []
         """Recoveries waiting for their redone step to complete."""
+        self._changing = asyncio.Lock()
+        """Held while a plan change is under way: one change at a time."""
+        self._waits: dict[asyncio.Future[int], int] = {}
+        self._added = asyncio.Event()
+        """Set when a worker is spawned, so that the exit watch includes it."""
+        t = cfg.train
+        self.stragglers = StragglerWatch(
+            window=t.straggler_window,
+            threshold=t.straggler_threshold,
+            min_steps=t.straggler_min_steps,
+        )
 
     def rebalancing(self) -> Rebalancing:
         """The throughput planner's inputs: the job's policy and the measured slowdowns."""
@@ -118,22 +143,31 @@ class Supervisor:
 
     async def run(self) -> None:
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
-        pending = set(waits)
+        self._waits = waits
         monitor = asyncio.create_task(self._watch_heartbeats())
+        slow = asyncio.create_task(self._watch_stragglers())
+        joins = asyncio.create_task(self._watch_joins())
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                failed = self._exits({waits[f] for f in done})
+            while waits:
+                added = asyncio.ensure_future(self._added.wait())
+                done, _ = await asyncio.wait({*waits, added}, return_when=asyncio.FIRST_COMPLETED)
+                added.cancel()
+                self._added.clear()
+                failed = self._members_only(self._exits({waits.pop(f) for f in done if f in waits}))
+                if self.plan.ranks and not self._members():
+                    self._stop_joiners()  # the job is over; late joiners have no place
                 if not failed:
                     continue
                 seen_at = time.time()
                 await asyncio.sleep(GRACE_S)
-                failed |= self._exits(self.alive)
-                await self._on_failure(failed, seen_at)
+                failed |= self._members_only(self._exits(self.alive))
+                async with self._changing:
+                    await self._on_failure(failed, seen_at)
         finally:
-            monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await monitor
+            for task in (monitor, slow, joins):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             # Every worker has exited: each redone step has completed, or never will.
             for task in self._finishing:
                 if not task.done():
@@ -162,6 +196,135 @@ class Supervisor:
                     log.warning("core.fencing", rank=rank, silent_s=now - last)
                     with contextlib.suppress(ProcessLookupError):
                         self.procs[rank].kill()
+
+    async def _watch_stragglers(self) -> None:
+        """Run the fail-slow detector as step timings arrive; rebalance around a rank it
+        flags (or back when it recovers) if the job's policy can change anything."""
+        if not self.cfg.train.detects_stragglers:
+            return
+        while True:
+            await asyncio.sleep(0.1)
+            if self._changing.locked():
+                continue
+            verdict = self.stragglers.update(self.core.step_timings, self.alive)
+            if verdict is None:
+                continue
+            slowdowns = {s.rank: s.factor for s in verdict.stragglers}
+            await self.core.publish(
+                StragglerDetected(
+                    sender="core",
+                    generation=self.plan.generation,
+                    step=verdict.step,
+                    ranks=sorted(slowdowns),
+                    factors=[slowdowns[r] for r in sorted(slowdowns)],
+                    recovered=list(verdict.recovered),
+                    reason=verdict.reason,
+                )
+            )
+            log.warning("core.stragglers", step=verdict.step, slowdowns=slowdowns)
+            async with self._changing:
+                self.slowdowns = slowdowns
+                candidate, _ = next_plan(self.plan, (), self.rebalancing())
+                last = max(t.step for t in self.core.step_timings)
+                if last + 2 >= self.cfg.train.steps:
+                    continue  # the job ends before a change could pay off
+                if candidate != self.plan and self.alive:
+                    await self._on_straggler(verdict, sorted(slowdowns) or list(verdict.recovered))
+
+    async def _on_straggler(self, verdict: StragglerVerdict, ranks: list[int]) -> None:
+        """Pause every worker at a step boundary and apply the rebalanced plan."""
+        await self._pause_and_apply("fail-slow", ranks, f"fail-slow: {verdict.reason}")
+
+    async def _pause_and_apply(
+        self, kind: str, ranks: list[int], detail: str, joined: Sequence[int] = ()
+    ) -> None:
+        """Ask the plan's workers to stop after their next step, then change the plan
+        (adding the ``joined`` ranks, which are already waiting for it)."""
+        gen, seen_at = self.plan.generation, time.time()
+        after = max((t.step for t in self.core.step_timings), default=-1) + 1
+        await self.core.publish(
+            PauseRequest(sender="core", generation=gen, after_step=after, reason=detail)
+        )
+        members = self._members()
+        await self._await_all(members, RecoveryReady, gen, detail, "pause at a step boundary")
+        await self._apply_plan(
+            kind=kind,
+            ranks=ranks,
+            failed=[],
+            joined=joined,
+            detail=detail,
+            survivors=members | set(joined),
+            origin=seen_at,
+            seen_at=seen_at,
+        )
+
+    async def _watch_joins(self) -> None:
+        """Start the workers that join: at a ``join@STEP`` fault's step, and for every
+        ScaleRequest; then fit each into the job once it is up."""
+        joins = sorted(
+            f.step for f in validate_faults(
+                self.cfg.train.faults,
+                world_size=self.cfg.train.num_ranks,
+                ranks_per_node=self.cfg.train.ranks_per_node,
+                steps=self.cfg.train.steps,
+            )
+            if f.kind is FaultKind.JOIN
+        )  # fmt: skip
+        handled = 0
+        while True:
+            await asyncio.sleep(0.1)
+            done = max((s for s, _ in self.core.steps_completed), default=-1)
+            due = sum(1 for step in joins if step <= done + 1)
+            requests = self.core.scale_requests[handled:]
+            handled += len(requests)
+            want = due + sum(r.add for r in requests)
+            if due:
+                joins = joins[due:]
+            for _ in range(want):
+                await self._start_joiner()
+            ready = [
+                e.rank
+                for e in self.core.joining
+                if e.rank in self.alive and e.rank not in self.plan.ranks
+            ]
+            if ready and done + 2 < self.cfg.train.steps:
+                async with self._changing:
+                    await self._on_join(sorted(ready))
+
+    def _stop_joiners(self) -> None:
+        for rank in sorted(self.alive - set(self.plan.ranks)):
+            log.warning("core.joiner_stopped", rank=rank, reason="the job has finished")
+            with contextlib.suppress(ProcessLookupError):
+                self.procs[rank].terminate()
+
+    async def _start_joiner(self) -> None:
+        if self.spawn is None or self.store is None:
+            log.warning("core.join_refused", reason="this job cannot start workers")
+            return
+        rank = max(self.procs) + 1
+        proc = await self.spawn(rank)
+        self.procs[rank] = proc
+        self.alive.add(rank)
+        self._waits[asyncio.ensure_future(proc.wait())] = rank
+        self._added.set()
+        log.warning("core.joiner_started", rank=rank, pid=proc.pid)
+
+    async def _on_join(self, ranks: list[int]) -> None:
+        """Pause the job at a step boundary and apply a plan that includes ``ranks``."""
+        assert self.store is not None
+        self.store.set(plan_key(self.plan.generation), json.dumps(plan_to_dict(self.plan)))
+        await self._pause_and_apply("join", ranks, f"ranks {ranks} join", joined=ranks)
+
+    def _members(self) -> set[int]:
+        """The live ranks of the current plan: a joiner still starting up has no step
+        to stop at and takes no part in a change until a plan includes it."""
+        return self.alive & set(self.plan.ranks)
+
+    def _members_only(self, failed: dict[int, int]) -> dict[int, int]:
+        """Drop the workers that never joined: they leave nothing behind to recover."""
+        for rank in [r for r in failed if r not in self.plan.ranks]:
+            log.warning("core.joiner_exited", rank=rank, code=failed.pop(rank))
+        return failed
 
     def _exits(self, ranks: set[int]) -> dict[int, int]:
         """Exit codes of the ``ranks`` that have exited with an error since last asked.
@@ -193,7 +356,7 @@ class Supervisor:
         gen = self.plan.generation
         while True:
             ranks, detail = sorted(failed), self._describe(failed)
-            if not self.alive:
+            if not self._members():
                 raise JobFailed(f"{detail}; no worker survives")
             log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
             await self.core.publish(
@@ -201,7 +364,7 @@ class Supervisor:
                     sender="core", generation=gen, ranks=ranks, source="process-exit", detail=detail
                 )
             )
-            survivors = set(self.alive)
+            survivors = self._members()
             ok = await self.core.wait_until(
                 lambda survivors=survivors: (
                     survivors <= set(self._events(RecoveryReady, gen))
@@ -221,6 +384,31 @@ class Supervisor:
             )
         killed = [self._kill_time(r) for r in ranks]
         origin = min((t for t in killed if t is not None), default=seen_at)
+        await self._apply_plan(
+            kind="fail-stop",
+            ranks=ranks,
+            failed=ranks,
+            detail=detail,
+            survivors=survivors,
+            origin=origin,
+            seen_at=seen_at,
+        )
+
+    async def _apply_plan(
+        self,
+        *,
+        kind: str,
+        ranks: list[int],
+        failed: list[int],
+        joined: Sequence[int] = (),
+        detail: str,
+        survivors: set[int],
+        origin: float,
+        seen_at: float,
+    ) -> None:
+        """Every survivor has stopped at a step boundary: plan, announce, wait until every
+        survivor has applied the plan, and record the recovery."""
+        gen = self.plan.generation
         commits = {
             r: e.committed_step
             for r, e in self._events(RecoveryReady, gen).items()
@@ -229,11 +417,12 @@ class Supervisor:
         try:
             decision = plan_fail_stop(
                 self.plan,
-                ranks,
+                failed,
                 commits,
                 ranks_per_node=self.cfg.train.ranks_per_node,
                 snapshots=self.cfg.train.snapshots,
                 rebalancing=self.rebalancing(),
+                joined=joined,
             )
         except Unrecoverable as exc:
             raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
@@ -244,7 +433,7 @@ class Supervisor:
                 sender="core",
                 generation=gen + 1,
                 step=redo,
-                kind="fail-stop",
+                kind=kind,
                 ranks=ranks,
                 reason=decision.reason,
             )
@@ -253,7 +442,7 @@ class Supervisor:
             RecoveryPlan(
                 sender="core",
                 generation=gen + 1,
-                failed=ranks,
+                failed=failed,
                 committed_step=decision.committed_step,
                 plan_digest=plan_digest(decision.plan),
                 reason=decision.reason,
@@ -268,6 +457,8 @@ class Supervisor:
                 policy=self.cfg.train.rebalance,
                 slow_ranks=sorted(self.slowdowns),
                 slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
+                kind=kind,
+                joined=list(joined),
             )
         )
         await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
@@ -275,7 +466,7 @@ class Supervisor:
         done = self._events(RecoveryDone, gen + 1).values()
         record = {
             "step": redo,
-            "kind": "fail-stop",
+            "kind": kind,
             "ranks": ranks,
             "mttr_s": done_at - origin,
             "generation": gen + 1,
@@ -322,7 +513,7 @@ class Supervisor:
                 sender="core",
                 generation=record["generation"],
                 step=redo,
-                kind="fail-stop",
+                kind=record["kind"],
                 ranks=record["ranks"],
                 mttr_s=record["mttr_s"],
             )

@@ -259,6 +259,76 @@ def _exchange_snapshot_states(
     return received
 
 
+def _resume(
+    ctx: WorkerContext,
+    plan: Plan,
+    links: DynamicCommunicator,
+    layers: nn.ModuleList,
+    optimizer: ZeroAdamW,
+    committed_step: int,
+) -> Trainer:
+    """The last phase of every change: snapshots re-placed from the owners' committed
+    shards, the stage's clock set (DVFS), and a runner for the plan."""
+    comm = links.comm
+    initial = _exchange_snapshot_states(ctx, plan, comm, optimizer, committed_step)
+    keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=committed_step, initial=initial)
+    if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
+        stage, _ = plan.locate(ctx.rank)
+        ctx.pacer.frequency.set_mhz(0, plan.stages[stage].mhz or ctx.cfg.cost_device.base_mhz)
+    runner = _runner(ctx, plan, comm, layers, optimizer)
+    return Trainer(plan, links, optimizer, runner, layers, keepers)
+
+
+def join_trainer(
+    ctx: WorkerContext, current: Plan, new_plan: Plan, committed_step: int
+) -> tuple[Trainer, dict[str, float]]:
+    """A rank joining a running job: connect to its peers under ``new_plan``, receive its
+    optimizer shards from their owners (the same transfer plan every member computes
+    from ``current`` to ``new_plan``), gather its layers' parameters, and resume."""
+    c = committed_step
+    t0 = time.perf_counter()
+    moves = plan_state_moves(ctx, current, new_plan, set())
+    pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
+    specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
+    specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
+    links = DynamicCommunicator(
+        ctx.store,
+        ctx.rank,
+        ctx.backend,
+        timeout=ctx.timeout,
+        generation=new_plan.generation,
+        abort=ctx.abort,
+    )
+    change = links.build(specs)
+    comm = links.comm
+    t1 = time.perf_counter()
+    stage, _ = new_plan.locate(ctx.rank)
+    new_stage = new_plan.stages[stage]
+    layers = nn.ModuleList(
+        build_layer(ctx.cfg.model, i, seed=ctx.cfg.train.seed).to(ctx.device)
+        for i in new_stage.layers
+    )
+    layout = InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
+    result = execute_remap(
+        moves,
+        rank=ctx.rank,
+        old_layout=InterleavedLayout(dp=1, layers=()),
+        new_layout=layout,
+        device_state=None,
+        host_states={},
+        link=lambda a, b: comm[remap_link_name(a, b)],
+        generation=new_plan.generation,
+        step=c,
+    )
+    optimizer = _optimizer(ctx, new_plan, comm, layers, state=result.state, committed_step=c)
+    optimizer.all_gather_params()
+    t2 = time.perf_counter()
+    trainer = _resume(ctx, new_plan, links, layers, optimizer, c)
+    t3 = time.perf_counter()
+    log.info("join.applied", generation=new_plan.generation, created_links=change.links_created)
+    return trainer, {"comm": t1 - t0, "remap": t2 - t1, "resume": t3 - t2, "bytes_sent": 0.0}
+
+
 def _changed_stages(old: Plan, new: Plan) -> set[int]:
     """Stages whose members or layers differ between the plans."""
     return {
@@ -365,19 +435,7 @@ def reconfigure(
     optimizer = _optimizer(ctx, new_plan, comm, layers, state=state, committed_step=c)
     optimizer.all_gather_params()  # every replica's parameters at the committed step
     t2 = time.perf_counter()
-
-    initial = _exchange_snapshot_states(ctx, new_plan, comm, optimizer, c)
-    keepers = _attach_snapshots(ctx, new_plan, comm, optimizer, step=c, initial=initial)
-    if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
-        ctx.pacer.frequency.set_mhz(0, new_stage.mhz or ctx.cfg.cost_device.base_mhz)
-    trainer = Trainer(
-        new_plan,
-        old.links,
-        optimizer,
-        _runner(ctx, new_plan, comm, layers, optimizer),
-        layers,
-        keepers,
-    )
+    trainer = _resume(ctx, new_plan, old.links, layers, optimizer, c)
     t3 = time.perf_counter()
     log.info(
         "recovery.applied",

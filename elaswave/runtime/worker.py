@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import faulthandler
 import json
 import os
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from elaswave.bus.schema import (
     Event,
     EventKind,
     FailureDetected,
+    PauseRequest,
     RecoveryDone,
     RecoveryPlan,
     RecoveryReady,
@@ -44,6 +47,7 @@ from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.engine.cost import layer_costs
+from elaswave.engine.plan import plan_from_dict, plan_key
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
@@ -56,7 +60,13 @@ from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
 from elaswave.runtime.session import Session
-from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer, reconfigure
+from elaswave.runtime.trainer import (
+    Trainer,
+    WorkerContext,
+    initial_trainer,
+    join_trainer,
+    reconfigure,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -69,34 +79,43 @@ def stage_params_path(run_dir: Path, stage: int) -> Path:
     return run_dir / "params" / f"stage{stage}.pt"
 
 
-def run_worker(run_dir: Path, rank: int) -> None:
+def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
+    """Run rank ``rank`` of the job in ``run_dir``; ``join``: a worker added to the
+    running job, which waits for the Core's plan that gives it a place."""
     spec = JobSpec.read(run_dir)
     ep = spec.endpoints
     torch.set_num_threads(1)
-    stage, replica = spec.config.plan().locate(rank)
-    structlog.contextvars.bind_contextvars(rank=rank, stage=stage, replica=replica)
+    structlog.contextvars.bind_contextvars(rank=rank, joined=join)
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
         f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY]
     )
     abort = AbortSignal()
     inbox: queue.Queue[Event] = queue.Queue()
+    pauses = PauseBox()
+    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
 
     def on_recovery_event(event: Event) -> None:  # on the session's thread
         # A repeat announcement (a widened failure set) for a generation this worker
         # is already leaving must not abort the recovery itself.
         if isinstance(event, FailureDetected) and event.generation == abort.generation:
             abort.set(f"ranks {event.ranks} failed ({event.source})")
+        if isinstance(event, PauseRequest):
+            if event.generation == abort.generation:
+                pauses.put(event)
+                if agent.step > event.after_step:  # already past the pause point
+                    abort.set(f"pause after step {event.after_step}: {event.reason}")
+            return
         inbox.put(event)
 
     session.subscribe(
-        on_recovery_event, kinds=[EventKind.FAILURE_DETECTED, EventKind.RECOVERY_PLAN]
+        on_recovery_event,
+        kinds=[EventKind.FAILURE_DETECTED, EventKind.RECOVERY_PLAN, EventKind.PAUSE_REQUEST],
     )
     session.start()
-    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
     agent.start()
     try:
-        _train(run_dir, rank, spec, session, abort, inbox, agent)
+        _train(run_dir, rank, spec, session, abort, inbox, agent, pauses, join=join)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -114,10 +133,12 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
     backend = backend_for(cfg.train.device)
     device = backend.device_for(rank)
     plan = cfg.plan()
-    stage, _ = plan.locate(rank)
-    layers = nn.ModuleList(
-        build_layer(cfg.model, i, seed=cfg.train.seed) for i in plan.stages[stage].layers
-    ).to(device)
+    initial = (
+        plan.stages[plan.locate(rank)[0]].layers if rank in plan.ranks else range(0)
+    )  # a joining rank gets its layers with its plan
+    layers = nn.ModuleList(build_layer(cfg.model, i, seed=cfg.train.seed) for i in initial).to(
+        device
+    )
     source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     faults = validate_faults(
         cfg.train.faults,
@@ -133,7 +154,7 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         )
         pacer = Pacer(spec, costs, clock)
     else:
-        pacer = Pacer(None, costs)
+        pacer = Pacer(None, costs, reference=cfg.cost_device)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
     store.set(f"pid/{rank}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     return WorkerContext(
@@ -182,27 +203,53 @@ def rebalancing_of(ctx: WorkerContext, decision: RecoveryPlan) -> Rebalancing:
     )
 
 
+class PauseBox:
+    """The Core's pending PauseRequest, set from the bus thread, read by the training loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pause: PauseRequest | None = None
+
+    def put(self, pause: PauseRequest) -> None:
+        with self._lock:
+            self._pause = pause
+
+    def pending(self, generation: int) -> PauseRequest | None:
+        with self._lock:
+            pause = self._pause
+        return pause if pause is not None and pause.generation == generation else None
+
+
 def _recover(
     ctx: WorkerContext,
     trainer: Trainer,
     session: Session,
     inbox: queue.Queue[Event],
-    cause: BaseException,
+    cause: BaseException | None,
+    pauses: PauseBox,
 ) -> Trainer:
-    """Stop at the step boundary, report, and apply the Core's plan."""
+    """Stop at the step boundary, report, and apply the Core's plan.
+
+    ``cause`` is what stopped the step (a failed wait, or the abort signal), None when
+    the loop stopped at a boundary for a pause the Core requested.
+    """
     gen, sender, timeout = trainer.plan.generation, f"rank{ctx.rank}", ctx.cfg.train.comm_timeout_s
-    try:
-        detected = _await_event(
-            inbox,
-            lambda e: isinstance(e, FailureDetected) and e.generation == gen,
-            timeout,
-            f"failure announcement after {type(cause).__name__}: {cause}",
-        )
-    except TimeoutError:
-        raise cause from None  # a communication error nobody explains: not a recovery
+    announced: Event | None = pauses.pending(gen)
+    if announced is None:
+        try:
+            announced = _await_event(
+                inbox,
+                lambda e: isinstance(e, FailureDetected) and e.generation == gen,
+                timeout,
+                f"failure announcement after {type(cause).__name__}: {cause}",
+            )
+        except TimeoutError:
+            if cause is None:
+                raise
+            raise cause from None  # a communication error nobody explains: not a recovery
     log.info(
         "recovery.stopped",
-        failed=detected.ranks,
+        announced=str(announced.KIND),
         committed_step=trainer.committed_step,
         cause=str(cause),
     )
@@ -222,7 +269,9 @@ def _recover(
         f"recovery plan for generation {gen + 1}",
     )
     assert isinstance(decision, RecoveryPlan)
-    new_plan, _ = next_plan(trainer.plan, decision.failed, rebalancing_of(ctx, decision))
+    new_plan, _ = next_plan(
+        trainer.plan, decision.failed, rebalancing_of(ctx, decision), joined=decision.joined
+    )
     if plan_digest(new_plan) != decision.plan_digest:
         raise RuntimeError(
             f"plan digest {plan_digest(new_plan)} differs from the Core's "
@@ -230,14 +279,20 @@ def _recover(
         )
     ctx.abort.generation = gen + 1
     ctx.abort.clear()
-    trainer, phases = reconfigure(
-        ctx,
-        trainer,
-        new_plan,
-        set(decision.failed),
-        decision.committed_step,
-        rebuild=set(decision.rebuild),
-    )
+    # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
+    # thread's stack goes to this worker's log.
+    faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
+    try:
+        trainer, phases = reconfigure(
+            ctx,
+            trainer,
+            new_plan,
+            set(decision.failed),
+            decision.committed_step,
+            rebuild=set(decision.rebuild),
+        )
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     session.publish(
         RecoveryDone(
             sender=sender,
@@ -252,6 +307,45 @@ def _recover(
     return trainer
 
 
+def _join(ctx: WorkerContext, session: Session, inbox: queue.Queue[Event]) -> Trainer:
+    """Wait for the Core's plan that gives this new rank a place, and take it."""
+    timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
+    decision = _await_event(
+        inbox,
+        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,
+        timeout,
+        "plan that lets this worker join",
+    )
+    assert isinstance(decision, RecoveryPlan)
+    current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
+    new_plan, _ = next_plan(
+        current, decision.failed, rebalancing_of(ctx, decision), joined=decision.joined
+    )
+    if plan_digest(new_plan) != decision.plan_digest:
+        raise RuntimeError(
+            f"plan digest {plan_digest(new_plan)} differs from the Core's "
+            f"{decision.plan_digest}: planners disagree"
+        )
+    ctx.abort.generation = decision.generation
+    ctx.abort.clear()  # failures announced before it joined are not its business
+    trainer, phases = join_trainer(ctx, current, new_plan, decision.committed_step)
+    session.publish(
+        RecoveryDone(
+            sender=f"rank{ctx.rank}",
+            generation=decision.generation,
+            rank=ctx.rank,
+            comm_s=phases["comm"],
+            remap_s=phases["remap"],
+            resume_s=phases["resume"],
+        )
+    )
+    return trainer
+
+
+class _PausedAtBoundary(Exception):
+    """The training loop reached the step boundary a PauseRequest asked for."""
+
+
 def _train(
     run_dir: Path,
     rank: int,
@@ -260,39 +354,61 @@ def _train(
     abort: AbortSignal,
     inbox: queue.Queue[Event],
     agent: Agent,
+    pauses: PauseBox,
+    *,
+    join: bool = False,
 ) -> None:
     cfg = spec.config
     sender = f"rank{rank}"
     ctx = _context(run_dir, rank, spec, abort)
-    trainer = initial_trainer(ctx)
-    stage, replica = trainer.plan.locate(rank)
-    session.publish(
-        WorkerStarted(
-            sender=sender,
-            rank=rank,
-            stage=stage,
-            replica=replica,
-            pid=os.getpid(),
-            host=socket.gethostname(),
+    if join:
+        session.publish(
+            WorkerStarted(
+                sender=sender,
+                rank=rank,
+                stage=-1,
+                replica=-1,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                joining=True,
+            )
         )
-    )
+        trainer = _join(ctx, session, inbox)
+    else:
+        trainer = initial_trainer(ctx)
+        stage, replica = trainer.plan.locate(rank)
+        session.publish(
+            WorkerStarted(
+                sender=sender,
+                rank=rank,
+                stage=stage,
+                replica=replica,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+            )
+        )
     step_times: dict[int, float] = {}
     losses: dict[int, float] = {}
     traces: list[dict] = []
     optimizer_digests: dict[int, str] = {}
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
     writes: list[concurrent.futures.Future] = []
-    step = cfg.train.first_step
+    step = trainer.committed_step + 1 if join else cfg.train.first_step
+    first_step = step
     cpu_started = time.process_time()
     while step < cfg.train.steps:
-        agent.step = step
+        agent.step = step  # before looking for a pause: see on_recovery_event
         ctx.pacer.slowdown = ctx.faults.slowdown(step)
         if hasattr(ctx.rng, "begin_step"):
             ctx.rng.begin_step(step)
+        pause = pauses.pending(trainer.plan.generation)
         try:
+            if pause is not None and step > pause.after_step:
+                raise _PausedAtBoundary
             result = trainer.runner.run_step(step)
-        except (StepAborted, CommError) as exc:
-            trainer = _recover(ctx, trainer, session, inbox, exc)
+        except (StepAborted, CommError, _PausedAtBoundary) as exc:
+            cause = None if isinstance(exc, _PausedAtBoundary) else exc
+            trainer = _recover(ctx, trainer, session, inbox, cause, pauses)
             step = trainer.committed_step + 1
             if hasattr(ctx.rng, "rewind"):
                 ctx.rng.rewind(step)
@@ -370,7 +486,7 @@ def _train(
         "optimizer_digests": [optimizer_digests[s] for s in sorted(optimizer_digests)],
         "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
         "generation": trainer.plan.generation,
-        "first_step": cfg.train.first_step,
+        "first_step": first_step,
         "cpu_s": cpu_s,
         "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
         + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
@@ -401,10 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave-worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--join", action="store_true", help="join the running job")
     args = parser.parse_args(argv)
     logs.configure(json=True)
     try:
-        run_worker(args.run_dir, args.rank)
+        run_worker(args.run_dir, args.rank, join=args.join)
     except Exception as exc:
         log.error("worker.failed", error=str(exc), traceback=traceback.format_exc())
         return 1

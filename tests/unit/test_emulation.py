@@ -42,8 +42,9 @@ def test_frequency_and_slowdown_scale_compute() -> None:
     pacer.frequency.set_mhz(0, SPEC.max_mhz)
     pacer.compute([1], 2, time.perf_counter(), backward=True)
     base = compute_time(2 * COSTS[1].bwd_flops_per_sample, SPEC, SPEC.base_mhz)
-    assert pacer.clock.compute_s == pytest.approx(2.0 * base * SPEC.base_mhz / SPEC.max_mhz)
-    assert pacer.clock.expected_s == pytest.approx(base)
+    at_max = base * SPEC.base_mhz / SPEC.max_mhz
+    assert pacer.clock.compute_s == pytest.approx(2.0 * at_max)
+    assert pacer.clock.expected_s == pytest.approx(at_max)  # the work at its clock
 
 
 def test_overrun_is_counted_when_real_work_exceeds_the_model() -> None:
@@ -54,9 +55,10 @@ def test_overrun_is_counted_when_real_work_exceeds_the_model() -> None:
 
 def test_real_device_only_adds_the_slowdown() -> None:
     slept: list[float] = []
-    pacer = Pacer(None, COSTS, sleep=slept.append)
+    pacer = Pacer(None, COSTS, reference=SPEC, sleep=slept.append)
     pacer.compute([1], 2, time.perf_counter(), backward=False)
     assert slept == [] and not pacer.emulated and pacer.p2p_delay(10**6) == 0.0
+    assert pacer.clock.expected_s == pytest.approx(0.010, rel=0.01)  # priced on the reference
     pacer.slowdown = 3.0
     started = time.perf_counter() - 0.01  # 10 ms of real work
     pacer.compute([1], 2, started, backward=False)

@@ -1,0 +1,92 @@
+"""Restoring throughput after a change, on real processes: layer migration after a
+SIGKILL, fail-slow detection and rebalancing, and a worker joining a running job.
+
+Each run is checked against the same job without the change: migration, speed-weighted
+splits and joins move layers, samples and optimizer state, never the numbers (beyond
+float reduction order). Emulated-device runs train the same numbers as CPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elaswave.runtime.compare import compare_runs
+from tests.runs import background_job, elaswave, train
+
+JOB = ("--global-batch", "16", "--micro-batch", "2")
+
+
+def _check_numbers(run_out, ref_out) -> None:
+    diff = compare_runs(run_out, ref_out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
+
+
+@pytest.mark.timeout(300)
+def test_kill_with_layer_migration_matches_the_fault_free_run(runs_dir):
+    ref = train(runs_dir / "mig_ref", "--dp", "4", "--pp", "2", "--steps", "6", *JOB)
+    run = train(
+        runs_dir / "mig_kill",
+        *("--dp", "4", "--pp", "2", "--steps", "6", *JOB),
+        *("--fault", "kill:5@3:backward", "--rebalance", "migrate"),
+    )
+    (rec,) = run.summary["recoveries"]
+    layers = [tuple(s["layers"]) for s in rec["plan"]["stages"]]
+    assert layers != [(0, 3), (3, 6)], "the planner should move a layer off the resized stage"
+    assert rec["bytes_moved"] > 0
+    assert "move stages" in rec["reason"]
+    _check_numbers(run.out, ref.out)
+
+
+@pytest.mark.timeout(300)
+def test_fail_slow_rank_is_detected_and_given_less_work(runs_dir):
+    ref = train(runs_dir / "slow_ref", "--dp", "2", "--pp", "2", "--steps", "14", *JOB)
+    run = train(
+        runs_dir / "slow",
+        *("--device", "emulated", "--dp", "2", "--pp", "2", "--steps", "14", *JOB),
+        *("--fault", "slow:1=2@3", "--rebalance", "migrate"),
+    )
+    summary = run.summary
+    assert summary["timing"] == "emulated"
+    (rec,) = [r for r in summary["recoveries"] if r["kind"] == "fail-slow"]
+    assert rec["ranks"] == [1]
+    stage = rec["plan"]["stages"][0]
+    assert stage["sizes"][stage["ranks"].index(1)] < stage["sizes"][stage["ranks"].index(0)]
+    # Detected within window // 2 + min_steps (+1 to reach a boundary) of the slowdown.
+    assert rec["step"] <= 3 + 5 // 2 + 2 + 2
+    _check_numbers(run.out, ref.out)
+
+
+@pytest.mark.timeout(300)
+def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
+    steps = ("--steps", "40")
+    ref = train(runs_dir / "join_ref", "--dp", "2", "--pp", "2", *steps, *JOB)
+    out = runs_dir / "join"
+    args = ("--device", "emulated", "--dp", "2", "--pp", "2", *steps, *JOB)
+    with background_job(out, *args, "--fault", "kill:1@2:backward") as job:
+        scale = elaswave("scale", str(out), "--add", "1", "--timeout", "120", timeout=150)
+        assert scale.returncode == 0, scale.stderr
+        assert "joined at step" in scale.stdout
+        _, stderr = job.communicate(timeout=200)
+        assert job.returncode == 0, stderr
+    recoveries = json.loads((out / "summary.json").read_text())["recoveries"]
+    assert [r["kind"] for r in recoveries] == ["fail-stop", "join"]
+    joined = recoveries[1]
+    assert joined["ranks"] == [4]
+    stages = joined["plan"]["stages"]
+    assert sorted(len(s["ranks"]) for s in stages) == [2, 2], "the job is back to 2 x 2"
+    assert joined["bytes_moved"] > 0, "the new rank's optimizer shards were streamed to it"
+    _check_numbers(out, ref.out)
+
+
+@pytest.mark.timeout(60)
+def test_scale_refuses_a_finished_job_and_bad_counts(tmp_path):
+    proc = elaswave("scale", str(tmp_path), "--add", "1")
+    assert proc.returncode == 2 and "has no job.json" in proc.stderr
+    proc = elaswave("scale", str(tmp_path), "--add", "0")
+    assert proc.returncode == 2 and "--add 0: must be at least 1" in proc.stderr
+    (tmp_path / "summary.json").write_text("{}")
+    proc = elaswave("scale", str(tmp_path))
+    assert proc.returncode == 2 and "already finished" in proc.stderr

@@ -79,6 +79,7 @@ class EventKind(enum.StrEnum):
     STRAGGLER_DETECTED = "straggler_detected"
     PAUSE_REQUEST = "pause_request"
     SCALE_REQUEST = "scale_request"
+    MIGRATION_DONE = "migration_done"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,6 +408,9 @@ class RecoveryReady(Event):
     committed_step: int
     tainted: list[str] = dataclasses.field(default_factory=list)
     """Groups of this rank with a collective that did not complete."""
+    params_step: int = -2
+    """The step whose update this rank's parameters hold (-1: the initial ones; -2:
+    unknown, e.g. a layer still streaming in)."""
 
 
 @_register
@@ -433,6 +437,9 @@ class RecoveryPlan(Event):
     """What the plan answers: "fail-stop", "fail-slow" or "join"."""
     joined: list[int] = dataclasses.field(default_factory=list)
     """Ranks joining the job (they read the current plan from the store)."""
+    stale: list[int] = dataclasses.field(default_factory=list)
+    """Survivors whose parameters are not those of ``committed_step``: layers migrate
+    blocking, after a gather (see :mod:`elaswave.engine.migration`)."""
 
 
 @_register
@@ -448,6 +455,26 @@ class RecoveryDone(Event):
     resume_s: float
     bytes_sent: int = 0
     """Optimizer-state bytes this rank sent (live remap and layer migration)."""
+    params_s: float = 0.0
+    """Of ``remap_s``, seconds spent delivering parameters before resuming (a gather,
+    and a blocking layer migration's copy); non-blocking migration streams them later."""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class MigrationDone(Event):
+    """A rank finished the transition step of a non-blocking layer migration."""
+
+    KIND = EventKind.MIGRATION_DONE
+    TOPIC = Topic.RECOVERY
+    rank: int
+    step: int
+    early: int
+    """Micro-batches that ran on the old layer placement (shadows on the sources)."""
+    bytes_streamed: int
+    """Parameter-stream and payback bytes this rank sent."""
+    waited_s: float
+    """Seconds the step waited for incoming layer parameters."""
 
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)

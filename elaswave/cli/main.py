@@ -89,6 +89,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "(+ layer migration) or migrate+dvfs (+ frequency scaling)",
     )
     p.add_argument(
+        "--migration",
+        help="how migrating layers' parameters move: nonblocking (default: streamed while "
+        "the source computes a shadow for the early micro-batches) or blocking",
+    )
+    p.add_argument(
         "--partition",
         help="initial layers per stage: even (default) or balanced (minimax under the cost model)",
     )
@@ -179,6 +184,7 @@ def _train(args: argparse.Namespace) -> int:
             "faults": tuple(args.faults) if args.faults else None,
             "rng": args.rng,
             "rebalance": args.rebalance,
+            "migration": args.migration,
             "partition": args.partition,
             "checkpoint_every": args.checkpoint_every,
         },

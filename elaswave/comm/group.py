@@ -174,7 +174,12 @@ class TagSpace(enum.IntEnum):
     REMAP = 2
     """Recovery: live-remap transfer ``i`` uses ``REMAP + i`` (up to 4094 transfers)."""
     PIPELINE = 4096
-    """Activations and gradients: ``PIPELINE + 2 * micro_batch + backward``."""
+    """Activations and gradients: ``PIPELINE + 2 * micro_batch + backward`` (up to
+    ``(STREAM - PIPELINE) // 2`` = 5120 micro-batches)."""
+    STREAM = 14336
+    """Non-blocking migration: layer parameter stream ``i`` uses ``STREAM + i``."""
+    PAYBACK = 15360
+    """Non-blocking migration: shadow gradient payback ``i`` uses ``PAYBACK + i``."""
 
 
 def p2p_tag(generation: int, step: int, index: int) -> int:

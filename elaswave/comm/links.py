@@ -186,10 +186,16 @@ class PairGroup:
         self._wait(work, "send")
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.wait_recv(self.irecv(tensor, peer, tag))
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
         try:
-            work = self.link.pg.recv([tensor], self.link.index_of(peer), tag)
+            return self.link.pg.recv([tensor], self.link.index_of(peer), tag)
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
+
+    def wait_recv(self, work: dist.Work) -> None:
         self._wait(work, "recv")
 
     def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:

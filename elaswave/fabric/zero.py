@@ -154,6 +154,10 @@ class ZeroAdamW:
         self.previous: ShardState | None = None
         """The shard after step ``committed_step - 1``, kept for a one-step rollback."""
         self.pending: ShardState | None = None
+        self.params_step: int | None = committed_step
+        """The step whose update the full parameters hold; None while unknown (a layer
+        still streaming in). A recovery may skip re-gathering parameters only when every
+        rank's equal the committed step."""
         self._masks = masks
         self.snapshot: SnapshotSink | None = None
         """Where each step's reduced gradient shard is also sent (the snapshot holder)."""
@@ -202,6 +206,8 @@ class ZeroAdamW:
                     n = p.numel()
                     p.copy_(flat[offset : offset + n].view_as(p))
                     offset += n
+        if shard is None:
+            self.params_step = self.committed_step
 
     def step(self, step: int, hook: Callable[[str], None] | None = None) -> None:
         """Reduce-scatter, snapshot send, out-of-place update, all-gather; then commit()."""
@@ -215,6 +221,7 @@ class ZeroAdamW:
         if hook is not None:
             hook("optimizer")
         self.all_gather_params(pending.master)
+        self.params_step = step
         self.pending = pending
 
     def commit(self, step: int) -> None:

@@ -16,6 +16,7 @@ from elaswave.comm.backend import parse_device
 from elaswave.data.corpus import DataConfig
 from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
 from elaswave.engine.cost import device as cost_device
+from elaswave.engine.migration import MIGRATION_MODES
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import POLICIES, balanced_counts
 from elaswave.fabric.zero import OptimizerConfig
@@ -80,6 +81,10 @@ class TrainConfig:
     rebalance: str = "resize"
     """How a change (failure, straggler) is answered: none, resize (micro-batch resizing
     only), migrate (+ layer migration), or migrate+dvfs (+ frequency scaling)."""
+    migration: str = "nonblocking"
+    """How migrating layers' parameters move: nonblocking (streamed during the next step
+    while the source runs a shadow of the layer for its early micro-batches) or blocking
+    (in place before the job resumes)."""
     straggler_detection: bool | None = None
     """Watch for fail-slow ranks. None: on for emulated and accelerator devices, off for
     cpu, where measured compute time reflects how the OS shares the host's cores among
@@ -138,6 +143,10 @@ class TrainConfig:
         if self.rebalance not in POLICIES:
             raise ValueError(
                 f"rebalance = {self.rebalance!r}: valid policies are {', '.join(POLICIES)}"
+            )
+        if self.migration not in MIGRATION_MODES:
+            raise ValueError(
+                f"migration = {self.migration!r}: valid modes are {', '.join(MIGRATION_MODES)}"
             )
         if self.partition not in PARTITIONS:
             raise ValueError(

@@ -21,6 +21,7 @@ from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.schema import (
     Event,
     Heartbeat,
+    MigrationDone,
     RecoveryDone,
     RecoveryReady,
     RunFinished,
@@ -106,7 +107,7 @@ class Core:
                 self.finished[event.rank] = event
             elif isinstance(event, RunFinished):
                 self.run_finished = event
-            elif isinstance(event, RecoveryReady | RecoveryDone):
+            elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone):
                 self.recovery_events.append(event)
             elif isinstance(event, StepCompleted):
                 self.steps_completed.append((event.step, time.time()))

@@ -110,6 +110,12 @@ class Pacer:
         """Seconds a send of ``num_bytes`` takes on the modelled link (0 on real devices)."""
         return 0.0 if self.model is None else p2p_time(num_bytes, self.model)
 
+    def transfer(self, num_bytes: int, started: float) -> None:
+        """Called after a blocking point-to-point transfer of ``num_bytes`` (one rank's
+        share of a recovery's moves) begun at ``started``: wait out its modelled time."""
+        if self.model is not None and num_bytes > 0:
+            self._wait_until(started + p2p_time(num_bytes, self.model))
+
     def collectives(self, num_bytes: int, dp: int, started: float) -> None:
         """Called after a step's reduce-scatter and all-gather of a ``num_bytes`` bucket
         over ``dp`` ranks, begun at ``started``: wait out their modelled time."""

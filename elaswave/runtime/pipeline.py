@@ -28,6 +28,7 @@ from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.emulation import DelayedSend, Pacer
 from elaswave.runtime.faults import Phase
+from elaswave.runtime.migration import ShadowStep
 from elaswave.runtime.schedule import Op, one_f_one_b
 
 
@@ -38,6 +39,8 @@ class StepResult:
     """Sum of per-sample losses over the whole global batch (last stage only)."""
     seconds: float
     trace: list[tuple[str, int]] = field(default_factory=list)
+    migration: ShadowStep | None = None
+    """The non-blocking migration this step completed, if any."""
 
 
 def _no_fault(phase: Phase, step: int) -> None:
@@ -59,8 +62,11 @@ class StageRunner:
         device: torch.device,
         fault_hook: Callable[[Phase, int], None] = _no_fault,
         pacer: Pacer | None = None,
+        shadow: ShadowStep | None = None,
     ) -> None:
+        """``shadow``: a non-blocking layer migration that its step runs (once)."""
         self.fault_hook = fault_hook
+        self.shadow = shadow
         self.pacer = pacer
         self.plan = plan
         self.rank = rank
@@ -84,6 +90,8 @@ class StageRunner:
             [] if self.is_last else [r for r in plan.routes(self.stage) if r.src == rank]
         )
         self.layer_ids = [layer.index for layer in layers]
+        if plan.num_micro_batches > (TagSpace.STREAM - TagSpace.PIPELINE) // 2:
+            raise ValueError(f"{plan.num_micro_batches} micro-batches: at most 5120 per step")
         self.schedule = one_f_one_b(
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )
@@ -126,18 +134,24 @@ class StageRunner:
         started = time.perf_counter()
         trace: list[tuple[str, int]] = []
         pending: list[tuple] = []
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list[int]]] = {}
         loss_sum = torch.zeros(1, dtype=torch.float64)
         if self.pacer is not None:
             self.pacer.begin_step()
         self.optimizer.zero_grad()
+        shadow = self.shadow if self.shadow is not None and self.shadow.step == step else None
         if self.size > 0:
             for op, mb in self.schedule:
                 trace.append((op.value, mb))
                 if op is Op.FORWARD:
-                    saved[mb] = self._forward(step, mb, pending, loss_sum)
+                    saved[mb] = self._forward(step, mb, pending, loss_sum, shadow)
                 else:
                     self._backward(step, mb, saved.pop(mb), pending)
+                    if shadow is not None:
+                        shadow.after_backward(mb)
+        if shadow is not None:
+            shadow.finish()  # paybacks merged before the gradients are reduced
+            self.shadow = None
         for group, work, _ in pending:
             if isinstance(work, DelayedSend):
                 work = work.work(self.optimizer.dp_group.timeout.total_seconds())
@@ -153,12 +167,19 @@ class StageRunner:
             self.comm[dp_group_name(self.stage)].all_reduce(loss_sum)
             total = float(loss_sum)
         self.optimizer.commit(step)
-        return StepResult(step, total, time.perf_counter() - started, trace)
+        return StepResult(step, total, time.perf_counter() - started, trace, shadow)
 
     def _tag(self, step: int, mb: int, backward: bool) -> int:
         return p2p_tag(self.plan.generation, step, TagSpace.PIPELINE + 2 * mb + int(backward))
 
-    def _forward(self, step: int, mb: int, pending: list, loss_sum: torch.Tensor):
+    def _forward(
+        self,
+        step: int,
+        mb: int,
+        pending: list,
+        loss_sum: torch.Tensor,
+        shadow: ShadowStep | None,
+    ):
         ids = self.sample_ids(step, mb)
         ctx = StepContext(step=step, sample_ids=ids, rng=self.rng)
         if self.is_first:
@@ -169,8 +190,11 @@ class StageRunner:
             x_in = self._recv(self.inbound, lambda r: r.src, self._tag(step, mb, False))
             x_in.requires_grad_()
             x = x_in
+        layers, layer_ids = (
+            (self.layers, self.layer_ids) if shadow is None else shadow.layers_for(mb)
+        )
         started = time.perf_counter()
-        for layer in self.layers:
+        for layer in layers:
             x = layer(x, ctx)
         if mb == 0:
             self.fault_hook(Phase.FORWARD, step)
@@ -182,15 +206,15 @@ class StageRunner:
         else:
             out = x
         if self.pacer is not None:
-            self.pacer.compute(self.layer_ids, len(ids), started, backward=False)
+            self.pacer.compute(layer_ids, len(ids), started, backward=False)
         if not self.is_last:
             self._send(
                 x.detach(), self.outbound, lambda r: r.dst, self._tag(step, mb, False), pending
             )
-        return x_in, out
+        return x_in, out, layer_ids
 
     def _backward(self, step: int, mb: int, saved, pending: list) -> None:
-        x_in, out = saved
+        x_in, out, layer_ids = saved
         if self.is_last:
             started = time.perf_counter()
             out.backward()
@@ -199,7 +223,7 @@ class StageRunner:
             started = time.perf_counter()
             torch.autograd.backward(out, grad)
         if self.pacer is not None:
-            self.pacer.compute(self.layer_ids, self.size, started, backward=True)
+            self.pacer.compute(layer_ids, self.size, started, backward=True)
         if mb == 0:
             self.fault_hook(Phase.BACKWARD, step)
         if x_in is not None:

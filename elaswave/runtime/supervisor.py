@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from elaswave.bus.schema import (
     FailureDetected,
+    MigrationDone,
     PauseRequest,
     RecoveryDone,
     RecoveryFinished,
@@ -32,6 +33,7 @@ from elaswave.bus.schema import (
     RecoveryStarted,
     StragglerDetected,
 )
+from elaswave.engine.migration import layer_moves, plan_transition, why_blocking
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
@@ -85,6 +87,24 @@ def last_error(log_path: Path) -> str:
             if isinstance(doc, dict) and doc.get("event") == "worker.failed":
                 return str(doc.get("error", ""))
     return ""
+
+
+def _migration_of(
+    cfg: JobConfig, old: Plan, new: Plan, stale: Sequence[int], joined: Sequence[int]
+) -> dict[str, Any]:
+    """How the change moves layers (what every worker computes from the same inputs)."""
+    moves = layer_moves(old, new)
+    if not moves:
+        return {"mode": "none", "layers": []}
+    layers = [m.layer for m in moves]
+    why = why_blocking(
+        cfg.train.migration, old, new, stale=stale, joined=joined, layers=cfg.layer_costs
+    )
+    if why is not None:
+        return {"mode": "blocking", "layers": layers, "why": why}
+    transition = plan_transition(old, new, layers=cfg.layer_costs, device=cfg.cost_device)
+    assert transition is not None
+    return {"mode": "nonblocking", "layers": layers, "early_micro_batches": transition.early}
 
 
 def _exit_text(code: int) -> str:
@@ -428,6 +448,12 @@ class Supervisor:
             raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
         planned_at = time.time()
         redo = decision.committed_step + 1
+        stale = sorted(
+            r
+            for r, e in self._events(RecoveryReady, gen).items()
+            if r in survivors and e.params_step != decision.committed_step
+        )
+        migration = _migration_of(self.cfg, self.plan, decision.plan, stale, joined)
         await self.core.publish(
             RecoveryStarted(
                 sender="core",
@@ -459,6 +485,7 @@ class Supervisor:
                 slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
                 kind=kind,
                 joined=list(joined),
+                stale=stale,
             )
         )
         await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
@@ -481,6 +508,8 @@ class Supervisor:
                 "redo": None,
             },
             "bytes_moved": sum(e.bytes_sent for e in done),
+            "migration": migration,
+            "params_s": max(e.params_s for e in done),
             "plan": plan_summary(decision.plan),
         }
         self.recoveries.append(record)
@@ -508,6 +537,15 @@ class Supervisor:
             if (at := redone()) is not None:
                 record["mttr_s"] = at - origin
                 record["phases"]["redo"] = max(0.0, at - done_at)
+            if record["migration"]["mode"] == "nonblocking":  # every rank ran the transition
+                gen, ranks = record["generation"], len(self.plan.ranks)
+                await self.core.wait_until(
+                    lambda: len(self._events(MigrationDone, gen)) >= ranks, 2.0
+                )
+            migrated = self._events(MigrationDone, record["generation"]).values()
+            if migrated:
+                record["migration"]["bytes_streamed"] = sum(e.bytes_streamed for e in migrated)
+                record["migration"]["waited_s"] = max(e.waited_s for e in migrated)
         await self.core.publish(
             RecoveryFinished(
                 sender="core",

@@ -12,6 +12,7 @@ parameters, re-place snapshots, set the stage clock, and rebuild the runner.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -29,6 +30,7 @@ from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.data.corpus import SampleLoader
+from elaswave.engine.migration import plan_transition, why_blocking
 from elaswave.engine.plan import (
     Plan,
     dp_group_name,
@@ -37,7 +39,7 @@ from elaswave.engine.plan import (
 )
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers, step_dir
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.remap import LayerShards, RemapPlan, plan_reshard
+from elaswave.fabric.remap import STATE_TENSORS, LayerShards, RemapPlan, plan_reshard
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
 from elaswave.fabric.zero import ShardState, ZeroAdamW
@@ -46,6 +48,7 @@ from elaswave.model.rng import DropoutRng
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector
+from elaswave.runtime.migration import ShadowStep, migration_pairs
 from elaswave.runtime.pipeline import StageRunner
 
 log = structlog.get_logger(__name__)
@@ -113,7 +116,12 @@ def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
 
 
 def _runner(
-    ctx: WorkerContext, plan: Plan, comm: Communicator, layers: nn.ModuleList, opt: ZeroAdamW
+    ctx: WorkerContext,
+    plan: Plan,
+    comm: Communicator,
+    layers: nn.ModuleList,
+    opt: ZeroAdamW,
+    shadow: ShadowStep | None = None,
 ) -> StageRunner:
     return StageRunner(
         plan=plan,
@@ -127,6 +135,7 @@ def _runner(
         device=ctx.device,
         fault_hook=ctx.faults.at,
         pacer=ctx.pacer,
+        shadow=shadow,
     )
 
 
@@ -266,16 +275,18 @@ def _resume(
     layers: nn.ModuleList,
     optimizer: ZeroAdamW,
     committed_step: int,
+    shadow: ShadowStep | None = None,
 ) -> Trainer:
     """The last phase of every change: snapshots re-placed from the owners' committed
-    shards, the stage's clock set (DVFS), and a runner for the plan."""
+    shards, the stage's clock set (DVFS), and a runner for the plan (which runs the
+    transition step of a non-blocking migration, if any)."""
     comm = links.comm
     initial = _exchange_snapshot_states(ctx, plan, comm, optimizer, committed_step)
     keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=committed_step, initial=initial)
     if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
         stage, _ = plan.locate(ctx.rank)
         ctx.pacer.frequency.set_mhz(0, plan.stages[stage].mhz or ctx.cfg.cost_device.base_mhz)
-    runner = _runner(ctx, plan, comm, layers, optimizer)
+    runner = _runner(ctx, plan, comm, layers, optimizer, shadow)
     return Trainer(plan, links, optimizer, runner, layers, keepers)
 
 
@@ -357,6 +368,12 @@ def plan_state_moves(ctx: WorkerContext, old: Plan, new: Plan, failed: set[int])
     return plan_reshard(items, failed=failed, holder_of=holder_of)
 
 
+def _bytes_received(moves: RemapPlan, rank: int) -> int:
+    """Optimizer-state bytes ``rank`` receives from other ranks under ``moves``."""
+    numel = sum(t.numel for t in moves.transfers if t.dst == rank and t.src != rank)
+    return numel * STATE_TENSORS * 4
+
+
 def _stage_layers(ctx: WorkerContext, old: Trainer, layer_ids: range) -> nn.ModuleList:
     """This rank's layer modules for ``layer_ids``: kept ones as they are, new ones built
     (their parameters arrive through the optimizer's all-gather)."""
@@ -377,6 +394,8 @@ def reconfigure(
     committed_step: int,
     *,
     rebuild: set[str],
+    stale: Collection[int] = (),
+    joined: Collection[int] = (),
 ) -> tuple[Trainer, dict[str, float]]:
     """The recovery executor: apply ``new_plan`` on this surviving rank.
 
@@ -386,6 +405,13 @@ def reconfigure(
     (DVFS). Roll back to ``committed_step``, edit the communicator, move optimizer state,
     gather parameters, re-place snapshots, set the clock, and rebuild the runner. Returns
     the new trainer and the phase times (and bytes moved).
+
+    Migrating layers' parameters move *blocking* (gathered from the moved optimizer
+    state before resuming) or *non-blocking* (streamed during the transition step while
+    the source computes a shadow for the early micro-batches, see
+    :mod:`elaswave.engine.migration`); ``stale`` lists the ranks whose parameters are
+    newer than the committed step and ``joined`` the ranks joining, either of which forces
+    a gather.
     """
     c = committed_step
     # Host snapshots this rank holds for failed owners, at the committed step.
@@ -397,7 +423,24 @@ def reconfigure(
 
     t0 = time.perf_counter()
     moves = plan_state_moves(ctx, old.plan, new_plan, failed)
+    blocking = why_blocking(
+        ctx.cfg.train.migration,
+        old.plan,
+        new_plan,
+        stale=stale,
+        joined=joined,
+        layers=ctx.cfg.layer_costs,
+    )
+    transition = (
+        None
+        if blocking is not None
+        else plan_transition(
+            old.plan, new_plan, layers=ctx.cfg.layer_costs, device=ctx.cfg.cost_device
+        )
+    )
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
+    if transition is not None:
+        pairs |= migration_pairs(transition)
     specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
     specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
     change = old.links.apply(
@@ -413,6 +456,23 @@ def reconfigure(
     stage, _ = new_plan.locate(ctx.rank)
     new_stage = new_plan.stages[stage]
     layers = _stage_layers(ctx, old, new_stage.layers)
+    shadow = None
+    if transition is not None:
+        have = {layer.index: layer for layer in old.layers}
+        outgoing = [i for i in old.plan.stages[stage].layers if i not in new_stage.layers]
+        shadow = ShadowStep(
+            transition=transition,
+            rank=ctx.rank,
+            step=c + 1,
+            old_plan=old.plan,
+            new_plan=new_plan,
+            modules={layer.index: layer for layer in layers},
+            shadows={i: have[i] for i in outgoing},
+            comm=comm,
+            pacer=ctx.pacer,
+            timeout_s=ctx.cfg.train.comm_timeout_s,
+        )
+        shadow.start()  # the streams overlap the rest of the recovery and the step
     moved_in = stage in _changed_stages(old.plan, new_plan)
     new_layout = (
         InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
@@ -433,9 +493,20 @@ def reconfigure(
     )
     state = result.state if moved_in else old.optimizer.state
     optimizer = _optimizer(ctx, new_plan, comm, layers, state=state, committed_step=c)
-    optimizer.all_gather_params()  # every replica's parameters at the committed step
+    # Modelled time of this rank's optimizer-state moves (the emulated device only).
+    ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), t1)
+    t_params = time.perf_counter()
+    if shadow is None:
+        optimizer.all_gather_params()  # every replica's parameters at the committed step
+        incoming = [i for i in new_stage.layers if i not in old.plan.stages[stage].layers]
+        ctx.pacer.transfer(sum(ctx.numels[i] * 4 for i in incoming), t_params)
+    else:
+        # Parameters of kept layers are at the committed step; incoming ones stream in.
+        optimizer.params_step = None if shadow.waiting else c
+        shadow.on_ready = partial(setattr, optimizer, "params_step", c)
     t2 = time.perf_counter()
-    trainer = _resume(ctx, new_plan, old.links, layers, optimizer, c)
+    params_s = t2 - t_params
+    trainer = _resume(ctx, new_plan, old.links, layers, optimizer, c, shadow)
     t3 = time.perf_counter()
     log.info(
         "recovery.applied",
@@ -445,10 +516,12 @@ def reconfigure(
         created_groups=change.groups_created,
         created_links=change.links_created,
         bytes_sent=result.bytes_sent,
+        migration="nonblocking" if transition is not None else blocking or "none",
     )
     return trainer, {
         "comm": t1 - t0,
         "remap": t2 - t1,
         "resume": t3 - t2,
+        "params": params_s,
         "bytes_sent": float(result.bytes_sent),
     }

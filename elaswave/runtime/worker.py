@@ -30,6 +30,7 @@ from elaswave.bus.schema import (
     Event,
     EventKind,
     FailureDetected,
+    MigrationDone,
     PauseRequest,
     RecoveryDone,
     RecoveryPlan,
@@ -260,6 +261,7 @@ def _recover(
             rank=ctx.rank,
             committed_step=trainer.committed_step,
             tainted=trainer.comm.tainted(),
+            params_step=-2 if (ps := trainer.optimizer.params_step) is None else ps,
         )
     )
     decision = _await_event(
@@ -290,6 +292,8 @@ def _recover(
             set(decision.failed),
             decision.committed_step,
             rebuild=set(decision.rebuild),
+            stale=decision.stale,
+            joined=decision.joined,
         )
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -301,6 +305,7 @@ def _recover(
             comm_s=phases["comm"],
             remap_s=phases["remap"],
             resume_s=phases["resume"],
+            params_s=phases["params"],
             bytes_sent=int(phases["bytes_sent"]),
         )
     )
@@ -417,6 +422,18 @@ def _train(
                     del record[later]
             continue
         step_times[step] = result.seconds
+        if (shadow := result.migration) is not None:
+            session.publish(
+                MigrationDone(
+                    sender=sender,
+                    generation=trainer.plan.generation,
+                    rank=rank,
+                    step=step,
+                    early=shadow.transition.early,
+                    bytes_streamed=shadow.bytes_streamed,
+                    waited_s=shadow.waited_s,
+                )
+            )
         clock = ctx.pacer.clock
         session.publish(
             StepTiming(

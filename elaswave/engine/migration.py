@@ -1,0 +1,144 @@
+"""Non-blocking layer migration: who streams which layer to whom, and when (pure).
+
+When a plan change moves layers between stages, a *blocking* migration copies each
+moving layer's parameters to its new stage before the job resumes. The *non-blocking*
+method (the paper's §6.3) resumes at once and runs one *transition step*:
+
+* micro-batches ``0 .. early - 1`` still run every layer on its **old** stage: the
+  source keeps a shadow instance of each outgoing layer and computes it for them;
+* meanwhile each outgoing layer's parameters stream from a source replica to every
+  target replica, which waits for them only when micro-batch ``early`` first reaches the
+  layer on its **new** stage;
+* after the last backward each source replica ships its shadow's accumulated gradient
+  (the *payback*) to a target replica, which adds it to its own before the optimizer
+  step, so the step's gradient is complete and the numbers are the blocking migration's
+  up to float summation order.
+
+The plan's dataflow (which replica takes which samples) applies from the first
+micro-batch either way; only the layer boundary waits. Every rank computes the same
+decision and routes from the two plans, so no extra message is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time, p2p_time
+from elaswave.engine.plan import Plan
+
+MIGRATION_MODES = ("nonblocking", "blocking")
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    """Layer ``layer`` runs on stage ``src`` under the old plan and ``dst`` under the new."""
+
+    layer: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message of a migration: ``layer``'s parameters (a stream) or
+    its shadow gradient (a payback), from rank ``src`` to rank ``dst``."""
+
+    layer: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The non-blocking migration of one plan change, identical on every rank."""
+
+    moves: tuple[LayerMove, ...]
+    early: int
+    """Micro-batches of the transition step that run on the old layer placement."""
+    streams: tuple[Transfer, ...]
+    paybacks: tuple[Transfer, ...]
+
+
+def layer_moves(old: Plan, new: Plan) -> tuple[LayerMove, ...]:
+    """Every layer whose stage differs between ``old`` and ``new``, in layer order."""
+    if old.pp != new.pp:
+        raise ValueError(f"plans have {old.pp} and {new.pp} stages: layers cannot be matched")
+    stage_of = [{layer: s.stage for s in p.stages for layer in s.layers} for p in (old, new)]
+    if stage_of[0].keys() != stage_of[1].keys():
+        raise ValueError("plans cover different layers")
+    return tuple(
+        LayerMove(layer, stage_of[0][layer], stage_of[1][layer])
+        for layer in sorted(stage_of[0])
+        if stage_of[0][layer] != stage_of[1][layer]
+    )
+
+
+def why_blocking(
+    mode: str,
+    old: Plan,
+    new: Plan,
+    *,
+    stale: Collection[int] = (),
+    joined: Collection[int] = (),
+    layers: Sequence[LayerCost],
+) -> str | None:
+    """Why this change must migrate its layers blocking, or None if it need not.
+
+    Non-blocking migration needs every source replica's parameters to be those of the
+    committed step (a rank that failed over mid optimizer step holds newer ones:
+    ``stale``), stage memberships that only shrink (a joiner holds no parameters), and
+    only transformer blocks moving (embedding and head stay at the pipeline's ends).
+    """
+    if mode not in MIGRATION_MODES:
+        raise ValueError(f"unknown migration mode {mode!r}; valid: {', '.join(MIGRATION_MODES)}")
+    if mode == "blocking":
+        return "blocking migration was asked for"
+    if joined:
+        return f"ranks {sorted(joined)} join and gather their stage's parameters"
+    if stale:
+        return f"ranks {sorted(stale)} hold parameters newer than the committed step"
+    kinds = {c.index: c.kind for c in layers}
+    for move in layer_moves(old, new):
+        if kinds.get(move.layer) is not LayerKind.BLOCK:
+            return f"layer {move.layer} is not a transformer block"
+        if not set(new.stages[move.src].ranks) <= set(old.stages[move.src].ranks):
+            return f"stage {move.src} gained members"
+    return None
+
+
+def plan_transition(
+    old: Plan, new: Plan, *, layers: Sequence[LayerCost], device: DeviceSpec
+) -> Transition | None:
+    """The non-blocking transition from ``old`` to ``new`` (None if no layer moves).
+
+    Target replica ``j`` of a layer's new stage receives its parameters from replica
+    ``j mod D_src`` of the layer's (new) source stage; source replica ``i`` pays its
+    shadow gradient back to target replica ``i mod D_dst``, so every source replica's
+    micro-batches are counted exactly once. ``early`` is the number of the target's
+    micro-batch forwards (on the layers it kept) that fit in its incoming streams'
+    modelled transfer time, for the target stage that needs the most; at least 1 and at
+    most the step's micro-batches.
+    """
+    moves = layer_moves(old, new)
+    if not moves:
+        return None
+    cost = {c.index: c for c in layers}
+    streams, paybacks = [], []
+    for move in moves:
+        src = new.stages[move.src].ranks
+        dst = new.stages[move.dst].ranks
+        streams += [Transfer(move.layer, src[j % len(src)], r) for j, r in enumerate(dst)]
+        paybacks += [Transfer(move.layer, r, dst[i % len(dst)]) for i, r in enumerate(src)]
+    early = 1
+    for stage in sorted({m.dst for m in moves}):
+        s = new.stages[stage]
+        incoming = sum(cost[m.layer].params * 4 for m in moves if m.dst == stage)
+        kept = [i for i in s.layers if i in old.stages[stage].layers]
+        flops = max(s.sizes) * sum(cost[i].fwd_flops_per_sample for i in kept)
+        fwd_s = compute_time(flops, device, s.mhz or device.base_mhz)
+        stream_s = p2p_time(incoming, device)
+        need = new.num_micro_batches if fwd_s <= 0 else math.ceil(stream_s / fwd_s)
+        early = max(early, min(need, new.num_micro_batches))
+    return Transition(moves, early, tuple(streams), tuple(paybacks))

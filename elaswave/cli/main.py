@@ -1,4 +1,4 @@
-"""The ``elaswave`` command: train, and read a run's event log.
+"""The ``elaswave`` command: train, and read a run's event log and report.
 
 User errors (flags, config files, layouts) print one line, ``elaswave: error: ...``, and
 exit with status 2; a job that fails at run time exits with status 1.
@@ -262,6 +262,12 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from elaswave.cli.report import write_report
+
+    return write_report(args.run_dir, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,10 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--add", type=int, default=1, help="workers to add (default 1)")
     sc.add_argument("--reason", default="elaswave scale", help="recorded with the request")
     sc.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for them to join")
+    rp = sub.add_parser(
+        "report",
+        help="plot a finished run's throughput and plan changes to a PNG",
+        description="Write a PNG of RUN_DIR's samples/s per step, with every plan change "
+        "(fail-stop, fail-slow, join) marked, and the layers of every stage before and "
+        "after each change; print one line per change. Needs the plot extra (matplotlib).",
+    )
+    rp.add_argument("run_dir", type=Path)
+    rp.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
     args = parser.parse_args(argv)
     logs.configure()
+    commands = {"train": _train, "events": _events, "scale": _scale, "report": _report}
     try:
-        return {"train": _train, "events": _events, "scale": _scale}[args.command](args)
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"elaswave: error: {exc}", file=sys.stderr)
         return 2

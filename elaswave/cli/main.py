@@ -78,9 +78,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="append",
         dest="faults",
         metavar="SPEC",
-        help="inject a fault, repeatable: kill:RANK@STEP[:PHASE] or "
-        "kill-node:NODE@STEP[:PHASE]; PHASE: forward, backward, grad-sync, "
-        "snapshot, optimizer",
+        help="inject a fault, repeatable: kill:RANK@STEP[:PHASE], "
+        "kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE], slow:RANK=FACTOR@STEP "
+        "(compute FACTOR x slower) or join@STEP (a worker joins); PHASE: forward, "
+        "backward, grad-sync, snapshot, optimizer",
     )
     p.add_argument("--rng", help="dropout randomness: counter (default) or stateful")
     p.add_argument(

@@ -56,9 +56,11 @@ class Transition:
 
     moves: tuple[LayerMove, ...]
     early: int
-    """Micro-batches of the transition step that run on the old layer placement."""
+    """Micro-batches of the transition step that run on the old layer placement (0: the
+    streams are expected before any target needs them; no shadow runs)."""
     streams: tuple[Transfer, ...]
     paybacks: tuple[Transfer, ...]
+    """Empty when ``early`` is 0: no shadow has a gradient to pay back."""
 
 
 def layer_moves(old: Plan, new: Plan) -> tuple[LayerMove, ...]:
@@ -108,37 +110,68 @@ def why_blocking(
     return None
 
 
+def _forward_s(
+    plan: Plan, stage: int, layer_ids: Sequence[int], cost: dict[int, LayerCost], device: DeviceSpec
+) -> float:
+    """Modelled forward seconds of ``layer_ids`` for one micro-batch on ``stage``'s
+    busiest replica."""
+    s = plan.stages[stage]
+    flops = max(s.sizes) * sum(cost[i].fwd_flops_per_sample for i in layer_ids)
+    return compute_time(flops, device, s.mhz or device.base_mhz)
+
+
 def plan_transition(
-    old: Plan, new: Plan, *, layers: Sequence[LayerCost], device: DeviceSpec
+    old: Plan,
+    new: Plan,
+    *,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    early: int | None = None,
 ) -> Transition | None:
     """The non-blocking transition from ``old`` to ``new`` (None if no layer moves).
 
     Target replica ``j`` of a layer's new stage receives its parameters from replica
     ``j mod D_src`` of the layer's (new) source stage; source replica ``i`` pays its
     shadow gradient back to target replica ``i mod D_dst``, so every source replica's
-    micro-batches are counted exactly once. ``early`` is the number of the target's
-    micro-batch forwards (on the layers it kept) that fit in its incoming streams'
-    modelled transfer time, for the target stage that needs the most; at least 1 and at
-    most the step's micro-batches.
+    micro-batches are counted exactly once.
+
+    ``early`` (None: planned) is how many micro-batches keep the old placement. A target
+    first needs an incoming layer when micro-batch 0 reaches it: after the upstream
+    stages' forwards and its own layers before that one. While the streams' modelled
+    transfer time fits in that, ``early`` is 0 and no shadow runs (pure overlap); beyond
+    it, each early micro-batch buys one forward of the target's kept layers, at the
+    price of the source computing the layer for that micro-batch too.
     """
     moves = layer_moves(old, new)
     if not moves:
         return None
     cost = {c.index: c for c in layers}
+    m = new.num_micro_batches
+    if early is None:
+        early = 0
+        for stage in sorted({mv.dst for mv in moves}):
+            incoming = [mv.layer for mv in moves if mv.dst == stage]
+            kept = [i for i in new.stages[stage].layers if i not in incoming]
+            upstream = sum(
+                _forward_s(new, u, list(new.stages[u].layers), cost, device)
+                + p2p_time(cost[new.stages[u].layer_stop - 1].output_bytes_per_sample, device)
+                for u in range(stage)
+            )
+            before = _forward_s(new, stage, [i for i in kept if i < min(incoming)], cost, device)
+            stream_s = p2p_time(sum(cost[i].params * 4 for i in incoming), device)
+            gap = stream_s - upstream - before
+            if gap <= 0:
+                continue
+            per_mb = _forward_s(new, stage, kept, cost, device)
+            early = max(early, m if per_mb <= 0 else math.ceil(gap / per_mb))
+    if early < 0:
+        raise ValueError(f"early = {early}: must be at least 0")
+    early = min(early, m)
     streams, paybacks = [], []
     for move in moves:
         src = new.stages[move.src].ranks
         dst = new.stages[move.dst].ranks
         streams += [Transfer(move.layer, src[j % len(src)], r) for j, r in enumerate(dst)]
-        paybacks += [Transfer(move.layer, r, dst[i % len(dst)]) for i, r in enumerate(src)]
-    early = 1
-    for stage in sorted({m.dst for m in moves}):
-        s = new.stages[stage]
-        incoming = sum(cost[m.layer].params * 4 for m in moves if m.dst == stage)
-        kept = [i for i in s.layers if i in old.stages[stage].layers]
-        flops = max(s.sizes) * sum(cost[i].fwd_flops_per_sample for i in kept)
-        fwd_s = compute_time(flops, device, s.mhz or device.base_mhz)
-        stream_s = p2p_time(incoming, device)
-        need = new.num_micro_batches if fwd_s <= 0 else math.ceil(stream_s / fwd_s)
-        early = max(early, min(need, new.num_micro_batches))
+        if early:
+            paybacks += [Transfer(move.layer, r, dst[i % len(dst)]) for i, r in enumerate(src)]
     return Transition(moves, early, tuple(streams), tuple(paybacks))

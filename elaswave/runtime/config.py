@@ -85,6 +85,10 @@ class TrainConfig:
     """How migrating layers' parameters move: nonblocking (streamed during the next step
     while the source runs a shadow of the layer for its early micro-batches) or blocking
     (in place before the job resumes)."""
+    migration_early: int | None = None
+    """Micro-batches of a non-blocking migration's transition step that keep the old
+    layer placement (shadows on the sources). None: planned from the cost model, 0 when
+    the parameter streams arrive before the targets need them."""
     straggler_detection: bool | None = None
     """Watch for fail-slow ranks. None: on for emulated and accelerator devices, off for
     cpu, where measured compute time reflects how the OS shares the host's cores among
@@ -148,6 +152,8 @@ class TrainConfig:
             raise ValueError(
                 f"migration = {self.migration!r}: valid modes are {', '.join(MIGRATION_MODES)}"
             )
+        if self.migration_early is not None and self.migration_early < 0:
+            raise ValueError(f"migration_early = {self.migration_early}: must be at least 0")
         if self.partition not in PARTITIONS:
             raise ValueError(
                 f"partition = {self.partition!r}: valid values are {', '.join(PARTITIONS)}"

@@ -102,7 +102,13 @@ def _migration_of(
     )
     if why is not None:
         return {"mode": "blocking", "layers": layers, "why": why}
-    transition = plan_transition(old, new, layers=cfg.layer_costs, device=cfg.cost_device)
+    transition = plan_transition(
+        old,
+        new,
+        layers=cfg.layer_costs,
+        device=cfg.cost_device,
+        early=cfg.train.migration_early,
+    )
     assert transition is not None
     return {"mode": "nonblocking", "layers": layers, "early_micro_batches": transition.early}
 

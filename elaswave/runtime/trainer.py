@@ -435,7 +435,11 @@ def reconfigure(
         None
         if blocking is not None
         else plan_transition(
-            old.plan, new_plan, layers=ctx.cfg.layer_costs, device=ctx.cfg.cost_device
+            old.plan,
+            new_plan,
+            layers=ctx.cfg.layer_costs,
+            device=ctx.cfg.cost_device,
+            early=ctx.cfg.train.migration_early,
         )
     )
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}

@@ -39,10 +39,13 @@ def build_summary(
     # Any surviving last-stage rank knows every step's loss; pick the longest record.
     reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
     trained = len(reporter["loss"])  # steps this run trained (fewer when resumed)
-    step_time = [
-        max(r["step_time_s"][i] for r in results if i < len(r["step_time_s"]))
-        for i in range(trained)
-    ]
+    # A step's time is its slowest rank's; a worker that joined mid-run records its
+    # step times from its own first step on.
+    slowest: dict[int, float] = {}
+    for r in results:
+        for step, seconds in enumerate(r["step_time_s"], start=r["first_step"]):
+            slowest[step] = max(slowest.get(step, 0.0), seconds)
+    step_time = [slowest[reporter["first_step"] + i] for i in range(trained)]
     params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},

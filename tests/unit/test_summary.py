@@ -1,0 +1,23 @@
+import json
+
+import torch
+
+from elaswave.engine.plan import initial_plan
+from elaswave.runtime.summary import build_summary
+
+
+def _worker(run_dir, rank, first_step, step_time_s, loss=None):
+    doc = {"rank": rank, "first_step": first_step, "step_time_s": step_time_s, "loss": loss}
+    (run_dir / "workers" / f"rank{rank}.json").write_text(json.dumps(doc))
+
+
+def test_a_joiner_step_times_count_from_its_own_first_step(tmp_path):
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "params").mkdir()
+    torch.save({0: {"w": torch.ones(2)}}, tmp_path / "params" / "stage0.pt")
+    _worker(tmp_path, 0, 0, [3.0, 1.0, 1.0, 1.0, 1.0], loss=[5.0, 4.0, 3.0, 2.0, 1.0])
+    _worker(tmp_path, 1, 0, [3.0, 1.0, 1.0, 1.5, 1.0])
+    _worker(tmp_path, 2, 3, [2.0, 1.2])  # joined at step 3
+    plan = initial_plan(num_layers=2, dp=1, pp=2, global_batch=4, micro_batch=2)
+    summary = build_summary(run_dir=tmp_path, plan=plan, steps=5, num_events=0, device="cpu")
+    assert summary["step_time_s"] == [3.0, 1.0, 1.0, 2.0, 1.2]

@@ -178,8 +178,8 @@ def main() -> int:
         f"for streamed ones) {stall_gain * 100:.1f}% lower.",
         "",
         "*Time lost* is MTTR minus the run's own fault-free step time (median of the "
-        "steps before the kill), which removes most of the run-to-run noise of the step "
-        "time that MTTR includes (it ends when the redone step completes).",
+        "steps before the kill): MTTR ends when the redone step completes, so it carries "
+        "a whole step's time and its host noise; both figures are shown.",
         "",
         "Every run matches the fault-free run: largest relative loss or parameter "
         f"difference {worst:.1e} (tolerance 1e-4).",

@@ -25,10 +25,14 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from elaswave.comm.group import TagSpace
 from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time, p2p_time
 from elaswave.engine.plan import Plan
 
 MIGRATION_MODES = ("nonblocking", "blocking")
+MAX_TRANSFERS = TagSpace.PAYBACK - TagSpace.STREAM
+"""Streams (and paybacks) one transition may hold: stream ``i`` uses tag index
+``TagSpace.STREAM + i``."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,15 @@ def why_blocking(
     if stale:
         return f"ranks {sorted(stale)} hold parameters newer than the committed step"
     kinds = {c.index: c.kind for c in layers}
-    for move in layer_moves(old, new):
+    moves = layer_moves(old, new)
+    messages = (
+        max(sum(new.stages[m.dst].dp for m in moves), sum(new.stages[m.src].dp for m in moves))
+        if moves
+        else 0
+    )
+    if messages > MAX_TRANSFERS:
+        return f"{messages} streams or paybacks exceed the {MAX_TRANSFERS} tags a step has"
+    for move in moves:
         if kinds.get(move.layer) is not LayerKind.BLOCK:
             return f"layer {move.layer} is not a transformer block"
         if not set(new.stages[move.src].ranks) <= set(old.stages[move.src].ranks):

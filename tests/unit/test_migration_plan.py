@@ -126,5 +126,14 @@ def test_when_a_migration_must_block():
     odd = [dataclasses.replace(c, kind=LayerKind.HEAD) if c.index == 12 else c for c in LAYERS]
     assert why_blocking("nonblocking", *moves, layers=odd) == "layer 12 is not a transformer block"
     assert why_blocking("nonblocking", *moves, **kw) is None
+    wide = (
+        initial_plan(num_layers=16, dp=600, pp=2, global_batch=1200, micro_batch=2),
+        initial_plan(
+            num_layers=16, dp=600, pp=2, global_batch=1200, micro_batch=2, layer_counts=[6, 10]
+        ),
+    )
+    assert "1200 streams or paybacks exceed the 1024 tags" in why_blocking(
+        "nonblocking", *wide, **kw
+    )
     with pytest.raises(ValueError, match="unknown migration mode 'lazy'"):
         why_blocking("lazy", old, new, **kw)

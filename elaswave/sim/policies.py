@@ -41,7 +41,7 @@ class SimPolicy(enum.StrEnum):
     TORCHFT = "torchft"
 
 
-_REBALANCE = {
+REBALANCE = {
     SimPolicy.ELASWAVE: Rebalance.MIGRATE_DVFS,
     SimPolicy.ELASWAVE_MIGRATE: Rebalance.MIGRATE,
     SimPolicy.ELASWAVE_RESIZE: Rebalance.RESIZE,
@@ -157,7 +157,7 @@ def answer(policy: SimPolicy, job: SimJob, plan: Plan, failed: Collection[int]) 
         new, why = _drop_replicas(plan, failed)
         reason = f"the failed ranks are whole replicas: {why}"
     else:
-        rebalancing = Rebalancing(policy=_REBALANCE[policy], layers=job.layers, device=job.device)
+        rebalancing = Rebalancing(policy=REBALANCE[policy], layers=job.layers, device=job.device)
         try:
             new, reason = next_plan(plan, failed, rebalancing)
         except Unrecoverable as exc:

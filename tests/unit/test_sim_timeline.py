@@ -1,0 +1,88 @@
+"""Simulated timelines: steps under a trace, per policy, and the simulator's speed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elaswave.engine.cost import device
+from elaswave.model.config import PRESETS
+from elaswave.sim.policies import SimJob, SimPolicy, baseline
+from elaswave.sim.timeline import Overheads, simulate
+from elaswave.sim.trace import parse_trace, periodic_failures
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB = SimJob(PRESETS["llama2-7b"], device("ascend-910b"), tp=4, pp=3, dp=8, micro_batch=4,
+             global_batch=8192)  # fmt: skip
+
+
+def test_without_events_every_step_takes_the_plans_step_time():
+    tl = simulate(JOB, SimPolicy.ELASWAVE, (), steps=10)
+    step = baseline(JOB).step_s
+    assert [s.step for s in tl.steps] == list(range(10))
+    assert tl.steps[-1].end_s == pytest.approx(10 * step)
+    assert tl.samples_per_s == pytest.approx(8192 / step)
+
+
+def test_a_removal_loses_the_partial_step_and_is_redone_after_the_overhead():
+    step = baseline(JOB).step_s
+    at = 3.5 * step
+    trace = parse_trace(f"{at * 1000!r},remove,node3\n", num_nodes=12)
+    over = Overheads(elaswave_s=2.0)
+    tl = simulate(JOB, SimPolicy.ELASWAVE, trace, steps=6, overheads=over)
+    (change,) = tl.changes
+    assert change.kind == "remove" and change.ranks == (6, 7)
+    assert change.lost_s == pytest.approx(0.5 * step)
+    redone = tl.steps[3]
+    assert redone.end_s == pytest.approx(at + 2.0 + redone.step_s)
+    assert change.mttr_s == pytest.approx(2.0 + redone.step_s)
+    assert redone.samples == 8192, "ElasWave keeps the global batch"
+
+
+def test_elaswave_keeps_more_throughput_than_torchft_through_a_trace():
+    step = baseline(JOB).step_s
+    trace = parse_trace(
+        f"{5 * step * 1000!r},remove,node3\n{30 * step * 1000!r},slow,node6,1.5\n",
+        num_nodes=12,
+    )
+    rates = {p: simulate(JOB, p, trace, steps=60).samples_per_s for p in SimPolicy}
+    assert rates[SimPolicy.ELASWAVE] >= rates[SimPolicy.ELASWAVE_MIGRATE]
+    assert rates[SimPolicy.ELASWAVE_MIGRATE] > rates[SimPolicy.ELASWAVE_RESIZE]
+    assert rates[SimPolicy.ELASWAVE_RESIZE] > rates[SimPolicy.TORCHFT]
+
+
+def test_torchft_replicas_rejoin_when_their_node_returns():
+    step = baseline(JOB).step_s
+    trace = parse_trace(
+        f"{2 * step * 1000!r},remove,node3\n{10 * step * 1000!r},add,node3\n", num_nodes=12
+    )
+    tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=20)
+    batches = [s.samples for s in tl.steps]
+    assert batches[2] == 8192 * 6 // 8 and batches[-1] == 8192
+    assert [c.kind for c in tl.changes] == ["remove", "add"]
+
+
+def test_a_job_that_loses_every_replica_stops_with_the_reason():
+    trace = periodic_failures(num_nodes=12, interval_ms=1000, count=4, first_ms=1)
+    # Nodes 11, 10, 9, 8 hold every replica of the last stage.
+    tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=5)
+    assert tl.stopped is not None and "nothing is left to train" in tl.stopped
+
+
+@pytest.mark.parametrize("dp", [78, 781])  # about 10^4 and 10^5 devices
+def test_ten_to_the_fifth_devices_simulate_1000_steps_in_under_60_s(dp):
+    job = SimJob(PRESETS["llama2-7b"], device("h100"), tp=8, pp=16, dp=dp, micro_batch=1,
+                 global_batch=dp * 64)  # fmt: skip
+    step = baseline(job).step_s
+    nodes = range(0, job.num_nodes, job.num_nodes // 10)
+    trace = parse_trace(
+        "".join(f"{(k + 1) * 90 * step * 1000!r},remove,node{n}\n" for k, n in enumerate(nodes)),
+        num_nodes=job.num_nodes,
+    )
+    started = time.perf_counter()
+    tl = simulate(job, SimPolicy.ELASWAVE, trace, steps=1000)
+    elapsed = time.perf_counter() - started
+    assert len(tl.steps) == 1000 and len(tl.changes) >= 10 and tl.stopped is None
+    assert elapsed < 60, f"{job.num_devices} devices: {elapsed:.1f} s"

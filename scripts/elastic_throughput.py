@@ -63,9 +63,10 @@ WORKERS = 16
 Window = tuple[int, int]
 
 
-def train(out: Path, config: Path, *args: str) -> dict:
+def train(out: Path, config: Path, *args: str, job: list[str] = JOB) -> dict:
+    """Run ``elaswave train`` on ``job`` plus ``args``; its summary (exits if it fails)."""
     cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out)]
-    cmd += ["--config", str(config), *JOB, *args]
+    cmd += ["--config", str(config), *job, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

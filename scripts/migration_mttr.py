@@ -27,40 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import StepTiming
-from elaswave.runtime.compare import compare_runs, load_summary
+from elastic_throughput import MODEL_TOML, overruns, train
+
+from elaswave.runtime.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_TOML = '[model]\npreset = "tiny"\nnum_blocks = 14\n'
 JOB = [
     "--device", "emulated", "--dp", "2", "--pp", "4",
     "--global-batch", "32", "--micro-batch", "2",
 ]  # fmt: skip
 MODES = ("blocking", "nonblocking")
-
-
-def train(out: Path, config: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out)]
-    cmd += ["--config", str(config), *JOB, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return load_summary(out)
-
-
-def overruns(run_dir: Path) -> int:
-    """Emulated compute blocks whose real compute overran the model, over the run."""
-    return sum(
-        r.event.overruns
-        for r in read_event_log(run_dir / "events.log")
-        if isinstance(r.event, StepTiming)
-    )
 
 
 def main() -> int:
@@ -89,7 +68,7 @@ def main() -> int:
     config.write_text(MODEL_TOML + extra)
     steps = ["--steps", str(args.steps)]
     ref = args.out / "fault_free"
-    train(ref, config, *steps)
+    train(ref, config, *steps, job=JOB)
     fault = f"kill:3@{args.kill_step}:backward"
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for i in range(args.repeats):
@@ -97,7 +76,7 @@ def main() -> int:
         for mode in order:
             out = args.out / f"{mode}_{i}"
             s = train(out, config, *steps, "--fault", fault, "--rebalance", "migrate",
-                      "--migration", mode)  # fmt: skip
+                      "--migration", mode, job=JOB)  # fmt: skip
             (rec,) = s["recoveries"]
             diff = compare_runs(out, ref)
             before = statistics.median(s["step_time_s"][2 : args.kill_step])
@@ -114,7 +93,7 @@ def main() -> int:
                     "bytes_moved": rec["bytes_moved"],
                     "loss_rel": diff.loss_rel,
                     "param_rel": diff.param_rel,
-                    "overruns": overruns(out),
+                    "overruns": overruns(out, [])["run"],
                     "plan": rec["plan"],
                 }
             )

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import structlog
 import torch
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.group import TagSpace, p2p_tag
@@ -49,16 +50,16 @@ def migration_pairs(transition: Transition) -> set[tuple[int, int]]:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        return parameters_to_vector(tensors).contiguous()
+
+
+def _pieces(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``like``."""
+    return [
+        piece.view_as(t)
+        for piece, t in zip(flat.split([t.numel() for t in like]), like, strict=True)
+    ]
 
 
 class ShadowStep:
@@ -130,7 +131,7 @@ class ShadowStep:
         for index, t in enumerate(self.transition.streams):
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
-                self._post_send(t, _flat(params).contiguous(), self._tag(TagSpace.STREAM, index))
+                self._post_send(t, _flat(params), self._tag(TagSpace.STREAM, index))
         for index, t in enumerate(self.transition.streams):
             if t.dst == self.rank:
                 params = list(self.modules[t.layer].parameters())
@@ -152,7 +153,10 @@ class ShadowStep:
         started = time.perf_counter()
         for t, work, buf in self._recvs:
             self._link(t).wait_recv(work)
-            _unflatten_into(buf, list(self.modules[t.layer].parameters()))
+            params = list(self.modules[t.layer].parameters())
+            with torch.no_grad():
+                for p, piece in zip(params, _pieces(buf, params), strict=True):
+                    p.copy_(piece)
         self.waited_s = time.perf_counter() - started
         self._ready = True
         self.on_ready()
@@ -182,7 +186,7 @@ class ShadowStep:
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                self._post_send(t, _flat(grads).contiguous(), self._tag(TagSpace.PAYBACK, index))
+                self._post_send(t, _flat(grads), self._tag(TagSpace.PAYBACK, index))
 
     def finish(self) -> None:
         """After the last backward: add the paybacks this rank receives to its gradients
@@ -195,12 +199,8 @@ class ShadowStep:
             params = list(self.modules[t.layer].parameters())
             buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
             self._link(t).recv(buf, t.src, self._tag(TagSpace.PAYBACK, index))
-            offset = 0
-            for p in params:
-                n = p.numel()
-                part = buf[offset : offset + n].view_as(p)
-                p.grad = part.clone() if p.grad is None else p.grad.add_(part)
-                offset += n
+            for p, piece in zip(params, _pieces(buf, params), strict=True):
+                p.grad = piece.clone() if p.grad is None else p.grad.add_(piece)
         for group, work, _ in self._sends:
             if isinstance(work, DelayedSend):
                 work = work.work(self.timeout_s)

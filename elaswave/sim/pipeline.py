@@ -16,6 +16,7 @@ device, so a simulated step and an emulated run of a small plan agree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -124,19 +125,19 @@ def stage_times(
             "receiver_micro_batch": max(b.sizes),
         }
         fwd_bytes = cost[a.layer_stop - 1].output_bytes_per_sample
-        out[a.stage] = _with(out[a.stage], send_fwd_s=stage_p2p_time(fwd_bytes, device, **kw))
+        out[a.stage] = dataclasses.replace(
+            out[a.stage], send_fwd_s=stage_p2p_time(fwd_bytes, device, **kw)
+        )
         back = {
             "sender_dp": b.dp,
             "sender_micro_batch": max(b.sizes),
             "receiver_dp": a.dp,
             "receiver_micro_batch": max(a.sizes),
         }
-        out[b.stage] = _with(out[b.stage], send_bwd_s=stage_p2p_time(fwd_bytes, device, **back))
+        out[b.stage] = dataclasses.replace(
+            out[b.stage], send_bwd_s=stage_p2p_time(fwd_bytes, device, **back)
+        )
     return out
-
-
-def _with(times: StageTimes, **changes: float) -> StageTimes:
-    return StageTimes(**{**times.__dict__, **changes})
 
 
 def plan_step_time(

@@ -19,13 +19,14 @@ last rank and the pipeline cannot be kept.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
-from elaswave.engine.plan import Plan, StagePlan, initial_plan
+from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.fabric.errors import Unrecoverable
@@ -118,26 +119,30 @@ class Outcome:
         return self.plan.global_batch / self.step_s
 
 
+def keep_replicas(plan: Plan, keep: Sequence[int], *, generation: int) -> Plan:
+    """``plan`` with only the replica indexes ``keep`` in every stage, each with its
+    micro-batch share: the global batch shrinks with them."""
+    stages = tuple(
+        dataclasses.replace(
+            s, ranks=tuple(s.ranks[i] for i in keep), sizes=tuple(s.sizes[i] for i in keep)
+        )
+        for s in plan.stages
+    )
+    batch = sum(stages[0].sizes) * plan.num_micro_batches
+    return Plan(generation, batch, plan.num_micro_batches, stages)
+
+
 def _drop_replicas(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
     """TorchFT: every replica index with a failed rank in any stage leaves all stages."""
     lost = {s.ranks.index(r) for s in plan.stages for r in failed if r in s.ranks}
     keep = [i for i in range(plan.stages[0].dp) if i not in lost]
     if not keep:
         raise Unrecoverable("every replica lost a rank: nothing is left to train")
-    stages = tuple(
-        StagePlan(
-            s.stage,
-            s.layer_start,
-            s.layer_stop,
-            tuple(s.ranks[i] for i in keep),
-            tuple(s.sizes[i] for i in keep),
-            s.mhz,
-        )
-        for s in plan.stages
+    new = keep_replicas(plan, keep, generation=plan.generation + 1)
+    reason = (
+        f"replicas {sorted(lost)} leave; {len(keep)} continue with global batch {new.global_batch}"
     )
-    batch = sum(stages[0].sizes) * plan.num_micro_batches
-    reason = f"replicas {sorted(lost)} leave; {len(keep)} continue with global batch {batch}"
-    return Plan(plan.generation + 1, batch, plan.num_micro_batches, stages), reason
+    return new, reason
 
 
 def _whole_replicas(plan: Plan, failed: set[int]) -> bool:

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from elaswave.engine.plan import Plan, StagePlan
+from elaswave.engine.plan import Plan
 from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.sim.pipeline import plan_step_time
-from elaswave.sim.policies import REBALANCE, SimJob, SimPolicy, answer
+from elaswave.sim.policies import REBALANCE, SimJob, SimPolicy, answer, keep_replicas
 from elaswave.sim.trace import EventKind, TraceEvent
 
 
@@ -84,19 +84,7 @@ def _restore_replicas(plan: Plan, full: Plan, alive: set[int]) -> Plan:
     keep = [i for i in range(full.stages[0].dp) if all(s.ranks[i] in alive for s in full.stages)]
     if not keep:
         return plan
-    stages = tuple(
-        StagePlan(
-            s.stage,
-            p.layer_start,
-            p.layer_stop,
-            tuple(s.ranks[i] for i in keep),
-            tuple(s.sizes[i] for i in keep),
-            p.mhz,
-        )
-        for s, p in zip(full.stages, plan.stages, strict=True)
-    )
-    batch = sum(stages[0].sizes) * full.num_micro_batches
-    restored = Plan(plan.generation + 1, batch, full.num_micro_batches, stages)
+    restored = keep_replicas(full, keep, generation=plan.generation + 1)
     return plan if restored.stages == plan.stages else restored
 
 

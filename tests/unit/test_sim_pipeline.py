@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elaswave.engine.cost import device, layer_costs
@@ -41,6 +43,6 @@ def test_a_slow_rank_or_a_lower_clock_lengthens_the_plan_step():
     base = plan_step_time(plan, layers, dev).step_s
     assert plan_step_time(plan, layers, dev, slowdowns={5: 2.0}).step_s > 1.5 * base
     stages = list(plan.stages)
-    stages[1] = type(stages[1])(**{**stages[1].__dict__, "mhz": dev.min_mhz})
-    slower = type(plan)(plan.generation, plan.global_batch, plan.num_micro_batches, tuple(stages))
+    stages[1] = dataclasses.replace(stages[1], mhz=dev.min_mhz)
+    slower = dataclasses.replace(plan, stages=tuple(stages))
     assert plan_step_time(slower, layers, dev).step_s > base

@@ -1,37 +1,48 @@
 """What each elastic policy makes of a failure, in plans and throughput (pure).
 
 A simulated job is TP x PP x DP on nodes of ``devices_per_node`` devices. A plan rank is
-one tensor-parallel group of ``tp`` devices; ranks are numbered stage-major like the
-runtime's (``rank = stage * dp + replica``) and devices fill nodes in rank order, so a
-node holds whole TP groups of one stage (TP innermost, then DP, then PP, as Megatron
-lays them out).
+one tensor-parallel group of ``tp`` devices, numbered stage-major like the runtime's
+(``rank = stage * dp + replica``). How TP groups fill nodes is the job's
+:class:`Layout`: ``stage-major`` (TP innermost, then DP, then PP, Megatron's default
+order: a node holds TP groups of one stage in consecutive replicas) or
+``replica-major`` (TP, then PP, then DP: consecutive nodes hold one replica's stages,
+so losing ``k`` consecutive nodes of a replica's span loses whole replicas).
 
 * **ElasWave** (ablations ``resize``, ``migrate``, ``migrate+dvfs``): the runtime's own
   planner (:func:`elaswave.engine.recovery.next_plan`) keeps the global batch, resizes
   micro-batches over the survivors, and repartitions layers and clocks.
+* **ReCycle**: the failed ranks' micro-batches are re-routed to same-stage peers of the
+  other replicas (:mod:`elaswave.sim.recycle`); the global batch is kept.
 * **TorchFT**: a replica with a failed device leaves whole; the survivors continue with
   fewer replicas and a smaller global batch.
+* **Restart** (checkpoint-restart, TorchElastic-style): every process stops and the job
+  restarts on the surviving devices with as many whole replicas as they hold, keeping
+  the global batch (more micro-batches per replica); the timeline charges the restart,
+  the checkpoint load and the steps redone since the last checkpoint.
 
-When the failed ranks are whole replicas, resizing has nothing to gain over letting
-them go, and ElasWave answers as TorchFT does; so it does when a failure takes a stage's
-last rank and the pipeline cannot be kept.
+When the failed ranks are whole replicas, resizing or re-routing has nothing to gain over
+letting them go, and ElasWave and ReCycle answer as TorchFT does; so they do when a
+failure takes a stage's last rank and the pipeline cannot be kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection, Sequence
+import functools
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
+from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs
+from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
 from elaswave.sim.pipeline import plan_step_time
+from elaswave.sim.recycle import OutOfMemory, recycle_step
 
 
 class SimPolicy(enum.StrEnum):
@@ -39,7 +50,22 @@ class SimPolicy(enum.StrEnum):
     """Micro-batch resizing, layer migration and DVFS."""
     ELASWAVE_MIGRATE = "elaswave-migrate"
     ELASWAVE_RESIZE = "elaswave-resize"
+    RECYCLE = "recycle"
     TORCHFT = "torchft"
+    RESTART = "restart"
+
+    @property
+    def is_elaswave(self) -> bool:
+        return self in REBALANCE
+
+
+class Layout(enum.StrEnum):
+    """Order in which a job's TP groups fill nodes."""
+
+    STAGE_MAJOR = "stage-major"
+    """TP, DP, PP (Megatron's default): a node holds one stage's replicas."""
+    REPLICA_MAJOR = "replica-major"
+    """TP, PP, DP: consecutive nodes hold one replica's stages."""
 
 
 REBALANCE = {
@@ -59,6 +85,7 @@ class SimJob:
     micro_batch: int
     global_batch: int
     devices_per_node: int = 8
+    layout: Layout = Layout.STAGE_MAJOR
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "devices_per_node"):
@@ -88,18 +115,37 @@ class SimJob:
         return layer_costs(self.model, tp=self.tp, dtype_bytes=2)
 
     def plan(self) -> Plan:
+        """The static job (see :meth:`static_plan`)."""
+        return self.static_plan(self.dp, self.global_batch)
+
+    @functools.cache  # noqa: B019  (a frozen job: the cache lives as long as it does)
+    def static_plan(self, dp: int, global_batch: int) -> Plan:
+        """A static job of ``dp`` replicas: the graph planner's minimax partition of the
+        layers (a tuned static pipeline, so that every policy starts balanced), even
+        micro-batches of ``micro_batch`` samples."""
+        m = global_batch // (self.micro_batch * dp)
+        spec = StageSpec(
+            dp=dp, micro_batch=self.micro_batch, mhz=self.device.base_mhz,
+            memory_cap_bytes=self.device.memory_bytes,
+        )  # fmt: skip
+        counts = plan_layers(self.layers, [spec] * self.pp, self.device, num_micro_batches=m)
         return initial_plan(
             num_layers=self.model.num_layers,
-            dp=self.dp,
+            dp=dp,
             pp=self.pp,
-            global_batch=self.global_batch,
+            global_batch=global_batch,
             micro_batch=self.micro_batch,
+            layer_counts=counts.counts,
         )
 
     def ranks_of_node(self, node: int) -> list[int]:
         """The plan ranks (TP groups) whose devices sit on ``node``."""
         per = self.devices_per_node // self.tp
-        return [r for r in range(node * per, (node + 1) * per) if r < self.pp * self.dp]
+        groups = [g for g in range(node * per, (node + 1) * per) if g < self.pp * self.dp]
+        if self.layout is Layout.STAGE_MAJOR:
+            return groups
+        # Group g is replica g // pp, stage g % pp.
+        return [(g % self.pp) * self.dp + g // self.pp for g in groups]
 
 
 @dataclass(frozen=True)
@@ -108,6 +154,8 @@ class Outcome:
     plan: Plan
     step_s: float
     reason: str
+    rerouted: frozenset[int] = frozenset()
+    """ReCycle: failed ranks of ``plan`` whose micro-batches peers run."""
 
     @property
     def samples_per_step(self) -> int:
@@ -153,10 +201,26 @@ def _whole_replicas(plan: Plan, failed: set[int]) -> bool:
     return bool(failed) and failed == {s.ranks[i] for s in plan.stages for i in lost}
 
 
-def answer(policy: SimPolicy, job: SimJob, plan: Plan, failed: Collection[int]) -> Outcome:
-    """The plan ``policy`` runs after ``failed`` ranks leave ``plan``, and its step time."""
+def answer(
+    policy: SimPolicy,
+    job: SimJob,
+    plan: Plan,
+    failed: Collection[int],
+    *,
+    rerouted: Collection[int] = (),
+) -> Outcome:
+    """The plan ``policy`` runs after ``failed`` ranks leave ``plan``, and its step time.
+
+    ``rerouted``: ranks of ``plan`` that failed earlier and whose work ReCycle already
+    re-routes. Raises Unrecoverable when nothing is left to train, and
+    :class:`~elaswave.sim.recycle.OutOfMemory` when ReCycle's peers run out of memory.
+    """
     failed = set(failed)
-    if policy is SimPolicy.TORCHFT:
+    if policy is SimPolicy.RECYCLE:
+        return _recycle(job, plan, failed | set(rerouted))
+    if policy is SimPolicy.RESTART:
+        new, reason = restart_plan(job, set(plan.ranks) - failed)
+    elif policy is SimPolicy.TORCHFT:
         new, reason = _drop_replicas(plan, failed)
     elif _whole_replicas(plan, failed):
         new, why = _drop_replicas(plan, failed)
@@ -170,6 +234,78 @@ def answer(policy: SimPolicy, job: SimJob, plan: Plan, failed: Collection[int]) 
             reason = f"{exc}; falls back to dropping replicas: {why}"
     step = plan_step_time(new, job.layers, job.device).step_s
     return Outcome(policy, new, step, reason)
+
+
+def recycle_time(
+    job: SimJob, plan: Plan, rerouted: Collection[int], slowdowns: Mapping[int, float] | None
+) -> float:
+    """ReCycle's step time on ``plan`` with ``rerouted`` ranks' work on their peers."""
+    if not rerouted:
+        return plan_step_time(plan, job.layers, job.device, slowdowns=slowdowns).step_s
+    return recycle_step(
+        plan, rerouted, model=job.model, layers=job.layers, device=job.device, tp=job.tp,
+        slowdowns=slowdowns,
+    ).step_s  # fmt: skip
+
+
+def _recycle(job: SimJob, plan: Plan, failed: set[int]) -> Outcome:
+    whole = _lost_replicas(plan, failed)
+    if whole and len(whole) == plan.stages[0].dp:
+        raise Unrecoverable("every replica lost a rank: nothing is left to train")
+    notes = []
+    if whole:  # whole replicas leave as in TorchFT; ranks of the others are re-routed
+        plan, why = _drop_replicas(plan, {s.ranks[i] for s in plan.stages for i in whole})
+        failed &= set(plan.ranks)
+        notes.append(f"whole replicas leave: {why}")
+    if failed:
+        try:
+            out = recycle_step(
+                plan, failed, model=job.model, layers=job.layers, device=job.device, tp=job.tp
+            )
+        except OutOfMemory:
+            raise
+        except Unrecoverable as exc:
+            new, why = _drop_replicas(plan, failed)
+            step = plan_step_time(new, job.layers, job.device).step_s
+            return Outcome(
+                SimPolicy.RECYCLE, new, step, f"{exc}; falls back to dropping replicas: {why}"
+            )
+        notes.append(out.reason)
+        return Outcome(SimPolicy.RECYCLE, plan, out.step_s, "; ".join(notes), frozenset(failed))
+    step = plan_step_time(plan, job.layers, job.device).step_s
+    return Outcome(SimPolicy.RECYCLE, plan, step, "; ".join(notes))
+
+
+def _lost_replicas(plan: Plan, failed: set[int]) -> list[int]:
+    """Replica indexes whose rank failed in every stage (equal-width stages only)."""
+    if len({s.dp for s in plan.stages}) != 1:
+        return []
+    return [i for i in range(plan.stages[0].dp) if all(s.ranks[i] in failed for s in plan.stages)]
+
+
+def restart_plan(job: SimJob, alive: Collection[int]) -> tuple[Plan, str]:
+    """Checkpoint-restart: the job relaunches on the ``alive`` ranks with as many whole
+    replicas as they make (spares idle) and the global batch kept, rounded down to a
+    multiple of micro-batch x replicas when it does not divide."""
+    alive = sorted(alive)
+    dp = len(alive) // job.pp
+    if dp < 1:
+        raise Unrecoverable(
+            f"{len(alive)} ranks survive, fewer than the {job.pp} pipeline stages: cannot restart"
+        )
+    unit = job.micro_batch * dp
+    batch = max(unit, job.global_batch // unit * unit)
+    fresh = job.static_plan(dp, batch)
+    stages = tuple(
+        dataclasses.replace(s, ranks=tuple(alive[s.stage * dp + i] for i in range(dp)))
+        for s in fresh.stages
+    )
+    new = Plan(fresh.generation, batch, fresh.num_micro_batches, stages)
+    spare = len(alive) - dp * job.pp
+    return new, (
+        f"restart on {len(alive)} ranks: {dp} replicas, global batch {batch} in "
+        f"{new.num_micro_batches} micro-batches" + (f", {spare} ranks idle" if spare else "")
+    )
 
 
 def baseline(job: SimJob) -> Outcome:

@@ -9,7 +9,8 @@ import pytest
 from elaswave.engine.cost import device
 from elaswave.model.config import PRESETS
 from elaswave.sim.policies import SimJob, SimPolicy, baseline
-from elaswave.sim.timeline import Overheads, simulate
+from elaswave.sim.mttr import RecoveryCosts
+from elaswave.sim.timeline import simulate
 from elaswave.sim.trace import parse_trace, periodic_failures
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,15 +31,35 @@ def test_a_removal_loses_the_partial_step_and_is_redone_after_the_overhead():
     step = baseline(JOB).step_s
     at = 3.5 * step
     trace = parse_trace(f"{at * 1000!r},remove,node3\n", num_nodes=12)
-    over = Overheads(elaswave_s=2.0)
-    tl = simulate(JOB, SimPolicy.ELASWAVE, trace, steps=6, overheads=over)
+    costs = RecoveryCosts(detect_s=1.5, comm_edit_s=0.5)
+    tl = simulate(JOB, SimPolicy.ELASWAVE, trace, steps=6, costs=costs)
     (change,) = tl.changes
     assert change.kind == "remove" and change.ranks == (6, 7)
     assert change.lost_s == pytest.approx(0.5 * step)
+    assert change.parts["detect"] == 1.5 and change.parts["communicator edit"] == 0.5
+    # The failed ranks' optimizer shards come back from their peers' snapshots.
+    assert change.parts["shard restore"] > 0 and change.moved_bytes > 0
+    assert change.overhead_s == pytest.approx(sum(change.parts.values()))
     redone = tl.steps[3]
-    assert redone.end_s == pytest.approx(at + 2.0 + redone.step_s)
-    assert change.mttr_s == pytest.approx(2.0 + redone.step_s)
+    assert redone.end_s == pytest.approx(at + change.overhead_s + redone.step_s)
+    assert change.mttr_s == pytest.approx(change.overhead_s + redone.step_s)
     assert redone.samples == 8192, "ElasWave keeps the global batch"
+
+
+def test_checkpoint_restart_redoes_the_steps_since_its_last_checkpoint():
+    step = baseline(JOB).step_s
+    at = 13.25 * step
+    trace = parse_trace(f"{at * 1000!r},remove,node3\n", num_nodes=12)
+    costs = RecoveryCosts(checkpoint_every=10)
+    tl = simulate(JOB, SimPolicy.RESTART, trace, steps=20, costs=costs)
+    (change,) = tl.changes
+    assert change.lost_s == pytest.approx(3.25 * step)
+    assert {"detect", "process restart", "rendezvous", "checkpoint load"} <= change.parts.keys()
+    assert [s.step for s in tl.steps] == list(range(20)), "steps 10-12 are redone, not counted twice"
+    # It restarts on 88 devices: 7 whole replicas of 12 devices, the global batch kept
+    # as nearly as 7 replicas of 4-sample micro-batches allow.
+    assert tl.steps[10].samples == 8192 // 28 * 28 and tl.steps[10].end_s > at + change.overhead_s
+    assert change.mttr_s == pytest.approx(tl.steps[13].end_s - at)
 
 
 def test_elaswave_keeps_more_throughput_than_torchft_through_a_trace():

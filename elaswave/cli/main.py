@@ -1,4 +1,4 @@
-"""The ``elaswave`` command: train, and read a run's event log and report.
+"""The ``elaswave`` command: train, read a run's event log and report, and simulate.
 
 User errors (flags, config files, layouts) print one line, ``elaswave: error: ...``, and
 exit with status 2; a job that fails at run time exits with status 1.
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from elaswave import logs
 from elaswave.bus.schema import Event, StepCompleted
+from elaswave.cli import sim
 from elaswave.comm.backend import DEVICES
 
 
@@ -289,9 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument("run_dir", type=Path)
     rp.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
+    sim.add_parser(sub)
     args = parser.parse_args(argv)
     logs.configure()
-    commands = {"train": _train, "events": _events, "scale": _scale, "report": _report}
+    commands = {
+        "train": _train,
+        "events": _events,
+        "scale": _scale,
+        "report": _report,
+        "sim": sim.run,
+    }
     try:
         return commands[args.command](args)
     except ValueError as exc:

@@ -13,9 +13,11 @@ follows from the plans and the model:
   fail-slow re-plans pay the communicator edit and the moves; a joiner also receives its
   stage's parameters and optimizer shard.
 * **ReCycle** (remove): detect and edit the communicator; nothing moves (the peers hold
-  the same parameters). A returning rank restarts its process and receives its state.
-* **TorchFT** (remove): detect and form a new quorum. A rejoining replica restarts its
-  processes and receives a live copy of a replica's parameters and optimizer state.
+  the same parameters). A returning rank joins a new quorum and receives its state.
+* **TorchFT** (remove): detect and form a new quorum. A rejoining replica forms a new
+  quorum and receives a live copy of a replica's parameters and optimizer state.
+* Every policy but checkpoint-restart starts a returning node's processes while the
+  job trains (the timeline delays the join by the restart time).
 * **Restart**: detect, restart every process, rendezvous, and load the checkpoint from
   storage (every device reads its parameters and optimizer shard through its node's
   share of the storage bandwidth); the timeline adds the steps since the last
@@ -178,15 +180,11 @@ def torchft_removal(costs: RecoveryCosts) -> Overhead:
 def rejoin(
     plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec, costs: RecoveryCosts
 ) -> Overhead:
-    """TorchFT or ReCycle: returning ranks restart and receive a live copy of their state."""
+    """TorchFT or ReCycle: returning ranks (restarted in the background) join a new
+    quorum and receive a live copy of their state."""
     state = rank_state_bytes(plan, layers)
     return Overhead.of(
-        {
-            "process restart": costs.process_restart_s,
-            "quorum": costs.quorum_s,
-            "state transfer": state / device.p2p_bytes_per_s,
-        },
-        state,
+        {"quorum": costs.quorum_s, "state transfer": state / device.p2p_bytes_per_s}, state
     )
 
 

@@ -5,8 +5,11 @@ per plan, re-routed ranks and slowdowns). A node removed mid-step loses the step
 so far; the policy pays its recovery overhead (:mod:`elaswave.sim.mttr`), answers with
 a new plan, and the step is redone. Checkpoint-restart also loses, and redoes, every
 step since its last checkpoint. Slowdowns and additions take effect at the next step
-boundary. MTTR of a removal runs from the event to the end of the redone step, as the
-runtime measures it; for checkpoint-restart, to the end of the step the failure hit.
+boundary; a returning node's processes start in the background first (the restart
+time of :class:`~elaswave.sim.mttr.RecoveryCosts`), except under checkpoint-restart,
+which restarts the whole job for it. MTTR of a removal runs from the event to the end
+of the redone step, as the runtime measures it; for checkpoint-restart, to the end of
+the step the failure hit.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def simulate(
         return cache[key]
 
     out = Timeline(policy)
-    events = sorted(trace, key=lambda e: e.time_ms)
+    events = _as_seen(policy, trace, costs)
     t, step, i = 0.0, 0, 0
     pending: list[ChangeRecord] = []  # removals waiting for their redone step
     redo_until = 0  # checkpoint-restart: MTTR ends when the lost steps are redone
@@ -185,6 +188,31 @@ def simulate(
     out.changes.extend(pending)
     out.changes.sort(key=lambda c: c.time_s)
     return out
+
+
+def _as_seen(
+    policy: SimPolicy, trace: Sequence[TraceEvent], costs: RecoveryCosts
+) -> list[TraceEvent]:
+    """The trace as ``policy`` sees it: a returning node's processes start while the job
+    trains (every policy but checkpoint-restart, which restarts everything anyway), so
+    its ranks can join ``process_restart_s`` after the node is back; a node removed
+    again before then never joins."""
+    events = sorted(trace, key=lambda e: e.time_ms)
+    if policy is SimPolicy.RESTART:
+        return events
+    delay_ms = costs.process_restart_s * 1000
+    out = []
+    for k, e in enumerate(events):
+        if e.kind is EventKind.ADD:
+            ready = e.time_ms + delay_ms
+            if any(
+                later.kind is EventKind.REMOVE and later.node == e.node and later.time_ms < ready
+                for later in events[k + 1 :]
+            ):
+                continue
+            e = replace(e, time_ms=ready)
+        out.append(e)
+    return sorted(out, key=lambda e: e.time_ms)
 
 
 def _finish_step(

@@ -8,8 +8,8 @@ import pytest
 
 from elaswave.engine.cost import device
 from elaswave.model.config import PRESETS
-from elaswave.sim.policies import SimJob, SimPolicy, baseline
 from elaswave.sim.mttr import RecoveryCosts
+from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
 from elaswave.sim.timeline import simulate
 from elaswave.sim.trace import parse_trace, periodic_failures
 
@@ -55,7 +55,8 @@ def test_checkpoint_restart_redoes_the_steps_since_its_last_checkpoint():
     (change,) = tl.changes
     assert change.lost_s == pytest.approx(3.25 * step)
     assert {"detect", "process restart", "rendezvous", "checkpoint load"} <= change.parts.keys()
-    assert [s.step for s in tl.steps] == list(range(20)), "steps 10-12 are redone, not counted twice"
+    steps = [s.step for s in tl.steps]
+    assert steps == list(range(20)), "steps 10-12 are redone, not counted twice"
     # It restarts on 88 devices: 7 whole replicas of 12 devices, the global batch kept
     # as nearly as 7 replicas of 4-sample micro-batches allow.
     assert tl.steps[10].samples == 8192 // 28 * 28 and tl.steps[10].end_s > at + change.overhead_s
@@ -107,3 +108,29 @@ def test_ten_to_the_fifth_devices_simulate_1000_steps_in_under_60_s(dp):
     elapsed = time.perf_counter() - started
     assert len(tl.steps) == 1000 and len(tl.changes) >= 10 and tl.stopped is None
     assert elapsed < 60, f"{job.num_devices} devices: {elapsed:.1f} s"
+
+
+def test_recycle_re_routes_until_the_node_returns_and_its_processes_restart():
+    j13 = SimJob(PRESETS["llama2-13b"], device("ascend-910b"), tp=4, pp=6, dp=4, micro_batch=2,
+                 global_batch=2048, layout=Layout.REPLICA_MAJOR)  # fmt: skip
+    step = baseline(j13).step_s
+    back = 10 * step * 1000
+    trace = parse_trace(f"{2 * step * 1000!r},remove,node0\n{back!r},add,node0\n", num_nodes=12)
+    costs = RecoveryCosts(process_restart_s=3 * step)
+    tl = simulate(j13, SimPolicy.RECYCLE, trace, steps=24, costs=costs)
+    remove, add = tl.changes
+    assert "re-routed to same-stage peers" in remove.reason
+    assert add.time_s >= back / 1000 + 3 * step, "the returning ranks start first"
+    assert "take their micro-batches back" in add.reason and "quorum" in add.parts
+    slow = [s for s in tl.steps if s.step_s > step * 1.01]
+    assert slow and all(s.samples == 2048 for s in tl.steps), "ReCycle keeps the global batch"
+    assert tl.steps[-1].step_s == pytest.approx(step)
+
+
+def test_recycle_stops_when_its_peers_run_out_of_memory():
+    j34 = SimJob(PRESETS["llama2-34b"], device("ascend-910b"), tp=4, pp=8, dp=3, micro_batch=1,
+                 global_batch=768, layout=Layout.STAGE_MAJOR)  # fmt: skip
+    trace = parse_trace("1000,remove,node0\n", num_nodes=j34.num_nodes)
+    tl = simulate(j34, SimPolicy.RECYCLE, trace, steps=5)
+    assert tl.stopped is not None and "runs out of memory on stage 0" in tl.stopped
+    assert simulate(j34, SimPolicy.ELASWAVE, trace, steps=5).stopped is None

@@ -1,0 +1,314 @@
+"""``elaswave sim``: predict a job's throughput and MTTR under a trace, per policy.
+
+The job is described by flags (model preset, device preset, TP x PP x DP, micro- and
+global batch); the trace comes from a CSV file (``--trace``), a per-device MTBF
+(``--mtbf-hours``) or fixed intervals (``--every-s``). Every policy runs the same trace;
+the command prints one line per policy and writes ``sim.json`` and ``sim.png`` to
+``--out``. Everything but :func:`render` is pure and needs no matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from elaswave.engine.cost import DEVICES, device
+from elaswave.model.config import PRESETS, preset
+from elaswave.sim.mttr import RecoveryCosts
+from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
+from elaswave.sim.timeline import Timeline, simulate
+from elaswave.sim.trace import (
+    EventKind,
+    TraceEvent,
+    format_trace,
+    parse_trace,
+    periodic_failures,
+    poisson_failures,
+)
+
+PLOT_EXTRA = "install the plot extra: pip install 'elaswave[plot]'"
+COLOURS = {
+    SimPolicy.ELASWAVE: "tab:blue",
+    SimPolicy.ELASWAVE_MIGRATE: "tab:cyan",
+    SimPolicy.ELASWAVE_RESIZE: "tab:purple",
+    SimPolicy.RECYCLE: "tab:orange",
+    SimPolicy.TORCHFT: "tab:red",
+    SimPolicy.RESTART: "tab:grey",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="simulate a large job under a failure trace, per elastic policy",
+        description="Simulate TP x PP x DP training under a trace of node removals, "
+        "additions and slowdowns with ElasWave's planners and the baselines (ReCycle, "
+        "TorchFT, checkpoint-restart); print throughput and MTTR per policy and write "
+        "OUT/sim.json and OUT/sim.png. Recovery control-plane times are assumptions, "
+        "printed with the result; plans and step times are the runtime's own.",
+    )
+    p.add_argument("--model", default="llama2-7b", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--device", default="ascend-910b", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--pp", type=int, default=3)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=8192)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument(
+        "--layout",
+        default=Layout.REPLICA_MAJOR.value,
+        help="how TP groups fill nodes: replica-major (a replica's stages on consecutive "
+        "nodes) or stage-major (a stage's replicas on consecutive nodes)",
+    )
+    p.add_argument("--steps", type=int, default=1000, help="training steps to simulate")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help="CSV of time_ms,add|remove|slow,nodeN[,FACTOR]")
+    src.add_argument("--mtbf-hours", type=float, help="per-device MTBF: Poisson node removals")
+    src.add_argument("--every-s", type=float, help="remove a node every this many seconds")
+    p.add_argument("--count", type=int, default=1, help="removals for --every-s (default 1)")
+    p.add_argument("--repair-s", type=float, help="with --mtbf-hours: a node returns after this")
+    p.add_argument("--seed", type=int, default=0, help="seed of --mtbf-hours")
+    p.add_argument(
+        "--policies",
+        default=",".join(p.value for p in SimPolicy),
+        help=f"comma-separated, from {', '.join(p.value for p in SimPolicy)}",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=100, help="restart: steps per checkpoint"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/sim"), help="directory for the results")
+    p.add_argument("--no-plot", action="store_true", help="write sim.json only")
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--{name} {value!r}: must be a positive number")
+
+
+def parse_policies(text: str) -> list[SimPolicy]:
+    out = []
+    for word in (w.strip() for w in text.split(",")):
+        try:
+            out.append(SimPolicy(word))
+        except ValueError:
+            valid = ", ".join(p.value for p in SimPolicy)
+            raise ValueError(f"--policies: unknown policy {word!r}; valid: {valid}") from None
+    if not out:
+        raise ValueError("--policies: name at least one policy")
+    return list(dict.fromkeys(out))
+
+
+def job_from_args(args: argparse.Namespace) -> SimJob:
+    try:
+        layout = Layout(args.layout)
+    except ValueError:
+        valid = ", ".join(v.value for v in Layout)
+        raise ValueError(f"--layout {args.layout!r}: valid layouts: {valid}") from None
+    return SimJob(
+        preset(args.model),
+        device(args.device),
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        devices_per_node=args.devices_per_node,
+        layout=layout,
+    )
+
+
+def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tuple[str, tuple]:
+    """(a description, the events) from --trace, --mtbf-hours or --every-s."""
+    _positive("mtbf-hours", args.mtbf_hours)
+    _positive("every-s", args.every_s)
+    _positive("repair-s", args.repair_s)
+    if args.trace is not None:
+        try:
+            text = args.trace.read_text()
+        except OSError as exc:
+            raise ValueError(f"--trace {str(args.trace)!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--trace {str(args.trace)!r}: not a text file") from None
+        events = parse_trace(text, num_nodes=job.num_nodes, source=str(args.trace))
+        return f"trace {args.trace}", events
+    if args.mtbf_hours is not None:
+        events = poisson_failures(
+            num_nodes=job.num_nodes,
+            devices_per_node=job.devices_per_node,
+            mtbf_hours=args.mtbf_hours,
+            duration_ms=span_ms,
+            seed=args.seed,
+            repair_ms=None if args.repair_s is None else args.repair_s * 1000,
+        )
+        return f"per-device MTBF {args.mtbf_hours:g} h, seed {args.seed}", events
+    if args.every_s is not None:
+        if not 0 <= args.count <= job.num_nodes - 1:
+            raise ValueError(
+                f"--count {args.count}: must be in 0..{job.num_nodes - 1} (one node must survive)"
+            )
+        events = periodic_failures(
+            num_nodes=job.num_nodes, interval_ms=args.every_s * 1000, count=args.count
+        )
+        return f"{args.count} removals every {args.every_s:g} s, last node first", events
+    return "no events", ()
+
+
+def device_fraction(events: Sequence[TraceEvent], num_nodes: int, end_s: float) -> float:
+    """Time-averaged fraction of the job's nodes present over [0, end_s]."""
+    if end_s <= 0:
+        return 1.0
+    present, t, area = num_nodes, 0.0, 0.0
+    for e in sorted(events, key=lambda e: e.time_ms):
+        at = min(e.time_ms / 1000, end_s)
+        area += present * (at - t)
+        t = at
+        present += {EventKind.REMOVE: -1, EventKind.ADD: 1}.get(e.kind, 0)
+    area += present * (end_s - t)
+    return area / (num_nodes * end_s)
+
+
+def summarise(
+    job: SimJob,
+    timelines: Sequence[Timeline],
+    events: Sequence[TraceEvent],
+    *,
+    description: str,
+    costs: RecoveryCosts,
+    model_name: str,
+) -> dict[str, Any]:
+    base = baseline(job)
+    out: dict[str, Any] = {
+        "job": {
+            "model": model_name,
+            "model_config": asdict(job.model),
+            "device": job.device.name,
+            "tp": job.tp,
+            "pp": job.pp,
+            "dp": job.dp,
+            "micro_batch": job.micro_batch,
+            "global_batch": job.global_batch,
+            "devices": job.num_devices,
+            "nodes": job.num_nodes,
+            "devices_per_node": job.devices_per_node,
+            "layout": job.layout.value,
+        },
+        "trace": {"source": description, "events": len(events), "csv": format_trace(events)},
+        "assumptions": asdict(costs),
+        "baseline": {"step_s": base.step_s, "samples_per_s": base.throughput},
+        "policies": {},
+    }
+    for tl in timelines:
+        end = tl.steps[-1].end_s if tl.steps else 0.0
+        frac = device_fraction(events, job.num_nodes, end)
+        rel = tl.samples_per_s / base.throughput
+        mttrs = [c.mttr_s for c in tl.changes if c.kind == "remove" and c.mttr_s is not None]
+        out["policies"][tl.policy.value] = {
+            "samples_per_s": tl.samples_per_s,
+            "vs_fault_free": rel,
+            "device_fraction": frac,
+            "linear_scaling_efficiency": rel / frac if frac > 0 else None,
+            "steps": len(tl.steps),
+            "simulated_s": end,
+            "stopped": tl.stopped,
+            "median_mttr_s": statistics.median(mttrs) if mttrs else None,
+            "changes": [asdict(c) for c in tl.changes],
+            "timeline": [
+                [s.end_s, s.samples / (s.end_s - prev)]
+                for s, prev in zip(tl.steps, [0.0] + [p.end_s for p in tl.steps], strict=False)
+            ],
+        }
+    return out
+
+
+def lines(doc: dict[str, Any]) -> list[str]:
+    job = doc["job"]
+    head = (
+        f"{job['model']} on {job['devices']} {job['device']} "
+        f"devices (tp {job['tp']} pp {job['pp']} dp {job['dp']}, {job['layout']}); "
+        f"{doc['trace']['source']} ({doc['trace']['events']} events); fault-free "
+        f"{doc['baseline']['samples_per_s']:.1f} samples/s"
+    )
+    out = [head, f"{'policy':<18}{'samples/s':>11}{'vs fault-free':>15}{'LSE':>7}"
+           f"{'median MTTR':>13}  stopped"]  # fmt: skip
+    for name, p in doc["policies"].items():
+        lse = p["linear_scaling_efficiency"]
+        mttr = p["median_mttr_s"]
+        out.append(
+            f"{name:<18}{p['samples_per_s']:>11.1f}{p['vs_fault_free']:>15.3f}"
+            f"{'' if lse is None else f'{lse:.3f}':>7}"
+            f"{'-' if mttr is None else f'{mttr:.1f} s':>13}  {p['stopped'] or ''}"
+        )
+    return out
+
+
+def render(doc: dict[str, Any], out: Path) -> None:
+    """Throughput over time per policy, and their time-averaged throughput side by side."""
+    try:
+        import matplotlib  # noqa: F401  (the plot extra: optional)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError(f"matplotlib is not installed; {PLOT_EXTRA}") from None
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2, width_ratios=[2.4, 1])
+    fig.suptitle(lines(doc)[0] + " (SIMULATED)", fontsize=9)
+    names = list(doc["policies"])
+    for name in names:
+        series = doc["policies"][name]["timeline"]
+        if series:
+            xs = [0.0] + [t / 3600 for t, _ in series]
+            ys = [series[0][1]] + [r for _, r in series]
+            left.step(xs, ys, where="pre", lw=1.2, label=name, color=COLOURS[SimPolicy(name)])
+    left.set_xlabel("hours")
+    left.set_ylabel("samples/s per step, recovery time included")
+    left.set_ylim(bottom=0)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8, loc="lower left")
+    rates = [doc["policies"][n]["samples_per_s"] for n in names]
+    bars = right.bar(range(len(names)), rates, color=[COLOURS[SimPolicy(n)] for n in names])
+    for bar, n in zip(bars, names, strict=True):
+        p = doc["policies"][n]
+        label = "stopped" if p["stopped"] else f"{p['vs_fault_free']:.2f}"
+        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=8)  # fmt: skip
+    right.axhline(doc["baseline"]["samples_per_s"], color="black", ls=":", lw=1)
+    right.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    right.set_ylabel("time-averaged samples/s (dotted: fault-free)")
+    try:
+        fig.savefig(out, format="png", dpi=100)
+    except OSError as exc:
+        raise ValueError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = parse_policies(args.policies)
+    for name in ("steps", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    job = job_from_args(args)
+    costs = RecoveryCosts(checkpoint_every=args.checkpoint_every)
+    span_ms = baseline(job).step_s * args.steps * 1000 * 1.5
+    description, events = trace_from_args(args, job, span_ms)
+    timelines = [simulate(job, p, events, steps=args.steps, costs=costs) for p in policies]
+    doc = summarise(
+        job, timelines, events, description=description, costs=costs, model_name=args.model
+    )
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sim.json").write_text(json.dumps(doc, indent=1) + "\n")
+    except OSError as exc:
+        raise ValueError(f"cannot write to {str(args.out)!r}: {exc.strerror or exc}") from None
+    if not args.no_plot:
+        render(doc, args.out / "sim.png")
+    print("\n".join(lines(doc)))
+    written = "sim.json" if args.no_plot else "sim.json and sim.png"
+    print(f"wrote {written} to {args.out} (simulated; recovery times are assumptions, see JSON)")
+    return 0

@@ -1,0 +1,83 @@
+"""`elaswave sim`: bad input is one line naming the value; a run writes JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elaswave.cli.main import main
+from elaswave.cli.sim import device_fraction
+from elaswave.sim.trace import parse_trace
+from tests.png import read_png
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = ["--model", "llama2-13b", "--pp", "6", "--dp", "4", "--micro-batch", "2",
+         "--global-batch", "2048", "--steps", "30"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("0,remove,node1\n10,explode,node2\n", ":2: '10,explode,node2': unknown event 'explode'"),
+        ("100,remove,node1\n10,remove,node2\n", ":2: '10,remove,node2': time goes backwards"),
+        ("100,remove,node99\n", ":1: '100,remove,node99': unknown node 'node99'; valid: node0"),
+        ("100;remove;node1\n", ":1: '100;remove;node1': expected time_ms,add|remove,nodeN"),
+        ("5,add,node3\n", ":1: '5,add,node3': node3 is already in the job"),
+    ],
+)
+def test_a_bad_trace_is_refused_naming_the_line(tmp_path, capsys, text, words):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(text)
+    out = tmp_path / "out"
+    assert main(["sim", "--trace", str(trace), "--out", str(out), *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elaswave: error: ") and words in err and "\n" not in err
+    assert not out.exists(), "nothing is written for a refused trace"
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--policies", "elaswave,foo"], "unknown policy 'foo'; valid: elaswave"),
+        (["--layout", "diagonal"], "--layout 'diagonal': valid layouts: stage-major"),
+        (["--mtbf-hours", "-1"], "--mtbf-hours -1.0: must be a positive number"),
+        (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+        (["--tp", "3"], "tp = 3 does not divide 8 devices per node"),
+        (["--trace", "/no/such.csv"], "--trace '/no/such.csv': No such file"),
+        (["--every-s", "10", "--count", "12"], "--count 12: must be in 0..11"),
+    ],
+)
+def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
+    assert main(["sim", "--out", str(tmp_path / "o"), *SMALL, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err and "Traceback" not in err
+
+
+def test_a_run_writes_every_policy_to_json_and_a_png(tmp_path, capsys):
+    trace = tmp_path / "spot.csv"
+    trace.write_text("time_ms,event,node\n200000,remove,node11\n900000,add,node11\n")
+    out = tmp_path / "out"
+    assert main(["sim", "--trace", str(trace), "--out", str(out), *SMALL]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "sim.json").read_text())
+    assert list(doc["policies"]) == [
+        "elaswave", "elaswave-migrate", "elaswave-resize", "recycle", "torchft", "restart"
+    ]  # fmt: skip
+    for name, p in doc["policies"].items():
+        assert p["steps"] == 30 and name in printed
+        removal = next(c for c in p["changes"] if c["kind"] == "remove")
+        assert removal["mttr_s"] > removal["overhead_s"] > 0
+    ew, ft = doc["policies"]["elaswave"], doc["policies"]["torchft"]
+    assert ew["samples_per_s"] > ft["samples_per_s"]
+    assert 0.89 <= ew["linear_scaling_efficiency"] <= 1.05
+    assert doc["assumptions"]["process_restart_s"] == 60
+    png = read_png(out / "sim.png")
+    assert png.width > 800 and png.height > 300
+
+
+def test_device_fraction_is_the_time_average_of_nodes_present():
+    events = parse_trace("0,remove,node0\n50000,add,node0\n", num_nodes=4)
+    assert device_fraction(events, 4, 100.0) == pytest.approx((3 * 50 + 4 * 50) / 400)
+    assert device_fraction((), 4, 100.0) == 1.0

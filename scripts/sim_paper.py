@@ -251,7 +251,7 @@ def main() -> None:
         "Cells: time-averaged throughput relative to fault-free. Plot of the 10^5 run: "
         "`docs/sim_paper_100k.png`.",
         "",
-        "Recovery control-plane assumptions (seconds; `RecoveryCosts`): "
+        "Recovery assumptions (`RecoveryCosts`; seconds unless named): "
         + ", ".join(f"{k} {v:g}" for k, v in asdict(costs).items()),
     ]
     (args.out / "sim_paper.md").write_text("\n".join(md) + "\n")

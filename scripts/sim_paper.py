@@ -161,10 +161,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
     costs = RecoveryCosts()
-    first = {n: [shrink(job(n), list(range(k))) for k in (1, 2, 3)] for n in WORKLOADS}
+    jobs = {n: job(n) for n in WORKLOADS}
+    first = {n: [shrink(j, list(range(k))) for k in (1, 2, 3)] for n, j in jobs.items()}
     last = {
-        n: [shrink(job(n), list(range(job(n).num_nodes - k, job(n).num_nodes))) for k in (1, 2, 3)]
-        for n in WORKLOADS
+        n: [shrink(j, list(range(j.num_nodes - k, j.num_nodes))) for k in (1, 2, 3)]
+        for n, j in jobs.items()
     }
     stage_major = {"llama2-34b": [shrink(job("llama2-34b", Layout.STAGE_MAJOR), [0])]}
     one = first["llama2-34b"][0]

@@ -195,9 +195,7 @@ def _drop_replicas(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
 
 def _whole_replicas(plan: Plan, failed: set[int]) -> bool:
     """Whether ``failed`` is exactly some replica indexes of every stage."""
-    if len({s.dp for s in plan.stages}) != 1:
-        return False
-    lost = {s.ranks.index(r) for s in plan.stages for r in failed if r in s.ranks}
+    lost = _lost_replicas(plan, failed)
     return bool(failed) and failed == {s.ranks[i] for s in plan.stages for i in lost}
 
 
@@ -208,18 +206,21 @@ def answer(
     failed: Collection[int],
     *,
     rerouted: Collection[int] = (),
+    alive: Collection[int] | None = None,
 ) -> Outcome:
     """The plan ``policy`` runs after ``failed`` ranks leave ``plan``, and its step time.
 
     ``rerouted``: ranks of ``plan`` that failed earlier and whose work ReCycle already
-    re-routes. Raises Unrecoverable when nothing is left to train, and
-    :class:`~elaswave.sim.recycle.OutOfMemory` when ReCycle's peers run out of memory.
+    re-routes. ``alive``: every rank checkpoint-restart may relaunch on, spares
+    included (default: the ranks of ``plan`` that did not fail). Raises Unrecoverable
+    when nothing is left to train, and :class:`~elaswave.sim.recycle.OutOfMemory` when
+    ReCycle's peers run out of memory.
     """
     failed = set(failed)
     if policy is SimPolicy.RECYCLE:
         return _recycle(job, plan, failed | set(rerouted))
     if policy is SimPolicy.RESTART:
-        new, reason = restart_plan(job, set(plan.ranks) - failed)
+        new, reason = restart_plan(job, set(plan.ranks) - failed if alive is None else alive)
     elif policy is SimPolicy.TORCHFT:
         new, reason = _drop_replicas(plan, failed)
     elif _whole_replicas(plan, failed):

@@ -150,7 +150,7 @@ def recycle_step(
         rerouted = -(-f * min(p - s.stage, m) // (s.dp - f))
         act = mb * rerouted * sum(c.activation_bytes_per_sample for c in stage_layers)
         per_w = mb * sum(wgrad[i] for i in s.layers)
-        memory.append((own, rerouted, act, per_w))
+        memory.append((own, act, per_w))
         if f and own + act > device.memory_bytes:
             raise OutOfMemory(
                 f"ReCycle runs out of memory on stage {s.stage}: a peer holds "
@@ -162,7 +162,7 @@ def recycle_step(
     first = simulate_step([_with_load(t, m, e, 0) for t, e in zip(base, extra, strict=True)], m)
     window = max(first.compute_end_s)
     deferred = []
-    for t, e, busy, (own, _, act, per_w) in zip(base, extra, first.busy_s, memory, strict=True):
+    for t, e, busy, (own, act, per_w) in zip(base, extra, first.busy_s, memory, strict=True):
         half = t.bwd_s / 2
         fit_time = math.floor(max(0.0, window - busy) / half) if half > 0 else e
         fit_memory = math.floor((device.memory_bytes - own - act) / per_w) if per_w > 0 else e
@@ -176,7 +176,7 @@ def recycle_step(
     )
     loads = tuple(
         PeerLoad(s.stage, f, s.dp - f, e, k, own + act + k * per_w)
-        for s, f, e, k, (own, _, act, per_w) in zip(
+        for s, f, e, k, (own, act, per_w) in zip(
             plan.stages, lost, extra, deferred, memory, strict=True
         )
         if f

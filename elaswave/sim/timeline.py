@@ -144,9 +144,7 @@ def simulate(
                     continue  # the node held nothing this policy still used
                 old, lost = st.plan, at - t
                 try:
-                    new = answer(policy, job, old, gone, rerouted=st.rerouted)
-                    if policy is SimPolicy.RESTART:
-                        new = replace(new, plan=restart_plan(job, st.alive)[0])
+                    new = answer(policy, job, old, gone, rerouted=st.rerouted, alive=st.alive)
                 except Unrecoverable as exc:
                     out.stopped = f"node{event.node} removed at {at:.1f} s: {exc}"
                     break

@@ -9,6 +9,7 @@ and its dropout masks, whichever replica runs it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,17 @@ def even_split(total: int, parts: int) -> tuple[int, ...]:
         raise ValueError(f"cannot split into {parts} parts")
     base, extra = divmod(total, parts)
     return tuple(base + (1 if p < extra else 0) for p in range(parts))
+
+
+def spread_split(total: int, parts: int) -> tuple[int, ...]:
+    """Split ``total`` into ``parts`` sizes differing by at most one, the larger spread
+    evenly (the first is a larger one): part ``i`` is ``ceil((i+1) total / parts) -
+    ceil(i total / parts)``, so any ``w`` consecutive parts, read cyclically, sum to
+    ``floor`` or ``ceil`` of ``w total / parts``."""
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    ceil = [-(-i * total // parts) for i in range(parts + 1)]
+    return tuple(b - a for a, b in itertools.pairwise(ceil))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ A failed rank's share of every global micro-batch is sliced evenly over its stag
 surviving replicas, so DP x micro-batch size, the global batch and the gradient scale stay
 unchanged and the pipeline keeps its schedule. Adjacent stages may then have different
 DP widths; activations follow the plan's routes by sample offset (fan-in, fan-out).
+When the survivors do not divide the micro-batch (3 samples over 2), the shares rotate
+over them from one micro-batch to the next (:attr:`StagePlan.rotate`), so each runs the
+mean share over the step, not the largest one.
 The planner is a pure function of (plan, failed ranks) returning a plan and a reason.
 """
 
@@ -11,12 +14,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
+from typing import Any
 
-from elaswave.data.sampler import even_split
-from elaswave.engine.plan import Plan
+from elaswave.data.sampler import even_split, spread_split
+from elaswave.engine.plan import Plan, StagePlan
 from elaswave.fabric.errors import Unrecoverable
 
-__all__ = ["Unrecoverable", "add_ranks", "resize_after_failure"]
+__all__ = ["Unrecoverable", "add_ranks", "resize_after_failure", "split_shares"]
+
+
+def split_shares(total: int, replicas: int) -> dict[str, Any]:
+    """``sizes`` and ``rotate`` of a stage whose ``replicas`` split ``total`` samples per
+    micro-batch evenly: equal shares when they divide it, else shares one apart, the
+    larger spread out, rotating (any run of micro-batches then gives every replica
+    within one sample of its mean). Fewer samples than replicas: some take none."""
+    if total % replicas == 0 or total < replicas:
+        return {"sizes": even_split(total, replicas), "rotate": False}
+    return {"sizes": spread_split(total, replicas), "rotate": True}
+
+
+def _describe(stage: StagePlan) -> str:
+    if stage.rotate:
+        return f"{list(stage.sizes)} in rotation ({stage.load:.3g} each on average)"
+    return str(list(stage.sizes))
 
 
 def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
@@ -38,11 +58,11 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
                 f"all its ranks {list(stage.ranks)}: no replica holds its layers"
             )
         total = sum(stage.sizes)
-        sizes = even_split(total, len(survivors))
-        stages.append(dataclasses.replace(stage, ranks=survivors, sizes=sizes))
+        new = dataclasses.replace(stage, ranks=survivors, **split_shares(total, len(survivors)))
+        stages.append(new)
         reasons.append(
             f"stage {stage.stage}: ranks {lost} failed; ranks {list(survivors)} now take "
-            f"{list(sizes)} of every {total}-sample micro-batch"
+            f"{_describe(new)} of every {total}-sample micro-batch"
         )
     if not reasons:
         return plan, "no rank of the plan failed"
@@ -62,9 +82,9 @@ def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
             raise ValueError(f"rank {rank}: stage {stage} is not in 0..{plan.pp - 1}")
         old = stages[stage]
         ranks = (*old.ranks, rank)
-        sizes = even_split(sum(old.sizes), len(ranks))
-        stages[stage] = dataclasses.replace(old, ranks=ranks, sizes=sizes)
-        reasons.append(f"rank {rank} joins stage {stage}, which now takes {list(sizes)}")
+        new = dataclasses.replace(old, ranks=ranks, **split_shares(sum(old.sizes), len(ranks)))
+        stages[stage] = new
+        reasons.append(f"rank {rank} joins stage {stage}, which now takes {_describe(new)}")
     if not reasons:
         return plan, "no rank joined"
     new = dataclasses.replace(plan, generation=plan.generation + 1, stages=tuple(stages))

@@ -128,7 +128,7 @@ def _forward_s(
     """Modelled forward seconds of ``layer_ids`` for one micro-batch on ``stage``'s
     busiest replica."""
     s = plan.stages[stage]
-    flops = max(s.sizes) * sum(cost[i].fwd_flops_per_sample for i in layer_ids)
+    flops = s.load * sum(cost[i].fwd_flops_per_sample for i in layer_ids)
     return compute_time(flops, device, s.mhz or device.base_mhz)
 
 

@@ -9,6 +9,7 @@ so applying a new plan needs no other state. Everything here is pure.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,11 @@ class StagePlan:
     """Each replica's share of every global micro-batch (samples)."""
     mhz: float | None = None
     """The clock the stage's devices run at (DVFS); None: the device's base clock."""
+    rotate: bool = False
+    """The shares rotate over the replicas from one micro-batch to the next: in
+    micro-batch ``mb`` replica ``j`` takes ``sizes[(j + mb) % dp]``. A micro-batch that
+    the replicas do not divide (3 samples over 2) then costs each of them its mean share
+    over the step (1.5) instead of the largest (2)."""
 
     @property
     def layers(self) -> range:
@@ -39,10 +45,28 @@ class StagePlan:
     def dp(self) -> int:
         return len(self.ranks)
 
-    def offsets(self) -> list[tuple[int, int]]:
-        """[lo, hi) sample offsets of each replica inside a global micro-batch."""
+    @property
+    def period(self) -> int:
+        """Micro-batches after which the shares repeat."""
+        return self.dp if self.rotate else 1
+
+    @property
+    def load(self) -> float:
+        """Samples per micro-batch the busiest replica runs, on average over the step:
+        the mean share when shares rotate, else the largest share."""
+        return sum(self.sizes) / self.dp if self.rotate else float(max(self.sizes))
+
+    def shares(self, mb: int = 0) -> tuple[int, ...]:
+        """Each replica's share of global micro-batch ``mb``."""
+        if not self.rotate:
+            return self.sizes
+        k = mb % self.dp
+        return self.sizes[k:] + self.sizes[:k]
+
+    def offsets(self, mb: int = 0) -> list[tuple[int, int]]:
+        """[lo, hi) sample offsets of each replica inside global micro-batch ``mb``."""
         out, lo = [], 0
-        for size in self.sizes:
+        for size in self.shares(mb):
             out.append((lo, lo + size))
             lo += size
         return out
@@ -80,12 +104,13 @@ class Plan:
                 return stage.stage, stage.ranks.index(rank)
         raise KeyError(f"rank {rank} is not in plan generation {self.generation}")
 
-    def routes(self, stage: int) -> list[Route]:
-        """Activation routes from ``stage`` to ``stage + 1`` (gradients go back along them)."""
+    def routes(self, stage: int, mb: int = 0) -> list[Route]:
+        """Activation routes of micro-batch ``mb`` from ``stage`` to ``stage + 1``
+        (gradients go back along them)."""
         a, b = self.stages[stage], self.stages[stage + 1]
         out = []
-        for src, (alo, ahi) in zip(a.ranks, a.offsets(), strict=True):
-            for dst, (blo, bhi) in zip(b.ranks, b.offsets(), strict=True):
+        for src, (alo, ahi) in zip(a.ranks, a.offsets(mb), strict=True):
+            for dst, (blo, bhi) in zip(b.ranks, b.offsets(mb), strict=True):
                 lo, hi = max(alo, blo), min(ahi, bhi)
                 if lo < hi:
                     out.append(Route(src, dst, lo, hi))
@@ -95,7 +120,8 @@ class Plan:
         """Every group the plan needs: one DP group per stage, one link per route pair."""
         specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
         for stage in range(self.pp - 1):
-            pairs = {(r.src, r.dst) for r in self.routes(stage)}
+            period = math.lcm(self.stages[stage].period, self.stages[stage + 1].period)
+            pairs = {(r.src, r.dst) for mb in range(period) for r in self.routes(stage, mb)}
             specs += [
                 GroupSpec(link_group_name(src, dst), (src, dst)) for src, dst in sorted(pairs)
             ]
@@ -124,6 +150,7 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
                 ranks=tuple(int(r) for r in s["ranks"]),
                 sizes=tuple(int(n) for n in s["sizes"]),
                 mhz=None if s.get("mhz") is None else float(s["mhz"]),
+                rotate=_flag(s.get("rotate", False), "rotate"),
             )
             for s in doc["stages"]
         )
@@ -135,6 +162,12 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan document: {exc!r}") from None
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} = {value!r}: must be true or false")
+    return value
 
 
 def snapshot_placements(plan: Plan, ranks_per_node: int) -> dict[int, SnapshotPlacement]:

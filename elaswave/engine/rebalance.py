@@ -11,9 +11,11 @@ slowdowns, policy) that restores balance along the policy's dimensions:
    over the stages as they now are (widths, micro-batches, clocks, slowdowns) moves
    layers off the straggler; adopted only if it shortens the slowest mini-step by more
    than ``min_gain``.
-3. **DVFS** (``migrate+dvfs``). The stage still slowest is up-clocked, as little as
+3. **DVFS** (``migrate+dvfs``). The stages still slowest (within ``min_gain`` of the
+   slowest: coarse layers can leave several tied) are up-clocked, each as little as
    needed, to the next-slowest stage's time (:func:`elaswave.engine.dvfs.plan_frequency`,
-   observing the cost model).
+   observing the cost model), within the job's power budget when one is given (the
+   power the lost ranks no longer draw is what the survivors may spend).
 
 It returns the next plan (generation + 1) and a reason naming what changed and the
 predicted mini-step times; a plan identical to the input is returned unchanged.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +41,7 @@ __all__ = [
     "RebalanceDecision",
     "balanced_counts",
     "place_joiners",
+    "power",
     "rebalance",
     "split_by_speed",
 ]
@@ -68,8 +72,8 @@ class RebalanceDecision:
     """The same under the returned plan."""
     moved: tuple[tuple[int, int, int], ...]
     """(layer, from stage, to stage) of every layer that changes stage."""
-    frequency: FrequencyDecision | None
-    """The DVFS planner's decision (``migrate+dvfs`` only)."""
+    frequencies: Mapping[int, FrequencyDecision]
+    """The DVFS planner's decision for each stage it up-clocks (``migrate+dvfs`` only)."""
     reason: str
 
 
@@ -96,16 +100,20 @@ def _stage_specs(
     specs = []
     for stage in plan.stages:
         slow = _slowdowns(stage, slowdowns)
-        largest = max(stage.sizes)
-        # The stage's mini-step is set by its slowest replica: max over replicas of
-        # size x slowdown, expressed as the largest micro-batch times a factor >= 1.
-        worst = max(size * s for size, s in zip(stage.sizes, slow, strict=True) if size)
+        if stage.rotate:  # every replica runs every share in turn: the mean, at its speed
+            load, slowdown = stage.load, max(slow)
+        else:
+            # The stage's mini-step is set by its slowest replica: max over replicas of
+            # size x slowdown, expressed as the largest micro-batch times a factor >= 1.
+            load = max(stage.sizes)
+            worst = max(size * s for size, s in zip(stage.sizes, slow, strict=True) if size)
+            slowdown = max(1.0, worst / load)
         specs.append(
             StageSpec(
                 dp=stage.dp,
-                micro_batch=largest,
+                micro_batch=load,
                 mhz=stage.mhz if stage.mhz is not None else device.base_mhz,
-                slowdown=max(1.0, worst / largest),
+                slowdown=slowdown,
                 memory_cap_bytes=memory_cap_bytes,
             )
         )
@@ -125,6 +133,84 @@ def _times(
     )
 
 
+def power(stages: Sequence[StagePlan], device: DeviceSpec) -> float:
+    """Power the stages' ranks draw together, in ranks at the base clock: dynamic power
+    taken as cubic in the clock (voltage scales with frequency)."""
+    return sum(s.dp * ((s.mhz or device.base_mhz) / device.base_mhz) ** 3 for s in stages)
+
+
+def _upclock(
+    stages: Sequence[StagePlan],
+    specs: Sequence[StageSpec],
+    *,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    boundaries: Sequence[int],
+    num_micro_batches: int,
+    times: Sequence[float],
+    tie: float,
+    power_budget: float | None,
+) -> tuple[dict[int, FrequencyDecision], str]:
+    """The residual stragglers and their clocks: every stage within ``tie`` (a fraction)
+    of the slowest mini-step gates the step, and each is up-clocked as little as needed
+    (:func:`plan_frequency`) to the slowest other stage's time. Several stages tie when
+    layers are too coarse to balance them (every stage a failure took a rank from).
+
+    With ``power_budget`` (:func:`power` units) the clocks must keep the job within it:
+    the target is then the shortest mini-step the budget affords, found by bisection."""
+    slowest = max(times)
+    gating = [p for p, t in enumerate(times) if t >= slowest * (1.0 - tie)]
+    others = [t for p, t in enumerate(times) if p not in gating]
+    if not others:
+        return {}, "every stage gates the step alike: no straggler to up-clock"
+
+    def observe(stage: int, mhz: float) -> float:
+        trial = list(specs)
+        trial[stage] = dataclasses.replace(specs[stage], mhz=mhz)
+        return _times(layers, trial, device, boundaries, num_micro_batches)[stage]
+
+    def aim(target: float) -> dict[int, FrequencyDecision]:
+        return {
+            p: plan_frequency(
+                functools.partial(observe, p),
+                current_mhz=specs[p].mhz,
+                max_mhz=device.max_mhz,
+                target_s=target,
+                tolerance_s=0.01 * target,
+                min_step_mhz=10.0,
+            )
+            for p in gating
+        }
+
+    def draws(decisions: Mapping[int, FrequencyDecision]) -> float:
+        clocked = [
+            dataclasses.replace(s, mhz=decisions[p].mhz) if p in decisions else s
+            for p, s in enumerate(stages)
+        ]
+        return power(clocked, device)
+
+    target = max(others)
+    decisions = aim(target)
+    note = ""
+    if power_budget is not None and draws(decisions) > power_budget:
+        # Bisect the target between the affordable (slowest: no change) and the wanted.
+        lo, hi, best = target, slowest, aim(slowest)
+        while hi - lo > 0.005 * slowest:
+            mid = (lo + hi) / 2
+            trial = aim(mid)
+            if draws(trial) <= power_budget:
+                hi, best = mid, trial
+            else:
+                lo = mid
+        decisions, target = best, hi
+        note = (
+            f"the power budget ({power_budget:g} ranks at base clock) affords "
+            f"{target * 1e3:.1f} ms; "
+        )
+    up = {p: d for p, d in decisions.items() if d.mhz != specs[p].mhz}
+    return up, note + "; ".join(f"stage {p}: {d.reason}" for p, d in decisions.items())
+
+
 def _fmt(times: Sequence[float]) -> str:
     return "[" + ", ".join(f"{t * 1e3:.1f}" for t in times) + "] ms"
 
@@ -138,8 +224,11 @@ def rebalance(
     slowdowns: Mapping[int, float] | None = None,
     memory_cap_bytes: float | None = None,
     min_gain: float = 0.02,
+    power_budget: float | None = None,
 ) -> RebalanceDecision:
-    """The next plan under ``policy`` for ``plan`` with per-rank ``slowdowns`` (>= 1)."""
+    """The next plan under ``policy`` for ``plan`` with per-rank ``slowdowns`` (>= 1);
+    ``power_budget`` (:func:`power` units, None: no limit beyond each device's maximum
+    clock) bounds what DVFS may spend."""
     policy = Policy(policy)
     slowdowns = dict(slowdowns or {})
     unknown = set(slowdowns) - set(plan.ranks)
@@ -161,8 +250,9 @@ def rebalance(
     for i, stage in enumerate(stages):  # 1. dataflow: split by speed
         slow = _slowdowns(stage, slowdowns)
         sizes = split_by_speed(sum(stage.sizes), slow) if max(slow) > 1.0 else stage.sizes
-        if sizes != stage.sizes:
-            stages[i] = dataclasses.replace(stage, sizes=sizes)
+        if sizes != stage.sizes or (max(slow) > 1.0 and stage.rotate):
+            # A slow rank keeps its smaller share: shares split by speed do not rotate.
+            stages[i] = dataclasses.replace(stage, sizes=sizes, rotate=False)
             reasons.append(f"stage {stage.stage} splits samples {list(sizes)} by speed")
     current = dataclasses.replace(plan, stages=tuple(stages))
     specs = _stage_specs(current, slowdowns, device, cap)
@@ -194,40 +284,28 @@ def rebalance(
                 f"(best {partition.bottleneck_s * 1e3:.1f} ms)"
             )
 
-    frequency = None
-    if policy is Policy.MIGRATE_DVFS and plan.pp > 1:  # 3. DVFS on the residual straggler
-        slowest = max(range(plan.pp), key=lambda p: (times[p], -p))
-        target = max(t for p, t in enumerate(times) if p != slowest)
-        spec = specs[slowest]
-
-        def observe(mhz: float, slowest: int = slowest) -> float:
-            trial = list(specs)
-            trial[slowest] = dataclasses.replace(spec, mhz=mhz)
-            return _times(layers, trial, device, boundaries, num_mb)[slowest]
-
-        frequency = plan_frequency(
-            observe,
-            current_mhz=spec.mhz,
-            max_mhz=device.max_mhz,
-            target_s=target,
-            tolerance_s=0.01 * target,
-            min_step_mhz=10.0,
-        )
-        if frequency.mhz != spec.mhz:
-            stages[slowest] = dataclasses.replace(stages[slowest], mhz=frequency.mhz)
-            specs[slowest] = dataclasses.replace(spec, mhz=frequency.mhz)
+    frequencies: dict[int, FrequencyDecision] = {}
+    if policy is Policy.MIGRATE_DVFS and plan.pp > 1:  # 3. DVFS on the residual stragglers
+        frequencies, why = _upclock(
+            stages, specs, layers=layers, device=device, boundaries=boundaries,
+            num_micro_batches=num_mb, times=times, tie=min_gain, power_budget=power_budget,
+        )  # fmt: skip
+        for p, decision in frequencies.items():
+            stages[p] = dataclasses.replace(stages[p], mhz=decision.mhz)
+            specs[p] = dataclasses.replace(specs[p], mhz=decision.mhz)
+        if frequencies:
             times = _times(layers, specs, device, boundaries, num_mb)
-        reasons.append(f"stage {slowest}: {frequency.reason}")
+        reasons.append(why)
 
     new = dataclasses.replace(plan, stages=tuple(stages))
     if new == plan:
         return RebalanceDecision(
-            plan, before, before, (), frequency, "; ".join([*reasons, "plan kept"])
+            plan, before, before, (), frequencies, "; ".join([*reasons, "plan kept"])
         )
     new = dataclasses.replace(new, generation=plan.generation + 1)
     summary = f"predicted mini-steps {_fmt(before)} -> {_fmt(times)}"
     return RebalanceDecision(
-        new, before, times, tuple(moved), frequency, "; ".join([*reasons, summary])
+        new, before, times, tuple(moved), frequencies, "; ".join([*reasons, summary])
     )
 
 

@@ -49,6 +49,10 @@ class Rebalancing:
     """The cost model's layers (needed unless the policy is resize or none)."""
     device: DeviceSpec | None = None
     """The device the cost model prices (needed unless the policy is resize or none)."""
+    power_budget: float | None = None
+    """What DVFS may draw, in ranks at the base clock (:func:`~elaswave.engine.rebalance.
+    power`): the job's launch size, so that survivors spend what lost ranks freed. None:
+    only each device's maximum clock limits DVFS."""
 
 
 def next_plan(
@@ -87,6 +91,7 @@ def next_plan(
             device=_device(rebalancing),
             policy=policy,
             slowdowns=rebalancing.slowdowns,
+            power_budget=rebalancing.power_budget,
         )
         resized, reason = decision.plan, f"{reason}; {decision.reason}"
     if resized == plan:

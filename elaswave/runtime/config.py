@@ -209,6 +209,12 @@ class JobConfig:
         return cost_device(EMULATED_DEVICE)
 
     @property
+    def power_budget(self) -> float:
+        """What DVFS may draw, in ranks at the base clock: the launch size (dp x pp), so
+        that survivors up-clock only with the power lost ranks freed."""
+        return float(self.train.dp * self.train.pp)
+
+    @property
     def layer_costs(self) -> list[LayerCost]:
         """The cost model's layers, fp32 as the runtime trains."""
         return layer_costs(self.model, dtype_bytes=4)

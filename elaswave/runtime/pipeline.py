@@ -10,6 +10,7 @@ by the global batch, so gradients do not depend on how samples are split among r
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,16 +80,22 @@ class StageRunner:
         self.model = model
         self.device = device
         self.sampler = GlobalBatchSampler(plan.global_batch, plan.num_micro_batches)
-        stage_plan = plan.stages[self.stage]
-        self.lo, self.hi = stage_plan.offsets()[self.replica]
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.pp - 1
-        self.inbound: list[Route] = (
-            [] if self.is_first else [r for r in plan.routes(self.stage - 1) if r.dst == rank]
-        )
-        self.outbound: list[Route] = (
-            [] if self.is_last else [r for r in plan.routes(self.stage) if r.src == rank]
-        )
+        # Shares and routes repeat with the stages' rotation period: one entry per phase.
+        here = plan.stages[self.stage]
+        before = here.period if self.is_first else plan.stages[self.stage - 1].period
+        after = here.period if self.is_last else plan.stages[self.stage + 1].period
+        self.period = math.lcm(before, here.period, after)
+        self._share = [here.offsets(mb)[self.replica] for mb in range(self.period)]
+        self._inbound: list[list[Route]] = [
+            [] if self.is_first else [r for r in plan.routes(self.stage - 1, mb) if r.dst == rank]
+            for mb in range(self.period)
+        ]
+        self._outbound: list[list[Route]] = [
+            [] if self.is_last else [r for r in plan.routes(self.stage, mb) if r.src == rank]
+            for mb in range(self.period)
+        ]
         self.layer_ids = [layer.index for layer in layers]
         if plan.num_micro_batches > (TagSpace.STREAM - TagSpace.PIPELINE) // 2:
             raise ValueError(f"{plan.num_micro_batches} micro-batches: at most 5120 per step")
@@ -96,13 +103,25 @@ class StageRunner:
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )
 
+    def share(self, mb: int) -> tuple[int, int]:
+        """[lo, hi) offsets of this replica's samples in global micro-batch ``mb``."""
+        return self._share[mb % self.period]
+
+    def inbound(self, mb: int) -> list[Route]:
+        return self._inbound[mb % self.period]
+
+    def outbound(self, mb: int) -> list[Route]:
+        return self._outbound[mb % self.period]
+
     @property
-    def size(self) -> int:
-        return self.hi - self.lo
+    def idle(self) -> bool:
+        """Whether this replica takes no sample of any micro-batch."""
+        return all(lo == hi for lo, hi in self._share)
 
     def sample_ids(self, step: int, mb: int) -> tuple[int, ...]:
         base = step * self.plan.global_batch + mb * self.sampler.micro_batch_samples
-        return tuple(range(base + self.lo, base + self.hi))
+        lo, hi = self.share(mb)
+        return tuple(range(base + lo, base + hi))
 
     def _activation(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.model.seq_len, self.model.hidden_size, device=self.device)
@@ -117,10 +136,17 @@ class StageRunner:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _send(
-        self, tensor: torch.Tensor, routes: list[Route], peer_of, tag: int, pending: list
+        self,
+        tensor: torch.Tensor,
+        routes: list[Route],
+        lo: int,
+        peer_of,
+        tag: int,
+        pending: list,
     ) -> None:
+        """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``."""
         for route in routes:
-            chunk = tensor[route.lo - self.lo : route.hi - self.lo].contiguous()
+            chunk = tensor[route.lo - lo : route.hi - lo].contiguous()
             group = self.comm[link_group_name(route.src, route.dst)]
             peer = peer_of(route)
             if self.pacer is not None and self.pacer.emulated:
@@ -140,7 +166,7 @@ class StageRunner:
             self.pacer.begin_step()
         self.optimizer.zero_grad()
         shadow = self.shadow if self.shadow is not None and self.shadow.step == step else None
-        if self.size > 0:
+        if not self.idle:
             for op, mb in self.schedule:
                 trace.append((op.value, mb))
                 if op is Op.FORWARD:
@@ -187,7 +213,7 @@ class StageRunner:
             x_in = None
             x = inputs.to(self.device)
         else:
-            x_in = self._recv(self.inbound, lambda r: r.src, self._tag(step, mb, False))
+            x_in = self._recv(self.inbound(mb), lambda r: r.src, self._tag(step, mb, False))
             x_in.requires_grad_()
             x = x_in
         layers, layer_ids = (
@@ -209,7 +235,12 @@ class StageRunner:
             self.pacer.compute(layer_ids, len(ids), started, backward=False)
         if not self.is_last:
             self._send(
-                x.detach(), self.outbound, lambda r: r.dst, self._tag(step, mb, False), pending
+                x.detach(),
+                self.outbound(mb),
+                self.share(mb)[0],
+                lambda r: r.dst,
+                self._tag(step, mb, False),
+                pending,
             )
         return x_in, out, layer_ids
 
@@ -219,12 +250,20 @@ class StageRunner:
             started = time.perf_counter()
             out.backward()
         else:
-            grad = self._recv(self.outbound, lambda r: r.dst, self._tag(step, mb, True))
+            grad = self._recv(self.outbound(mb), lambda r: r.dst, self._tag(step, mb, True))
             started = time.perf_counter()
             torch.autograd.backward(out, grad)
         if self.pacer is not None:
-            self.pacer.compute(layer_ids, self.size, started, backward=True)
+            lo, hi = self.share(mb)
+            self.pacer.compute(layer_ids, hi - lo, started, backward=True)
         if mb == 0:
             self.fault_hook(Phase.BACKWARD, step)
         if x_in is not None:
-            self._send(x_in.grad, self.inbound, lambda r: r.src, self._tag(step, mb, True), pending)
+            self._send(
+                x_in.grad,
+                self.inbound(mb),
+                self.share(mb)[0],
+                lambda r: r.src,
+                self._tag(step, mb, True),
+                pending,
+            )

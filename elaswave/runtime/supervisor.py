@@ -53,7 +53,7 @@ survivor has stopped, widen the announced set instead of starting a second recov
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """A plan as summary.json records it: per stage, its layers, ranks, micro-batch
-    shares and clock."""
+    shares (and whether they rotate) and clock."""
     return {
         "generation": plan.generation,
         "stages": [
@@ -61,6 +61,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "layers": [s.layer_start, s.layer_stop],
                 "ranks": list(s.ranks),
                 "sizes": list(s.sizes),
+                "rotate": s.rotate,
                 "mhz": s.mhz,
             }
             for s in plan.stages
@@ -165,6 +166,7 @@ class Supervisor:
             slowdowns=dict(self.slowdowns),
             layers=self.cfg.layer_costs,
             device=self.cfg.cost_device,
+            power_budget=self.cfg.power_budget,
         )
 
     async def run(self) -> None:

@@ -201,6 +201,7 @@ def rebalancing_of(ctx: WorkerContext, decision: RecoveryPlan) -> Rebalancing:
         slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
         layers=ctx.cfg.layer_costs,
         device=ctx.cfg.cost_device,
+        power_budget=ctx.cfg.power_budget,
     )
 
 

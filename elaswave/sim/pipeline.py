@@ -111,7 +111,10 @@ def stage_times(
     out = []
     for s in plan.stages:
         mhz = s.mhz or device.base_mhz
-        load = max(size * slow.get(r, 1.0) for r, size in zip(s.ranks, s.sizes, strict=True))
+        if s.rotate:  # each replica runs every share in turn: the mean, at its speed
+            load = s.load * max(slow.get(r, 1.0) for r in s.ranks)
+        else:
+            load = max(size * slow.get(r, 1.0) for r, size in zip(s.ranks, s.sizes, strict=True))
         fwd = compute_time(load * sum(cost[i].fwd_flops_per_sample for i in s.layers), device, mhz)
         bwd = compute_time(load * sum(cost[i].bwd_flops_per_sample for i in s.layers), device, mhz)
         params = sum(cost[i].params for i in s.layers)
@@ -120,9 +123,9 @@ def stage_times(
     for a, b in zip(plan.stages, plan.stages[1:], strict=False):
         kw = {
             "sender_dp": a.dp,
-            "sender_micro_batch": max(a.sizes),
+            "sender_micro_batch": a.load,
             "receiver_dp": b.dp,
-            "receiver_micro_batch": max(b.sizes),
+            "receiver_micro_batch": b.load,
         }
         fwd_bytes = cost[a.layer_stop - 1].output_bytes_per_sample
         out[a.stage] = dataclasses.replace(
@@ -130,9 +133,9 @@ def stage_times(
         )
         back = {
             "sender_dp": b.dp,
-            "sender_micro_batch": max(b.sizes),
+            "sender_micro_batch": b.load,
             "receiver_dp": a.dp,
-            "receiver_micro_batch": max(a.sizes),
+            "receiver_micro_batch": a.load,
         }
         out[b.stage] = dataclasses.replace(
             out[b.stage], send_bwd_s=stage_p2p_time(fwd_bytes, device, **back)

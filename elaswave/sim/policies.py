@@ -110,6 +110,11 @@ class SimJob:
     def num_nodes(self) -> int:
         return -(-self.num_devices // self.devices_per_node)
 
+    @property
+    def power_budget(self) -> float:
+        """What DVFS may draw, in ranks at the base clock: the job's launch size."""
+        return float(self.pp * self.dp)
+
     @cached_property
     def layers(self) -> list[LayerCost]:
         return layer_costs(self.model, tp=self.tp, dtype_bytes=2)
@@ -227,7 +232,10 @@ def answer(
         new, why = _drop_replicas(plan, failed)
         reason = f"the failed ranks are whole replicas: {why}"
     else:
-        rebalancing = Rebalancing(policy=REBALANCE[policy], layers=job.layers, device=job.device)
+        rebalancing = Rebalancing(
+            policy=REBALANCE[policy], layers=job.layers, device=job.device,
+            power_budget=job.power_budget,
+        )  # fmt: skip
         try:
             new, reason = next_plan(plan, failed, rebalancing)
         except Unrecoverable as exc:

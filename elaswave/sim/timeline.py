@@ -285,6 +285,7 @@ def _boundary_change(
             slowdowns={r: f for r, f in st.slow.items() if r in old.ranks},
             layers=job.layers,
             device=job.device,
+            power_budget=job.power_budget,
         )
         st.plan, reason = next_plan(old, [], rebalancing, joined=joined)
         if st.plan is not old:

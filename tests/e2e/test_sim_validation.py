@@ -15,26 +15,45 @@ from tests.runs import train
 
 def _plan(summary_plan: dict, global_batch: int, num_micro_batches: int) -> Plan:
     stages = tuple(
-        StagePlan(i, s["layers"][0], s["layers"][1], tuple(s["ranks"]), tuple(s["sizes"]), s["mhz"])
+        StagePlan(
+            i,
+            s["layers"][0],
+            s["layers"][1],
+            tuple(s["ranks"]),
+            tuple(s["sizes"]),
+            s["mhz"],
+            s["rotate"],
+        )
         for i, s in enumerate(summary_plan["stages"])
     )
     return Plan(summary_plan["generation"], global_batch, num_micro_batches, stages)
 
 
 @pytest.mark.timeout(300)
-def test_simulated_step_times_match_an_emulated_run_within_10_percent(runs_dir):
+@pytest.mark.parametrize(
+    ("dp", "batch", "micro_batch", "rotate"),
+    [
+        (2, 16, 2, False),  # 4 samples per micro-batch over 1 survivor
+        (3, 12, 1, True),  # 3 over 2 survivors: shares 2 + 1, then 1 + 2
+    ],
+)
+def test_simulated_step_times_match_an_emulated_run_within_10_percent(
+    runs_dir, dp, batch, micro_batch, rotate
+):
     run = train(
-        runs_dir / "simv",
-        *("--device", "emulated", "--dp", "2", "--pp", "2", "--steps", "12"),
-        *("--global-batch", "16", "--micro-batch", "2", "--fault", "kill:1@5:backward"),
+        runs_dir / f"simv{dp}",
+        *("--device", "emulated", "--dp", str(dp), "--pp", "2", "--steps", "12"),
+        *("--global-batch", str(batch), "--micro-batch", str(micro_batch)),
+        *("--fault", "kill:1@5:backward"),
     )
     times = run.summary["step_time_s"]
     cfg = JobConfig()
     before = initial_plan(
-        num_layers=cfg.model.num_layers, dp=2, pp=2, global_batch=16, micro_batch=2
+        num_layers=cfg.model.num_layers, dp=dp, pp=2, global_batch=batch, micro_batch=micro_batch
     )
     (rec,) = run.summary["recoveries"]
-    after = _plan(rec["plan"], 16, before.num_micro_batches)
+    after = _plan(rec["plan"], batch, before.num_micro_batches)
+    assert after.stages[0].rotate == rotate
     for plan, measured in (
         (before, statistics.median(times[1:5])),
         (after, statistics.median(times[rec["step"] + 1 :])),

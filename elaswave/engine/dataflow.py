@@ -35,7 +35,9 @@ def split_shares(total: int, replicas: int) -> dict[str, Any]:
 
 def _describe(stage: StagePlan) -> str:
     if stage.rotate:
-        return f"{list(stage.sizes)} in rotation ({stage.load:.3g} each on average)"
+        return (
+            f"{list(stage.sizes)} in rotation ({sum(stage.sizes) / stage.dp:.3g} each on average)"
+        )
     return str(list(stage.sizes))
 
 

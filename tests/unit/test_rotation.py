@@ -3,8 +3,9 @@
 After a failure leaves ``n`` replicas for a ``b``-sample micro-batch with ``n`` not
 dividing ``b``, the shares rotate over the replicas from one micro-batch to the next;
 every sample of every micro-batch still has exactly one replica and one route, and the
-cost model charges the mean share (compute) and ``ceil(w x mean)`` samples of
-activations for ``w`` micro-batches in flight. DVFS then up-clocks the stages that tie
+cost model charges the largest share, which gates every micro-batch (pricing the mean
+was optimistic against emulated runs), and ``ceil(w x mean)`` samples of activations
+for ``w`` micro-batches in flight when given a mean share. DVFS then up-clocks the stages that tie
 as stragglers, within the job's power budget.
 """
 
@@ -52,7 +53,7 @@ def test_rotated_routes_cover_every_sample_once_and_even_out(dp, micro_batch, da
         # Over one period every replica runs the same number of samples.
         runs = [sum(stage.shares(mb)[j] for mb in range(stage.dp)) for j in range(stage.dp)]
         assert runs == [total] * stage.dp
-        assert stage.load == pytest.approx(total / stage.dp if stage.rotate else max(stage.sizes))
+        assert stage.load == max(stage.sizes)  # the largest share gates each micro-batch
     links = {g.name for g in new.group_specs()}
     for s in range(new.pp - 1):
         for mb in range(12):
@@ -66,11 +67,11 @@ def test_rotated_routes_cover_every_sample_once_and_even_out(dp, micro_batch, da
                 assert a[0] <= r.lo < r.hi <= a[1] and b[0] <= r.lo < r.hi <= b[1]
 
 
-def test_three_samples_over_two_survivors_rotate_and_cost_the_mean():
+def test_three_samples_over_two_survivors_rotate():
     plan = initial_plan(num_layers=16, dp=3, pp=2, global_batch=12, micro_batch=1)
     new, reason = resize_after_failure(plan, {0})
     stage = new.stages[0]
-    assert stage.sizes == (2, 1) and stage.rotate and stage.load == 1.5
+    assert stage.sizes == (2, 1) and stage.rotate and stage.load == 2
     assert [stage.shares(mb) for mb in range(3)] == [(2, 1), (1, 2), (2, 1)]
     assert "in rotation (1.5 each on average)" in reason
     assert split_shares(4, 2) == {"sizes": (2, 2), "rotate": False}
@@ -109,21 +110,21 @@ def test_a_slow_rank_stops_the_rotation_and_takes_less():
 
 
 def test_dvfs_upclocks_tied_stragglers_within_the_power_budget():
-    plan = initial_plan(num_layers=16, dp=4, pp=4, global_batch=64, micro_batch=2)
+    plan = initial_plan(num_layers=16, dp=2, pp=4, global_batch=32, micro_batch=2)
     mhz = {}
-    for budget in (None, 16.0, 15.0):
+    for budget in (None, 6.0, 5.0):
         rebalancing = Rebalancing(
             policy=Policy.MIGRATE_DVFS, layers=LAYERS, device=EMULATED, power_budget=budget
         )
-        new, reason = next_plan(plan, {5}, rebalancing)
+        new, reason = next_plan(plan, {0, 2, 4}, rebalancing)  # one rank of stages 0-2
         mhz[budget] = [s.mhz for s in new.stages]
         if budget is not None:
             assert power(new.stages, EMULATED) <= budget + 1e-9, reason
-    # Migration leaves three stages tied: all three up-clock, not just the slowest.
-    assert sum(m is not None for m in mhz[None]) == 3
+    # Migration leaves stages 0-2 tied: all three up-clock, not just the slowest.
+    assert [m is not None for m in mhz[None]] == [True, True, True, False]
     assert all(m is None or m <= EMULATED.max_mhz for m in mhz[None])
-    # The launch size (16 ranks) leaves one rank's power for the 15 survivors.
-    assert sum(m is not None for m in mhz[16.0]) == 3
-    assert all(m is None or EMULATED.base_mhz < m < EMULATED.max_mhz for m in mhz[16.0])
-    # With no headroom nothing up-clocks.
-    assert mhz[15.0] == [None] * 4
+    # 6 ranks' power for 5 survivors: lower clocks than without a budget.
+    upclocked = [(a, b) for a, b in zip(mhz[6.0], mhz[None], strict=True) if a is not None]
+    assert upclocked and all(EMULATED.base_mhz < a < b for a, b in upclocked)
+    # The survivors alone (5 ranks at base clock) leave no headroom: nothing up-clocks.
+    assert mhz[5.0] == [None] * 4

@@ -317,9 +317,9 @@ def stage_p2p_time(
     device: DeviceSpec,
     *,
     sender_dp: int,
-    sender_micro_batch: float,
+    sender_micro_batch: int,
     receiver_dp: int,
-    receiver_micro_batch: float,
+    receiver_micro_batch: int,
 ) -> float:
     """Seconds for one rank to send a micro-batch's tensors to the adjacent stage.
 
@@ -379,7 +379,7 @@ def in_flight(*, stage: int, num_stages: int, num_micro_batches: int | None = No
 def stage_memory(
     layers: Sequence[LayerCost],
     *,
-    micro_batch: float,
+    micro_batch: int,
     dp: int,
     stage: int,
     num_stages: int,
@@ -402,15 +402,7 @@ def stage_memory(
     params = sum(layer.params for layer in layers)
     activations = sum(layer.activation_bytes_per_sample for layer in layers)
     live = in_flight(stage=stage, num_stages=num_stages, num_micro_batches=num_micro_batches)
-    samples = float(in_flight_samples(live, micro_batch))
-    return (2.0 * param_bytes + optimizer_bytes / dp) * params + samples * activations
-
-
-def in_flight_samples(live: npt.ArrayLike, micro_batch: npt.ArrayLike) -> FloatArray:
-    """Samples whose activations a rank holds with ``live`` micro-batches in flight of
-    ``micro_batch`` samples each; a mean share (rotating shares) rounds up: ``live``
-    consecutive rotated shares hold at most ``ceil(live x mean)`` samples."""
-    return np.ceil(np.multiply(live, micro_batch) - 1e-9)
+    return (2.0 * param_bytes + optimizer_bytes / dp) * params + live * micro_batch * activations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,9 +411,8 @@ class StageSpec:
 
     dp: int
     """DP replicas in the stage."""
-    micro_batch: float
-    """Samples per micro-batch of the stage's busiest replica: its largest share, or the
-    mean share when the shares rotate (resizing can make them uneven)."""
+    micro_batch: int
+    """Largest per-replica micro-batch in the stage (samples); resizing can make them uneven."""
     mhz: float
     """Clock of the stage's slowest replica (MHz)."""
     slowdown: float = 1.0
@@ -537,7 +528,7 @@ def segment_tables(
     )
     per_param = (2.0 * param_bytes + optimizer_bytes / dp)[:, None, None]
     memory = per_param * params[None]
-    memory += np.multiply(in_flight_samples(live, mb)[:, None, None], acts[None], out=exposed)
+    memory += np.multiply((live * mb)[:, None, None], acts[None], out=exposed)
 
     empty = np.tril(np.ones((num_layers + 1, num_layers + 1), dtype=bool))
     np.copyto(times, np.inf, where=empty)

@@ -287,7 +287,7 @@ def plan_layers(
     partition = minimax_partition(times, memory, [s.memory_cap_bytes for s in stages])
     spec = stages[partition.bottleneck_stage]
     detail = (
-        f" (stage {partition.bottleneck_stage}: dp {spec.dp}, micro-batch {spec.micro_batch:g}, "
+        f" (stage {partition.bottleneck_stage}: dp {spec.dp}, micro-batch {spec.micro_batch}, "
         f"{spec.mhz:g} MHz on {device.name}, slowdown {spec.slowdown:g}x)"
     )
     return dataclasses.replace(partition, reason=partition.reason + detail)

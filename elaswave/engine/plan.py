@@ -51,14 +51,14 @@ class StagePlan:
         return self.dp if self.rotate else 1
 
     @property
-    def load(self) -> float:
+    def load(self) -> int:
         """Samples per micro-batch the cost model charges the stage: its largest share,
         rotating or not. Rotation evens out each replica's work over the step, but in
         every micro-batch the replica with the largest share gates the neighbours that
         need its samples: emulated dp 4 x pp 4 runs whose planner priced the mean share
         (8/3) reached a fail-stop LSE of 0.931 with migration, where the same job without
         rotation, priced at its largest share (3), had reached 0.976."""
-        return float(max(self.sizes))
+        return max(self.sizes)
 
     def shares(self, mb: int = 0) -> tuple[int, ...]:
         """Each replica's share of global micro-batch ``mb``."""

@@ -16,6 +16,7 @@ that evaluates them on the same inputs gets the same bits.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -296,6 +297,7 @@ def ring_allreduce_time(num_bytes: float, device: DeviceSpec, *, dp: int) -> flo
     return steps / dp * num_bytes / device.collective_bytes_per_s + steps * device.latency_s
 
 
+@functools.lru_cache(maxsize=4096)  # O(sender_dp), asked for every table at 10^5 devices
 def fan_out(sender_dp: int, receiver_dp: int) -> int:
     """Most receivers one sender talks to between stages of ``sender_dp`` and ``receiver_dp``.
 
@@ -419,11 +421,20 @@ class StageSpec:
     """Fail-slow factor of the slowest replica: its compute takes this many times longer."""
     memory_cap_bytes: float
     """Memory one rank of the stage may use for parameters, optimizer state and activations."""
+    samples: float | None = None
+    """Samples per micro-batch the stage's compute is priced at (None: ``micro_batch``).
+    Below ``micro_batch`` only when the replicas' shares rotate, so that each takes the
+    largest in turn (the planner tries prices between the mean and the largest share)."""
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.micro_batch < 1:
             raise ValueError(
                 f"stage dp = {self.dp}, micro_batch = {self.micro_batch}: both must be >= 1"
+            )
+        if self.samples is not None and not 0 < self.samples <= self.micro_batch:
+            raise ValueError(
+                f"stage samples = {self.samples!r}: must be in (0, micro_batch = "
+                f"{self.micro_batch}]"
             )
         if not (math.isfinite(self.mhz) and self.mhz > 0):
             raise ValueError(f"stage mhz = {self.mhz!r}: must be a positive clock in MHz")
@@ -464,7 +475,8 @@ def segment_tables(
 
     ``T[p, a, b]`` is :func:`ministep_time` of stage ``p`` running layers ``[a, b)`` and
     ``M[p, a, b]`` its :func:`stage_memory`, for ``0 <= a < b <= L``; entries with
-    ``a >= b`` are ``+inf``. Compute is the stage's micro-batch times the segment's FLOPs
+    ``a >= b`` are ``+inf``. Compute is the stage's samples (:attr:`StageSpec.samples`,
+    by default its micro-batch) times the segment's FLOPs
     at the stage's clock, times its slowdown. The stage sends activations of layer
     ``b - 1`` to stage ``p + 1`` (nothing when ``b = L``) and gradients of layer
     ``a - 1``'s output to stage ``p - 1`` (nothing when ``a = 0``), priced by
@@ -489,13 +501,14 @@ def segment_tables(
 
     dp = np.array([s.dp for s in stages], dtype=np.float64)
     mb = np.array([s.micro_batch for s in stages], dtype=np.float64)
+    work = np.array([s.micro_batch if s.samples is None else s.samples for s in stages])
     rate = np.array([device.flops_per_s(s.mhz) / s.slowdown for s in stages])
     fwd = _segments(_prefix([layer.fwd_flops_per_sample for layer in layers]))
     bwd = _segments(_prefix([layer.bwd_flops_per_sample for layer in layers]))
     params = _segments(_prefix([float(layer.params) for layer in layers]))
     acts = _segments(_prefix([layer.activation_bytes_per_sample for layer in layers]))
-    cf = (mb / rate)[:, None, None] * fwd[None]
-    cb = (mb / rate)[:, None, None] * bwd[None]
+    cf = (work / rate)[:, None, None] * fwd[None]
+    cb = (work / rate)[:, None, None] * bwd[None]
 
     # Bytes per sample crossing a boundary at position k: the output of layer k - 1.
     out = np.zeros(num_layers + 1)

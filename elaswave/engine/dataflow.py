@@ -5,8 +5,9 @@ surviving replicas, so DP x micro-batch size, the global batch and the gradient 
 unchanged and the pipeline keeps its schedule. Adjacent stages may then have different
 DP widths; activations follow the plan's routes by sample offset (fan-in, fan-out).
 When the survivors do not divide the micro-batch (3 samples over 2), the shares rotate
-over them from one micro-batch to the next (:attr:`StagePlan.rotate`), so each runs the
-mean share over the step, not the largest one.
+over them from one micro-batch to the next (:attr:`StagePlan.rotate`), so that no
+replica runs the largest share every time (what that saves depends on the pipeline
+around the stage: :func:`elaswave.engine.steptime.plan_step_time`).
 The planner is a pure function of (plan, failed ranks) returning a plan and a reason.
 """
 

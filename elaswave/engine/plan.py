@@ -34,8 +34,9 @@ class StagePlan:
     rotate: bool = False
     """The shares rotate over the replicas from one micro-batch to the next: in
     micro-batch ``mb`` replica ``j`` takes ``sizes[(j + mb) % dp]``. A micro-batch that
-    the replicas do not divide (3 samples over 2) then costs each of them its mean share
-    over the step (1.5) instead of the largest (2)."""
+    the replicas do not divide (3 samples over 2) then costs between the mean share
+    (1.5) and the largest (2): each replica averages the mean, but its neighbours wait
+    for whichever replica holds their samples (:mod:`elaswave.engine.steptime`)."""
 
     @property
     def layers(self) -> range:
@@ -52,12 +53,9 @@ class StagePlan:
 
     @property
     def load(self) -> int:
-        """Samples per micro-batch the cost model charges the stage: its largest share,
-        rotating or not. Rotation evens out each replica's work over the step, but in
-        every micro-batch the replica with the largest share gates the neighbours that
-        need its samples: emulated dp 4 x pp 4 runs whose planner priced the mean share
-        (8/3) reached a fail-stop LSE of 0.931 with migration, where the same job without
-        rotation, priced at its largest share (3), had reached 0.976."""
+        """The largest share of a micro-batch any replica takes: what one replica's
+        activations must hold room for, and the stage-level cost model's (upper-bound)
+        price of a rotating stage."""
         return max(self.sizes)
 
     def shares(self, mb: int = 0) -> tuple[int, ...]:
@@ -112,12 +110,19 @@ class Plan:
         """Activation routes of micro-batch ``mb`` from ``stage`` to ``stage + 1``
         (gradients go back along them)."""
         a, b = self.stages[stage], self.stages[stage + 1]
-        out = []
-        for src, (alo, ahi) in zip(a.ranks, a.offsets(mb), strict=True):
-            for dst, (blo, bhi) in zip(b.ranks, b.offsets(mb), strict=True):
+        senders = [(r, lo, hi) for r, (lo, hi) in zip(a.ranks, a.offsets(mb), strict=True)]
+        receivers = [(r, lo, hi) for r, (lo, hi) in zip(b.ranks, b.offsets(mb), strict=True)]
+        out, j = [], 0
+        for src, alo, ahi in senders:  # both cover the micro-batch in order: merge them
+            while j < len(receivers) and receivers[j][2] <= alo:
+                j += 1
+            k = j
+            while k < len(receivers) and receivers[k][1] < ahi:
+                dst, blo, bhi = receivers[k]
                 lo, hi = max(alo, blo), min(ahi, bhi)
                 if lo < hi:
                     out.append(Route(src, dst, lo, hi))
+                k += 1
         return out
 
     def group_specs(self) -> list[GroupSpec]:

@@ -17,6 +17,12 @@ slowdowns, policy) that restores balance along the policy's dimensions:
    observing the cost model), within the job's power budget when one is given (the
    power the lost ranks no longer draw is what the survivors may spend).
 
+Steps 2 and 3 price stages by per-stage mini-step tables. A stage whose shares rotate
+(:attr:`~elaswave.engine.plan.StagePlan.rotate`) has no single price there: it costs
+between its mean and its largest share depending on its neighbours, so steps 2 and 3
+run at several prices and the candidate whose whole step simulates shortest, replica
+by replica (:func:`~elaswave.engine.steptime.plan_step_time`), is kept.
+
 It returns the next plan (generation + 1) and a reason naming what changed and the
 predicted mini-step times; a plan identical to the input is returned unchanged.
 """
@@ -34,6 +40,7 @@ from elaswave.engine.dataflow import add_ranks
 from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
 from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, StagePlan
+from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import ModelConfig
 
 __all__ = [
@@ -95,13 +102,24 @@ def _slowdowns(stage: StagePlan, slowdowns: Mapping[int, float]) -> list[float]:
 
 
 def _stage_specs(
-    plan: Plan, slowdowns: Mapping[int, float], device: DeviceSpec, memory_cap_bytes: float
+    plan: Plan,
+    slowdowns: Mapping[int, float],
+    device: DeviceSpec,
+    memory_cap_bytes: float,
+    rotation: float = 1.0,
 ) -> list[StageSpec]:
+    """The planner's view of each stage. A rotating stage's compute is priced at
+    ``mean + rotation x (largest - mean)`` of its shares: 1 is the largest (an upper
+    bound), 0 the mean (what the replicas average); its memory at the largest."""
     specs = []
     for stage in plan.stages:
         slow = _slowdowns(stage, slowdowns)
-        if stage.rotate:  # every replica runs every share in turn: the mean, at its speed
+        samples = None
+        if stage.rotate:  # every replica takes every share in turn, at its own speed
             load, slowdown = stage.load, max(slow)
+            if rotation < 1.0:
+                mean = sum(stage.sizes) / stage.dp
+                samples = mean + rotation * (load - mean)
         else:
             # The stage's mini-step is set by its slowest replica: max over replicas of
             # size x slowdown, expressed as the largest micro-batch times a factor >= 1.
@@ -115,6 +133,7 @@ def _stage_specs(
                 mhz=stage.mhz if stage.mhz is not None else device.base_mhz,
                 slowdown=slowdown,
                 memory_cap_bytes=memory_cap_bytes,
+                samples=samples,
             )
         )
     return specs
@@ -215,6 +234,79 @@ def _fmt(times: Sequence[float]) -> str:
     return "[" + ", ".join(f"{t * 1e3:.1f}" for t in times) + "] ms"
 
 
+ROTATION_PRICES = (1.0, 0.5, 0.0)
+"""Where between a rotating stage's largest share (1) and its mean share (0) the planner
+prices it; each price yields a candidate plan and the simulated step picks one."""
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    stages: tuple[StagePlan, ...]
+    times: tuple[float, ...]
+    moved: tuple[tuple[int, int, int], ...]
+    frequencies: Mapping[int, FrequencyDecision]
+    reasons: tuple[str, ...]
+
+
+def _graph_and_clocks(
+    stages: Sequence[StagePlan],
+    specs: list[StageSpec],
+    *,
+    policy: Policy,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    num_micro_batches: int,
+    min_gain: float,
+    power_budget: float | None,
+) -> _Candidate:
+    """Steps 2 (graph) and 3 (DVFS) of :func:`rebalance` on stages priced by ``specs``."""
+    stages = list(stages)
+    boundaries = [s.layer_start for s in stages] + [stages[-1].layer_stop]
+    times = _times(layers, specs, device, boundaries, num_micro_batches)
+    reasons: list[str] = []
+    moved: list[tuple[int, int, int]] = []
+    pp = len(stages)
+    if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and pp > 1:  # 2. graph
+        partition = plan_layers(layers, specs, device, num_micro_batches=num_micro_batches)
+        if partition.bottleneck_s < max(times) * (1.0 - min_gain):
+            new_bounds = list(partition.boundaries)
+            for layer in range(len(layers)):
+                src = next(p for p in range(pp) if boundaries[p] <= layer < boundaries[p + 1])
+                dst = next(p for p in range(pp) if new_bounds[p] <= layer < new_bounds[p + 1])
+                if src != dst:
+                    moved.append((layer, src, dst))
+            boundaries = new_bounds
+            stages = [
+                dataclasses.replace(s, layer_start=boundaries[i], layer_stop=boundaries[i + 1])
+                for i, s in enumerate(stages)
+            ]
+            times = _times(layers, specs, device, boundaries, num_micro_batches)
+            reasons.append(
+                f"layers {[m[0] for m in moved]} move stages "
+                f"({', '.join(f'{m[0]}: {m[1]}->{m[2]}' for m in moved)}): {partition.reason}"
+            )
+        else:
+            reasons.append(
+                f"no partition shortens the slowest mini-step by more than {min_gain:.0%} "
+                f"(best {partition.bottleneck_s * 1e3:.1f} ms)"
+            )
+
+    frequencies: dict[int, FrequencyDecision] = {}
+    if policy is Policy.MIGRATE_DVFS and pp > 1:  # 3. DVFS on the residual stragglers
+        frequencies, why = _upclock(
+            stages, specs, layers=layers, device=device, boundaries=boundaries,
+            num_micro_batches=num_micro_batches, times=times, tie=min_gain,
+            power_budget=power_budget,
+        )  # fmt: skip
+        for p, decision in frequencies.items():
+            stages[p] = dataclasses.replace(stages[p], mhz=decision.mhz)
+            specs[p] = dataclasses.replace(specs[p], mhz=decision.mhz)
+        if frequencies:
+            times = _times(layers, specs, device, boundaries, num_micro_batches)
+        reasons.append(why)
+    return _Candidate(tuple(stages), times, tuple(moved), frequencies, tuple(reasons))
+
+
 def rebalance(
     plan: Plan,
     *,
@@ -228,7 +320,14 @@ def rebalance(
 ) -> RebalanceDecision:
     """The next plan under ``policy`` for ``plan`` with per-rank ``slowdowns`` (>= 1);
     ``power_budget`` (:func:`power` units, None: no limit beyond each device's maximum
-    clock) bounds what DVFS may spend."""
+    clock) bounds what DVFS may spend.
+
+    When a stage's shares rotate, the mini-step tables can only bound its cost (each
+    replica takes the largest share in some micro-batches, the mean on average, and how
+    much of the difference its neighbours wait for depends on the whole pipeline): the
+    graph and DVFS steps then run once per price in :data:`ROTATION_PRICES`, and the
+    candidate whose step simulates shortest (:func:`~elaswave.engine.steptime.
+    plan_step_time`, replica by replica) is the plan; ties go to the higher price."""
     policy = Policy(policy)
     slowdowns = dict(slowdowns or {})
     unknown = set(slowdowns) - set(plan.ranks)
@@ -239,7 +338,7 @@ def rebalance(
     boundaries = [s.layer_start for s in plan.stages] + [plan.stages[-1].layer_stop]
     before = _times(layers, _stage_specs(plan, slowdowns, device, cap), device, boundaries, num_mb)
     if policy is Policy.NONE:
-        return RebalanceDecision(plan, before, before, (), None, "policy none: plan kept")
+        return RebalanceDecision(plan, before, before, (), {}, "policy none: plan kept")
 
     reasons = []
     stages = list(plan.stages)
@@ -255,58 +354,44 @@ def rebalance(
             stages[i] = dataclasses.replace(stage, sizes=sizes, rotate=False)
             reasons.append(f"stage {stage.stage} splits samples {list(sizes)} by speed")
     current = dataclasses.replace(plan, stages=tuple(stages))
-    specs = _stage_specs(current, slowdowns, device, cap)
-    times = _times(layers, specs, device, boundaries, num_mb)
 
-    moved: list[tuple[int, int, int]] = []
-    if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and plan.pp > 1:  # 2. graph
-        partition = plan_layers(layers, specs, device, num_micro_batches=num_mb)
-        if partition.bottleneck_s < max(times) * (1.0 - min_gain):
-            new_bounds = list(partition.boundaries)
-            for layer in range(len(layers)):
-                src = next(p for p in range(plan.pp) if boundaries[p] <= layer < boundaries[p + 1])
-                dst = next(p for p in range(plan.pp) if new_bounds[p] <= layer < new_bounds[p + 1])
-                if src != dst:
-                    moved.append((layer, src, dst))
-            boundaries = new_bounds
-            stages = [
-                dataclasses.replace(s, layer_start=boundaries[i], layer_stop=boundaries[i + 1])
-                for i, s in enumerate(stages)
-            ]
-            times = _times(layers, specs, device, boundaries, num_mb)
-            reasons.append(
-                f"layers {[m[0] for m in moved]} move stages "
-                f"({', '.join(f'{m[0]}: {m[1]}->{m[2]}' for m in moved)}): {partition.reason}"
-            )
-        else:
-            reasons.append(
-                f"no partition shortens the slowest mini-step by more than {min_gain:.0%} "
-                f"(best {partition.bottleneck_s * 1e3:.1f} ms)"
-            )
-
-    frequencies: dict[int, FrequencyDecision] = {}
-    if policy is Policy.MIGRATE_DVFS and plan.pp > 1:  # 3. DVFS on the residual stragglers
-        frequencies, why = _upclock(
-            stages, specs, layers=layers, device=device, boundaries=boundaries,
-            num_micro_batches=num_mb, times=times, tie=min_gain, power_budget=power_budget,
+    def candidate(rotation: float) -> _Candidate:
+        return _graph_and_clocks(
+            stages, _stage_specs(current, slowdowns, device, cap, rotation), policy=policy,
+            layers=layers, device=device, num_micro_batches=num_mb, min_gain=min_gain,
+            power_budget=power_budget,
         )  # fmt: skip
-        for p, decision in frequencies.items():
-            stages[p] = dataclasses.replace(stages[p], mhz=decision.mhz)
-            specs[p] = dataclasses.replace(specs[p], mhz=decision.mhz)
-        if frequencies:
-            times = _times(layers, specs, device, boundaries, num_mb)
-        reasons.append(why)
 
-    new = dataclasses.replace(plan, stages=tuple(stages))
+    rotating = any(s.rotate for s in stages) and policy is not Policy.RESIZE and plan.pp > 1
+    if not rotating:
+        chosen = candidate(1.0)
+    else:
+        priced = {r: candidate(r) for r in ROTATION_PRICES}
+        steps = {
+            r: plan_step_time(
+                dataclasses.replace(plan, stages=c.stages), layers, device, slowdowns=slowdowns
+            ).step_s
+            for r, c in priced.items()
+        }
+        best = min(ROTATION_PRICES, key=lambda r: steps[r])
+        chosen = priced[best]
+        reasons.append(
+            "rotating shares priced at "
+            + ", ".join(f"{r:g} -> step {steps[r] * 1e3:.1f} ms" for r in ROTATION_PRICES)
+            + f" (0 mean share, 1 largest): {best:g} chosen"
+        )
+    reasons += chosen.reasons
+    new = dataclasses.replace(plan, stages=chosen.stages)
     if new == plan:
         return RebalanceDecision(
-            plan, before, before, (), frequencies, "; ".join([*reasons, "plan kept"])
+            plan, before, before, (), chosen.frequencies, "; ".join([*reasons, "plan kept"])
         )
     new = dataclasses.replace(new, generation=plan.generation + 1)
-    summary = f"predicted mini-steps {_fmt(before)} -> {_fmt(times)}"
+    summary = f"predicted mini-steps {_fmt(before)} -> {_fmt(chosen.times)}"
     return RebalanceDecision(
-        new, before, times, tuple(moved), frequencies, "; ".join([*reasons, summary])
-    )
+        new, before, chosen.times, chosen.moved, chosen.frequencies,
+        "; ".join([*reasons, summary]),
+    )  # fmt: skip
 
 
 def balanced_counts(

@@ -23,6 +23,7 @@ from elaswave.comm.group import TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
+from elaswave.engine.schedule import Op, one_f_one_b
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
@@ -30,7 +31,6 @@ from elaswave.model.rng import DropoutRng
 from elaswave.runtime.emulation import DelayedSend, Pacer
 from elaswave.runtime.faults import Phase
 from elaswave.runtime.migration import ShadowStep
-from elaswave.runtime.schedule import Op, one_f_one_b
 
 
 @dataclass

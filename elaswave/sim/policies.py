@@ -39,9 +39,9 @@ from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
-from elaswave.sim.pipeline import plan_step_time
 from elaswave.sim.recycle import OutOfMemory, recycle_step
 
 

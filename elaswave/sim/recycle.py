@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from elaswave.engine.cost import GIB, DeviceSpec, LayerCost, stage_memory
 from elaswave.engine.plan import Plan
+from elaswave.engine.steptime import StageTimes, simulate_step, stage_times
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
-from elaswave.sim.pipeline import StageTimes, simulate_step, stage_times
 
 
 class OutOfMemory(Unrecoverable):

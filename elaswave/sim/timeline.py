@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 
 from elaswave.engine.plan import Plan
 from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.sim import mttr
 from elaswave.sim.mttr import Overhead, RecoveryCosts
-from elaswave.sim.pipeline import plan_step_time
 from elaswave.sim.policies import (
     REBALANCE,
     SimJob,

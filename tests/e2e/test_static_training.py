@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elaswave.engine.schedule import max_in_flight
 from elaswave.runtime.compare import compare_runs
-from elaswave.runtime.schedule import max_in_flight
 from tests.runs import Run, train
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]

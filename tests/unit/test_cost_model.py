@@ -28,10 +28,10 @@ from elaswave.engine.cost import (
     stage_p2p_time,
 )
 from elaswave.engine.plan import Plan, StagePlan
+from elaswave.engine.schedule import max_in_flight, one_f_one_b
 from elaswave.model.config import LLAMA2_7B, LLAMA2_34B, PRESETS, TINY, parameter_count
 from elaswave.model.llama import StepContext, build_layer
 from elaswave.model.rng import CounterRng
-from elaswave.runtime.schedule import max_in_flight, one_f_one_b
 
 pytestmark = pytest.mark.timeout(120)
 

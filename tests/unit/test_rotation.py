@@ -1,11 +1,12 @@
-"""Rotating shares: a micro-batch the survivors do not divide costs each its mean share.
+"""Rotating shares: a micro-batch the survivors do not divide.
 
 After a failure leaves ``n`` replicas for a ``b``-sample micro-batch with ``n`` not
 dividing ``b``, the shares rotate over the replicas from one micro-batch to the next;
-every sample of every micro-batch still has exactly one replica and one route, and the
-cost model charges the largest share, which gates every micro-batch (pricing the mean
-was optimistic against emulated runs). DVFS then up-clocks the stages that tie
-as stragglers, within the job's power budget.
+every sample of every micro-batch still has exactly one replica and one route. What
+that costs lies between the mean and the largest share and depends on the pipeline:
+the planner prices candidates in between and keeps the one whose step simulates
+shortest, replica by replica. DVFS then up-clocks the stages that tie as stragglers,
+within the job's power budget.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elaswave.data.sampler import spread_split
+from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.cost import device, layer_costs
 from elaswave.engine.dataflow import resize_after_failure, split_shares
 from elaswave.engine.plan import initial_plan, plan_from_dict, plan_to_dict
 from elaswave.engine.rebalance import Policy, power, rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan
-from elaswave.model.config import ModelConfig
+from elaswave.engine.steptime import plan_step_time
+from elaswave.model.config import PRESETS, ModelConfig
+from elaswave.sim.policies import Layout, SimJob
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,3 +125,30 @@ def test_dvfs_upclocks_tied_stragglers_within_the_power_budget():
     assert upclocked and all(EMULATED.base_mhz < a < b for a, b in upclocked)
     # The survivors alone (5 ranks at base clock) leave no headroom: nothing up-clocks.
     assert mhz[5.0] == [None] * 4
+
+
+def test_the_planner_keeps_the_rotation_price_whose_step_simulates_shortest(monkeypatch):
+    """Llama2-7B on 96 simulated devices loses node 0 (replica-major): pricing stage 0's
+    rotating shares halfway to the mean finds a layer partition and clocks whose
+    simulated step is shorter than those priced at the largest share (the only price
+    before)."""
+    job = SimJob(
+        PRESETS["llama2-7b"], device("ascend-910b"), tp=4, pp=3, dp=8,
+        micro_batch=4, global_batch=8192, layout=Layout.REPLICA_MAJOR,
+    )  # fmt: skip
+    resized, _ = resize_after_failure(job.plan(), job.ranks_of_node(0))
+    assert any(s.rotate for s in resized.stages)
+
+    def step(prices):
+        monkeypatch.setattr(rebalance_module, "ROTATION_PRICES", prices)
+        decision = rebalance(
+            resized, layers=job.layers, device=job.device, policy="migrate+dvfs",
+            power_budget=job.power_budget,
+        )  # fmt: skip
+        return plan_step_time(decision.plan, job.layers, job.device).step_s, decision.reason
+
+    chosen, reason = step((1.0, 0.5, 0.0))
+    alone = {price: step((price,))[0] for price in (1.0, 0.5, 0.0)}
+    assert chosen == min(alone.values())
+    assert chosen < alone[1.0] * 0.995, (chosen, alone)
+    assert "rotating shares priced at 1 -> step" in reason and "0.5 chosen" in reason

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from elaswave.engine.cost import GIB, device
+from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import PRESETS
-from elaswave.sim.pipeline import plan_step_time
 from elaswave.sim.policies import Layout, SimJob, SimPolicy, answer, baseline
 from elaswave.sim.recycle import OutOfMemory, recycle_step
 

@@ -1,0 +1,305 @@
+"""The time of one training step of a pipeline plan, simulated action by action.
+
+Every stage runs the runtime's own 1F1B action list (:func:`elaswave.engine.schedule.
+one_f_one_b`). A forward waits for the activations of its samples (the sender's forward
+of the same micro-batch plus the transfer), a backward for their gradients (the next
+stage's backward plus the transfer); sends do not block the sender, which waits for them
+at the end of the step (the runtime posts them and waits before its optimizer step).
+After its last backward each stage runs its DP reduce-scatter and all-gather; the step
+ends when the last stage's collectives do.
+
+Two granularities, one schedule:
+
+* :func:`plan_step_time` simulates **every DP replica** of every stage: its share of each
+  micro-batch at its clock and slowdown, each route of the plan with its own transfer.
+  This is what a plan costs, exactly what the emulated device paces, and what the
+  planner compares candidates by: when the survivors of a stage cannot split a micro-
+  batch evenly the shares rotate (:attr:`~elaswave.engine.plan.StagePlan.rotate`), and
+  how much of the larger share the neighbours wait for depends on the whole pipeline.
+* :func:`simulate_step` gives each stage one set of times (its busiest replica's),
+  from :func:`stage_times` or from a caller that reshapes them (ReCycle's re-routed
+  work in :mod:`elaswave.sim.recycle`).
+
+Both are vectorised over replicas and walk the same dependency order of (stage, action),
+which depends only on the number of stages and micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elaswave.engine.cost import (
+    DeviceSpec,
+    LayerCost,
+    compute_time,
+    p2p_time,
+    ring_allreduce_time,
+    stage_p2p_time,
+)
+from elaswave.engine.plan import Plan
+from elaswave.engine.schedule import Op, one_f_one_b
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds one stage spends per micro-batch, and once per step."""
+
+    fwd_s: float
+    bwd_s: float
+    send_fwd_s: float
+    """Activations of one micro-batch to the next stage (0 on the last stage)."""
+    send_bwd_s: float
+    """Input gradients of one micro-batch to the previous stage (0 on the first)."""
+    sync_s: float
+    """DP gradient reduce-scatter plus parameter all-gather after the last backward."""
+
+
+@dataclass(frozen=True)
+class StepSim:
+    step_s: float
+    compute_end_s: tuple[float, ...]
+    """When each stage's last replica is done with its micro-batches."""
+    busy_s: tuple[float, ...]
+    """Compute seconds of each stage's busiest replica in the step."""
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the pipeline's compute (0 for a perfectly packed step)."""
+        return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_s)
+
+
+@functools.lru_cache(maxsize=32)
+def action_order(num_stages: int, num_micro_batches: int) -> tuple[tuple[int, Op, int], ...]:
+    """(stage, op, micro-batch) of every action of a 1F1B step, in an order in which each
+    action comes after the actions it waits for (and after its stage's earlier ones)."""
+    p, m = num_stages, num_micro_batches
+    if p < 1 or m < 1:
+        raise ValueError(f"{p} stages, {m} micro-batches: need at least 1 of each")
+    actions = [one_f_one_b(num_stages=p, stage=s, num_micro_batches=m) for s in range(p)]
+    done: set[tuple[Op, int, int]] = set()
+    nxt = [0] * p
+    order: list[tuple[int, Op, int]] = []
+    while len(order) < p * 2 * m:
+        progressed = False
+        for s in range(p):
+            while nxt[s] < len(actions[s]):
+                op, mb = actions[s][nxt[s]]
+                if op is Op.FORWARD:
+                    dep = None if s == 0 else (Op.FORWARD, s - 1, mb)
+                else:
+                    dep = None if s == p - 1 else (Op.BACKWARD, s + 1, mb)
+                if dep is not None and dep not in done:
+                    break
+                done.add((op, s, mb))
+                order.append((s, op, mb))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:  # the 1F1B lists are deadlock-free; this guards the model
+            raise RuntimeError("pipeline schedule made no progress")
+    return tuple(order)
+
+
+def simulate_step(stages: Sequence[StageTimes], num_micro_batches: int) -> StepSim:
+    """The step time of a 1F1B pipeline with these per-stage times."""
+    p, m = len(stages), num_micro_batches
+    fwd_end = np.zeros((p, m))
+    bwd_end = np.zeros((p, m))
+    free = [0.0] * p
+    for s, op, mb in action_order(p, m):
+        st = stages[s]
+        if op is Op.FORWARD:
+            ready = 0.0 if s == 0 else fwd_end[s - 1, mb] + stages[s - 1].send_fwd_s
+            free[s] = fwd_end[s, mb] = max(free[s], ready) + st.fwd_s
+        else:
+            ready = fwd_end[s, mb] if s == p - 1 else bwd_end[s + 1, mb] + stages[s + 1].send_bwd_s
+            free[s] = bwd_end[s, mb] = max(free[s], ready) + st.bwd_s
+    finish = tuple(free)
+    step = max(f + st.sync_s for f, st in zip(finish, stages, strict=True))
+    busy = tuple(m * (st.fwd_s + st.bwd_s) for st in stages)
+    return StepSim(step, finish, busy)
+
+
+def stage_times(
+    plan: Plan,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    *,
+    slowdowns: Mapping[int, float] | None = None,
+) -> list[StageTimes]:
+    """Per-stage times of ``plan`` under the cost model (``slowdowns``: rank -> factor),
+    each stage at its busiest replica: a rotating stage at its largest share, an upper
+    bound (:func:`plan_step_time` simulates the rotation)."""
+    slow = dict(slowdowns or {})
+    cost = {c.index: c for c in layers}
+    out = []
+    for s in plan.stages:
+        mhz = s.mhz or device.base_mhz
+        if s.rotate:  # every replica takes the largest share in some micro-batch
+            load = s.load * max(slow.get(r, 1.0) for r in s.ranks)
+        else:
+            load = max(size * slow.get(r, 1.0) for r, size in zip(s.ranks, s.sizes, strict=True))
+        fwd = compute_time(load * sum(cost[i].fwd_flops_per_sample for i in s.layers), device, mhz)
+        bwd = compute_time(load * sum(cost[i].bwd_flops_per_sample for i in s.layers), device, mhz)
+        out.append(StageTimes(fwd, bwd, 0.0, 0.0, _sync_s(s, cost, device)))
+    for a, b in zip(plan.stages, plan.stages[1:], strict=False):
+        kw = {
+            "sender_dp": a.dp,
+            "sender_micro_batch": a.load,
+            "receiver_dp": b.dp,
+            "receiver_micro_batch": b.load,
+        }
+        fwd_bytes = cost[a.layer_stop - 1].output_bytes_per_sample
+        out[a.stage] = dataclasses.replace(
+            out[a.stage], send_fwd_s=stage_p2p_time(fwd_bytes, device, **kw)
+        )
+        back = {
+            "sender_dp": b.dp,
+            "sender_micro_batch": b.load,
+            "receiver_dp": a.dp,
+            "receiver_micro_batch": a.load,
+        }
+        out[b.stage] = dataclasses.replace(
+            out[b.stage], send_bwd_s=stage_p2p_time(fwd_bytes, device, **back)
+        )
+    return out
+
+
+def _sync_s(stage, cost: Mapping[int, LayerCost], device: DeviceSpec) -> float:
+    params = sum(cost[i].params for i in stage.layers)
+    return ring_allreduce_time(params * 4, device, dp=stage.dp) if stage.dp > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The routes between stage ``s`` and ``s + 1`` in one phase of their rotations."""
+
+    src: np.ndarray
+    """Sender replica of each route, ascending."""
+    dst: np.ndarray
+    """Receiver replica of each route."""
+    seconds: np.ndarray
+    """Transfer time of each route's samples."""
+    by_dst: np.ndarray
+    """Route indexes sorted by receiver."""
+    dst_starts: np.ndarray
+    """Where each receiver's routes start in ``by_dst``."""
+    dsts: np.ndarray
+    """The receivers, in that order."""
+    src_starts: np.ndarray
+    """Where each sender's routes start (routes are sorted by sender)."""
+    srcs: np.ndarray
+    """The senders, in that order."""
+
+
+def _links(plan: Plan, s: int, mb: int, bytes_per_sample: float, device: DeviceSpec) -> _Links:
+    """The routes of :meth:`Plan.routes` (same pairs, same order), computed on arrays:
+    a rotation's period can be thousands of micro-batches at 10^5 devices."""
+    a_hi = np.cumsum(plan.stages[s].shares(mb))
+    a_lo = a_hi - plan.stages[s].shares(mb)
+    b_hi = np.cumsum(plan.stages[s + 1].shares(mb))
+    b_lo = b_hi - plan.stages[s + 1].shares(mb)
+    first = np.searchsorted(b_hi, a_lo, side="right")  # first receiver ending after a_lo
+    stop = np.searchsorted(b_lo, a_hi, side="left")  # receivers starting before a_hi
+    counts = np.maximum(stop - first, 0)
+    src = np.repeat(np.arange(len(a_hi)), counts)
+    dst = (
+        np.repeat(first, counts)
+        + np.arange(counts.sum())
+        - np.repeat(np.cumsum(counts) - counts, counts)
+    )
+    width = np.minimum(a_hi[src], b_hi[dst]) - np.maximum(a_lo[src], b_lo[dst])
+    keep = width > 0
+    src, dst, width = src[keep], dst[keep], width[keep]
+    widths, which = np.unique(width, return_inverse=True)  # a few distinct sizes
+    seconds = np.array([p2p_time(w * bytes_per_sample, device) for w in widths])[which]
+    by_dst = np.argsort(dst, kind="stable")
+    dsts, dst_starts = np.unique(dst[by_dst], return_index=True)
+    srcs, src_starts = np.unique(src, return_index=True)
+    return _Links(src, dst, seconds, by_dst, dst_starts, dsts, src_starts, srcs)
+
+
+def plan_step_time(
+    plan: Plan,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    *,
+    slowdowns: Mapping[int, float] | None = None,
+) -> StepSim:
+    """Simulate one step of ``plan`` replica by replica (see the module docstring).
+
+    Each replica computes its share of every micro-batch (:meth:`StagePlan.shares`) at
+    its stage's clock times its slowdown; a forward starts when the replica is free and
+    every route bringing its samples has delivered (sender's forward end plus
+    :func:`~elaswave.engine.cost.p2p_time` of the route's bytes); a backward likewise
+    for the routes returning gradients. A replica is done when its compute and its last
+    send are; a stage's collectives start when its last replica is done.
+    """
+    slow = dict(slowdowns or {})
+    cost = {c.index: c for c in layers}
+    p, m = plan.pp, plan.num_micro_batches
+    fwd, bwd, sync, live = [], [], [], []
+    for st in plan.stages:
+        mhz = st.mhz or device.base_mhz
+        factor = np.array([slow.get(r, 1.0) for r in st.ranks])
+        per_f = compute_time(sum(cost[i].fwd_flops_per_sample for i in st.layers), device, mhz)
+        per_b = compute_time(sum(cost[i].bwd_flops_per_sample for i in st.layers), device, mhz)
+        phases = range(min(st.period, m))  # micro-batch mb takes phase mb % len(phases)
+        shares = np.array([st.shares(ph) for ph in phases], dtype=np.float64)
+        fwd.append(shares * per_f * factor)  # [phase, replica] seconds
+        bwd.append(shares * per_b * factor)
+        sync.append(_sync_s(st, cost, device))
+        live.append(shares.sum(axis=0) > 0)
+    links = []
+    for s in range(p - 1):
+        a, b = plan.stages[s], plan.stages[s + 1]
+        per_sample = cost[a.layer_stop - 1].output_bytes_per_sample
+        phases = min(math.lcm(a.period, b.period), m)  # micro-batch mb uses mb % phases
+        links.append([_links(plan, s, ph, per_sample, device) for ph in range(phases)])
+
+    fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
+    bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
+    free = [np.zeros(st.dp) for st in plan.stages]
+    for s, op, mb in action_order(p, m):
+        ready = np.zeros(plan.stages[s].dp)
+        if op is Op.FORWARD:
+            if s > 0:
+                ln = links[s - 1][mb % len(links[s - 1])]
+                arrive = fwd_end[s - 1][mb, ln.src] + ln.seconds
+                ready[ln.dsts] = np.maximum.reduceat(arrive[ln.by_dst], ln.dst_starts)
+            dur, end = fwd[s][mb % len(fwd[s])], fwd_end[s]
+        else:
+            if s < p - 1:
+                ln = links[s][mb % len(links[s])]
+                arrive = bwd_end[s + 1][mb, ln.dst] + ln.seconds
+                ready[ln.srcs] = np.maximum.reduceat(arrive, ln.src_starts)
+            else:
+                ready = fwd_end[s][mb]
+            dur, end = bwd[s][mb % len(bwd[s])], bwd_end[s]
+        end[mb] = np.maximum(free[s], ready) + dur
+        free[s] = end[mb]
+
+    done = [f.copy() for f in free]
+    for s in range(p - 1):  # sends: activations to s + 1, gradients back to s
+        for ph, ln in enumerate(links[s]):
+            mbs = slice(ph, m, len(links[s]))
+            if not ln.src.size or ph >= m:
+                continue
+            out = fwd_end[s][mbs][:, ln.src].max(axis=0) + ln.seconds
+            np.maximum.at(done[s], ln.src, out)
+            back = bwd_end[s + 1][mbs][:, ln.dst].max(axis=0) + ln.seconds
+            np.maximum.at(done[s + 1], ln.dst, back)
+    finish = tuple(
+        float(d[ok].max()) if ok.any() else 0.0 for d, ok in zip(done, live, strict=True)
+    )
+    step = max(f + t for f, t in zip(finish, sync, strict=True))
+    busy = []
+    for s in range(p):
+        phases = np.arange(m) % len(fwd[s])
+        busy.append(float((fwd[s][phases] + bwd[s][phases]).sum(axis=0).max()))
+    return StepSim(step, finish, tuple(busy))

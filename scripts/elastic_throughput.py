@@ -411,7 +411,8 @@ def render(doc: dict) -> str:
         f"is repeated (up to {a['attempts']} runs) and the attempt with the fewest is "
         "reported. Overruns only count compute blocks: the host delaying a worker elsewhere "
         "(point-to-point delivery, collectives, the optimizer) is not counted, so figures "
-        "also move between repeated runs with few overruns (see the spread below).",
+        "also move between repeated runs with few overruns"
+        + (" (see the spread below)." if doc.get("replicates") else "."),
         "",
         f"## Fail-stop: rank 5 (stage 1) SIGKILLed at step {k} (backward)",
         "",
@@ -430,7 +431,9 @@ def render(doc: dict) -> str:
     lines += [
         "",
         f"The before window has {k - 3} steps: the host's noise in it moves LSE by a few "
-        "hundredths (compare the spread below), which is how an LSE slightly above 1 arises.",
+        "hundredths"
+        + (" (compare the spread below)" if doc.get("replicates") else "")
+        + ", which is how an LSE slightly above 1 arises.",
         "",
         f"## Fail-slow: rank 5 (stage 1) computes FACTOR x slower from step {slow_step}",
         "",

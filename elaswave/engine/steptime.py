@@ -20,8 +20,9 @@ Two granularities, one schedule:
   from :func:`stage_times` or from a caller that reshapes them (ReCycle's re-routed
   work in :mod:`elaswave.sim.recycle`).
 
-Both are vectorised over replicas and walk the same dependency order of (stage, action),
-which depends only on the number of stages and micro-batches.
+Both walk the same dependency order of (stage, action), which depends only on the number
+of stages and micro-batches (:func:`action_order`); the replica model is vectorised over
+each stage's replicas, so 10^5 devices cost a few hundred milliseconds per step.
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ def plan_step_time(
     for s in range(p - 1):  # sends: activations to s + 1, gradients back to s
         for ph, ln in enumerate(links[s]):
             mbs = slice(ph, m, len(links[s]))
-            if not ln.src.size or ph >= m:
+            if not ln.src.size:
                 continue
             out = fwd_end[s][mbs][:, ln.src].max(axis=0) + ln.seconds
             np.maximum.at(done[s], ln.src, out)

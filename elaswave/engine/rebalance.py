@@ -367,12 +367,14 @@ def rebalance(
         chosen = candidate(1.0)
     else:
         priced = {r: candidate(r) for r in ROTATION_PRICES}
-        steps = {
-            r: plan_step_time(
-                dataclasses.replace(plan, stages=c.stages), layers, device, slowdowns=slowdowns
-            ).step_s
-            for r, c in priced.items()
-        }
+        simulated: dict[tuple[StagePlan, ...], float] = {}  # prices often agree on a plan
+        for c in priced.values():
+            if c.stages not in simulated:
+                trial = dataclasses.replace(plan, stages=c.stages)
+                simulated[c.stages] = plan_step_time(
+                    trial, layers, device, slowdowns=slowdowns
+                ).step_s
+        steps = {r: simulated[c.stages] for r, c in priced.items()}
         best = min(ROTATION_PRICES, key=lambda r: steps[r])
         chosen = priced[best]
         reasons.append(

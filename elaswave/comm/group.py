@@ -182,6 +182,10 @@ class TagSpace(enum.IntEnum):
     """Non-blocking migration: shadow gradient payback ``i`` uses ``PAYBACK + i``."""
 
 
+MAX_MICRO_BATCHES = (TagSpace.STREAM - TagSpace.PIPELINE) // 2
+"""Micro-batches one step may have: each takes two pipeline tags (forward, backward)."""
+
+
 def p2p_tag(generation: int, step: int, index: int) -> int:
     """A point-to-point tag unique per (plan generation, step, index) within a window.
 

@@ -8,6 +8,14 @@ When the survivors do not divide the micro-batch (3 samples over 2), the shares 
 over them from one micro-batch to the next (:attr:`StagePlan.rotate`), so that no
 replica runs the largest share every time (what that saves depends on the pipeline
 around the stage: :func:`elaswave.engine.steptime.plan_step_time`).
+Rotation has a price: two adjacent rotating stages run near their largest share (the
+1F1B loop between them keeps meeting the same replica's larger share). The global
+micro-batch can be *regrouped* instead (:func:`regroupings`, :func:`regroup`): the same
+global batch in micro-batches of another size that every stage's width divides (3 samples
+over 2 survivors and 3 replicas become 6 over both: 3 + 3 and 2 + 2 + 2, half as many
+micro-batches). Every sample keeps its id, hence its data and dropout masks, and the
+loss is still normalised by the global batch, so the gradient is the same; the throughput
+planner keeps whichever grouping simulates fastest within memory.
 The planner is a pure function of (plan, failed ranks) returning a plan and a reason.
 """
 
@@ -17,11 +25,19 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from elaswave.comm.group import MAX_MICRO_BATCHES
 from elaswave.data.sampler import even_split, spread_split
 from elaswave.engine.plan import Plan, StagePlan
 from elaswave.fabric.errors import Unrecoverable
 
-__all__ = ["Unrecoverable", "add_ranks", "resize_after_failure", "split_shares"]
+__all__ = [
+    "Unrecoverable",
+    "add_ranks",
+    "regroup",
+    "regroupings",
+    "resize_after_failure",
+    "split_shares",
+]
 
 
 def split_shares(total: int, replicas: int) -> dict[str, Any]:
@@ -92,3 +108,52 @@ def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
         return plan, "no rank joined"
     new = dataclasses.replace(plan, generation=plan.generation + 1, stages=tuple(stages))
     return new, "; ".join(reasons)
+
+
+def _even_over(samples: int, width: int) -> bool:
+    """Whether ``width`` replicas take ``samples`` without rotating (fewer samples than
+    replicas leave some idle)."""
+    return samples % width == 0 or samples < width
+
+
+def regroupings(plan: Plan, *, reach: int = 4) -> tuple[int, ...]:
+    """Global micro-batch sizes, other than the plan's, under which no stage's shares
+    rotate: the largest below the current size and the smallest above it (at most
+    ``reach`` times it), among the divisors of the global batch that give at most
+    :data:`~elaswave.comm.group.MAX_MICRO_BATCHES` micro-batches. Larger micro-batches
+    hold more activations; the graph planner checks that they fit."""
+    current = plan.global_batch // plan.num_micro_batches
+    widths = {s.dp for s in plan.stages}
+    floor = -(-plan.global_batch // MAX_MICRO_BATCHES)
+
+    def fits(samples: int) -> bool:
+        return plan.global_batch % samples == 0 and all(_even_over(samples, w) for w in widths)
+
+    below = next((g for g in range(current - 1, floor - 1, -1) if fits(g)), None)
+    above = next((g for g in range(current + 1, reach * current + 1) if fits(g)), None)
+    return tuple(g for g in (below, above) if g is not None)
+
+
+def regroup(plan: Plan, samples: int) -> tuple[Plan, str]:
+    """``plan`` with global micro-batches of ``samples`` samples: the same global batch
+    in ``global_batch / samples`` micro-batches, every stage's shares re-split evenly.
+    The generation is the caller's to advance."""
+    if samples < 1 or plan.global_batch % samples:
+        raise ValueError(
+            f"micro-batches of {samples} samples: must be a positive divisor of the global "
+            f"batch {plan.global_batch}"
+        )
+    count = plan.global_batch // samples
+    if count > MAX_MICRO_BATCHES:
+        raise ValueError(
+            f"micro-batches of {samples} samples: {count} per step, at most {MAX_MICRO_BATCHES}"
+        )
+    stages = tuple(dataclasses.replace(s, **split_shares(samples, s.dp)) for s in plan.stages)
+    before = plan.global_batch // plan.num_micro_batches
+    new = dataclasses.replace(plan, num_micro_batches=count, stages=stages)
+    reason = (
+        f"global micro-batches regrouped from {before} to {samples} samples "
+        f"({plan.num_micro_batches} -> {count} per step): "
+        + "; ".join(f"stage {s.stage} takes {_describe(s)}" for s in stages)
+    )
+    return new, reason

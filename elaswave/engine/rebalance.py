@@ -20,8 +20,11 @@ slowdowns, policy) that restores balance along the policy's dimensions:
 Steps 2 and 3 price stages by per-stage mini-step tables. A stage whose shares rotate
 (:attr:`~elaswave.engine.plan.StagePlan.rotate`) has no single price there: it costs
 between its mean and its largest share depending on its neighbours, so steps 2 and 3
-run at several prices and the candidate whose whole step simulates shortest, replica
-by replica (:func:`~elaswave.engine.steptime.plan_step_time`), is kept.
+run at several prices, and on every regrouping of the global batch into micro-batches
+that no stage rotates on (:func:`~elaswave.engine.dataflow.regroupings`; larger ones must
+fit in memory: layers then move whatever that gains), and the candidate whose whole step
+simulates shortest, replica by replica (:func:`~elaswave.engine.steptime.
+plan_step_time`), is kept.
 
 It returns the next plan (generation + 1) and a reason naming what changed and the
 predicted mini-step times; a plan identical to the input is returned unchanged.
@@ -32,13 +35,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs, segment_tables
-from elaswave.engine.dataflow import add_ranks
+from elaswave.engine.dataflow import add_ranks, regroup, regroupings
 from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
-from elaswave.engine.graph import plan_layers
+from elaswave.engine.graph import Infeasible, plan_layers
 from elaswave.engine.plan import Plan, StagePlan
 from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import ModelConfig
@@ -152,6 +155,22 @@ def _times(
     )
 
 
+def _overflowing(
+    layers: Sequence[LayerCost],
+    specs: Sequence[StageSpec],
+    device: DeviceSpec,
+    boundaries: Sequence[int],
+    num_micro_batches: int,
+) -> list[int]:
+    """Stages whose layers, at their specs' micro-batches, pass their memory caps."""
+    _, memory = segment_tables(layers, specs, device, num_micro_batches=num_micro_batches)
+    return [
+        p
+        for p, spec in enumerate(specs)
+        if memory[p, boundaries[p], boundaries[p + 1]] > spec.memory_cap_bytes
+    ]
+
+
 def power(stages: Sequence[StagePlan], device: DeviceSpec) -> float:
     """Power the stages' ranks draw together, in ranks at the base clock: dynamic power
     taken as cubic in the clock (voltage scales with frequency)."""
@@ -242,6 +261,7 @@ prices it; each price yields a candidate plan and the simulated step picks one."
 @dataclass(frozen=True)
 class _Candidate:
     stages: tuple[StagePlan, ...]
+    num_micro_batches: int
     times: tuple[float, ...]
     moved: tuple[tuple[int, int, int], ...]
     frequencies: Mapping[int, FrequencyDecision]
@@ -268,7 +288,10 @@ def _graph_and_clocks(
     pp = len(stages)
     if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and pp > 1:  # 2. graph
         partition = plan_layers(layers, specs, device, num_micro_batches=num_micro_batches)
-        if partition.bottleneck_s < max(times) * (1.0 - min_gain):
+        # Larger micro-batches (regrouped) can leave the current layers past memory:
+        # then the partition, which fits, is taken whatever it gains.
+        over = _overflowing(layers, specs, device, boundaries, num_micro_batches)
+        if over or partition.bottleneck_s < max(times) * (1.0 - min_gain):
             new_bounds = list(partition.boundaries)
             for layer in range(len(layers)):
                 src = next(p for p in range(pp) if boundaries[p] <= layer < boundaries[p + 1])
@@ -281,6 +304,8 @@ def _graph_and_clocks(
                 for i, s in enumerate(stages)
             ]
             times = _times(layers, specs, device, boundaries, num_micro_batches)
+            if over:
+                reasons.append(f"stages {over} would not fit their memory with their layers")
             reasons.append(
                 f"layers {[m[0] for m in moved]} move stages "
                 f"({', '.join(f'{m[0]}: {m[1]}->{m[2]}' for m in moved)}): {partition.reason}"
@@ -304,7 +329,86 @@ def _graph_and_clocks(
         if frequencies:
             times = _times(layers, specs, device, boundaries, num_micro_batches)
         reasons.append(why)
-    return _Candidate(tuple(stages), times, tuple(moved), frequencies, tuple(reasons))
+    return _Candidate(
+        tuple(stages), num_micro_batches, times, tuple(moved), frequencies, tuple(reasons)
+    )
+
+
+def _by_speed(plan: Plan, slowdowns: Mapping[int, float]) -> Plan:
+    """``plan`` with the samples of every stage that has a slow rank split by speed
+    (step 1): a slow rank keeps its smaller share, so those shares do not rotate."""
+    stages = []
+    for stage in plan.stages:
+        slow = _slowdowns(stage, slowdowns)
+        if max(slow) > 1.0:
+            stage = dataclasses.replace(
+                stage, sizes=split_by_speed(sum(stage.sizes), slow), rotate=False
+            )
+        stages.append(stage)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def _best_grouping(
+    current: Plan,
+    candidate: Callable[[Plan, float], _Candidate],
+    slowdowns: Mapping[int, float],
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+) -> tuple[_Candidate, str]:
+    """Of the rotating plan's candidates (one per rotation price) and those of every
+    regrouping under which no stage rotates (:func:`~elaswave.engine.dataflow.
+    regroupings`; skipped when its micro-batches do not fit in memory), the one whose
+    step simulates shortest; ties go to the earlier (the current grouping, the higher
+    price). Returns it and the comparison as a reason."""
+    trials = [(f"{r:g}", current, r) for r in ROTATION_PRICES]
+    trials += [
+        (f"{g}-sample", _by_speed(regroup(current, g)[0], slowdowns), 1.0)
+        for g in regroupings(current)
+    ]
+    options: list[tuple[str, _Candidate]] = []
+    skipped: list[str] = []
+    failures: list[Infeasible] = []
+    for label, trial, rotation in trials:
+        try:
+            options.append((label, candidate(trial, rotation)))
+        except Infeasible as exc:  # its micro-batches do not fit in memory
+            failures.append(exc)
+            if trial is not current:
+                skipped.append(f"{label} micro-batches do not fit ({exc})")
+    if not options:
+        raise failures[0]
+    simulated: dict[tuple[int, tuple[StagePlan, ...]], float] = {}  # options often agree
+    steps = []
+    for _, c in options:
+        key = (c.num_micro_batches, c.stages)
+        if key not in simulated:
+            trial = dataclasses.replace(current, stages=c.stages, num_micro_batches=key[0])
+            simulated[key] = plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s
+        steps.append(simulated[key])
+    best = min(range(len(options)), key=steps.__getitem__)
+    size = current.global_batch // current.num_micro_batches
+    rotating = [
+        f"{label} -> step {t * 1e3:.1f} ms"
+        for (label, c), t in zip(options, steps, strict=True)
+        if c.num_micro_batches == current.num_micro_batches
+    ]
+    regrouped = [
+        f"{label} micro-batches -> step {t * 1e3:.1f} ms"
+        for (label, c), t in zip(options, steps, strict=True)
+        if c.num_micro_batches != current.num_micro_batches
+    ]
+    if rotating:
+        why = f"rotating {size}-sample shares priced at {', '.join(rotating)}"
+        why += " (0 mean share, 1 largest)"
+    else:  # memory is priced at the largest share whatever the price: none fits
+        why = f"rotating {size}-sample shares do not fit ({failures[0]})"
+    if regrouped or skipped:
+        why += "; regrouped: " + ", ".join(regrouped + skipped)
+    label, chosen = options[best]
+    if chosen.num_micro_batches != current.num_micro_batches:
+        regrouping = regroup(current, current.global_batch // chosen.num_micro_batches)[1]
+        return chosen, f"{why}: {label} chosen; {regrouping}"
+    return chosen, f"{why}: {label} chosen"
 
 
 def rebalance(
@@ -346,44 +450,29 @@ def rebalance(
         # DVFS asks for the lowest clocks that align the stages: re-plan them from base.
         stages = [dataclasses.replace(s, mhz=None) for s in stages]
         reasons.append("stage clocks re-planned from base")
-    for i, stage in enumerate(stages):  # 1. dataflow: split by speed
-        slow = _slowdowns(stage, slowdowns)
-        sizes = split_by_speed(sum(stage.sizes), slow) if max(slow) > 1.0 else stage.sizes
-        if sizes != stage.sizes or (max(slow) > 1.0 and stage.rotate):
-            # A slow rank keeps its smaller share: shares split by speed do not rotate.
-            stages[i] = dataclasses.replace(stage, sizes=sizes, rotate=False)
-            reasons.append(f"stage {stage.stage} splits samples {list(sizes)} by speed")
-    current = dataclasses.replace(plan, stages=tuple(stages))
+    current = _by_speed(dataclasses.replace(plan, stages=tuple(stages)), slowdowns)  # 1.
+    for old, new in zip(stages, current.stages, strict=True):
+        if new != old:
+            reasons.append(f"stage {new.stage} splits samples {list(new.sizes)} by speed")
+    stages = list(current.stages)
 
-    def candidate(rotation: float) -> _Candidate:
+    def candidate(trial: Plan, rotation: float) -> _Candidate:
         return _graph_and_clocks(
-            stages, _stage_specs(current, slowdowns, device, cap, rotation), policy=policy,
-            layers=layers, device=device, num_micro_batches=num_mb, min_gain=min_gain,
-            power_budget=power_budget,
+            trial.stages, _stage_specs(trial, slowdowns, device, cap, rotation), policy=policy,
+            layers=layers, device=device, num_micro_batches=trial.num_micro_batches,
+            min_gain=min_gain, power_budget=power_budget,
         )  # fmt: skip
 
     rotating = any(s.rotate for s in stages) and policy is not Policy.RESIZE and plan.pp > 1
     if not rotating:
-        chosen = candidate(1.0)
+        chosen = candidate(current, 1.0)
     else:
-        priced = {r: candidate(r) for r in ROTATION_PRICES}
-        simulated: dict[tuple[StagePlan, ...], float] = {}  # prices often agree on a plan
-        for c in priced.values():
-            if c.stages not in simulated:
-                trial = dataclasses.replace(plan, stages=c.stages)
-                simulated[c.stages] = plan_step_time(
-                    trial, layers, device, slowdowns=slowdowns
-                ).step_s
-        steps = {r: simulated[c.stages] for r, c in priced.items()}
-        best = min(ROTATION_PRICES, key=lambda r: steps[r])
-        chosen = priced[best]
-        reasons.append(
-            "rotating shares priced at "
-            + ", ".join(f"{r:g} -> step {steps[r] * 1e3:.1f} ms" for r in ROTATION_PRICES)
-            + f" (0 mean share, 1 largest): {best:g} chosen"
-        )
+        chosen, why = _best_grouping(current, candidate, slowdowns, layers, device)
+        reasons.append(why)
     reasons += chosen.reasons
-    new = dataclasses.replace(plan, stages=chosen.stages)
+    new = dataclasses.replace(
+        plan, stages=chosen.stages, num_micro_batches=chosen.num_micro_batches
+    )
     if new == plan:
         return RebalanceDecision(
             plan, before, before, (), chosen.frequencies, "; ".join([*reasons, "plan kept"])

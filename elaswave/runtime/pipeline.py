@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import TagSpace, p2p_tag
+from elaswave.comm.group import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
@@ -97,8 +97,10 @@ class StageRunner:
             for mb in range(self.period)
         ]
         self.layer_ids = [layer.index for layer in layers]
-        if plan.num_micro_batches > (TagSpace.STREAM - TagSpace.PIPELINE) // 2:
-            raise ValueError(f"{plan.num_micro_batches} micro-batches: at most 5120 per step")
+        if plan.num_micro_batches > MAX_MICRO_BATCHES:
+            raise ValueError(
+                f"{plan.num_micro_batches} micro-batches: at most {MAX_MICRO_BATCHES} per step"
+            )
         self.schedule = one_f_one_b(
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )

@@ -52,10 +52,11 @@ survivor has stopped, widen the announced set instead of starting a second recov
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """A plan as summary.json records it: per stage, its layers, ranks, micro-batch
-    shares (and whether they rotate) and clock."""
+    """A plan as summary.json records it: its micro-batches per step and, per stage, its
+    layers, ranks, micro-batch shares (and whether they rotate) and clock."""
     return {
         "generation": plan.generation,
+        "num_micro_batches": plan.num_micro_batches,
         "stages": [
             {
                 "layers": [s.layer_start, s.layer_stop],

@@ -88,6 +88,24 @@ def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
 
 
 @pytest.mark.timeout(300)
+def test_regrouped_micro_batches_match_fault_free_run(runs_dir):
+    """dp 3 x pp 2 with one sample per replica: a kill in stage 0 leaves 3-sample global
+    micro-batches over 2 survivors. Under ``migrate`` the planner regroups them into
+    6-sample micro-batches (3 + 3 on stage 0, 2 + 2 + 2 on stage 1: nothing rotates, half
+    as many micro-batches), and the run still matches the fault-free one."""
+    job = ("--dp", "3", "--pp", "2", "--steps", str(STEPS), "--global-batch", "24",
+           "--micro-batch", "1")  # fmt: skip
+    ref = train(runs_dir / "regroup_ref", *job)
+    run = train(
+        runs_dir / "regroup_kill", *job, "--rebalance", "migrate", "--fault", "kill:1@3:backward"
+    )
+    _check_recovered(run, ref, world=6, failed=[[1]])
+    (rec,) = run.summary["recoveries"]
+    assert rec["plan"]["num_micro_batches"] == 4, rec["plan"]
+    assert [s["sizes"] for s in rec["plan"]["stages"]] == [[3, 3], [2, 2, 2]], rec["plan"]
+
+
+@pytest.mark.timeout(300)
 def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, reference):
     run = train(
         runs_dir / "two_same_stage",

@@ -151,4 +151,4 @@ def test_the_planner_keeps_the_rotation_price_whose_step_simulates_shortest(monk
     alone = {price: step((price,))[0] for price in (1.0, 0.5, 0.0)}
     assert chosen == min(alone.values())
     assert chosen < alone[1.0] * 0.995, (chosen, alone)
-    assert "rotating shares priced at 1 -> step" in reason and "0.5 chosen" in reason
+    assert "rotating 32-sample shares priced at 1 -> step" in reason and "0.5 chosen" in reason

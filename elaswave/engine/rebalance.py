@@ -142,6 +142,23 @@ def _stage_specs(
     return specs
 
 
+def _at(
+    layers: Sequence[LayerCost],
+    specs: Sequence[StageSpec],
+    device: DeviceSpec,
+    boundaries: Sequence[int],
+    num_micro_batches: int,
+) -> tuple[tuple[float, ...], list[int]]:
+    """Each stage's mini-step time with its layers, and the stages whose layers, at their
+    specs' micro-batches, pass their memory caps (one pass over the tables)."""
+    times, memory = segment_tables(layers, specs, device, num_micro_batches=num_micro_batches)
+    spans = [(p, boundaries[p], boundaries[p + 1]) for p in range(len(boundaries) - 1)]
+    return (
+        tuple(float(times[p, a, b]) for p, a, b in spans),
+        [p for p, a, b in spans if memory[p, a, b] > specs[p].memory_cap_bytes],
+    )
+
+
 def _times(
     layers: Sequence[LayerCost],
     specs: Sequence[StageSpec],
@@ -149,26 +166,7 @@ def _times(
     boundaries: Sequence[int],
     num_micro_batches: int,
 ) -> tuple[float, ...]:
-    times, _ = segment_tables(layers, specs, device, num_micro_batches=num_micro_batches)
-    return tuple(
-        float(times[p, boundaries[p], boundaries[p + 1]]) for p in range(len(boundaries) - 1)
-    )
-
-
-def _overflowing(
-    layers: Sequence[LayerCost],
-    specs: Sequence[StageSpec],
-    device: DeviceSpec,
-    boundaries: Sequence[int],
-    num_micro_batches: int,
-) -> list[int]:
-    """Stages whose layers, at their specs' micro-batches, pass their memory caps."""
-    _, memory = segment_tables(layers, specs, device, num_micro_batches=num_micro_batches)
-    return [
-        p
-        for p, spec in enumerate(specs)
-        if memory[p, boundaries[p], boundaries[p + 1]] > spec.memory_cap_bytes
-    ]
+    return _at(layers, specs, device, boundaries, num_micro_batches)[0]
 
 
 def power(stages: Sequence[StagePlan], device: DeviceSpec) -> float:
@@ -282,15 +280,14 @@ def _graph_and_clocks(
     """Steps 2 (graph) and 3 (DVFS) of :func:`rebalance` on stages priced by ``specs``."""
     stages = list(stages)
     boundaries = [s.layer_start for s in stages] + [stages[-1].layer_stop]
-    times = _times(layers, specs, device, boundaries, num_micro_batches)
+    times, over = _at(layers, specs, device, boundaries, num_micro_batches)
     reasons: list[str] = []
     moved: list[tuple[int, int, int]] = []
     pp = len(stages)
     if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and pp > 1:  # 2. graph
         partition = plan_layers(layers, specs, device, num_micro_batches=num_micro_batches)
-        # Larger micro-batches (regrouped) can leave the current layers past memory:
-        # then the partition, which fits, is taken whatever it gains.
-        over = _overflowing(layers, specs, device, boundaries, num_micro_batches)
+        # Larger micro-batches (regrouped) can leave the current layers past memory
+        # (``over``): then the partition, which fits, is taken whatever it gains.
         if over or partition.bottleneck_s < max(times) * (1.0 - min_gain):
             new_bounds = list(partition.boundaries)
             for layer in range(len(layers)):
@@ -360,17 +357,16 @@ def _best_grouping(
     regroupings`; skipped when its micro-batches do not fit in memory), the one whose
     step simulates shortest; ties go to the earlier (the current grouping, the higher
     price). Returns it and the comparison as a reason."""
-    trials = [(f"{r:g}", current, r) for r in ROTATION_PRICES]
-    trials += [
-        (f"{g}-sample", _by_speed(regroup(current, g)[0], slowdowns), 1.0)
-        for g in regroupings(current)
-    ]
-    options: list[tuple[str, _Candidate]] = []
+    trials = [(f"{r:g}", current, r, "") for r in ROTATION_PRICES]
+    for g in regroupings(current):
+        regrouped_plan, regrouping = regroup(current, g)
+        trials.append((f"{g}-sample", _by_speed(regrouped_plan, slowdowns), 1.0, regrouping))
+    options: list[tuple[str, _Candidate, str]] = []
     skipped: list[str] = []
     failures: list[Infeasible] = []
-    for label, trial, rotation in trials:
+    for label, trial, rotation, regrouping in trials:
         try:
-            options.append((label, candidate(trial, rotation)))
+            options.append((label, candidate(trial, rotation), regrouping))
         except Infeasible as exc:  # its micro-batches do not fit in memory
             failures.append(exc)
             if trial is not current:
@@ -379,7 +375,7 @@ def _best_grouping(
         raise failures[0]
     simulated: dict[tuple[int, tuple[StagePlan, ...]], float] = {}  # options often agree
     steps = []
-    for _, c in options:
+    for _, c, _ in options:
         key = (c.num_micro_batches, c.stages)
         if key not in simulated:
             trial = dataclasses.replace(current, stages=c.stages, num_micro_batches=key[0])
@@ -389,13 +385,13 @@ def _best_grouping(
     size = current.global_batch // current.num_micro_batches
     rotating = [
         f"{label} -> step {t * 1e3:.1f} ms"
-        for (label, c), t in zip(options, steps, strict=True)
-        if c.num_micro_batches == current.num_micro_batches
+        for (label, _, regrouping), t in zip(options, steps, strict=True)
+        if not regrouping
     ]
     regrouped = [
         f"{label} micro-batches -> step {t * 1e3:.1f} ms"
-        for (label, c), t in zip(options, steps, strict=True)
-        if c.num_micro_batches != current.num_micro_batches
+        for (label, _, regrouping), t in zip(options, steps, strict=True)
+        if regrouping
     ]
     if rotating:
         why = f"rotating {size}-sample shares priced at {', '.join(rotating)}"
@@ -404,11 +400,8 @@ def _best_grouping(
         why = f"rotating {size}-sample shares do not fit ({failures[0]})"
     if regrouped or skipped:
         why += "; regrouped: " + ", ".join(regrouped + skipped)
-    label, chosen = options[best]
-    if chosen.num_micro_batches != current.num_micro_batches:
-        regrouping = regroup(current, current.global_batch // chosen.num_micro_batches)[1]
-        return chosen, f"{why}: {label} chosen; {regrouping}"
-    return chosen, f"{why}: {label} chosen"
+    label, chosen, regrouping = options[best]
+    return chosen, f"{why}: {label} chosen" + (f"; {regrouping}" if regrouping else "")
 
 
 def rebalance(

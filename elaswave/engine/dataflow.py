@@ -41,13 +41,13 @@ __all__ = [
 
 
 def split_shares(total: int, replicas: int) -> dict[str, Any]:
-    """``sizes`` and ``rotate`` of a stage whose ``replicas`` split ``total`` samples per
+    """``sizes``, ``rotate`` and ``block`` of a stage whose ``replicas`` split ``total`` samples per
     micro-batch evenly: equal shares when they divide it, else shares one apart, the
     larger spread out, rotating (any run of micro-batches then gives every replica
     within one sample of its mean). Fewer samples than replicas: some take none."""
     if total % replicas == 0 or total < replicas:
-        return {"sizes": even_split(total, replicas), "rotate": False}
-    return {"sizes": spread_split(total, replicas), "rotate": True}
+        return {"sizes": even_split(total, replicas), "rotate": False, "block": 1}
+    return {"sizes": spread_split(total, replicas), "rotate": True, "block": 1}
 
 
 def _describe(stage: StagePlan) -> str:

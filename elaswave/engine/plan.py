@@ -37,6 +37,14 @@ class StagePlan:
     the replicas do not divide (3 samples over 2) then costs between the mean share
     (1.5) and the largest (2): each replica averages the mean, but its neighbours wait
     for whichever replica holds their samples (:mod:`elaswave.engine.steptime`)."""
+    block: int = 1
+    """Micro-batches in a row that a rotating stage keeps the same shares for: in
+    micro-batch ``mb`` replica ``j`` takes ``sizes[(j + mb // block) % dp]``. Blocks
+    longer than one break the lockstep in which adjacent rotating stages keep meeting
+    each other's largest share (the throughput planner simulates and picks the length);
+    1 when the shares do not rotate. A step whose micro-batches end mid-period leaves
+    some replicas up to a block's worth of samples above their mean (the step
+    simulation counts it)."""
 
     @property
     def layers(self) -> range:
@@ -49,7 +57,7 @@ class StagePlan:
     @property
     def period(self) -> int:
         """Micro-batches after which the shares repeat."""
-        return self.dp if self.rotate else 1
+        return self.dp * self.block if self.rotate else 1
 
     @property
     def load(self) -> int:
@@ -58,12 +66,15 @@ class StagePlan:
         price of a rotating stage."""
         return max(self.sizes)
 
+    def turn(self, mb: int) -> int:
+        """How far the shares have rotated by global micro-batch ``mb`` (0 when they
+        do not rotate): replica ``j`` takes ``sizes[(j + turn) % dp]``."""
+        return (mb // self.block) % self.dp if self.rotate else 0
+
     def shares(self, mb: int = 0) -> tuple[int, ...]:
         """Each replica's share of global micro-batch ``mb``."""
-        if not self.rotate:
-            return self.sizes
-        k = mb % self.dp
-        return self.sizes[k:] + self.sizes[:k]
+        k = self.turn(mb)
+        return self.sizes[k:] + self.sizes[:k] if k else self.sizes
 
     def offsets(self, mb: int = 0) -> list[tuple[int, int]]:
         """[lo, hi) sample offsets of each replica inside global micro-batch ``mb``."""
@@ -160,6 +171,7 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
                 sizes=tuple(int(n) for n in s["sizes"]),
                 mhz=None if s.get("mhz") is None else float(s["mhz"]),
                 rotate=_flag(s.get("rotate", False), "rotate"),
+                block=_block(s.get("block", 1)),
             )
             for s in doc["stages"]
         )
@@ -171,6 +183,12 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan document: {exc!r}") from None
+
+
+def _block(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"block = {value!r}: must be a whole number of micro-batches, at least 1")
+    return value
 
 
 def _flag(value: Any, name: str) -> bool:

@@ -24,7 +24,8 @@ run at several prices, and on every regrouping of the global batch into micro-ba
 that no stage rotates on (:func:`~elaswave.engine.dataflow.regroupings`; larger ones must
 fit in memory: layers then move whatever that gains), and the candidate whose whole step
 simulates shortest, replica by replica (:func:`~elaswave.engine.steptime.
-plan_step_time`), is kept.
+plan_step_time`), is kept, its rotating shares held for the block of micro-batches
+(:data:`ROTATION_BLOCKS`) that steps fastest.
 
 It returns the next plan (generation + 1) and a reason naming what changed and the
 predicted mini-step times; a plan identical to the input is returned unchanged.
@@ -339,10 +340,47 @@ def _by_speed(plan: Plan, slowdowns: Mapping[int, float]) -> Plan:
         slow = _slowdowns(stage, slowdowns)
         if max(slow) > 1.0:
             stage = dataclasses.replace(
-                stage, sizes=split_by_speed(sum(stage.sizes), slow), rotate=False
+                stage, sizes=split_by_speed(sum(stage.sizes), slow), rotate=False, block=1
             )
         stages.append(stage)
     return dataclasses.replace(plan, stages=tuple(stages))
+
+
+ROTATION_BLOCKS = (1, 2, 3, 4, 8)
+"""Rotation block lengths (:attr:`~elaswave.engine.plan.StagePlan.block`) the planner
+simulates for a plan whose shares rotate."""
+
+BLOCK_GAIN = 0.01
+"""How much shorter than block 1's a longer block's simulated step must be to be kept:
+less is within the step model's error, and block 1 is the plan users expect to read."""
+
+
+def _in_blocks(stages: Sequence[StagePlan], block: int) -> tuple[StagePlan, ...]:
+    """``stages`` with every rotating stage's shares held for ``block`` micro-batches."""
+    return tuple(dataclasses.replace(s, block=block) if s.rotate else s for s in stages)
+
+
+def _best_block(
+    plan: Plan,
+    slowdowns: Mapping[int, float],
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+) -> tuple[float, int]:
+    """(simulated step, block) of the rotation block length in :data:`ROTATION_BLOCKS`
+    under which ``plan`` steps fastest, if by more than :data:`BLOCK_GAIN` against
+    block 1 (ties: the shorter block); a plan that does not rotate has only block 1."""
+
+    def step(block: int) -> float:
+        trial = dataclasses.replace(plan, stages=_in_blocks(plan.stages, block))
+        return plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s
+
+    single = step(1)
+    longer = [b for b in ROTATION_BLOCKS if b > 1] if any(s.rotate for s in plan.stages) else []
+    steps = {block: step(block) for block in longer}
+    block = min(steps, key=lambda b: (steps[b], b), default=1)
+    if block > 1 and steps[block] < single * (1.0 - BLOCK_GAIN):
+        return steps[block], block
+    return single, 1
 
 
 def _best_grouping(
@@ -373,19 +411,19 @@ def _best_grouping(
                 skipped.append(f"{label} micro-batches do not fit ({exc})")
     if not options:
         raise failures[0]
-    simulated: dict[tuple[int, tuple[StagePlan, ...]], float] = {}  # options often agree
-    steps = []
+    simulated: dict[tuple[int, tuple[StagePlan, ...]], tuple[float, int]] = {}  # often agree
     for _, c, _ in options:
         key = (c.num_micro_batches, c.stages)
         if key not in simulated:
             trial = dataclasses.replace(current, stages=c.stages, num_micro_batches=key[0])
-            simulated[key] = plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s
-        steps.append(simulated[key])
+            simulated[key] = _best_block(trial, slowdowns, layers, device)
+    steps = [simulated[(c.num_micro_batches, c.stages)][0] for _, c, _ in options]
+    blocks = [simulated[(c.num_micro_batches, c.stages)][1] for _, c, _ in options]
     best = min(range(len(options)), key=steps.__getitem__)
     size = current.global_batch // current.num_micro_batches
     rotating = [
-        f"{label} -> step {t * 1e3:.1f} ms"
-        for (label, _, regrouping), t in zip(options, steps, strict=True)
+        f"{label} -> step {t * 1e3:.1f} ms" + (f" in blocks of {b} micro-batches" if b > 1 else "")
+        for (label, _, regrouping), t, b in zip(options, steps, blocks, strict=True)
         if not regrouping
     ]
     regrouped = [
@@ -401,6 +439,7 @@ def _best_grouping(
     if regrouped or skipped:
         why += "; regrouped: " + ", ".join(regrouped + skipped)
     label, chosen, regrouping = options[best]
+    chosen = dataclasses.replace(chosen, stages=_in_blocks(chosen.stages, blocks[best]))
     return chosen, f"{why}: {label} chosen" + (f"; {regrouping}" if regrouping else "")
 
 

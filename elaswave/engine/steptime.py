@@ -261,7 +261,14 @@ def plan_step_time(
         a, b = plan.stages[s], plan.stages[s + 1]
         per_sample = cost[a.layer_stop - 1].output_bytes_per_sample
         phases = min(math.lcm(a.period, b.period), m)  # micro-batch mb uses mb % phases
-        links.append([_links(plan, s, ph, per_sample, device) for ph in range(phases)])
+        distinct: dict[tuple[int, int], _Links] = {}  # phases in one block share routes
+        row = []
+        for ph in range(phases):
+            key = (a.turn(ph), b.turn(ph))
+            if key not in distinct:
+                distinct[key] = _links(plan, s, ph, per_sample, device)
+            row.append(distinct[key])
+        links.append(row)
 
     fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]

@@ -53,7 +53,8 @@ survivor has stopped, widen the announced set instead of starting a second recov
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """A plan as summary.json records it: its micro-batches per step and, per stage, its
-    layers, ranks, micro-batch shares (and whether they rotate) and clock."""
+    layers, ranks, micro-batch shares (whether they rotate, and in blocks of how
+    many micro-batches) and clock."""
     return {
         "generation": plan.generation,
         "num_micro_batches": plan.num_micro_batches,
@@ -63,6 +64,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "ranks": list(s.ranks),
                 "sizes": list(s.sizes),
                 "rotate": s.rotate,
+                "block": s.block,
                 "mhz": s.mhz,
             }
             for s in plan.stages

@@ -16,6 +16,9 @@ from tests.runs import Run, elaswave, train
 
 STEPS = 6
 JOB = ("--steps", str(STEPS), "--global-batch", "16", "--micro-batch", "2")
+ROTATING_JOB = ("--dp", "3", "--pp", "2", "--steps", str(STEPS), "--global-batch", "24",
+                "--micro-batch", "1")  # fmt: skip
+"""One sample per replica: a lost replica leaves 3-sample micro-batches over 2."""
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,12 @@ def reference(runs_dir):
         return cache[(dp, pp, rpn)]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def rotating_reference(runs_dir) -> Run:
+    """The fault-free run of ``ROTATING_JOB``."""
+    return train(runs_dir / "rotating_ref", *ROTATING_JOB)
 
 
 def _check_recovered(
@@ -88,21 +97,35 @@ def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
 
 
 @pytest.mark.timeout(300)
-def test_regrouped_micro_batches_match_fault_free_run(runs_dir):
-    """dp 3 x pp 2 with one sample per replica: a kill in stage 0 leaves 3-sample global
+def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_reference):
+    """dp 3 x pp 2 with one sample per replica: a kill in stage 1 leaves 3-sample global
     micro-batches over 2 survivors. Under ``migrate`` the planner regroups them into
-    6-sample micro-batches (3 + 3 on stage 0, 2 + 2 + 2 on stage 1: nothing rotates, half
-    as many micro-batches), and the run still matches the fault-free one."""
-    job = ("--dp", "3", "--pp", "2", "--steps", str(STEPS), "--global-batch", "24",
-           "--micro-batch", "1")  # fmt: skip
-    ref = train(runs_dir / "regroup_ref", *job)
-    run = train(
-        runs_dir / "regroup_kill", *job, "--rebalance", "migrate", "--fault", "kill:1@3:backward"
-    )
-    _check_recovered(run, ref, world=6, failed=[[1]])
+    6-sample micro-batches (2 + 2 + 2 on stage 0, 3 + 3 on stage 1: nothing rotates, half
+    as many micro-batches) and moves a layer off stage 1, and the run still matches the
+    fault-free one."""
+    run = train(runs_dir / "regroup_kill", *ROTATING_JOB, "--rebalance", "migrate",
+                "--fault", "kill:3@3:backward")  # fmt: skip
+    _check_recovered(run, rotating_reference, world=6, failed=[[3]])
     (rec,) = run.summary["recoveries"]
     assert rec["plan"]["num_micro_batches"] == 4, rec["plan"]
-    assert [s["sizes"] for s in rec["plan"]["stages"]] == [[3, 3], [2, 2, 2]], rec["plan"]
+    assert [s["sizes"] for s in rec["plan"]["stages"]] == [[2, 2, 2], [3, 3]], rec["plan"]
+
+
+@pytest.mark.timeout(300)
+def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
+    """The same job with the kill in stage 0: its survivors rotate 2 + 1 and 1 + 2, each
+    held for 2 micro-batches (blocks simulate faster than rotating every micro-batch),
+    so the routes to stage 1 change every other micro-batch; the run matches the
+    fault-free one."""
+    run = train(runs_dir / "block_kill", *ROTATING_JOB, "--rebalance", "migrate",
+                "--fault", "kill:1@3:backward")  # fmt: skip
+    _check_recovered(run, rotating_reference, world=6, failed=[[1]])
+    (rec,) = run.summary["recoveries"]
+    stages = rec["plan"]["stages"]
+    assert rec["plan"]["num_micro_batches"] == 8, rec["plan"]
+    assert [(s["sizes"], s["rotate"], s["block"]) for s in stages] == [
+        ([2, 1], True, 2), ([1, 1, 1], False, 1),
+    ], rec["plan"]  # fmt: skip
 
 
 @pytest.mark.timeout(300)

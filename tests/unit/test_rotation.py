@@ -77,8 +77,8 @@ def test_three_samples_over_two_survivors_rotate():
     assert stage.sizes == (2, 1) and stage.rotate and stage.load == 2
     assert [stage.shares(mb) for mb in range(3)] == [(2, 1), (1, 2), (2, 1)]
     assert "in rotation (1.5 each on average)" in reason
-    assert split_shares(4, 2) == {"sizes": (2, 2), "rotate": False}
-    assert split_shares(1, 2) == {"sizes": (1, 0), "rotate": False}
+    assert split_shares(4, 2) == {"sizes": (2, 2), "rotate": False, "block": 1}
+    assert split_shares(1, 2) == {"sizes": (1, 0), "rotate": False, "block": 1}
 
 
 def test_plan_documents_keep_the_rotation_and_refuse_a_bad_flag():

@@ -45,6 +45,10 @@ class GroupBackend(Protocol):
 
     def device_for(self, local_rank: int) -> torch.device: ...
 
+    def devices(self) -> int | None:
+        """Accelerators one host offers its ranks (one rank each); None: no limit."""
+        ...
+
 
 class GlooBackend:
     name = "gloo"
@@ -56,6 +60,9 @@ class GlooBackend:
 
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
+
+    def devices(self) -> int | None:
+        return None
 
 
 class NcclBackend:
@@ -69,9 +76,12 @@ class NcclBackend:
         return dist.ProcessGroupNCCL(store, rank, size, opts)
 
     def device_for(self, local_rank: int) -> torch.device:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", _one_each(local_rank, self.devices(), "CUDA"))
         torch.cuda.set_device(device)
         return device
+
+    def devices(self) -> int | None:
+        return torch.cuda.device_count()
 
 
 class HcclBackend:
@@ -97,9 +107,35 @@ class HcclBackend:
         return c10d.ProcessGroupHCCL(store, rank, size, opts)
 
     def device_for(self, local_rank: int) -> torch.device:
-        device = torch.device("npu", local_rank % self._torch_npu.npu.device_count())
+        device = torch.device("npu", _one_each(local_rank, self.devices(), "NPU"))
         self._torch_npu.npu.set_device(device)
         return device
+
+    def devices(self) -> int | None:
+        return int(self._torch_npu.npu.device_count())
+
+
+def _one_each(local_rank: int, count: int | None, what: str) -> int:
+    """The device index of ``local_rank``: NCCL and HCCL refuse two ranks of one group
+    on the same device ("Duplicate GPU detected"), so ranks never share one."""
+    if count is None or local_rank < count:
+        return local_rank
+    raise ValueError(
+        f"local rank {local_rank} has no {what} device of its own: this host has {count}, "
+        "and each rank needs one"
+    )
+
+
+def check_capacity(backend: GroupBackend, ranks: int, device: str) -> None:
+    """Refuse, before anything starts, a job that puts more ranks on this host than it
+    has accelerators (otherwise the first collective fails a minute in)."""
+    count = backend.devices()
+    if count is not None and ranks > count:
+        raise ValueError(
+            f"--device {device}: {ranks} ranks on this host but it has {count} "
+            f"{device} device(s), one per rank needed (dp x pp <= {count}; --device cpu or "
+            "emulated runs any number)"
+        )
 
 
 def backend_for(device: Device | str) -> GroupBackend:

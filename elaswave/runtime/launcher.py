@@ -16,6 +16,7 @@ import structlog
 import torch.distributed as dist
 
 from elaswave.bus.schema import Event, RunFinished, RunStarted
+from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
 from elaswave.fabric.checkpoint import CHECKPOINTS
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
@@ -124,6 +125,7 @@ async def run_job(
     on_event: Callable[[Event], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with dp x pp local worker processes; return the summary."""
+    check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)
     _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
     plan = cfg.plan()
     store = serve_store(timeout_s=cfg.train.comm_timeout_s)

@@ -1,6 +1,6 @@
 """The simulator against the runtime: an emulated-device run of a small plan, before and
 after a fail-stop, takes the step times the simulator predicts for the same plans,
-rotating shares included (simulated replica by replica)."""
+rotating shares (every micro-batch or in blocks) included, simulated replica by replica."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from elaswave.runtime.config import JobConfig
 from tests.runs import train
 
 
-def _plan(summary_plan: dict, global_batch: int, num_micro_batches: int) -> Plan:
+def _plan(summary_plan: dict, global_batch: int) -> Plan:
     stages = tuple(
         StagePlan(
             i,
@@ -24,28 +24,31 @@ def _plan(summary_plan: dict, global_batch: int, num_micro_batches: int) -> Plan
             tuple(s["sizes"]),
             s["mhz"],
             s["rotate"],
+            s["block"],
         )
         for i, s in enumerate(summary_plan["stages"])
     )
-    return Plan(summary_plan["generation"], global_batch, num_micro_batches, stages)
+    return Plan(summary_plan["generation"], global_batch, summary_plan["num_micro_batches"], stages)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("dp", "batch", "micro_batch", "rotate"),
+    ("dp", "batch", "micro_batch", "rebalance", "block"),
     [
-        (2, 16, 2, False),  # 4 samples per micro-batch over 1 survivor
-        (3, 12, 1, True),  # 3 over 2 survivors: shares 2 + 1, then 1 + 2
+        (2, 16, 2, "resize", 0),  # 4 samples per micro-batch over 1 survivor
+        (3, 12, 1, "resize", 1),  # 3 over 2 survivors: shares 2 + 1, then 1 + 2
+        (3, 24, 1, "migrate", 2),  # the same, each held for 2 micro-batches
     ],
 )
 def test_simulated_step_times_match_an_emulated_run_within_10_percent(
-    runs_dir, dp, batch, micro_batch, rotate
+    runs_dir, dp, batch, micro_batch, rebalance, block
 ):
+    """``block``: the rotation block the stage that lost a rank runs (0: no rotation)."""
     run = train(
-        runs_dir / f"simv{dp}",
+        runs_dir / f"simv{dp}_{batch}_{rebalance}",
         *("--device", "emulated", "--dp", str(dp), "--pp", "2", "--steps", "12"),
         *("--global-batch", str(batch), "--micro-batch", str(micro_batch)),
-        *("--fault", "kill:1@5:backward"),
+        *("--fault", "kill:1@5:backward", "--rebalance", rebalance),
     )
     times = run.summary["step_time_s"]
     cfg = JobConfig()
@@ -53,8 +56,9 @@ def test_simulated_step_times_match_an_emulated_run_within_10_percent(
         num_layers=cfg.model.num_layers, dp=dp, pp=2, global_batch=batch, micro_batch=micro_batch
     )
     (rec,) = run.summary["recoveries"]
-    after = _plan(rec["plan"], batch, before.num_micro_batches)
-    assert after.stages[0].rotate == rotate
+    after = _plan(rec["plan"], batch)
+    assert after.stages[0].rotate == (block > 0)
+    assert after.stages[0].block == max(block, 1)
     for plan, measured in (
         (before, statistics.median(times[1:5])),
         (after, statistics.median(times[rec["step"] + 1 :])),

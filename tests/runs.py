@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from elaswave.runtime.compare import load_params
+from elaswave.runtime.replay import replay_run
 
 
 @dataclass
@@ -43,9 +44,22 @@ def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def train(out: Path, *args: str, timeout: float = 240) -> Run:
+    """Run ``elaswave train`` to success; then replay its recovery plans from its event
+    log, every one of which must come out byte for byte as the Core announced it."""
     proc = elaswave("train", "--out", str(out), *args, timeout=timeout)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return Run(out, proc)
+    run = Run(out, proc)
+    check_replay(run)
+    return run
+
+
+def check_replay(run: Run) -> None:
+    """Every recovery of ``run`` has a plan that replay reproduces."""
+    result = replay_run(run.out)
+    assert result.diverged is None, result.diverged
+    assert [p.generation for p in result.plans] == [
+        r["generation"] for r in run.summary["recoveries"]
+    ], result.plans
 
 
 @contextlib.contextmanager

@@ -231,6 +231,44 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    """Recompute every recovery plan of a run from its event log; 1 if one diverges."""
+    from elaswave.runtime.replay import replay_run
+
+    result = replay_run(args.run_dir)
+    for bad in result.unreadable:
+        print(f"skipped unreadable record: {bad}")
+    for p in result.plans:
+        what = f"generation {p.generation}, {p.kind}"
+        what += f" of ranks {list(p.failed)}" if p.failed else ""
+        what += f", joining {list(p.joined)}" if p.joined else ""
+        if p.ok:
+            print(f"{what}: plan {p.digest} reproduced")
+            continue
+        print(f"{what}: DIVERGES")
+        for problem in p.problems:
+            print(f"  {problem}")
+        print(f"  announced by: {p.event}")
+        print(f"  caused by:    {p.cause or '(no detector, pause or scale event before it)'}")
+    bad = result.diverged
+    if bad is not None:
+        good = len(result.plans) - 1
+        print(
+            f"elaswave: replay: the plan of generation {bad.generation} diverges ({good} "
+            "reproduced before it); later plans build on it and were not replayed",
+            file=sys.stderr,
+        )
+        return 1
+    if not result.plans:
+        print("elaswave: replay: the log holds no recovery plan: nothing to replay")
+    else:
+        print(
+            f"elaswave: replay: {len(result.plans)} plan(s) reproduced byte for byte "
+            "(plan digests), with their committed steps and reasons"
+        )
+    return 0
+
+
 def _scale(args: argparse.Namespace) -> int:
     """Ask a running job's Core for more workers, and wait until they have joined."""
     import queue
@@ -276,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
+    rl = sub.add_parser(
+        "replay",
+        help="recompute a run's recovery plans from its event log and check them",
+        description="Feed RUN_DIR's recorded events through the planners, starting from the "
+        "job's initial plan, and check that every recovery plan the Core announced comes out "
+        "byte for byte the same (digest, committed step, reason). Exit 1 at the first "
+        "divergence, printed with the event that caused it.",
+    )
+    rl.add_argument("run_dir", type=Path)
     sc = sub.add_parser("scale", help="add workers to a running job")
     sc.add_argument("run_dir", type=Path)
     sc.add_argument("--add", type=int, default=1, help="workers to add (default 1)")
@@ -296,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "train": _train,
         "events": _events,
+        "replay": _replay,
         "scale": _scale,
         "report": _report,
         "sim": sim.run,

@@ -49,7 +49,6 @@ from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.engine.cost import layer_costs
 from elaswave.engine.plan import plan_from_dict, plan_key
-from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
@@ -60,6 +59,7 @@ from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
+from elaswave.runtime.replay import announced_rebalancing
 from elaswave.runtime.session import Session
 from elaswave.runtime.trainer import (
     Trainer,
@@ -196,13 +196,7 @@ def _await_event(
 
 def rebalancing_of(ctx: WorkerContext, decision: RecoveryPlan) -> Rebalancing:
     """The throughput planner's inputs as the Core announced them."""
-    return Rebalancing(
-        policy=Policy(decision.policy),
-        slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
-        layers=ctx.cfg.layer_costs,
-        device=ctx.cfg.cost_device,
-        power_budget=ctx.cfg.power_budget,
-    )
+    return announced_rebalancing(ctx.cfg, decision)
 
 
 class PauseBox:

@@ -1,0 +1,176 @@
+"""Replay: recompute a run's recovery plans from its event log and check each one.
+
+The planners are pure functions of (plan, event inputs), and every input the Core used is
+on the bus: the failed and joining ranks, the policy and the measured slowdowns (in each
+:class:`~elaswave.bus.schema.RecoveryPlan`), and the survivors' committed steps (their
+:class:`~elaswave.bus.schema.RecoveryReady`). Starting from the job's initial plan
+(RUN_DIR/job.json), :func:`replay_run` feeds them through
+:func:`~elaswave.engine.recovery.plan_fail_stop` in log order and compares what comes out
+with what the Core announced: the plan's digest (SHA-256 of its canonical JSON, so equal
+digests mean byte-identical plans), the step every survivor resumed after, and the
+reason. The first divergence stops the replay (later plans build on the diverging one)
+and names the event that caused the recovery.
+
+Workers do the same for every plan they apply (:func:`announced_rebalancing`), so a plan is
+never shipped, only its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elaswave.bus.eventlog import LogRecord, format_record, read_event_log
+from elaswave.bus.schema import (
+    FailureDetected,
+    PauseRequest,
+    RecoveryPlan,
+    RecoveryReady,
+    ScaleRequest,
+    StragglerDetected,
+)
+from elaswave.engine.plan import Plan
+from elaswave.engine.rebalance import Policy
+from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.runtime.config import JobConfig, JobSpec
+from elaswave.runtime.core import EVENT_LOG
+
+_CAUSES = (FailureDetected, StragglerDetected, ScaleRequest, PauseRequest)
+"""Events that start a recovery: the divergence report names the latest one."""
+
+
+def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing:
+    """The throughput planner's inputs as the Core announced them in ``decision``."""
+    return Rebalancing(
+        policy=Policy(decision.policy),
+        slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
+        layers=cfg.layer_costs,
+        device=cfg.cost_device,
+        power_budget=cfg.power_budget,
+    )
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """One recovery plan, as announced and as replayed."""
+
+    generation: int
+    kind: str
+    failed: tuple[int, ...]
+    joined: tuple[int, ...]
+    digest: str
+    """The digest the Core announced."""
+    replayed_digest: str | None
+    """The digest replay computed (None: replay could not plan; see ``problems``)."""
+    problems: tuple[str, ...]
+    """Each field that differs, as 'what: announced X, replayed Y'; empty when equal."""
+    event: str
+    """The announcement, formatted as ``elaswave events`` prints it."""
+    cause: str | None
+    """The latest event before it that starts a recovery, formatted likewise."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    plans: tuple[Replayed, ...]
+    """Every announced plan up to and including the first divergence, in log order."""
+    unreadable: tuple[str, ...] = field(default=())
+    """Log records that did not decode (skipped; the Core logged them too)."""
+
+    @property
+    def diverged(self) -> Replayed | None:
+        return next((p for p in self.plans if not p.ok), None)
+
+
+def replay_run(run_dir: Path) -> ReplayResult:
+    """Replay every recovery plan of ``run_dir``; ValueError when it is not a run."""
+    if not (run_dir / "job.json").is_file():
+        raise ValueError(f"{str(run_dir)!r} has no job.json: not a run directory")
+    log_path = run_dir / EVENT_LOG
+    if not log_path.is_file():
+        raise ValueError(f"{str(run_dir)!r} has no {EVENT_LOG}: the run recorded no events")
+    try:
+        cfg = JobSpec.read(run_dir).config
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{str(run_dir / 'job.json')!r} does not describe a job ({type(exc).__name__}: "
+            f"{exc})"
+        ) from None
+    plan = cfg.plan()
+    ready: dict[int, dict[int, RecoveryReady]] = {}  # generation -> rank -> latest report
+    cause: LogRecord | None = None
+    seen: set[int] = set()
+    out: list[Replayed] = []
+    unreadable: list[str] = []
+    for record in read_event_log(log_path):
+        event = record.event
+        if event is None:
+            unreadable.append(format_record(record))
+            continue
+        if isinstance(event, RecoveryReady):
+            ready.setdefault(event.generation, {})[event.rank] = event
+        elif isinstance(event, _CAUSES):
+            cause = record
+        elif isinstance(event, RecoveryPlan) and event.generation not in seen:
+            seen.add(event.generation)
+            digest, problems, new_plan = _replay_one(
+                cfg, plan, event, ready.get(plan.generation, {})
+            )
+            out.append(
+                Replayed(
+                    generation=event.generation,
+                    kind=event.kind,
+                    failed=tuple(event.failed),
+                    joined=tuple(event.joined),
+                    digest=event.plan_digest,
+                    replayed_digest=digest,
+                    problems=problems,
+                    event=format_record(record),
+                    cause=None if cause is None else format_record(cause),
+                )
+            )
+            if new_plan is None:
+                break
+            plan = new_plan
+    return ReplayResult(tuple(out), tuple(unreadable))
+
+
+def _replay_one(
+    cfg: JobConfig, plan: Plan, event: RecoveryPlan, reports: dict[int, RecoveryReady]
+) -> tuple[str | None, tuple[str, ...], Plan | None]:
+    """(replayed digest, problems, the plan to go on from: None after a divergence)."""
+    if event.generation != plan.generation + 1:
+        return None, (
+            f"generation: announced {event.generation}, the replayed plan is at "
+            f"{plan.generation} (a plan between them is missing from the log)",
+        ), None  # fmt: skip
+    survivors = set(plan.ranks) - set(event.failed)
+    commits = {r: e.committed_step for r, e in reports.items() if r in survivors}
+    try:
+        decision = plan_fail_stop(
+            plan,
+            event.failed,
+            commits,
+            ranks_per_node=cfg.train.ranks_per_node,
+            snapshots=cfg.train.snapshots,
+            rebalancing=announced_rebalancing(cfg, event),
+            joined=event.joined,
+        )
+    except (ValueError, Unrecoverable) as exc:
+        return None, (f"inputs: replay cannot plan from the logged events ({exc})",), None
+    digest = plan_digest(decision.plan)
+    problems = []
+    if digest != event.plan_digest:
+        problems.append(f"plan digest: announced {event.plan_digest}, replayed {digest}")
+    if decision.committed_step != event.committed_step:
+        problems.append(
+            f"committed step: announced {event.committed_step}, replayed {decision.committed_step}"
+        )
+    if decision.reason != event.reason:
+        problems.append(f"reason: announced {event.reason!r}, replayed {decision.reason!r}")
+    return digest, tuple(problems), None if problems else decision.plan

@@ -1,0 +1,130 @@
+"""Replay: a run's recovery plans recomputed from its event log.
+
+Every training run of the fault and e2e suites is replayed by ``tests.runs.train`` (each
+plan must come out byte for byte). These tests give replay logs it must not accept:
+a planner that changed since the run, a tampered announcement, a missing report, and
+inputs that are not a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from elaswave.bus.eventlog import EventLogWriter
+from elaswave.bus.schema import FailureDetected, RecoveryPlan, RecoveryReady, encode
+from elaswave.engine import rebalance as rebalance_module
+from elaswave.engine.recovery import plan_digest, plan_fail_stop
+from elaswave.runtime.config import Endpoints, JobConfig, JobSpec, TrainConfig
+from elaswave.runtime.replay import announced_rebalancing, replay_run
+from tests.runs import elaswave
+
+CFG = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=24, micro_batch=1, rebalance="migrate"))
+
+
+def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
+    """The events a Core logs for one fail-stop: detection, reports, the plan."""
+    survivors = sorted(set(plan.ranks) - set(failed))
+    draft = RecoveryPlan(sender="core", generation=plan.generation + 1, failed=failed,
+                         committed_step=0, plan_digest="", reason="", policy=policy)  # fmt: skip
+    decision = plan_fail_stop(
+        plan, failed, dict.fromkeys(survivors, step), ranks_per_node=1, snapshots=True,
+        rebalancing=announced_rebalancing(CFG, draft),
+    )  # fmt: skip
+    detected = FailureDetected(
+        sender="core", generation=plan.generation, ranks=failed, source="process-exit"
+    )
+    reports = [
+        RecoveryReady(sender=f"rank{r}", generation=plan.generation, rank=r, committed_step=step)
+        for r in survivors
+    ]
+    announced = dataclasses.replace(
+        draft, committed_step=decision.committed_step, plan_digest=plan_digest(decision.plan),
+        reason=decision.reason,
+    )  # fmt: skip
+    events = [detected, *reports, announced]
+    return events, decision.plan
+
+
+def _run_dir(tmp_path: Path, events) -> Path:
+    JobSpec(run_id="test", config=CFG, endpoints=Endpoints(store_host="127.0.0.1",
+            store_port=1, bus_publish="tcp://127.0.0.1:1", bus_subscribe="tcp://127.0.0.1:2"),
+    ).write(tmp_path)  # fmt: skip
+    with EventLogWriter(tmp_path / "events.log") as log:
+        for seq, event in enumerate(events, 1):
+            log.append(encode(dataclasses.replace(event, seq=seq, time=1.0 + seq)))
+    return tmp_path
+
+
+def _two_failures():
+    first, plan = _announce(CFG.plan(), [1], 2)
+    second, _ = _announce(plan, [4], 3)
+    return first + second
+
+
+def test_a_consistent_log_replays_every_plan(tmp_path):
+    result = replay_run(_run_dir(tmp_path, _two_failures()))
+    assert [p.generation for p in result.plans] == [1, 2] and result.diverged is None
+    assert all(p.digest == p.replayed_digest for p in result.plans)
+    # The first plan rotates in blocks: replay reproduces the block choice too.
+    assert _announce(CFG.plan(), [1], 2)[1].stages[0].block == 2
+    proc = elaswave("replay", str(tmp_path), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "generation 1, fail-stop of ranks [1]: plan" in proc.stdout
+    assert "2 plan(s) reproduced byte for byte" in proc.stdout
+
+
+def test_a_planner_that_changed_since_the_run_diverges_at_its_first_plan(tmp_path, monkeypatch):
+    run_dir = _run_dir(tmp_path, _two_failures())
+    monkeypatch.setattr(rebalance_module, "ROTATION_BLOCKS", (1,))  # the planner changed
+    result = replay_run(run_dir)
+    bad = result.diverged
+    assert bad is not None and bad.generation == 1 and len(result.plans) == 1
+    assert any(p.startswith("plan digest: announced") for p in bad.problems), bad.problems
+    assert "failure_detected" in (bad.cause or "") and "ranks=[1]" in (bad.cause or "")
+    assert "recovery_plan" in bad.event
+
+
+def test_a_tampered_announcement_is_named_with_its_cause(tmp_path):
+    events = _two_failures()
+    events[-1] = dataclasses.replace(events[-1], committed_step=1, plan_digest="0" * 16)
+    proc = elaswave("replay", str(_run_dir(tmp_path, events)), timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "generation 1, fail-stop of ranks [1]: plan" in proc.stdout
+    assert "generation 2, fail-stop of ranks [4]: DIVERGES" in proc.stdout
+    assert f"plan digest: announced {'0' * 16}, replayed" in proc.stdout
+    assert "committed step: announced 1, replayed 3" in proc.stdout
+    assert "caused by:" in proc.stdout and "ranks=[4]" in proc.stdout
+    assert "the plan of generation 2 diverges (1 reproduced before it)" in proc.stderr
+
+
+def test_a_missing_report_is_an_input_problem_not_a_crash(tmp_path):
+    events = [e for e in _two_failures() if not (isinstance(e, RecoveryReady) and e.rank == 2)]
+    result = replay_run(_run_dir(tmp_path, events))
+    bad = result.diverged
+    assert bad is not None and bad.generation == 1 and bad.replayed_digest is None
+    assert "no committed step reported by surviving ranks [2]" in bad.problems[0]
+
+
+def test_a_log_without_recoveries_has_nothing_to_replay(tmp_path):
+    proc = elaswave("replay", str(_run_dir(tmp_path, [])), timeout=60)
+    assert proc.returncode == 0 and "holds no recovery plan" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: None, "has no job.json: not a run directory"),
+        (lambda d: (d / "job.json").write_text("{}"), "does not describe a job"),
+        (lambda d: (d / "job.json").write_text("not json"), "does not describe a job"),
+    ],
+)
+def test_not_a_run_is_one_clear_error(tmp_path, setup, message):
+    setup(tmp_path)
+    if message.startswith("does not") or (tmp_path / "job.json").exists():
+        (tmp_path / "events.log").write_bytes(b"")
+    proc = elaswave("replay", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr, proc.stderr

@@ -41,6 +41,13 @@ SUPPORTED_SCHEMA_VERSIONS: frozenset[int] = frozenset(range(1, SCHEMA_VERSION + 
 KIND_KEY = "event_kind"
 """Payload key holding the :class:`EventKind` value."""
 
+MAX_PAYLOAD_BYTES = 1 << 20
+"""Largest payload frame :func:`decode` reads and :func:`encode` writes (1 MiB). Events
+carry plan inputs, never plans or tensors: the largest in practice are a few KiB."""
+
+MAX_TOPIC_BYTES = 32
+"""Largest topic frame :func:`decode` reads (topic names are a few letters)."""
+
 _NUM_FRAMES = 2
 _MAX_REPR = 80
 
@@ -496,20 +503,35 @@ def encode(event: Event) -> list[bytes]:
     payload: dict[str, Any] = {KIND_KEY: cls.KIND.value}
     for spec in _FIELD_SPECS[cls.KIND]:
         payload[spec.name] = getattr(event, spec.name)
-    return [cls.TOPIC.value.encode(), msgpack.packb(payload, use_bin_type=True)]
+    body = msgpack.packb(payload, use_bin_type=True)
+    if len(body) > MAX_PAYLOAD_BYTES:  # receivers would refuse it: say so at the source
+        raise SchemaError(
+            f"{cls.KIND.value} encodes to {len(body)} bytes, over the bus limit of "
+            f"{MAX_PAYLOAD_BYTES}"
+        )
+    return [cls.TOPIC.value.encode(), body]
 
 
 def decode(frames: Sequence[bytes]) -> Event:
     """Decode a multipart message into its event, or raise :class:`SchemaError`.
 
-    Unknown extra payload fields are ignored (forward-compatible additions); ``float``
-    fields accept integers.
+    Frames past :data:`MAX_TOPIC_BYTES` and :data:`MAX_PAYLOAD_BYTES` are refused before
+    anything is unpacked. Unknown extra payload fields are ignored (forward-compatible
+    additions); ``float`` fields accept integers.
     """
     if len(frames) != _NUM_FRAMES:
         raise SchemaError(
             f"expected {_NUM_FRAMES} frames [topic, payload], got {len(frames)} frame(s)"
         )
     topic_frame, body = bytes(frames[0]), bytes(frames[1])
+    if len(topic_frame) > MAX_TOPIC_BYTES:
+        raise SchemaError(
+            f"topic frame of {len(topic_frame)} bytes: topics are at most {MAX_TOPIC_BYTES}"
+        )
+    if len(body) > MAX_PAYLOAD_BYTES:
+        raise SchemaError(
+            f"payload of {len(body)} bytes exceeds the bus limit of {MAX_PAYLOAD_BYTES} bytes"
+        )
     try:
         payload = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on bad input

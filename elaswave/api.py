@@ -32,5 +32,7 @@ def connect(
     run_dir = Path(run_dir)
     if not (run_dir / "job.json").is_file():
         raise ValueError(f"{str(run_dir)!r} has no job.json: not a running job's run directory")
-    endpoints = JobSpec.read(run_dir).endpoints
-    return Session(sender, endpoints.bus_publish, endpoints.bus_subscribe, topics)
+    spec = JobSpec.read(run_dir)
+    endpoints = spec.endpoints
+    return Session(sender, endpoints.bus_publish, endpoints.bus_subscribe, topics,
+                   keys=spec.config.train.keys())  # fmt: skip

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zmq
 
 from elaswave.runtime.compare import load_params
 from elaswave.runtime.replay import replay_run
@@ -60,6 +61,20 @@ def check_replay(run: Run) -> None:
     assert [p.generation for p in result.plans] == [
         r["generation"] for r in run.summary["recoveries"]
     ], result.plans
+
+
+@contextlib.contextmanager
+def plain_publisher(endpoint: str) -> Iterator[zmq.Socket]:
+    """A bare ZeroMQ PUB socket (no handshake, no keys) connected to ``endpoint``: what a
+    stranger or a buggy tool would use."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.connect(endpoint)
+        yield pub
+    finally:
+        pub.close(linger=0)
+        ctx.term()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,9 @@ from typing import Self
 
 import structlog
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from elaswave.bus.keys import BusKeys, is_loopback, serve_curve
 
 logger = structlog.get_logger(__name__)
 
@@ -43,6 +46,8 @@ class Broker:
         frontend_port: port of the XSUB socket publishers connect to (0: any free port).
         backend_port: port of the XPUB socket subscribers connect to (0: any free port).
         hwm: send/receive high-water mark of both sockets, in messages.
+        keys: CURVE keys (:mod:`elaswave.bus.keys`): both sockets then encrypt and admit
+            only clients holding the job's client key. Required to bind beyond loopback.
     """
 
     def __init__(
@@ -52,9 +57,18 @@ class Broker:
         backend_port: int = 0,
         *,
         hwm: int = DEFAULT_HWM,
+        keys: BusKeys | None = None,
     ) -> None:
         if hwm <= 0:
             raise ValueError(f"hwm must be a positive number of messages, got {hwm}")
+        if keys is None and not is_loopback(host):
+            raise ValueError(
+                f"the bus would bind on {host}, beyond this host: that needs CURVE keys "
+                "(`elaswave keys DIR`, then --bus-keys DIR); without keys it binds on "
+                "127.0.0.1 only"
+            )
+        self._keys = keys
+        self._auth: ThreadAuthenticator | None = None
         self._host = host
         self._frontend_port = frontend_port
         self._backend_port = backend_port
@@ -110,6 +124,13 @@ class Broker:
                 backend.setsockopt(zmq.SNDHWM, self._hwm)
                 for sock in sockets:
                     sock.setsockopt(zmq.LINGER, 0)
+                if self._keys is not None:
+                    self._auth = ThreadAuthenticator(context)
+                    self._auth.start()
+                    # Admits the public keys of the key directory: the job's client key.
+                    self._auth.configure_curve(domain="*", location=str(self._keys.directory))
+                    serve_curve(frontend, self._keys)
+                    serve_curve(backend, self._keys)
                 frontend.bind(f"tcp://{self._host}:{self._frontend_port}")
                 backend.bind(f"tcp://{self._host}:{self._backend_port}")
                 control_address = f"inproc://elaswave-broker-{next(_ids)}"
@@ -118,6 +139,8 @@ class Broker:
             except zmq.ZMQError as exc:
                 for sock in sockets:
                     sock.close()
+                if self._auth is not None:
+                    self._auth.stop()
                 context.term()
                 raise RuntimeError(
                     f"broker could not bind on {self._host} (ports {self._frontend_port}, "
@@ -156,6 +179,8 @@ class Broker:
             if thread.is_alive():
                 logger.error("broker_thread_did_not_stop", timeout_s=timeout)
             control.close()
+        if self._auth is not None:
+            self._auth.stop()
         if context is not None and (thread is None or not thread.is_alive()):
             context.term()
         logger.debug("broker_closed")

@@ -36,6 +36,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from elaswave.bus.keys import BusKeys, use_curve
 from elaswave.bus.schema import Event, Hello, SchemaError, Topic, decode, encode
 
 logger = structlog.get_logger(__name__)
@@ -70,6 +71,8 @@ class BusClient:
         hello_interval: seconds between two hellos during the handshake.
         linger: seconds :meth:`close` lets unsent messages flush in the background.
         drain_batch: most messages taken without awaiting after one awaited receive.
+        keys: the job's CURVE keys when its broker has them (:mod:`elaswave.bus.keys`);
+            without the right ones the handshake never completes (:class:`BusError`).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class BusClient:
         hello_interval: float = 0.02,
         linger: float = 1.0,
         drain_batch: int = 1024,
+        keys: BusKeys | None = None,
     ) -> None:
         if not sender:
             raise ValueError("sender must be a non-empty name such as 'core' or 'rank3'")
@@ -97,6 +101,7 @@ class BusClient:
         self._hello_interval = hello_interval
         self._linger_ms = int(linger * 1000)
         self._drain_batch = drain_batch
+        self._keys = keys
         self._pub: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_sync: zmq.Socket[bytes] | None = None
@@ -130,6 +135,9 @@ class BusClient:
         self._sub = context.socket(zmq.SUB)
         self._pub.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
         self._sub.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
+        if self._keys is not None:
+            use_curve(self._pub, self._keys)
+            use_curve(self._sub, self._keys)
         self._pub.connect(self.publish_endpoint)
         self._sub.connect(self.subscribe_endpoint)
         for topic in self.topics | {Topic.CONTROL}:

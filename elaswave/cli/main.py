@@ -101,6 +101,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps")
     p.add_argument(
+        "--bus-host", help="IP address the bus binds on (default 127.0.0.1; others need keys)"
+    )
+    p.add_argument("--bus-keys", help="directory of the job's CURVE keys (elaswave keys DIR)")
+    p.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
@@ -189,6 +193,8 @@ def _train(args: argparse.Namespace) -> int:
             "migration": args.migration,
             "partition": args.partition,
             "checkpoint_every": args.checkpoint_every,
+            "bus_host": args.bus_host,
+            "bus_keys": args.bus_keys,
         },
     }
     job = build_job(file_values, overrides)
@@ -228,6 +234,18 @@ def _events(args: argparse.Namespace) -> int:
         )
     for record in read_event_log(path):
         print(format_record(record))
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """Write a fresh CURVE key set for a job's bus."""
+    from elaswave.bus.keys import generate_keys
+
+    keys = generate_keys(args.dir)
+    print(
+        f"elaswave: wrote the bus's server and client keys to {keys.directory} (secrets mode "
+        f"0600); train with --bus-keys {keys.directory} to bind beyond 127.0.0.1"
+    )
     return 0
 
 
@@ -314,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
+    ky = sub.add_parser(
+        "keys",
+        help="make CURVE keys for a job's bus (needed to bind beyond 127.0.0.1)",
+        description="Write a server and a client key pair (ZeroMQ certificate files) into "
+        "DIR. A job trained with --bus-keys DIR encrypts its bus and admits only processes "
+        "that hold them; copy DIR to every host of the job.",
+    )
+    ky.add_argument("dir", type=Path)
     rl = sub.add_parser(
         "replay",
         help="recompute a run's recovery plans from its event log and check them",
@@ -344,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": _train,
         "events": _events,
         "replay": _replay,
+        "keys": _keys,
         "scale": _scale,
         "report": _report,
         "sim": sim.run,

@@ -18,6 +18,7 @@ import structlog
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import EventLogWriter
+from elaswave.bus.keys import BusKeys
 from elaswave.bus.schema import (
     Event,
     Heartbeat,
@@ -38,10 +39,20 @@ EVENT_LOG = "events.log"
 
 
 class Core:
-    def __init__(self, run_dir: Path, *, on_event: Callable[[Event], None] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        on_event: Callable[[Event], None] | None = None,
+        host: str = "127.0.0.1",
+        keys: BusKeys | None = None,
+    ) -> None:
+        """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
+        loopback, :mod:`elaswave.bus.keys`)."""
         self.run_dir = run_dir
         self.on_event = on_event
-        self.broker = Broker()
+        self.keys = keys
+        self.broker = Broker(host, keys=keys)
         self.num_events = 0
         self.num_rejected = 0
         self.finished: dict[int, WorkerFinished] = {}
@@ -74,7 +85,7 @@ class Core:
         self.broker.start()
         self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         self._client = BusClient(
-            "core", self.broker.publish_endpoint, self.broker.subscribe_endpoint
+            "core", self.broker.publish_endpoint, self.broker.subscribe_endpoint, keys=self.keys
         )
         await self._client.connect()
         return self

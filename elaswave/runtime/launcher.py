@@ -130,7 +130,8 @@ async def run_job(
     plan = cfg.plan()
     store = serve_store(timeout_s=cfg.train.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
-    async with Core(run_dir, on_event=on_event) as core:
+    t = cfg.train
+    async with Core(run_dir, on_event=on_event, host=t.bus_host, keys=t.keys()) as core:
         listener = asyncio.create_task(core.listen())
         try:
             recoveries = await _run_workers(cfg, run_dir, run_id, store, core)

@@ -98,8 +98,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
         cfg = JobSpec.read(run_dir).config
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(
-            f"{str(run_dir / 'job.json')!r} does not describe a job ({type(exc).__name__}: "
-            f"{exc})"
+            f"{str(run_dir / 'job.json')!r} does not describe a job ({type(exc).__name__}: {exc})"
         ) from None
     plan = cfg.plan()
     ready: dict[int, dict[int, RecoveryReady]] = {}  # generation -> rank -> latest report

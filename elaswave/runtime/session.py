@@ -44,6 +44,7 @@ import structlog
 import uvloop
 
 from elaswave.bus.client import BusClient, BusError
+from elaswave.bus.keys import BusKeys
 from elaswave.bus.schema import Event, EventKind, Topic
 
 logger = structlog.get_logger(__name__)
@@ -91,6 +92,7 @@ class Session:
         *,
         queue_size: int = 10_000,
         handshake_timeout: float = 10.0,
+        keys: BusKeys | None = None,
     ) -> None:
         if queue_size <= 0:
             raise ValueError(f"queue_size must be a positive number of events, got {queue_size}")
@@ -100,6 +102,7 @@ class Session:
             subscribe_endpoint,
             topics,
             handshake_timeout=handshake_timeout,
+            keys=keys,
         )
         self._queue_size = queue_size
         self._handshake_timeout = handshake_timeout

@@ -89,8 +89,9 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     structlog.contextvars.bind_contextvars(rank=rank, joined=join)
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
-        f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY]
-    )
+        f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
+        keys=spec.config.train.keys(),
+    )  # fmt: skip
     abort = AbortSignal()
     inbox: queue.Queue[Event] = queue.Queue()
     pauses = PauseBox()

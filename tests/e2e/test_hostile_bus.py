@@ -7,11 +7,10 @@ import sys
 
 import msgpack
 import pytest
-import zmq
 
 from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted, encode
 from elaswave.runtime.config import JobSpec
-from tests.runs import background_job
+from tests.runs import background_job, plain_publisher
 
 
 def _bad_messages() -> list[list[bytes]]:
@@ -44,20 +43,16 @@ def _bad_messages() -> list[list[bytes]]:
 def test_live_job_survives_hostile_messages(tmp_path):
     out = tmp_path / "run"
     bad = _bad_messages()
-    with background_job(out, "--dp", "2", "--pp", "2", "--steps", "40") as job:
-        ctx = zmq.Context()
-        pub = ctx.socket(zmq.PUB)
-        try:
-            pub.connect(JobSpec.read(out).endpoints.bus_publish)
-            # Once the first step is out, every worker's session is subscribed.
-            while "step    1/40" not in (line := job.stdout.readline()):
-                assert line, "job ended before its first step"
-            for frames in bad:
-                pub.send_multipart(frames)
-            stdout, stderr = job.communicate(timeout=150)
-        finally:
-            pub.close(linger=0)
-            ctx.term()
+    with (
+        background_job(out, "--dp", "2", "--pp", "2", "--steps", "40") as job,
+        plain_publisher(JobSpec.read(out).endpoints.bus_publish) as pub,
+    ):
+        # Once the first step is out, every worker's session is subscribed.
+        while "step    1/40" not in (line := job.stdout.readline()):
+            assert line, "job ended before its first step"
+        for frames in bad:
+            pub.send_multipart(frames)
+        stdout, stderr = job.communicate(timeout=150)
     assert job.returncode == 0, stderr
     assert "step   40/40" in stdout, stdout
     assert stderr.count("bus_message_rejected") == len(bad), stderr

@@ -117,6 +117,8 @@ class Session:
         self._subscriptions: tuple[_Subscription, ...] = ()
         self._feeds: tuple[_Feed, ...] = ()
         self._dropped = 0
+        self._floor = 0
+        self._stale = 0
 
     @property
     def sender(self) -> str:
@@ -315,9 +317,43 @@ class Session:
         while True:
             await client.publish(await self._outbox.get())
 
+    @property
+    def floor_generation(self) -> int:
+        """Recovery-topic events of an older plan generation are dropped (and logged):
+        a process sets this to the generation it has applied."""
+        return self._floor
+
+    @floor_generation.setter
+    def floor_generation(self, generation: int) -> None:
+        self._floor = generation
+
+    @property
+    def stale(self) -> int:
+        """Recovery events dropped for a generation below :attr:`floor_generation`."""
+        return self._stale
+
+    def _superseded(self, event: Event) -> bool:
+        floor = self._floor
+        if event.TOPIC is not Topic.RECOVERY or event.generation >= floor:
+            return False
+        self._stale += 1
+        if self._stale & (self._stale - 1) == 0:  # 1, 2, 4, ...: bounded log volume
+            logger.warning(
+                "bus_message_stale",
+                receiver=self.sender,
+                kind=event.KIND.value,
+                sender=event.sender,
+                generation=event.generation,
+                floor=floor,
+                num_stale=self._stale,
+            )
+        return True
+
     async def _receive(self, client: BusClient) -> None:
         while True:
             event = await client.recv()
+            if self._superseded(event):
+                continue
             for subscription in self._subscriptions:
                 if subscription.kinds is None or event.KIND in subscription.kinds:
                     try:

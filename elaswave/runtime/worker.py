@@ -276,6 +276,7 @@ def _recover(
             f"{decision.plan_digest}: planners disagree"
         )
     ctx.abort.generation = gen + 1
+    session.floor_generation = gen + 1  # the old generation's messages are stale now
     ctx.abort.clear()
     # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
     # thread's stack goes to this worker's log.
@@ -328,6 +329,7 @@ def _join(ctx: WorkerContext, session: Session, inbox: queue.Queue[Event]) -> Tr
             f"{decision.plan_digest}: planners disagree"
         )
     ctx.abort.generation = decision.generation
+    session.floor_generation = decision.generation
     ctx.abort.clear()  # failures announced before it joined are not its business
     trainer, phases = join_trainer(ctx, current, new_plan, decision.committed_step)
     session.publish(

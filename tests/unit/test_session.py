@@ -252,3 +252,29 @@ def test_misuse_is_reported(broker: Broker) -> None:
         session.subscribe(print, kinds=["not_a_kind"])
     session.close()
     session.close()
+
+
+async def test_recovery_events_of_a_superseded_generation_are_dropped_and_logged(
+    session: Session, peer: BusClient
+) -> None:
+    """A worker at plan generation 3 must not act on generation 2's recovery messages (a
+    late or replayed announcement); it drops them with a logged reason. Other topics
+    (metrics) carry no plan, and pass whatever their generation."""
+    session.floor_generation = 3
+    recovery = session.events(kinds=[EventKind.RECOVERY_STARTED, EventKind.STEP_COMPLETED])
+    with structlog.testing.capture_logs() as logs:
+        old = RecoveryStarted(sender="", generation=2, step=4, kind="fail", ranks=[1], reason="o")
+        new = RecoveryStarted(sender="", generation=3, step=5, kind="fail", ranks=[2], reason="n")
+        metric = StepCompleted(sender="", generation=1, rank=0, step=5, loss=1.0,
+                               step_time_s=0.1, samples=4)  # fmt: skip
+        for event in (old, metric, new):
+            await peer.publish(event)
+        async with asyncio.timeout(10):
+            got = [await anext(recovery) for _ in range(2)]
+    assert [(type(e).__name__, e.generation) for e in got] == [
+        ("StepCompleted", 1), ("RecoveryStarted", 3),
+    ]  # fmt: skip
+    assert session.stale == 1
+    (logged,) = [e for e in logs if e["event"] == "bus_message_stale"]
+    assert logged["generation"] == 2 and logged["floor"] == 3
+    assert logged["kind"] == "recovery_started" and logged["sender"] == "core"

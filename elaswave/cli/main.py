@@ -256,6 +256,8 @@ def _replay(args: argparse.Namespace) -> int:
     result = replay_run(args.run_dir)
     for bad in result.unreadable:
         print(f"skipped unreadable record: {bad}")
+    for forged in result.ignored:
+        print(f"skipped a plan not from the Core: {forged}")
     for p in result.plans:
         what = f"generation {p.generation}, {p.kind}"
         what += f" of ranks {list(p.failed)}" if p.failed else ""

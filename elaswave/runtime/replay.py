@@ -36,6 +36,9 @@ from elaswave.fabric.errors import Unrecoverable
 from elaswave.runtime.config import JobConfig, JobSpec
 from elaswave.runtime.core import EVENT_LOG
 
+CORE = "core"
+"""The sender name of the Core, the only process that announces plans."""
+
 _CAUSES = (FailureDetected, StragglerDetected, ScaleRequest, PauseRequest)
 """Events that start a recovery: the divergence report names the latest one."""
 
@@ -81,6 +84,8 @@ class ReplayResult:
     """Every announced plan up to and including the first divergence, in log order."""
     unreadable: tuple[str, ...] = field(default=())
     """Log records that did not decode (skipped; the Core logged them too)."""
+    ignored: tuple[str, ...] = field(default=())
+    """Recovery plans from a sender other than the Core (not plans: skipped)."""
 
     @property
     def diverged(self) -> Replayed | None:
@@ -106,6 +111,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
     seen: set[int] = set()
     out: list[Replayed] = []
     unreadable: list[str] = []
+    ignored: list[str] = []
     for record in read_event_log(log_path):
         event = record.event
         if event is None:
@@ -115,6 +121,8 @@ def replay_run(run_dir: Path) -> ReplayResult:
             ready.setdefault(event.generation, {})[event.rank] = event
         elif isinstance(event, _CAUSES):
             cause = record
+        elif isinstance(event, RecoveryPlan) and event.sender != CORE:
+            ignored.append(format_record(record))  # only the Core announces plans
         elif isinstance(event, RecoveryPlan) and event.generation not in seen:
             seen.add(event.generation)
             digest, problems, new_plan = _replay_one(
@@ -136,7 +144,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
             if new_plan is None:
                 break
             plan = new_plan
-    return ReplayResult(tuple(out), tuple(unreadable))
+    return ReplayResult(tuple(out), tuple(unreadable), tuple(ignored))
 
 
 def _replay_one(

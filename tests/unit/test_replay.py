@@ -100,6 +100,16 @@ def test_a_tampered_announcement_is_named_with_its_cause(tmp_path):
     assert "the plan of generation 2 diverges (1 reproduced before it)" in proc.stderr
 
 
+def test_a_plan_not_from_the_core_is_skipped_and_named(tmp_path):
+    events = _two_failures()
+    forged = dataclasses.replace(events[-1], sender="rank2", plan_digest="f" * 16)
+    events.insert(len(events) - 1, forged)  # before the Core's own announcement
+    result = replay_run(_run_dir(tmp_path, events))
+    assert result.diverged is None and [p.generation for p in result.plans] == [1, 2]
+    (skipped,) = result.ignored
+    assert "rank2" in skipped and "f" * 16 in skipped
+
+
 def test_a_missing_report_is_an_input_problem_not_a_crash(tmp_path):
     events = [e for e in _two_failures() if not (isinstance(e, RecoveryReady) and e.rank == 2)]
     result = replay_run(_run_dir(tmp_path, events))

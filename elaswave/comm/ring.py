@@ -228,9 +228,14 @@ class RingGroup:
     def _reserve(self, phases: int) -> int:
         """Tag counters of the next ``phases`` x ``(size - 1)`` steps, reserved on the
         caller's thread before any is sent: members that entered the same collectives
-        agree on the counter even when one of them was abandoned halfway."""
+        agree on the counter even when one of them was abandoned halfway.
+
+        The ring is ``tainted`` from here until the collective completes: a member that
+        reserves and is then aborted (even before posting anything) has moved its counter
+        past its peers', so the ring must be re-formed, not reused."""
         base = self._counter
         self._counter += phases * (self.size - 1)
+        self.tainted = True
         return base
 
     def _reduce_scatter_chunks(
@@ -277,9 +282,9 @@ class RingGroup:
         A collective given up on stays parked on its thread (blocked on a dead or hung
         peer) and posts nothing more; the ring stays ``tainted``.
         """
+        assert self.tainted, "a collective runs only after _reserve"
         if self.abort is not None:
             self.abort.check()
-        self.tainted = True
         cancel = threading.Event()
         future = WAITERS.submit(functools.partial(collective, cancel))
         try:

@@ -103,11 +103,8 @@ def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_referen
     6-sample micro-batches (2 + 2 + 2 on stage 0, 3 + 3 on stage 1: nothing rotates, half
     as many micro-batches) and moves a layer off stage 1, and the run still matches the
     fault-free one."""
-    # Blocking migration: with the non-blocking transition (no early micro-batch) this
-    # regrouped recovery hung once in a loaded full-suite run (stage 0's reduce-scatter
-    # never completed); that path is under investigation, not this test's subject.
     run = train(runs_dir / "regroup_kill", *ROTATING_JOB, "--rebalance", "migrate",
-                "--migration", "blocking", "--fault", "kill:3@3:backward")  # fmt: skip
+                "--fault", "kill:3@3:backward")  # fmt: skip
     _check_recovered(run, rotating_reference, world=6, failed=[[3]])
     (rec,) = run.summary["recoveries"]
     assert rec["plan"]["num_micro_batches"] == 4, rec["plan"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.dynamic import (
     RebuildStrategy,
     is_dp_group,
@@ -15,6 +19,7 @@ from elaswave.comm.dynamic import (
 from elaswave.comm.group import GroupSpec, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.comm.ring import (
+    RingGroup,
     all_gather_schedule,
     reduce_scatter_schedule,
     ring_neighbours,
@@ -297,3 +302,38 @@ def test_every_member_agrees_and_creation_never_deadlocks(
             for unit in ready:
                 for r in unit[2]:
                     queues[r].pop(0)
+
+
+class _PairLink:
+    """Stands in for a pooled link: an abort before the first send needs no transport."""
+
+    def __init__(self, pair: tuple[int, int]) -> None:
+        self.pair = pair
+
+    def index_of(self, rank: int) -> int:
+        return self.pair.index(rank)
+
+
+class _Links:
+    def get(self, a: int, b: int) -> _PairLink:
+        return _PairLink((min(a, b), max(a, b)))
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "all_reduce"])
+def test_a_collective_aborted_after_reserving_leaves_the_ring_tainted(collective: str) -> None:
+    """A member aborted between reserving its tag counter and posting anything has moved
+    its counter past its peers'. Reporting the ring untainted let the recovery reuse it,
+    and the redone step's collective then waited forever on tags no peer would send
+    (a dp3 x pp2 SIGKILL test hung that way once in a loaded suite)."""
+    signal = AbortSignal()
+    ring = RingGroup(GroupSpec("dp.s0", (0, 1, 2)), 1, _Links(), timeout=timedelta(seconds=5),
+                     generation=0, abort=signal)  # type: ignore[arg-type]  # fmt: skip
+    signal.set("rank 3 failed")
+    run = {
+        "reduce_scatter": lambda: ring.reduce_scatter(torch.zeros(2), torch.zeros(6)),
+        "all_gather": lambda: ring.all_gather(torch.zeros(6), torch.zeros(2)),
+        "all_reduce": lambda: ring.all_reduce(torch.zeros(6)),
+    }[collective]
+    with pytest.raises(StepAborted):
+        run()
+    assert ring.tainted, "the ring's counter moved: it must be rebuilt, not reused"

@@ -175,6 +175,19 @@ def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
     _check_recovered(run, reference(4, 2, 2), world=8, failed=[[2, 3]])
 
 
+@pytest.mark.timeout(300)
+def test_two_workers_of_different_stages_killed_at_once(runs_dir, reference):
+    """Ranks 1 (stage 0) and 6 (stage 1), on different nodes, SIGKILLed in step 3's
+    backward pass. Stage 1 reaches it first; rank 1 dies either before every survivor
+    has stopped (the Core widens the announced set: one recovery of both) or in the redo
+    (a second recovery). Either way the run matches the fault-free one."""
+    run = train(runs_dir / "two_at_once", "--dp", "4", "--pp", "2", *JOB,
+                "--fault", "kill:1@3:backward", "--fault", "kill:6@3:backward")  # fmt: skip
+    failed = [r["ranks"] for r in run.summary["recoveries"]]
+    assert failed in ([[1, 6]], [[6], [1]]), failed
+    _check_recovered(run, reference(4, 2), world=8, failed=failed)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("args", "message"),

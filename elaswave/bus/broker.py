@@ -28,7 +28,7 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from elaswave.bus.keys import BusKeys, is_loopback, serve_curve
+from elaswave.bus.keys import BusKeys, check_bind, serve_curve
 
 logger = structlog.get_logger(__name__)
 
@@ -61,12 +61,7 @@ class Broker:
     ) -> None:
         if hwm <= 0:
             raise ValueError(f"hwm must be a positive number of messages, got {hwm}")
-        if keys is None and not is_loopback(host):
-            raise ValueError(
-                f"the bus would bind on {host}, beyond this host: that needs CURVE keys "
-                "(`elaswave keys DIR`, then --bus-keys DIR); without keys it binds on "
-                "127.0.0.1 only"
-            )
+        check_bind(host, keyed=keys is not None)
         self._keys = keys
         self._auth: ThreadAuthenticator | None = None
         self._host = host

@@ -41,14 +41,21 @@ class BusKeys:
     client: KeyPair
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address or 'localhost') is a loopback address."""
-    if host == "localhost":
-        return True
+def check_bind(host: str, *, keyed: bool) -> None:
+    """Refuse a bus address that is not an IP address, or one beyond loopback without
+    keys (``keyed``): the one bind rule, for the job's config and the broker alike."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        raise ValueError(
+            f"bus host {host!r}: must be an IP address of this host (127.0.0.1, the default, "
+            "or an interface's address)"
+        ) from None
+    if not loopback and not keyed:
+        raise ValueError(
+            f"bus host {host}: binding beyond loopback needs CURVE keys; make them with "
+            "`elaswave keys DIR` and pass --bus-keys DIR"
+        )
 
 
 def generate_keys(directory: Path) -> BusKeys:

@@ -141,7 +141,8 @@ class Plan:
         specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
         for stage in range(self.pp - 1):
             period = math.lcm(self.stages[stage].period, self.stages[stage + 1].period)
-            pairs = {(r.src, r.dst) for mb in range(period) for r in self.routes(stage, mb)}
+            phases = range(min(period, self.num_micro_batches))  # later phases are unused
+            pairs = {(r.src, r.dst) for mb in phases for r in self.routes(stage, mb)}
             specs += [
                 GroupSpec(link_group_name(src, dst), (src, dst)) for src, dst in sorted(pairs)
             ]

@@ -7,13 +7,12 @@ every worker loads the same file, so all ranks agree on the model, data and layo
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elaswave.bus.keys import BusKeys, is_loopback, load_keys
+from elaswave.bus.keys import BusKeys, check_bind, load_keys
 from elaswave.comm.backend import parse_device
 from elaswave.data.corpus import DataConfig
 from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
@@ -111,7 +110,9 @@ class TrainConfig:
     and admits only processes holding them."""
 
     def keys(self) -> BusKeys | None:
-        """The job's bus keys, read from ``bus_keys`` (None without)."""
+        """The job's bus keys, read from ``bus_keys`` (None without). Read where the bus
+        is used, not on validation: a run directory stays readable (replay, reports) on
+        a host that does not hold its keys."""
         return None if self.bus_keys is None else load_keys(Path(self.bus_keys))
 
     def __post_init__(self) -> None:
@@ -125,20 +126,7 @@ class TrainConfig:
                 f"world size {self.world_size} != dp x pp = {self.dp} x {self.pp} = "
                 f"{self.dp * self.pp}; set --world-size {self.dp * self.pp} or change --dp/--pp"
             )
-        try:
-            ipaddress.ip_address(self.bus_host)
-        except ValueError:
-            raise ValueError(
-                f"bus host {self.bus_host!r}: must be an IP address of this host "
-                "(127.0.0.1, the default, or an interface's address)"
-            ) from None
-        if self.bus_keys is None and not is_loopback(self.bus_host):
-            raise ValueError(
-                f"bus host {self.bus_host}: binding beyond loopback needs CURVE keys; make "
-                "them with `elaswave keys DIR` and pass --bus-keys DIR"
-            )
-        if self.bus_keys is not None:
-            self.keys()  # a missing or unreadable key fails here, not in every worker
+        check_bind(self.bus_host, keyed=self.bus_keys is not None)
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
         if self.rng not in RNG_KINDS:

@@ -126,12 +126,12 @@ async def run_job(
 ) -> dict[str, Any]:
     """Train ``cfg`` with dp x pp local worker processes; return the summary."""
     check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)
+    keys = cfg.train.keys()  # a missing key stops the job here, before anything starts
     _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
     plan = cfg.plan()
     store = serve_store(timeout_s=cfg.train.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
-    t = cfg.train
-    async with Core(run_dir, on_event=on_event, host=t.bus_host, keys=t.keys()) as core:
+    async with Core(run_dir, on_event=on_event, host=cfg.train.bus_host, keys=keys) as core:
         listener = asyncio.create_task(core.listen())
         try:
             recoveries = await _run_workers(cfg, run_dir, run_id, store, core)

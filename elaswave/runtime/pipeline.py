@@ -82,11 +82,12 @@ class StageRunner:
         self.sampler = GlobalBatchSampler(plan.global_batch, plan.num_micro_batches)
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.pp - 1
-        # Shares and routes repeat with the stages' rotation period: one entry per phase.
+        # Shares and routes repeat with the stages' rotation period: one entry per phase
+        # (at most one per micro-batch of the step: a period can exceed it by far).
         here = plan.stages[self.stage]
         before = here.period if self.is_first else plan.stages[self.stage - 1].period
         after = here.period if self.is_last else plan.stages[self.stage + 1].period
-        self.period = math.lcm(before, here.period, after)
+        self.period = min(math.lcm(before, here.period, after), plan.num_micro_batches)
         self._share = [here.offsets(mb)[self.replica] for mb in range(self.period)]
         self._inbound: list[list[Route]] = [
             [] if self.is_first else [r for r in plan.routes(self.stage - 1, mb) if r.dst == rank]

@@ -117,7 +117,9 @@ class Session:
         self._subscriptions: tuple[_Subscription, ...] = ()
         self._feeds: tuple[_Feed, ...] = ()
         self._dropped = 0
-        self._floor = 0
+        self.floor_generation = 0
+        """Recovery-topic events of an older plan generation are dropped (and logged):
+        a process sets this to the generation it has applied."""
         self._stale = 0
 
     @property
@@ -318,22 +320,12 @@ class Session:
             await client.publish(await self._outbox.get())
 
     @property
-    def floor_generation(self) -> int:
-        """Recovery-topic events of an older plan generation are dropped (and logged):
-        a process sets this to the generation it has applied."""
-        return self._floor
-
-    @floor_generation.setter
-    def floor_generation(self, generation: int) -> None:
-        self._floor = generation
-
-    @property
     def stale(self) -> int:
         """Recovery events dropped for a generation below :attr:`floor_generation`."""
         return self._stale
 
     def _superseded(self, event: Event) -> bool:
-        floor = self._floor
+        floor = self.floor_generation
         if event.TOPIC is not Topic.RECOVERY or event.generation >= floor:
             return False
         self._stale += 1

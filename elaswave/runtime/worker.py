@@ -49,7 +49,7 @@ from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.engine.cost import layer_costs
 from elaswave.engine.plan import plan_from_dict, plan_key
-from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest
+from elaswave.engine.recovery import next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
@@ -195,11 +195,6 @@ def _await_event(
     raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
 
 
-def rebalancing_of(ctx: WorkerContext, decision: RecoveryPlan) -> Rebalancing:
-    """The throughput planner's inputs as the Core announced them."""
-    return announced_rebalancing(ctx.cfg, decision)
-
-
 class PauseBox:
     """The Core's pending PauseRequest, set from the bus thread, read by the training loop."""
 
@@ -268,7 +263,10 @@ def _recover(
     )
     assert isinstance(decision, RecoveryPlan)
     new_plan, _ = next_plan(
-        trainer.plan, decision.failed, rebalancing_of(ctx, decision), joined=decision.joined
+        trainer.plan,
+        decision.failed,
+        announced_rebalancing(ctx.cfg, decision),
+        joined=decision.joined,
     )
     if plan_digest(new_plan) != decision.plan_digest:
         raise RuntimeError(
@@ -321,7 +319,7 @@ def _join(ctx: WorkerContext, session: Session, inbox: queue.Queue[Event]) -> Tr
     assert isinstance(decision, RecoveryPlan)
     current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
     new_plan, _ = next_plan(
-        current, decision.failed, rebalancing_of(ctx, decision), joined=decision.joined
+        current, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
     )
     if plan_digest(new_plan) != decision.plan_digest:
         raise RuntimeError(

@@ -11,7 +11,7 @@ import pytest
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient, BusError
-from elaswave.bus.keys import generate_keys, is_loopback, load_keys
+from elaswave.bus.keys import check_bind, generate_keys, load_keys
 from elaswave.bus.schema import StepCompleted, Topic
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,11 +48,15 @@ def test_missing_or_bad_keys_are_named(tmp_path):
 
 
 def test_binding_beyond_loopback_without_keys_is_refused():
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("192.0.2.2")
-    with pytest.raises(ValueError, match="beyond this host: that needs CURVE keys"):
+    check_bind("127.0.0.1", keyed=False)
+    check_bind("::1", keyed=False)
+    check_bind("192.0.2.2", keyed=True)
+    with pytest.raises(ValueError, match=r"0\.0\.0\.0: binding beyond loopback needs CURVE keys"):
         Broker("0.0.0.0")
-    with pytest.raises(ValueError, match=r"192\.0\.2\.2, beyond this host"):
+    with pytest.raises(ValueError, match=r"192\.0\.2\.2: binding beyond loopback needs CURVE"):
         Broker("192.0.2.2")
+    with pytest.raises(ValueError, match="'localhost': must be an IP address of this host"):
+        Broker("localhost")
 
 
 WAIT_S = 1.5

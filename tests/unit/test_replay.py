@@ -48,8 +48,9 @@ def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
     return events, decision.plan
 
 
-def _run_dir(tmp_path: Path, events) -> Path:
-    JobSpec(run_id="test", config=CFG, endpoints=Endpoints(store_host="127.0.0.1",
+def _run_dir(tmp_path: Path, events, config: JobConfig = CFG) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    JobSpec(run_id="test", config=config, endpoints=Endpoints(store_host="127.0.0.1",
             store_port=1, bus_publish="tcp://127.0.0.1:1", bus_subscribe="tcp://127.0.0.1:2"),
     ).write(tmp_path)  # fmt: skip
     with EventLogWriter(tmp_path / "events.log") as log:
@@ -116,6 +117,15 @@ def test_a_missing_report_is_an_input_problem_not_a_crash(tmp_path):
     bad = result.diverged
     assert bad is not None and bad.generation == 1 and bad.replayed_digest is None
     assert "no committed step reported by surviving ranks [2]" in bad.problems[0]
+
+
+def test_a_run_on_a_keyed_bus_replays_where_its_keys_are_not(tmp_path):
+    """Replay reads the job's config, not its bus keys: a run directory copied to a host
+    without the keys still replays."""
+    keyed = dataclasses.replace(CFG, train=dataclasses.replace(
+        CFG.train, bus_host="192.0.2.2", bus_keys=str(tmp_path / "absent")))  # fmt: skip
+    result = replay_run(_run_dir(tmp_path / "run", _two_failures(), keyed))
+    assert [p.generation for p in result.plans] == [1, 2] and result.diverged is None
 
 
 def test_a_log_without_recoveries_has_nothing_to_replay(tmp_path):

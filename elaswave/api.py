@@ -34,5 +34,11 @@ def connect(
         raise ValueError(f"{str(run_dir)!r} has no job.json: not a running job's run directory")
     spec = JobSpec.read(run_dir)
     endpoints = spec.endpoints
-    return Session(sender, endpoints.bus_publish, endpoints.bus_subscribe, topics,
-                   keys=spec.config.train.keys())  # fmt: skip
+    return Session(
+        sender,
+        endpoints.bus_publish,
+        endpoints.bus_subscribe,
+        topics,
+        keys=spec.config.train.keys(),
+        fetch_endpoint=endpoints.bus_fetch or None,
+    )

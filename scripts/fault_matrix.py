@@ -161,7 +161,7 @@ def main() -> int:
         rec = s["recoveries"][0]
         mttr_runs.append({"mttr_s": rec["mttr_s"], **rec["phases"], "loss_rel": diff.loss_rel})
         print(f"MTTR run {i}: {rec['mttr_s']:.3f} s", flush=True)
-    phase_names = ["detect", "plan", "comm", "remap", "resume", "redo"]
+    phase_names = ["detect", "plan", "ack", "comm", "remap", "resume", "redo"]
     mttr = {key: statistics.median(r[key] for r in mttr_runs) for key in ["mttr_s", *phase_names]}
 
     lines = [

@@ -58,8 +58,12 @@ def check_replay(run: Run) -> None:
     """Every recovery of ``run`` has a plan that replay reproduces."""
     result = replay_run(run.out)
     assert result.diverged is None, result.diverged
-    assert [p.generation for p in result.plans] == [
-        r["generation"] for r in run.summary["recoveries"]
+    # One committed plan per recovery, after the announcements it superseded.
+    recoveries = run.summary["recoveries"]
+    assert [(p.generation, p.attempt) for p in result.plans] == [
+        (r["generation"], attempt)
+        for r in recoveries
+        for attempt in range(r.get("superseded", 0) + 1)
     ], result.plans
 
 

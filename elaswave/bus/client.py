@@ -17,6 +17,12 @@ After one awaited receive, the client drains whatever else is queued through a
 synchronous *shadow* of the SUB socket with ``NOBLOCK``: one wake-up per batch rather
 than per message (about 3x the throughput of one ``await`` per message, see PLATFORM.md).
 
+Delivery (:mod:`elaswave.bus.reliable`): every published event is numbered per topic;
+the receive path drops duplicates, notes gaps, and hands back late (reordered) messages.
+:meth:`maintain`, run beside the receiver, publishes this client's beacon and repairs
+gaps on the reliable topics: from the Core's log service when ``fetch_endpoint`` is set,
+otherwise by asking the sender to publish again (it keeps a :class:`SentHistory`).
+
 One task at a time may call the receive methods; :meth:`publish` may be called from any
 task of the client's event loop. A client is bound to the loop it connected in.
 """
@@ -37,7 +43,18 @@ import zmq
 import zmq.asyncio
 
 from elaswave.bus.keys import BusKeys, use_curve
-from elaswave.bus.schema import Event, Hello, SchemaError, Topic, decode, encode
+from elaswave.bus.logservice import Fetcher
+from elaswave.bus.reliable import RELIABLE_TOPICS, BusFaults, FaultyLink, SentHistory, SeqTracker
+from elaswave.bus.schema import (
+    Beacon,
+    Event,
+    Hello,
+    ResendRequest,
+    SchemaError,
+    Topic,
+    decode,
+    encode,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -45,6 +62,18 @@ DEFAULT_HWM = 100_000
 """High-water mark (messages) of the client's sockets."""
 
 _CONTROL_FRAME = Topic.CONTROL.value.encode()
+
+BEACON_INTERVAL_S = 0.25
+"""Seconds between two beacons of a client running :meth:`BusClient.maintain`."""
+
+REPAIR_TICK_S = 0.05
+"""How often :meth:`BusClient.maintain` looks for gaps to repair."""
+
+REPAIR_AFTER_S = 0.05
+"""A gap is repaired once it is this old: a reordered message usually fills it first."""
+
+RETRY_S = 0.3
+"""A gap still open this long after a repair attempt is asked for again."""
 
 
 class BusError(RuntimeError):
@@ -73,6 +102,11 @@ class BusClient:
         drain_batch: most messages taken without awaiting after one awaited receive.
         keys: the job's CURVE keys when its broker has them (:mod:`elaswave.bus.keys`);
             without the right ones the handshake never completes (:class:`BusError`).
+        fetch_endpoint: the Core's log service (:mod:`elaswave.bus.logservice`), where
+            :meth:`maintain` fetches missed messages; None: ask their senders instead.
+        from_start: expect every sender's numbers from 1 (the Core, which starts first);
+            otherwise a sender's first beacon or message sets where this client starts.
+        faults: faults to inject into what this client receives (tests).
     """
 
     def __init__(
@@ -87,6 +121,9 @@ class BusClient:
         linger: float = 1.0,
         drain_batch: int = 1024,
         keys: BusKeys | None = None,
+        fetch_endpoint: str | None = None,
+        from_start: bool = False,
+        faults: BusFaults | None = None,
     ) -> None:
         if not sender:
             raise ValueError("sender must be a non-empty name such as 'core' or 'rank3'")
@@ -107,10 +144,26 @@ class BusClient:
         self._sub_sync: zmq.Socket[bytes] | None = None
         self._inbox: collections.deque[list[bytes]] = collections.deque(maxlen=DEFAULT_HWM)
         self._own_hello: list[bytes] | None = None
-        self._seq = 0
+        self._seq: dict[str, int] = {}
         self._closed = False
         self.rejected = 0
         """Number of received messages that failed to decode."""
+        self.duplicates = 0
+        """Received messages dropped because their number was seen before."""
+        self.asked = 0
+        """Missing message numbers asked for again (fetches and resend requests)."""
+        self.fetched = 0
+        """Messages the Core's log service returned."""
+        self.tracker = SeqTracker(from_start=from_start)
+        self._reliable = frozenset(t.value for t in self.topics & RELIABLE_TOPICS)
+        self._history = SentHistory()
+        self._fetcher = Fetcher(fetch_endpoint, keys=keys) if fetch_endpoint else None
+        self._asked: dict[tuple[str, str, int], float] = {}
+        """(sender, topic, seq) -> monotonic time a repair was last attempted."""
+        self._link: FaultyLink | None = (
+            faults.injector(sender) if faults is not None and faults.active else None
+        )
+        self._wake: asyncio.Event | None = None
 
     @property
     def connected(self) -> bool:
@@ -148,8 +201,9 @@ class BusClient:
         except BaseException:
             await self.close()
             raise
-        if Topic.CONTROL not in self.topics:
+        if Topic.CONTROL not in self.topics and not self._reliable:
             self._sub.setsockopt(zmq.UNSUBSCRIBE, Topic.CONTROL.value.encode())
+        self._wake = asyncio.Event()
         self._sub_sync = sub_sync
         logger.debug(
             "bus_client_connected", sender=self.sender, topics=sorted(t.value for t in self.topics)
@@ -188,6 +242,26 @@ class BusClient:
                 f"{self.publish_endpoint} and subscribe endpoint {self.subscribe_endpoint}?"
             ) from None
 
+    async def flush(self, timeout_s: float = 2.0) -> bool:
+        """Before exiting: publish again what the Core's log lacks of this client's recent
+        reliable messages, until it has them all (True) or ``timeout_s`` passes. After
+        the process is gone no one could answer for them. Without a log service: True."""
+        if self._fetcher is None or self._pub is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            have = {(self.sender, t): seqs for t, seqs in self._history.recent(512).items()}
+            lacking = await self._fetcher.lacking(have, timeout_s=left)
+            if lacking is None:
+                return False
+            if not any(lacking.values()):
+                return True
+            for (_, topic), seqs in lacking.items():
+                for frames in self._history.get(topic, seqs):
+                    await self._pub.send_multipart(frames)
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return False
+
     async def close(self) -> None:
         """Close both sockets; queued outgoing messages flush for up to ``linger``. Idempotent."""
         self._closed = True
@@ -199,6 +273,28 @@ class BusClient:
             self._pub.close(linger=self._linger_ms)
             self._pub = None
         self._inbox.clear()
+        if self._fetcher is not None:
+            self._fetcher.close()
+
+    def delivery(self) -> dict[str, int]:
+        """Delivery counters: what was dropped as a duplicate, filled late, asked for
+        again and fetched, and what the fault-injecting link did (if any)."""
+        return {
+            "rejected": self.rejected,
+            "duplicates": self.duplicates,
+            "filled": self.tracker.filled,
+            "asked": self.asked,
+            "fetched": self.fetched,
+            "given_up": self.tracker.given_up,
+            **{f"injected_{k}": v for k, v in self.faults_injected.items()},
+        }
+
+    @property
+    def faults_injected(self) -> dict[str, int]:
+        """What the fault-injecting link did so far (all zero without one)."""
+        if self._link is None:
+            return {"dropped": 0, "duplicated": 0, "reordered": 0, "delayed": 0}
+        return dict(self._link.counts)
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -217,14 +313,18 @@ class BusClient:
     async def publish(self, event: Event) -> Event:
         """Stamp ``sender``, the next ``seq`` (1, 2, ...) and ``time`` (if 0), then send.
 
-        Returns the event as sent. Never waits on subscribers: a PUB socket drops at its
-        high-water mark rather than block.
+        Numbers count per topic. Returns the event as sent. Never waits on subscribers: a
+        PUB socket drops at its high-water mark rather than block.
         """
         if self._pub is None or self._closed:
             raise BusError(f"bus client {self.sender!r} is not connected")
-        self._seq += 1
-        stamped = _stamp(event, self.sender, self._seq)
-        await self._pub.send_multipart(encode(stamped))
+        topic = event.TOPIC.value
+        seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+        stamped = _stamp(event, self.sender, seq)
+        frames = encode(stamped)
+        if event.TOPIC in RELIABLE_TOPICS:
+            self._history.add(topic, seq, frames)
+        await self._pub.send_multipart(frames)
         return stamped
 
     async def publish_raw(self, frames: Sequence[bytes]) -> None:
@@ -271,19 +371,114 @@ class BusClient:
                     num_rejected=self.rejected,
                 )
                 return RawMessage(frames, None, str(exc))
+            if not await self._admit(event):
+                continue
             return RawMessage(frames, event, None)
 
+    async def _admit(self, event: Event) -> bool:
+        """Delivery bookkeeping for one decoded event; False: do not hand it out."""
+        if event.seq > 0 and not self.tracker.accept(event.sender, event.TOPIC.value, event.seq):
+            self.duplicates += 1
+            return False
+        if isinstance(event, Hello):
+            self.tracker.restarted(event.sender, event.nonce)
+        elif isinstance(event, Beacon):
+            for topic, last in zip(event.topics, event.seqs, strict=False):
+                if topic in self._reliable:
+                    self.tracker.advertise(event.sender, topic, last)
+        elif isinstance(event, ResendRequest) and event.target == self.sender:
+            assert self._pub is not None
+            for frames in self._history.get(event.topic, event.seqs):
+                await self._pub.send_multipart(frames)
+        return event.TOPIC is not Topic.CONTROL or Topic.CONTROL in self.topics
+
     async def _fill(self) -> None:
-        """Await one message, then take what is already queued without awaiting."""
-        if self._sub is None or self._sub_sync is None:
+        """Wait until messages are queued: from the socket (through the fault-injecting
+        link, if any), or repaired ones handed in by :meth:`maintain`."""
+        if self._sub is None or self._sub_sync is None or self._wake is None:
             raise BusError(f"bus client {self.sender!r} is not connected")
-        self._inbox.append(await self._sub.recv_multipart())
-        sub_sync = self._sub_sync
-        for _ in range(self._drain_batch):
+        sub, sub_sync, link = self._sub, self._sub_sync, self._link
+        while not self._inbox:
+            taken = 0
+            for _ in range(self._drain_batch):
+                try:
+                    frames = sub_sync.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                taken += 1
+                if link is None:
+                    self._inbox.append(frames)
+                else:
+                    link.feed(frames)
+            if link is not None:
+                if not taken:
+                    link.flush_held()
+                self._inbox.extend(link.ready())
+            if self._inbox:
+                return
+            # A wait that ends early when something arrives or is handed in; its answer
+            # is not trusted (an edge-triggered descriptor may miss one), hence the cap.
+            wait_s = 0.1 if link is None or (due := link.next_due()) is None else min(0.1, due)
+            self._wake.clear()
+            poll = asyncio.ensure_future(sub.poll(max(1, int(wait_s * 1000)), zmq.POLLIN))
+            wake = asyncio.ensure_future(self._wake.wait())
             try:
-                self._inbox.append(sub_sync.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
+                await asyncio.wait({poll, wake}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                poll.cancel()
+                wake.cancel()
+
+    # ------------------------------------------------------------------ delivery
+
+    async def maintain(self, beacon_interval_s: float = BEACON_INTERVAL_S) -> None:
+        """Publish this client's beacon and repair gaps on reliable topics, until cancelled.
+
+        Run it as a task beside the one receiving (both on the client's loop).
+        """
+        last_beacon = 0.0
+        while True:
+            now = time.monotonic()
+            if now - last_beacon >= beacon_interval_s:
+                last_beacon = now
+                topics = sorted(t.value for t in RELIABLE_TOPICS)
+                seqs = [self._seq.get(t, 0) for t in topics]
+                await self.publish(Beacon(sender=self.sender, topics=topics, seqs=seqs))
+            await self.repair()
+            await asyncio.sleep(REPAIR_TICK_S)
+
+    async def repair(self) -> int:
+        """Ask once for every gap due for (re)asking; returns how many numbers were asked."""
+        now = time.monotonic()
+        due: dict[tuple[str, str], list[int]] = {}
+        for key, seqs in self.tracker.missing(self._reliable, older_than=REPAIR_AFTER_S).items():
+            wanted = [s for s in seqs if now - self._asked.get((*key, s), 0.0) >= RETRY_S][:512]
+            if wanted:
+                due[key] = wanted
+                for s in wanted:
+                    self._asked[(*key, s)] = now
+        if not due:
+            return 0
+        asked = sum(len(v) for v in due.values())
+        self.asked += asked
+        logger.info(
+            "bus_gap", receiver=self.sender, gaps={f"{s}/{t}": v for (s, t), v in due.items()}
+        )
+        if self._fetcher is not None:
+            frames = await self._fetcher.fetch(due, timeout_s=1.0)
+            if frames:
+                self.fetched += len(frames)
+                self._inbox.extend(frames)
+                assert self._wake is not None
+                self._wake.set()
+        else:
+            for (sender, topic), seqs in due.items():
+                await self.publish(
+                    ResendRequest(sender=self.sender, target=sender, topic=topic, seqs=seqs)
+                )
+        if len(self._asked) > 4 * 4096:  # forget attempts on gaps long filled
+            open_ = {(*k, s) for k, v in self.tracker.missing(self._reliable).items() for s in v}
+            self._asked = {k: t for k, t in self._asked.items() if k in open_}
+        return asked
 
 
 def _stamp(event: Event, sender: str, seq: int) -> Event:

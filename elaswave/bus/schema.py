@@ -87,6 +87,10 @@ class EventKind(enum.StrEnum):
     PAUSE_REQUEST = "pause_request"
     SCALE_REQUEST = "scale_request"
     MIGRATION_DONE = "migration_done"
+    BEACON = "beacon"
+    RESEND_REQUEST = "resend_request"
+    PLAN_ACK = "plan_ack"
+    PLAN_COMMIT = "plan_commit"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +98,8 @@ class Event:
     """Fields every event carries.
 
     ``sender`` names the publishing process (``"core"``, ``"rank3"``); ``seq`` is the
-    sender's message counter (stamped by the bus client, 1, 2, ...; 0 means unsequenced);
+    sender's message counter on the event's topic (stamped by the bus client, 1, 2, ...
+    per topic, so that a subscriber of a topic sees every number; 0 means unsequenced);
     ``generation`` is the plan generation the sender was executing; ``time`` is the
     sender's wall clock in seconds (stamped on publish when left at 0).
     """
@@ -447,6 +452,9 @@ class RecoveryPlan(Event):
     stale: list[int] = dataclasses.field(default_factory=list)
     """Survivors whose parameters are not those of ``committed_step``: layers migrate
     blocking, after a gather (see :mod:`elaswave.engine.migration`)."""
+    attempt: int = 0
+    """0 for a generation's first announcement; a later one (same generation) supersedes
+    it: a participant did not acknowledge in time, or failed before the commit."""
 
 
 @_register
@@ -482,6 +490,60 @@ class MigrationDone(Event):
     """Parameter-stream and payback bytes this rank sent."""
     waited_s: float
     """Seconds the step waited for incoming layer parameters."""
+
+
+# Delivery (see :mod:`elaswave.bus.reliable`).
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Beacon(Event):
+    """A sender's last ``seq`` on each reliable topic, published every beacon interval,
+    so that a receiver learns of a lost message even when nothing follows it."""
+
+    KIND = EventKind.BEACON
+    TOPIC = Topic.CONTROL
+    topics: list[str]
+    seqs: list[int]
+    """Last seq per topic of ``topics``, in the same order."""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class ResendRequest(Event):
+    """Asks ``target`` to publish again its messages ``seqs`` of ``topic`` (kept in its
+    sent history); the Core asks for what it missed, since no one holds a log above it."""
+
+    KIND = EventKind.RESEND_REQUEST
+    TOPIC = Topic.CONTROL
+    target: str
+    topic: str
+    seqs: list[int]
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class PlanAck(Event):
+    """A participant recomputed the announced plan, found ``plan_digest``, and is ready to
+    apply it once the Core commits it."""
+
+    KIND = EventKind.PLAN_ACK
+    TOPIC = Topic.RECOVERY
+    rank: int
+    plan_digest: str
+    attempt: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class PlanCommit(Event):
+    """Every participant acknowledged the plan ``plan_digest`` of ``generation``: apply it.
+    An announcement that is never committed is superseded by a later one."""
+
+    KIND = EventKind.PLAN_COMMIT
+    TOPIC = Topic.RECOVERY
+    plan_digest: str
+    attempt: int = 0
 
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)

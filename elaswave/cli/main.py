@@ -60,6 +60,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
     p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")
+    p.add_argument(
+        "--heartbeat-timeout", type=float, help="seconds of silence before a worker is fenced"
+    )
+    p.add_argument(
+        "--plan-ack-timeout",
+        type=float,
+        help="seconds every participant has to acknowledge a recovery plan (default 5)",
+    )
     p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
     p.add_argument(
         "--no-snapshots",
@@ -104,6 +112,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--bus-host", help="IP address the bus binds on (default 127.0.0.1; others need keys)"
     )
     p.add_argument("--bus-keys", help="directory of the job's CURVE keys (elaswave keys DIR)")
+    p.add_argument(
+        "--worker-prefix",
+        metavar="WORDS",
+        help="run each worker under these words, {rank} replaced by its rank (e.g. "
+        "'ip netns exec host{rank}')",
+    )
+    p.add_argument(
+        "--bus-faults",
+        metavar="SPEC",
+        help="inject faults into every process's received bus messages, to test delivery: "
+        "drop=P,dup=P,reorder=P,delay=SECONDS,seed=N",
+    )
     p.add_argument(
         "--resume",
         type=Path,
@@ -184,6 +204,8 @@ def _train(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "device": args.device,
             "comm_timeout_s": args.comm_timeout,
+            "heartbeat_timeout_s": args.heartbeat_timeout,
+            "plan_ack_timeout_s": args.plan_ack_timeout,
             "ranks_per_node": args.ranks_per_node,
             "snapshots": args.snapshots,
             "verify_snapshots": args.verify_snapshots,
@@ -195,6 +217,8 @@ def _train(args: argparse.Namespace) -> int:
             "checkpoint_every": args.checkpoint_every,
             "bus_host": args.bus_host,
             "bus_keys": args.bus_keys,
+            "bus_faults": args.bus_faults,
+            "worker_prefix": args.worker_prefix,
         },
     }
     job = build_job(file_values, overrides)
@@ -259,7 +283,8 @@ def _replay(args: argparse.Namespace) -> int:
     for forged in result.ignored:
         print(f"skipped a plan not from the Core: {forged}")
     for p in result.plans:
-        what = f"generation {p.generation}, {p.kind}"
+        what = f"generation {p.generation}" + (f" (attempt {p.attempt})" if p.attempt else "")
+        what += f", {p.kind}"
         what += f" of ranks {list(p.failed)}" if p.failed else ""
         what += f", joining {list(p.joined)}" if p.joined else ""
         if p.ok:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elaswave.bus.keys import BusKeys, check_bind, load_keys
+from elaswave.bus.reliable import BusFaults
 from elaswave.comm.backend import parse_device
 from elaswave.data.corpus import DataConfig
 from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
@@ -108,6 +110,31 @@ class TrainConfig:
     bus_keys: str | None = None
     """Directory of the job's CURVE keys (``elaswave keys DIR``): the bus then encrypts
     and admits only processes holding them."""
+    bus_faults: str = ""
+    """Faults every process injects into the bus messages it receives, for testing
+    delivery: ``drop=P,dup=P,reorder=P,delay=SECONDS,seed=N`` (see
+    :class:`~elaswave.bus.reliable.BusFaults`); empty: none."""
+    worker_prefix: str = ""
+    """Words run in front of every worker's command, ``{rank}`` replaced by its rank: a
+    network namespace per host (``ip netns exec host{rank}``), a NUMA binding. Empty:
+    none."""
+    plan_ack_timeout_s: float = 5.0
+    """Seconds the Core waits for every participant to acknowledge a recovery plan;
+    one that does not is fenced and the plan superseded."""
+
+    def worker_command(self, rank: int) -> list[str]:
+        """``worker_prefix`` for ``rank``, split into words."""
+        if not isinstance(self.worker_prefix, str):
+            raise ValueError(f"worker_prefix = {self.worker_prefix!r}: must be a string")
+        try:
+            return shlex.split(self.worker_prefix.replace("{rank}", str(rank)))
+        except ValueError as exc:
+            raise ValueError(f"worker_prefix = {self.worker_prefix!r}: {exc}") from None
+
+    def bus_fault_spec(self) -> BusFaults | None:
+        """The injected bus faults, None when there are none."""
+        faults = BusFaults.parse(self.bus_faults)
+        return faults if faults.active else None
 
     def keys(self) -> BusKeys | None:
         """The job's bus keys, read from ``bus_keys`` (None without). Read where the bus
@@ -127,6 +154,13 @@ class TrainConfig:
                 f"{self.dp * self.pp}; set --world-size {self.dp * self.pp} or change --dp/--pp"
             )
         check_bind(self.bus_host, keyed=self.bus_keys is not None)
+        BusFaults.parse(self.bus_faults)
+        self.worker_command(0)  # refuses a prefix that does not parse
+        ack = self.plan_ack_timeout_s
+        if isinstance(ack, bool) or not isinstance(ack, int | float) or not 0 < ack <= 600:
+            raise ValueError(
+                f"plan_ack_timeout_s = {self.plan_ack_timeout_s!r}: must be 0 to 600 seconds"
+            )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
         if self.rng not in RNG_KINDS:
@@ -253,6 +287,8 @@ class Endpoints:
     store_port: int
     bus_publish: str
     bus_subscribe: str
+    bus_fetch: str = ""
+    """The Core's log service, where a worker fetches bus messages it missed."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,10 @@
 Every message the Core's subscriber sees, valid or not, is appended raw to
 RUN_DIR/events.log (``elaswave events RUN_DIR`` prints it); invalid messages are reported
 and skipped, never fatal. User code and the CLI observe the run through ``on_event``.
+
+The Core is also the bus's memory: its log service (:mod:`elaswave.bus.logservice`)
+serves workers the messages they missed, and its own client repairs its gaps by asking
+senders to publish again (:mod:`elaswave.bus.reliable`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.keys import BusKeys
+from elaswave.bus.logservice import LogIndex, LogService
+from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import (
     Event,
     Heartbeat,
     MigrationDone,
+    PlanAck,
     RecoveryDone,
     RecoveryReady,
     RunFinished,
@@ -31,6 +38,7 @@ from elaswave.bus.schema import (
     StepTiming,
     WorkerFinished,
     WorkerStarted,
+    encode,
 )
 
 log = structlog.get_logger(__name__)
@@ -46,13 +54,17 @@ class Core:
         on_event: Callable[[Event], None] | None = None,
         host: str = "127.0.0.1",
         keys: BusKeys | None = None,
+        faults: BusFaults | None = None,
     ) -> None:
         """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
-        loopback, :mod:`elaswave.bus.keys`)."""
+        loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives."""
         self.run_dir = run_dir
         self.on_event = on_event
         self.keys = keys
+        self.faults = faults
         self.broker = Broker(host, keys=keys)
+        self.index = LogIndex()
+        self.log_service = LogService(self.index, host, keys=keys)
         self.num_events = 0
         self.num_rejected = 0
         self.finished: dict[int, WorkerFinished] = {}
@@ -60,7 +72,8 @@ class Core:
         self.last_heartbeat: dict[int, float] = {}
         """rank -> monotonic time its last heartbeat arrived."""
         self.recovery_events: list[Event] = []
-        """RecoveryReady and RecoveryDone events, for the supervisor's protocol."""
+        """RecoveryReady, PlanAck, RecoveryDone and MigrationDone events, for the
+        supervisor's protocol."""
         self.steps_completed: list[tuple[int, float]] = []
         """(step, wall time it arrived) of every StepCompleted, in arrival order."""
         self.step_timings: list[StepTiming] = []
@@ -71,6 +84,7 @@ class Core:
         """WorkerStarted of every worker that joined the running job."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
+        self._maintain: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -81,25 +95,49 @@ class Core:
     def subscribe_endpoint(self) -> str:
         return self.broker.subscribe_endpoint
 
+    @property
+    def fetch_endpoint(self) -> str:
+        return self.log_service.endpoint
+
+    @property
+    def client(self) -> BusClient:
+        assert self._client is not None, "Core used outside its context"
+        return self._client
+
     async def __aenter__(self) -> Core:
         self.broker.start()
+        self.log_service.start()
         self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         self._client = BusClient(
-            "core", self.broker.publish_endpoint, self.broker.subscribe_endpoint, keys=self.keys
+            "core",
+            self.broker.publish_endpoint,
+            self.broker.subscribe_endpoint,
+            keys=self.keys,
+            from_start=True,  # every other process connects after the Core
+            faults=self.faults,
         )
         await self._client.connect()
+        self._maintain = asyncio.create_task(self._client.maintain(), name="core-delivery")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self._maintain is not None:
+            self._maintain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintain
         if self._client is not None:
             await self._client.close()
         if self._writer is not None:
             self._writer.close()
+        self.log_service.close()
         self.broker.close()
 
-    async def publish(self, event: Event) -> None:
+    async def publish(self, event: Event) -> Event:
+        """Publish ``event`` as the Core; it is in the log service from this moment."""
         assert self._client is not None, "Core used outside its context"
-        await self._client.publish(event)
+        sent = await self._client.publish(event)
+        self.index.add(sent.sender, sent.TOPIC.value, sent.seq, encode(sent))
+        return sent
 
     async def listen(self) -> None:
         """Record and dispatch events until cancelled."""
@@ -112,13 +150,14 @@ class Core:
             if event is None:  # the client has logged why; the raw frames are in the log
                 self.num_rejected += 1
                 continue
+            self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             if isinstance(event, Heartbeat):
                 self.last_heartbeat[event.rank] = time.monotonic()
             elif isinstance(event, WorkerFinished):
                 self.finished[event.rank] = event
             elif isinstance(event, RunFinished):
                 self.run_finished = event
-            elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone):
+            elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone | PlanAck):
                 self.recovery_events.append(event)
             elif isinstance(event, StepCompleted):
                 self.steps_completed.append((event.step, time.time()))
@@ -141,12 +180,15 @@ class Core:
         It is re-checked after every event and at least every 0.1 s, so predicates may
         also watch state that no event announces (a process's exit code).
         """
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not predicate():
-                    self._changed.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), 0.1)
-        except TimeoutError:
-            return False
+        # An explicit deadline, not an outer asyncio.timeout: on Python 3.11 an inner
+        # wait_for whose own timeout fires together with the outer cancellation turns it
+        # into a TimeoutError, which the loop would swallow and then wait on forever.
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(0.1, left))
         return True

@@ -9,7 +9,9 @@
 PHASE is where in the step the process dies: forward (after the first micro-batch's
 forward compute), backward (after its backward compute), grad-sync (before the
 reduce-scatter), snapshot (after the gradient shard was sent to the snapshot holder),
-optimizer (after the optimizer update, before the parameter all-gather). Default: forward.
+optimizer (after the optimizer update, before the parameter all-gather). Two phases are
+points of a recovery that redoes STEP: plan (the Core's plan has arrived, not yet
+acknowledged) and apply (the plan is committed, not yet applied). Default: forward.
 Just before dying, the worker writes the kill time to RUN_DIR/faults/ so that detection
 latency is measured from the real kill.
 """
@@ -34,6 +36,8 @@ class Phase(enum.StrEnum):
     GRAD_SYNC = "grad-sync"
     SNAPSHOT = "snapshot"
     OPTIMIZER = "optimizer"
+    PLAN = "plan"
+    APPLY = "apply"
 
 
 class FaultKind(enum.StrEnum):

@@ -43,10 +43,13 @@ def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
     (run_dir / "logs").mkdir()
 
 
-async def _spawn(run_dir: Path, rank: int, *, join: bool = False) -> asyncio.subprocess.Process:
+async def _spawn(
+    cfg: JobConfig, run_dir: Path, rank: int, *, join: bool = False
+) -> asyncio.subprocess.Process:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with (run_dir / "logs" / f"rank{rank}.log").open("wb") as out:
         return await asyncio.create_subprocess_exec(
+            *cfg.train.worker_command(rank),
             sys.executable,
             "-m",
             "elaswave.runtime.worker",
@@ -70,10 +73,11 @@ async def _run_workers(
         run_id=run_id,
         config=cfg,
         endpoints=Endpoints(
-            store_host="127.0.0.1",
+            store_host=cfg.train.bus_host,
             store_port=store.port,
             bus_publish=core.publish_endpoint,
             bus_subscribe=core.subscribe_endpoint,
+            bus_fetch=core.fetch_endpoint,
         ),
     ).write(run_dir)
     t = cfg.train
@@ -91,13 +95,13 @@ async def _run_workers(
     )
     ok, reason = True, ""
     try:
-        procs = {rank: await _spawn(run_dir, rank) for rank in plan.ranks}
+        procs = {rank: await _spawn(cfg, run_dir, rank) for rank in plan.ranks}
         supervisor = Supervisor(
             cfg,
             run_dir,
             core,
             procs,
-            spawn=lambda rank: _spawn(run_dir, rank, join=True),
+            spawn=lambda rank: _spawn(cfg, run_dir, rank, join=True),
             store=store,
         )
         await supervisor.run()
@@ -129,9 +133,12 @@ async def run_job(
     keys = cfg.train.keys()  # a missing key stops the job here, before anything starts
     _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
     plan = cfg.plan()
-    store = serve_store(timeout_s=cfg.train.comm_timeout_s)
+    store = serve_store(cfg.train.bus_host, timeout_s=cfg.train.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
-    async with Core(run_dir, on_event=on_event, host=cfg.train.bus_host, keys=keys) as core:
+    faults = cfg.train.bus_fault_spec()
+    async with Core(
+        run_dir, on_event=on_event, host=cfg.train.bus_host, keys=keys, faults=faults
+    ) as core:
         listener = asyncio.create_task(core.listen())
         try:
             recoveries = await _run_workers(cfg, run_dir, run_id, store, core)
@@ -146,6 +153,7 @@ async def run_job(
         num_events=core.num_events,
         device=cfg.train.device,
         recoveries=recoveries,
+        bus=core.client.delivery(),
     )
     write_summary(run_dir, summary)
     return summary

@@ -11,6 +11,11 @@ digests mean byte-identical plans), the step every survivor resumed after, and t
 reason. The first divergence stops the replay (later plans build on the diverging one)
 and names the event that caused the recovery.
 
+A generation may be announced more than once (``attempt`` 0, 1, ...: a participant failed
+or did not acknowledge before the commit). Every announcement is replayed from the same
+base; the next generation builds on the one the Core committed (its
+:class:`~elaswave.bus.schema.PlanCommit`).
+
 Workers do the same for every plan they apply (:func:`announced_rebalancing`), so a plan is
 never shipped, only its inputs.
 """
@@ -24,6 +29,7 @@ from elaswave.bus.eventlog import LogRecord, format_record, read_event_log
 from elaswave.bus.schema import (
     FailureDetected,
     PauseRequest,
+    PlanCommit,
     RecoveryPlan,
     RecoveryReady,
     ScaleRequest,
@@ -59,6 +65,7 @@ class Replayed:
     """One recovery plan, as announced and as replayed."""
 
     generation: int
+    attempt: int
     kind: str
     failed: tuple[int, ...]
     joined: tuple[int, ...]
@@ -105,10 +112,13 @@ def replay_run(run_dir: Path) -> ReplayResult:
         raise ValueError(
             f"{str(run_dir / 'job.json')!r} does not describe a job ({type(exc).__name__}: {exc})"
         ) from None
-    plan = cfg.plan()
+    initial = cfg.plan()
+    settled: dict[int, Plan] = {initial.generation: initial}
+    """generation -> the plan it settled on: the committed attempt (else the latest)."""
+    attempts: dict[tuple[int, int], Plan] = {}
+    committed: set[int] = set()
     ready: dict[int, dict[int, RecoveryReady]] = {}  # generation -> rank -> latest report
     cause: LogRecord | None = None
-    seen: set[int] = set()
     out: list[Replayed] = []
     unreadable: list[str] = []
     ignored: list[str] = []
@@ -121,16 +131,22 @@ def replay_run(run_dir: Path) -> ReplayResult:
             ready.setdefault(event.generation, {})[event.rank] = event
         elif isinstance(event, _CAUSES):
             cause = record
+        elif isinstance(event, PlanCommit) and event.sender == CORE:
+            key = (event.generation, event.attempt)
+            if key in attempts:
+                settled[event.generation] = attempts[key]
+                committed.add(event.generation)
         elif isinstance(event, RecoveryPlan) and event.sender != CORE:
             ignored.append(format_record(record))  # only the Core announces plans
-        elif isinstance(event, RecoveryPlan) and event.generation not in seen:
-            seen.add(event.generation)
+        elif isinstance(event, RecoveryPlan) and (event.generation, event.attempt) not in attempts:
+            base = settled.get(event.generation - 1)
             digest, problems, new_plan = _replay_one(
-                cfg, plan, event, ready.get(plan.generation, {})
+                cfg, base, event, ready.get(event.generation - 1, {})
             )
             out.append(
                 Replayed(
                     generation=event.generation,
+                    attempt=event.attempt,
                     kind=event.kind,
                     failed=tuple(event.failed),
                     joined=tuple(event.joined),
@@ -143,18 +159,20 @@ def replay_run(run_dir: Path) -> ReplayResult:
             )
             if new_plan is None:
                 break
-            plan = new_plan
+            attempts[(event.generation, event.attempt)] = new_plan
+            if event.generation not in committed:
+                settled[event.generation] = new_plan
     return ReplayResult(tuple(out), tuple(unreadable), tuple(ignored))
 
 
 def _replay_one(
-    cfg: JobConfig, plan: Plan, event: RecoveryPlan, reports: dict[int, RecoveryReady]
+    cfg: JobConfig, plan: Plan | None, event: RecoveryPlan, reports: dict[int, RecoveryReady]
 ) -> tuple[str | None, tuple[str, ...], Plan | None]:
     """(replayed digest, problems, the plan to go on from: None after a divergence)."""
-    if event.generation != plan.generation + 1:
+    if plan is None:
         return None, (
-            f"generation: announced {event.generation}, the replayed plan is at "
-            f"{plan.generation} (a plan between them is missing from the log)",
+            f"generation: announced {event.generation}, but no plan of generation "
+            f"{event.generation - 1} is in the log (a plan between them is missing)",
         ), None  # fmt: skip
     survivors = set(plan.ranks) - set(event.failed)
     commits = {r: e.committed_step for r, e in reports.items() if r in survivors}

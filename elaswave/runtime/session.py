@@ -45,6 +45,7 @@ import uvloop
 
 from elaswave.bus.client import BusClient, BusError
 from elaswave.bus.keys import BusKeys
+from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import Event, EventKind, Topic
 
 logger = structlog.get_logger(__name__)
@@ -81,6 +82,10 @@ class Session:
         topics: topics to receive; ``None`` means all.
         queue_size: capacity of the outgoing queue, in events.
         handshake_timeout: seconds :meth:`start` waits for the bus.
+        keys: the job's CURVE keys, when its bus has them.
+        fetch_endpoint: the Core's log service: messages missed on reliable topics are
+            fetched there (:mod:`elaswave.bus.reliable`); None asks their senders.
+        faults: faults injected into what this session receives (tests).
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class Session:
         queue_size: int = 10_000,
         handshake_timeout: float = 10.0,
         keys: BusKeys | None = None,
+        fetch_endpoint: str | None = None,
+        faults: BusFaults | None = None,
     ) -> None:
         if queue_size <= 0:
             raise ValueError(f"queue_size must be a positive number of events, got {queue_size}")
@@ -103,6 +110,8 @@ class Session:
             topics,
             handshake_timeout=handshake_timeout,
             keys=keys,
+            fetch_endpoint=fetch_endpoint,
+            faults=faults,
         )
         self._queue_size = queue_size
         self._handshake_timeout = handshake_timeout
@@ -142,6 +151,11 @@ class Session:
     def rejected(self) -> int:
         """Received messages skipped because they were not valid events."""
         return self._client.rejected
+
+    @property
+    def client(self) -> BusClient:
+        """The session's bus client (its delivery counters: ``duplicates``, ``asked``...)."""
+        return self._client
 
     def start(self) -> Self:
         """Start the session's thread and connect; returns ``self`` once connected.
@@ -287,11 +301,15 @@ class Session:
             async with asyncio.TaskGroup() as tasks:
                 receiver = tasks.create_task(self._receive(client), name="session-receive")
                 sender = tasks.create_task(self._send(client), name="session-send")
+                delivery = tasks.create_task(client.maintain(), name="session-delivery")
                 await stop.wait()
                 receiver.cancel()
                 sender.cancel()
+                delivery.cancel()
             while not self._outbox.empty():  # flush what publish() queued before close()
                 await client.publish(self._outbox.get_nowait())
+            if not await client.flush():
+                logger.warning("session_flush_incomplete", sender=self.sender)
         finally:
             await client.close()
 

@@ -34,7 +34,9 @@ def build_summary(
     num_events: int,
     device: str,
     recoveries: list[dict[str, Any]] | None = None,
+    bus: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """``bus``: the Core's delivery counters; the workers' are added from their results."""
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
     # Any surviving last-stage rank knows every step's loss; pick the longest record.
     reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
@@ -60,6 +62,13 @@ def build_summary(
         "device": device,
         "timing": "emulated" if device == "emulated" else "measured",
         "first_step": reporter["first_step"],
+        "bus": {
+            "core": bus or {},
+            "workers": {
+                k: sum(r.get("bus", {}).get(k, 0) for r in results)
+                for k in sorted({k for r in results for k in r.get("bus", {})})
+            },
+        },
     }
 
 

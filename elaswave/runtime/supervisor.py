@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import time
@@ -26,6 +27,8 @@ from elaswave.bus.schema import (
     FailureDetected,
     MigrationDone,
     PauseRequest,
+    PlanAck,
+    PlanCommit,
     RecoveryDone,
     RecoveryFinished,
     RecoveryPlan,
@@ -437,68 +440,87 @@ class Supervisor:
         origin: float,
         seen_at: float,
     ) -> None:
-        """Every survivor has stopped at a step boundary: plan, announce, wait until every
-        survivor has applied the plan, and record the recovery."""
+        """Every survivor has stopped at a step boundary: plan, announce, collect every
+        participant's acknowledgement, commit, wait until every participant has applied
+        the plan, and record the recovery.
+
+        A participant that exits before acknowledging, or does not acknowledge within
+        ``plan_ack_timeout_s`` (it is fenced), joins the failed set and a new announcement
+        of the same generation supersedes the old one, which never runs."""
         gen = self.plan.generation
-        commits = {
-            r: e.committed_step
-            for r, e in self._events(RecoveryReady, gen).items()
-            if r in survivors
-        }
-        try:
-            decision = plan_fail_stop(
-                self.plan,
-                failed,
-                commits,
-                ranks_per_node=self.cfg.train.ranks_per_node,
-                snapshots=self.cfg.train.snapshots,
-                rebalancing=self.rebalancing(),
-                joined=joined,
+        failed, joined, ranks = list(failed), list(joined), list(ranks)
+        survivors = set(survivors)
+        reports = self._events(RecoveryReady, gen)
+        for attempt in itertools.count():
+            commits = {r: e.committed_step for r, e in reports.items() if r in survivors}
+            try:
+                decision = plan_fail_stop(
+                    self.plan,
+                    failed,
+                    commits,
+                    ranks_per_node=self.cfg.train.ranks_per_node,
+                    snapshots=self.cfg.train.snapshots,
+                    rebalancing=self.rebalancing(),
+                    joined=joined,
+                )
+            except Unrecoverable as exc:
+                raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
+            planned_at = time.time()
+            redo = decision.committed_step + 1
+            stale = sorted(
+                r
+                for r, e in reports.items()
+                if r in survivors and e.params_step != decision.committed_step
             )
-        except Unrecoverable as exc:
-            raise JobFailed(f"unrecoverable: {detail}; {exc}") from None
-        planned_at = time.time()
-        redo = decision.committed_step + 1
-        stale = sorted(
-            r
-            for r, e in self._events(RecoveryReady, gen).items()
-            if r in survivors and e.params_step != decision.committed_step
-        )
-        migration = _migration_of(self.cfg, self.plan, decision.plan, stale, joined)
+            migration = _migration_of(self.cfg, self.plan, decision.plan, stale, joined)
+            if attempt == 0:
+                await self.core.publish(
+                    RecoveryStarted(
+                        sender="core",
+                        generation=gen + 1,
+                        step=redo,
+                        kind=kind,
+                        ranks=ranks,
+                        reason=decision.reason,
+                    )
+                )
+            digest = plan_digest(decision.plan)
+            await self.core.publish(
+                RecoveryPlan(
+                    sender="core",
+                    generation=gen + 1,
+                    failed=failed,
+                    committed_step=decision.committed_step,
+                    plan_digest=digest,
+                    reason=decision.reason,
+                    rebuild=sorted(
+                        {name for r, e in reports.items() if r in survivors for name in e.tainted}
+                    ),
+                    policy=self.cfg.train.rebalance,
+                    slow_ranks=sorted(self.slowdowns),
+                    slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
+                    kind=kind,
+                    joined=joined,
+                    stale=stale,
+                    attempt=attempt,
+                )
+            )
+            lost = await self._collect_acks(survivors, gen + 1, digest, attempt)
+            if not lost:
+                break
+            why = self._describe(lost)
+            log.warning("core.plan_superseded", generation=gen + 1, attempt=attempt, why=why)
+            detail = f"{detail}; then before the plan ran: {why}"
+            failed = sorted(set(failed) | (set(lost) - set(joined)))
+            joined = [r for r in joined if r not in lost]
+            ranks = sorted(set(ranks) | set(lost))
+            survivors -= set(lost)
+            if not survivors & set(self.plan.ranks):
+                raise JobFailed(f"{detail}; no worker survives")
         await self.core.publish(
-            RecoveryStarted(
-                sender="core",
-                generation=gen + 1,
-                step=redo,
-                kind=kind,
-                ranks=ranks,
-                reason=decision.reason,
-            )
+            PlanCommit(sender="core", generation=gen + 1, plan_digest=digest, attempt=attempt)
         )
-        await self.core.publish(
-            RecoveryPlan(
-                sender="core",
-                generation=gen + 1,
-                failed=failed,
-                committed_step=decision.committed_step,
-                plan_digest=plan_digest(decision.plan),
-                reason=decision.reason,
-                rebuild=sorted(
-                    {
-                        name
-                        for r, e in self._events(RecoveryReady, gen).items()
-                        if r in survivors
-                        for name in e.tainted
-                    }
-                ),
-                policy=self.cfg.train.rebalance,
-                slow_ranks=sorted(self.slowdowns),
-                slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
-                kind=kind,
-                joined=list(joined),
-                stale=stale,
-            )
-        )
+        committed_at = time.time()
         await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
         done_at = time.time()
         done = self._events(RecoveryDone, gen + 1).values()
@@ -510,17 +532,19 @@ class Supervisor:
             "generation": gen + 1,
             "committed_step": decision.committed_step,
             "reason": decision.reason,
+            "superseded": attempt,
             "phases": {
                 "detect": seen_at - origin,
                 "plan": planned_at - seen_at,
-                "comm": max(e.comm_s for e in done),
-                "remap": max(e.remap_s for e in done),
-                "resume": max(e.resume_s for e in done),
+                "ack": committed_at - planned_at,
+                "comm": max((e.comm_s for e in done), default=0.0),
+                "remap": max((e.remap_s for e in done), default=0.0),
+                "resume": max((e.resume_s for e in done), default=0.0),
                 "redo": None,
             },
             "bytes_moved": sum(e.bytes_sent for e in done),
             "migration": migration,
-            "params_s": max(e.params_s for e in done),
+            "params_s": max((e.params_s for e in done), default=0.0),
             "plan": plan_summary(decision.plan),
         }
         self.recoveries.append(record)
@@ -568,27 +592,79 @@ class Supervisor:
             )
         )
 
+    async def _collect_acks(
+        self, ranks: set[int], generation: int, digest: str, attempt: int
+    ) -> dict[int, int]:
+        """Wait until every rank acknowledged ``digest``; return the ranks lost instead
+        (exit codes): those that exited, else those silent past the deadline (fenced)."""
+
+        def acked() -> set[int]:
+            return {
+                e.rank
+                for e in self.core.recovery_events
+                if isinstance(e, PlanAck)
+                and e.generation == generation
+                and e.attempt == attempt
+                and e.plan_digest == digest
+            }
+
+        def exited() -> set[int]:
+            return {r for r in ranks if self.procs[r].returncode is not None}
+
+        timeout = self.cfg.train.plan_ack_timeout_s
+        await self.core.wait_until(lambda: ranks <= acked() or bool(exited()), timeout)
+        if gone := exited():
+            return self._exits(gone) or {r: self.procs[r].returncode or 0 for r in gone}
+        silent = ranks - acked()
+        for rank in sorted(silent):
+            self.fenced[rank] = (
+                f"did not acknowledge the plan of generation {generation} within {timeout:g} s; "
+                "fenced"
+            )
+            log.warning("core.fencing", rank=rank, generation=generation, attempt=attempt)
+            with contextlib.suppress(ProcessLookupError):
+                self.procs[rank].kill()
+        for rank in silent:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.procs[rank].wait(), 10.0)
+        return self._exits(silent)
+
     async def _await_all(
         self, ranks: set[int], kind: type, generation: int, detail: str, what: str
     ) -> None:
-        """Wait for ``kind`` from every rank; fail at once if one of them exits."""
+        """Wait for ``kind`` from every rank; fail at once if one of them exits before it
+        reported (one that exits after is a later failure, which the exit watch takes).
+
+        A clean exit counts as a report: that worker trained to the end, so it went
+        through this point, and its report was lost on the bus with no sender left to
+        publish it again."""
+
+        def through() -> set[int]:
+            clean = {r for r in ranks if self.procs[r].returncode == 0}
+            return set(self._events(kind, generation)) | clean
 
         def exited() -> dict[int, int]:
             return {
-                r: self.procs[r].returncode for r in ranks if self.procs[r].returncode is not None
+                r: code for r in ranks - through() if (code := self.procs[r].returncode) is not None
             }
 
         ok = await self.core.wait_until(
-            lambda: ranks <= set(self._events(kind, generation)) or bool(exited()),
-            self.timeout_s,
+            lambda: ranks <= through() or bool(exited()), self.timeout_s
         )
         if gone := exited():
+            every = self.cfg.train.checkpoint_every
+            resume = (
+                f"resume from its latest checkpoint with --resume {self.run_dir}"
+                if every
+                else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
+            )
             raise JobFailed(
-                f"{detail}; then during recovery: {self._describe(gone)} "
-                "(a failure during recovery is not recovered)"
+                f"{detail}; then, while waiting for every rank to {what}: "
+                f"{self._describe(gone)} (a failure in that window is not recovered: the job "
+                f"stops; {resume})"
             )
         if not ok:
-            missing = sorted(ranks - set(self._events(kind, generation)))
+            missing = sorted(ranks - through())
             raise JobFailed(f"{detail}; ranks {missing} did not {what} within {self.timeout_s:g} s")
 
     def _events(self, kind: type, generation: int) -> dict[int, Any]:

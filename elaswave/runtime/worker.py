@@ -12,7 +12,6 @@ import concurrent.futures
 import faulthandler
 import json
 import os
-import queue
 import socket
 import sys
 import threading
@@ -32,6 +31,8 @@ from elaswave.bus.schema import (
     FailureDetected,
     MigrationDone,
     PauseRequest,
+    PlanAck,
+    PlanCommit,
     RecoveryDone,
     RecoveryPlan,
     RecoveryReady,
@@ -48,7 +49,7 @@ from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.engine.cost import layer_costs
-from elaswave.engine.plan import plan_from_dict, plan_key
+from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
@@ -57,7 +58,7 @@ from elaswave.model.rng import make_rng
 from elaswave.runtime.agent import Agent
 from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.emulation import Pacer
-from elaswave.runtime.faults import FaultInjector, validate_faults
+from elaswave.runtime.faults import FaultInjector, Phase, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
 from elaswave.runtime.replay import announced_rebalancing
 from elaswave.runtime.session import Session
@@ -90,10 +91,11 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
         f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
-        keys=spec.config.train.keys(),
+        keys=spec.config.train.keys(), fetch_endpoint=ep.bus_fetch or None,
+        faults=spec.config.train.bus_fault_spec(),
     )  # fmt: skip
     abort = AbortSignal()
-    inbox: queue.Queue[Event] = queue.Queue()
+    inbox = Mailbox()
     pauses = PauseBox()
     agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
 
@@ -112,7 +114,12 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
 
     session.subscribe(
         on_recovery_event,
-        kinds=[EventKind.FAILURE_DETECTED, EventKind.RECOVERY_PLAN, EventKind.PAUSE_REQUEST],
+        kinds=[
+            EventKind.FAILURE_DETECTED,
+            EventKind.RECOVERY_PLAN,
+            EventKind.PAUSE_REQUEST,
+            EventKind.PLAN_COMMIT,
+        ],
     )
     session.start()
     agent.start()
@@ -181,18 +188,103 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
     )
 
 
+class Mailbox:
+    """The Core's announcements, put by the bus thread, taken by the training loop.
+
+    An event is kept until taken: the bus may deliver a plan before the failure it
+    answers (a reordered or repaired message), and whichever the loop waits for first
+    must not discard the other. Events of generations the worker has left are pruned.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+
+    def put(self, event: Event) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def take(self, want: Callable[[Event], bool], timeout_s: float, what: str) -> Event:
+        """The first kept event ``want`` accepts; TimeoutError naming ``what``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for i, event in enumerate(self._events):
+                    if want(event):
+                        return self._events.pop(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
+                self._cond.wait(left)
+
+    def prune(self, generation: int) -> None:
+        """Forget events of generations below ``generation``."""
+        with self._cond:
+            self._events = [e for e in self._events if e.generation >= generation]
+
+
 def _await_event(
-    inbox: queue.Queue[Event], want: Callable[[Event], bool], timeout_s: float, what: str
+    inbox: Mailbox, want: Callable[[Event], bool], timeout_s: float, what: str
 ) -> Event:
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            event = inbox.get(timeout=left)
-        except queue.Empty:
-            break
-        if want(event):
-            return event
-    raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
+    return inbox.take(want, timeout_s, what)
+
+
+def _agree(
+    ctx: WorkerContext,
+    session: Session,
+    inbox: Mailbox,
+    decision: RecoveryPlan,
+    base: Plan,
+    timeout_s: float,
+) -> tuple[RecoveryPlan, Plan]:
+    """Check the announced plan, acknowledge it, and wait for the Core's commit.
+
+    A later announcement of the same generation (a participant failed or did not
+    acknowledge in time) supersedes the one acknowledged: check and acknowledge that.
+    Returns the committed announcement and its plan.
+    """
+    gen = decision.generation
+    while True:
+        new_plan, _ = next_plan(
+            base, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
+        )
+        if plan_digest(new_plan) != decision.plan_digest:
+            raise RuntimeError(
+                f"plan digest {plan_digest(new_plan)} differs from the Core's "
+                f"{decision.plan_digest}: planners disagree"
+            )
+        ctx.faults.at(Phase.PLAN, decision.committed_step + 1)
+        session.publish(
+            PlanAck(
+                sender=f"rank{ctx.rank}",
+                generation=gen,
+                rank=ctx.rank,
+                plan_digest=decision.plan_digest,
+                attempt=decision.attempt,
+            )
+        )
+        attempt = decision.attempt
+        answer = _await_event(
+            inbox,
+            lambda e, attempt=attempt: e.generation == gen and (
+                (isinstance(e, PlanCommit) and e.attempt == attempt)
+                or (isinstance(e, RecoveryPlan) and e.attempt > attempt)
+            ),
+            timeout_s,
+            f"commit of the plan of generation {gen} (attempt {attempt})",
+        )  # fmt: skip
+        if isinstance(answer, PlanCommit):
+            if answer.plan_digest != decision.plan_digest:
+                raise RuntimeError(
+                    f"the Core committed plan {answer.plan_digest} of generation {gen}, "
+                    f"this rank acknowledged {decision.plan_digest}"
+                )
+            ctx.faults.at(Phase.APPLY, decision.committed_step + 1)
+            return decision, new_plan
+        assert isinstance(answer, RecoveryPlan)
+        log.warning("recovery.plan_superseded", generation=gen, attempt=answer.attempt)
+        decision = answer
 
 
 class PauseBox:
@@ -216,7 +308,7 @@ def _recover(
     ctx: WorkerContext,
     trainer: Trainer,
     session: Session,
-    inbox: queue.Queue[Event],
+    inbox: Mailbox,
     cause: BaseException | None,
     pauses: PauseBox,
 ) -> Trainer:
@@ -262,19 +354,10 @@ def _recover(
         f"recovery plan for generation {gen + 1}",
     )
     assert isinstance(decision, RecoveryPlan)
-    new_plan, _ = next_plan(
-        trainer.plan,
-        decision.failed,
-        announced_rebalancing(ctx.cfg, decision),
-        joined=decision.joined,
-    )
-    if plan_digest(new_plan) != decision.plan_digest:
-        raise RuntimeError(
-            f"plan digest {plan_digest(new_plan)} differs from the Core's "
-            f"{decision.plan_digest}: planners disagree"
-        )
+    decision, new_plan = _agree(ctx, session, inbox, decision, trainer.plan, timeout)
     ctx.abort.generation = gen + 1
     session.floor_generation = gen + 1  # the old generation's messages are stale now
+    inbox.prune(gen + 1)
     ctx.abort.clear()
     # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
     # thread's stack goes to this worker's log.
@@ -307,7 +390,7 @@ def _recover(
     return trainer
 
 
-def _join(ctx: WorkerContext, session: Session, inbox: queue.Queue[Event]) -> Trainer:
+def _join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
     """Wait for the Core's plan that gives this new rank a place, and take it."""
     timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
     decision = _await_event(
@@ -318,16 +401,14 @@ def _join(ctx: WorkerContext, session: Session, inbox: queue.Queue[Event]) -> Tr
     )
     assert isinstance(decision, RecoveryPlan)
     current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
-    new_plan, _ = next_plan(
-        current, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
-    )
-    if plan_digest(new_plan) != decision.plan_digest:
+    decision, new_plan = _agree(ctx, session, inbox, decision, current, timeout)
+    if ctx.rank not in decision.joined:
         raise RuntimeError(
-            f"plan digest {plan_digest(new_plan)} differs from the Core's "
-            f"{decision.plan_digest}: planners disagree"
+            f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
         )
     ctx.abort.generation = decision.generation
     session.floor_generation = decision.generation
+    inbox.prune(decision.generation)
     ctx.abort.clear()  # failures announced before it joined are not its business
     trainer, phases = join_trainer(ctx, current, new_plan, decision.committed_step)
     session.publish(
@@ -353,7 +434,7 @@ def _train(
     spec: JobSpec,
     session: Session,
     abort: AbortSignal,
-    inbox: queue.Queue[Event],
+    inbox: Mailbox,
     agent: Agent,
     pauses: PauseBox,
     *,
@@ -500,6 +581,7 @@ def _train(
         "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
         "generation": trainer.plan.generation,
         "first_step": first_step,
+        "bus": session.client.delivery(),
         "cpu_s": cpu_s,
         "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
         + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),

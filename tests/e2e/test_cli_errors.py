@@ -27,6 +27,10 @@ from tests.runs import elaswave
             ["--data-dtype", "float32"],
             "data.dtype = 'float32': valid values are uint16, int32, int64",
         ),
+        (["--bus-faults", "drop=2"], "bus fault drop=2.0: must be a probability in [0, 1)"),
+        (["--bus-faults", "lose=0.1"], "NAME one of drop, dup, reorder, delay, seed"),
+        (["--plan-ack-timeout", "-1"], "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds"),
+        (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
     ],
 )
 def test_bad_flags(tmp_path, args, message):

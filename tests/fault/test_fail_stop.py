@@ -9,69 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import WorkerStarted
-from elaswave.runtime.compare import compare_runs
+from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, elaswave, train
 
-STEPS = 6
-JOB = ("--steps", str(STEPS), "--global-batch", "16", "--micro-batch", "2")
 ROTATING_JOB = ("--dp", "3", "--pp", "2", "--steps", str(STEPS), "--global-batch", "24",
                 "--micro-batch", "1")  # fmt: skip
 """One sample per replica: a lost replica leaves 3-sample micro-batches over 2."""
 
 
 @pytest.fixture(scope="module")
-def reference(runs_dir):
-    cache: dict[tuple[int, int, int], Run] = {}
-
-    def get(dp: int, pp: int, rpn: int = 1) -> Run:
-        if (dp, pp, rpn) not in cache:
-            cache[(dp, pp, rpn)] = train(
-                runs_dir / f"ref_{dp}x{pp}_{rpn}",
-                "--dp",
-                str(dp),
-                "--pp",
-                str(pp),
-                "--ranks-per-node",
-                str(rpn),
-                *JOB,
-            )
-        return cache[(dp, pp, rpn)]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def rotating_reference(runs_dir) -> Run:
     """The fault-free run of ``ROTATING_JOB``."""
     return train(runs_dir / "rotating_ref", *ROTATING_JOB)
-
-
-def _check_recovered(
-    run: Run, ref: Run, *, world: int, failed: list[list[int]], max_detect_s: float = 1.0
-) -> None:
-    s = run.summary
-    assert s["steps_completed"] == STEPS
-    assert [r["ranks"] for r in s["recoveries"]] == failed
-    for rec in s["recoveries"]:
-        assert rec["kind"] == "fail-stop" and rec["mttr_s"] > 0
-        assert rec["phases"]["detect"] < max_detect_s, "detection must not wait for a timeout"
-        assert set(rec["phases"]) == {"detect", "plan", "comm", "remap", "resume", "redo"}
-        # MTTR runs from the kill to the redone step's completion.
-        phases = rec["phases"]
-        assert phases["redo"] is not None
-        assert rec["mttr_s"] >= phases["detect"] + phases["plan"] + phases["redo"] - 1e-3
-    diff = compare_runs(run.out, ref.out)
-    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
-    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
-    # No process was started again: one WorkerStarted per rank, ever.
-    started = [
-        rec.event.rank
-        for rec in read_event_log(run.out / "events.log")
-        if isinstance(rec.event, WorkerStarted)
-    ]
-    assert sorted(started) == list(range(world))
 
 
 @pytest.mark.timeout(300)
@@ -91,7 +40,7 @@ def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
     run = train(
         runs_dir / f"{dp}x{pp}_{name}", "--dp", str(dp), "--pp", str(pp), *JOB, "--fault", fault
     )
-    _check_recovered(
+    check_recovered(
         run, reference(dp, pp), world=dp * pp, failed=[[int(fault.split(":")[1].split("@")[0])]]
     )
 
@@ -105,7 +54,7 @@ def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_referen
     fault-free one."""
     run = train(runs_dir / "regroup_kill", *ROTATING_JOB, "--rebalance", "migrate",
                 "--fault", "kill:3@3:backward")  # fmt: skip
-    _check_recovered(run, rotating_reference, world=6, failed=[[3]])
+    check_recovered(run, rotating_reference, world=6, failed=[[3]])
     (rec,) = run.summary["recoveries"]
     assert rec["plan"]["num_micro_batches"] == 4, rec["plan"]
     assert [s["sizes"] for s in rec["plan"]["stages"]] == [[2, 2, 2], [3, 3]], rec["plan"]
@@ -119,7 +68,7 @@ def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     fault-free one."""
     run = train(runs_dir / "block_kill", *ROTATING_JOB, "--rebalance", "migrate",
                 "--fault", "kill:1@3:backward")  # fmt: skip
-    _check_recovered(run, rotating_reference, world=6, failed=[[1]])
+    check_recovered(run, rotating_reference, world=6, failed=[[1]])
     (rec,) = run.summary["recoveries"]
     stages = rec["plan"]["stages"]
     assert rec["plan"]["num_micro_batches"] == 8, rec["plan"]
@@ -142,7 +91,7 @@ def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, refere
         "--fault",
         "kill:6@4:optimizer",
     )
-    _check_recovered(run, reference(4, 2), world=8, failed=[[5], [6]])
+    check_recovered(run, reference(4, 2), world=8, failed=[[5], [6]])
     run = train(
         runs_dir / "two_stages",
         "--dp",
@@ -155,7 +104,7 @@ def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, refere
         "--fault",
         "kill:6@4:grad-sync",
     )
-    _check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
+    check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
 
 
 @pytest.mark.timeout(300)
@@ -172,7 +121,7 @@ def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
         "--fault",
         "kill-node:1@3:backward",
     )
-    _check_recovered(run, reference(4, 2, 2), world=8, failed=[[2, 3]])
+    check_recovered(run, reference(4, 2, 2), world=8, failed=[[2, 3]])
 
 
 @pytest.mark.timeout(300)
@@ -185,7 +134,7 @@ def test_two_workers_of_different_stages_killed_at_once(runs_dir, reference):
                 "--fault", "kill:1@3:backward", "--fault", "kill:6@3:backward")  # fmt: skip
     failed = [r["ranks"] for r in run.summary["recoveries"]]
     assert failed in ([[1, 6]], [[6], [1]]), failed
-    _check_recovered(run, reference(4, 2), world=8, failed=failed)
+    check_recovered(run, reference(4, 2), world=8, failed=failed)
 
 
 @pytest.mark.timeout(200)
@@ -258,7 +207,7 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
         "--fault",
         "hang:3@3:backward",
     )
-    _check_recovered(run, reference(2, 2), world=4, failed=[[3]], max_detect_s=2.5)
+    check_recovered(run, reference(2, 2), world=4, failed=[[3]], max_detect_s=2.5)
     detect = run.summary["recoveries"][0]["phases"]["detect"]
     # Silence counts from the last heartbeat, up to one interval (0.2 s) before the hang.
     assert 0.75 <= detect < 2.5, f"a hang is seen at the heartbeat timeout, got {detect:.2f} s"

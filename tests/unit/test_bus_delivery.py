@@ -1,0 +1,249 @@
+"""Delivery on the bus: numbering, gap repair, and the fault-injecting transport."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import msgpack
+import pytest
+import zmq
+
+from elaswave.bus.broker import Broker
+from elaswave.bus.client import BusClient
+from elaswave.bus.logservice import Fetcher, LogIndex, LogService
+from elaswave.bus.reliable import BusFaults, SeqTracker
+from elaswave.bus.schema import (
+    FailureDetected,
+    Heartbeat,
+    RecoveryReady,
+    StepCompleted,
+    Topic,
+    encode,
+)
+
+
+def test_tracker_drops_duplicates_and_fills_gaps_late() -> None:
+    t = SeqTracker()
+    assert t.accept("core", "recovery", 5)  # first evidence: numbering starts here
+    assert not t.accept("core", "recovery", 5)
+    assert t.accept("core", "recovery", 8)
+    assert t.missing(["recovery"]) == {("core", "recovery"): [6, 7]}
+    assert t.accept("core", "recovery", 7)  # reordered: late, still delivered once
+    assert not t.accept("core", "recovery", 7)
+    assert t.missing(["recovery"]) == {("core", "recovery"): [6]}
+    assert t.filled == 1
+    assert t.missing(["metrics"]) == {}
+
+
+def test_beacon_reveals_a_lost_last_message() -> None:
+    t = SeqTracker()
+    t.advertise("core", "recovery", 3)  # first evidence: 1..3 came before this receiver
+    assert t.missing(["recovery"]) == {}
+    assert t.accept("core", "recovery", 4)
+    t.advertise("core", "recovery", 6)  # 5 and 6 were sent; nothing else will follow
+    assert t.missing(["recovery"]) == {("core", "recovery"): [5, 6]}
+
+
+def test_from_start_receivers_expect_every_number_and_restarts_count_again() -> None:
+    t = SeqTracker(from_start=True)
+    assert t.accept("rank1", "recovery", 3)
+    assert t.missing(["recovery"]) == {("rank1", "recovery"): [1, 2]}
+    t.restarted("rank1", "nonce-a")
+    t.restarted("rank1", "nonce-a")  # a late copy of the same hello changes nothing
+    assert t.missing(["recovery"]) == {("rank1", "recovery"): [1, 2]}
+    t.restarted("rank1", "nonce-b")  # a new process under the same name
+    assert t.missing(["recovery"]) == {}
+    assert t.accept("rank1", "recovery", 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("drop=1.5", "drop=1.5: must be a probability in [0, 1)"),
+        ("lose=0.1", "NAME one of drop, dup, reorder, delay, seed"),
+        ("drop", "expected NAME=VALUE"),
+        ("dup=x", "'x' is not a number"),
+        ("drop=0.1,drop=0.2", "'drop' given twice"),
+        ("delay=9", "delay=9.0: must be 0 to 5 seconds"),
+    ],
+)
+def test_bad_fault_specs_are_refused_naming_the_value(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        BusFaults.parse(text)
+
+
+def test_fault_spec_round_trip() -> None:
+    f = BusFaults.parse("drop=0.1, dup=0.05,reorder=0.2,delay=0.01,seed=7")
+    assert f == BusFaults(drop=0.1, duplicate=0.05, reorder=0.2, delay_s=0.01, seed=7)
+    assert BusFaults.parse("") == BusFaults()
+    assert not BusFaults.parse("").active
+
+
+def test_faulty_link_drops_duplicates_and_reorders() -> None:
+    link = BusFaults(drop=0.2, duplicate=0.2, reorder=0.2, seed=3).injector("x")
+    out = []
+    for i in range(2000):
+        link.feed([b"recovery", str(i).encode()])
+        out.extend(link.ready())
+    link.flush_held()
+    out.extend(link.ready())
+    got = [int(m[1]) for m in out]
+    c = link.counts
+    assert 300 < c["dropped"] < 500 and 250 < c["duplicated"] < 400 and c["reordered"] > 200
+    assert len(got) == 2000 - c["dropped"] + c["duplicated"]
+    assert got != sorted(got)
+
+
+def test_log_service_answers_fetches_and_refuses_bad_requests() -> None:
+    index = LogIndex(size=3)
+    for seq in range(1, 6):
+        index.add("core", "recovery", seq, [b"recovery", str(seq).encode()])
+    service = LogService(index).start()
+    try:
+
+        async def go() -> tuple[list[list[bytes]], dict]:
+            fetcher = Fetcher(service.endpoint)
+            got = await fetcher.fetch({("core", "recovery"): [1, 4, 5, 9]}, timeout_s=5)
+            fetcher.close()
+            raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            raw.connect(service.endpoint)
+            await raw.send(msgpack.packb({"id": 1, "want": [["core", "recovery", ["x"]]]}))
+            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+            raw.close(linger=0)
+            return got, reply
+
+        got, reply = asyncio.run(go())
+        assert got == [[b"recovery", b"4"], [b"recovery", b"5"]]  # 1 fell out of the index
+        assert "bad want entry" in reply["error"]
+    finally:
+        service.close()
+
+
+FAULTS = BusFaults(drop=0.25, duplicate=0.15, reorder=0.15, delay_s=0.01, seed=11)
+
+
+def _failure(i: int) -> FailureDetected:
+    return FailureDetected(sender="", generation=i, ranks=[i], source="test")
+
+
+def _ready(i: int) -> RecoveryReady:
+    return RecoveryReady(sender="", generation=i, rank=1, committed_step=i)
+
+
+async def _exchange(count: int) -> tuple[list[int], list[int], BusClient, BusClient]:
+    """A Core-like client (log service, counts from 1) and a worker-like one (fetches
+    from it) exchange ``count`` recovery events each, both receiving through FAULTS."""
+    with Broker() as broker:
+        index = LogIndex()
+        service = LogService(index).start()
+        ends = broker.publish_endpoint, broker.subscribe_endpoint
+        core = BusClient("core", *ends, from_start=True, faults=FAULTS)
+        worker = BusClient(
+            "rank1", *ends, topics=[Topic.RECOVERY, Topic.CONTROL],
+            fetch_endpoint=service.endpoint, faults=FAULTS,
+        )  # fmt: skip
+        await core.connect()
+        await worker.connect()
+        at_core: list[int] = []
+        at_worker: list[int] = []
+
+        async def core_receive() -> None:
+            while True:
+                frames, event, _ = await core.recv_raw()
+                assert event is not None
+                index.add(event.sender, event.TOPIC.value, event.seq, frames)
+                if isinstance(event, RecoveryReady):
+                    at_core.append(event.generation)
+
+        async def worker_receive() -> None:
+            while True:
+                event = await worker.recv()
+                if isinstance(event, FailureDetected):
+                    at_worker.append(event.generation)
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [
+                    tasks.create_task(core_receive()),
+                    tasks.create_task(worker_receive()),
+                    tasks.create_task(core.maintain()),
+                    tasks.create_task(worker.maintain()),
+                ]
+                await asyncio.sleep(0.3)  # beacons: each side learns where the other starts
+                for i in range(count):
+                    sent = await core.publish(_failure(i))
+                    index.add("core", "recovery", sent.seq, encode(sent))
+                    await worker.publish(_ready(i))
+                    # Interleave noise on an unreliable topic, and let time pass.
+                    await worker.publish(Heartbeat(sender="", rank=1, step=i))
+                    await core.publish(StepCompleted(
+                        sender="", rank=1, step=i, loss=0.0, step_time_s=0.0, samples=1
+                    ))  # fmt: skip
+                    if i % 10 == 0:
+                        await asyncio.sleep(0.005)
+                async with asyncio.timeout(20):
+                    while len(at_core) < count or len(at_worker) < count:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                for task in running:
+                    task.cancel()
+        except* asyncio.CancelledError:
+            pass
+        finally:
+            await worker.close()
+            await core.close()
+            service.close()
+        return at_core, at_worker, core, worker
+
+
+def test_every_recovery_event_arrives_exactly_once_through_a_faulty_transport() -> None:
+    count = 300
+    at_core, at_worker, core, worker = asyncio.run(_exchange(count))
+    # Exactly once each: nothing lost, nothing twice (order may differ: reordering).
+    assert collections.Counter(at_core) == collections.Counter(range(count))
+    assert collections.Counter(at_worker) == collections.Counter(range(count))
+    # The transport did its worst, and both repair paths were used.
+    for client in (core, worker):
+        assert client.faults_injected["dropped"] > 50
+        assert client.faults_injected["duplicated"] > 20
+        assert client.duplicates > 20
+        assert client.asked > 0
+    assert worker.fetched > 0  # from the Core's log
+    assert at_core != sorted(at_core) or at_worker != sorted(at_worker)
+
+
+def test_a_client_about_to_exit_publishes_again_what_the_core_lacks() -> None:
+    """No beacon or resend can follow a process that has exited: before closing, a
+    client asks the log service what it lacks of its recent messages and sends those."""
+
+    async def go() -> tuple[list[int], bool]:
+        with Broker() as broker:
+            index = LogIndex()
+            service = LogService(index).start()
+            ends = broker.publish_endpoint, broker.subscribe_endpoint
+            lossy = BusFaults(drop=0.5, seed=5)
+            core = BusClient("core", *ends, from_start=True, faults=lossy)
+            worker = BusClient("rank1", *ends, topics=[], fetch_endpoint=service.endpoint)
+            await core.connect()
+            await worker.connect()
+
+            async def record() -> None:
+                while True:
+                    frames, event, _ = await core.recv_raw()
+                    assert event is not None
+                    index.add(event.sender, event.TOPIC.value, event.seq, frames)
+
+            task = asyncio.create_task(record())
+            for i in range(40):
+                await worker.publish(_ready(i))
+            await asyncio.sleep(0.2)
+            flushed = await worker.flush(timeout_s=5.0)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await worker.close()
+            await core.close()
+            service.close()
+            return index.lacks("rank1", "recovery", range(1, 41)), flushed
+
+    lacking, flushed = asyncio.run(go())
+    assert flushed and lacking == []

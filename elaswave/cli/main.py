@@ -249,6 +249,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from elaswave.bus.eventlog import format_record, read_event_log
+    from elaswave.bus.schema import Beacon
     from elaswave.runtime.core import EVENT_LOG
 
     path = args.run_dir / EVENT_LOG
@@ -256,8 +257,14 @@ def _events(args: argparse.Namespace) -> int:
         raise ValueError(
             f"no event log at {str(path)!r}; is {str(args.run_dir)!r} a run directory?"
         )
+    hidden = 0
     for record in read_event_log(path):
+        if not args.all and isinstance(record.event, Beacon):
+            hidden += 1  # delivery bookkeeping: each process's last numbers, 4 per second
+            continue
         print(format_record(record))
+    if hidden:
+        print(f"elaswave: {hidden} beacon(s) not shown (--all shows them)", file=sys.stderr)
     return 0
 
 
@@ -359,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
+    ev.add_argument("--all", action="store_true", help="include the bus's delivery beacons")
     ky = sub.add_parser(
         "keys",
         help="make CURVE keys for a job's bus (needed to bind beyond 127.0.0.1)",

@@ -110,6 +110,9 @@ def test_events_log_readable(layout_runs):
     assert kinds.count("worker_started") == 4 and kinds.count("worker_finished") == 4
     assert kinds.count("step_completed") == STEPS
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+    assert "beacon" not in kinds and "beacon(s) not shown (--all shows them)" in out.stderr
+    every = elaswave("events", "--all", str(layout_runs[(2, 2)].out))
+    assert "beacon" in [line.split()[2] for line in every.stdout.splitlines()]
 
 
 def test_param_digest_matches_params(layout_runs):

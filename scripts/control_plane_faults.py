@@ -71,7 +71,7 @@ CASES = [
 def train_cmd(out: Path, steps: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out),
             "--dp", "4", "--pp", "2", "--steps", str(steps), "--global-batch", "16",
-            "--micro-batch", "2", *args]  # fmt: skip
+            "--micro-batch", "2", "--overwrite", *args]  # fmt: skip
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -113,6 +113,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bus-keys", help="directory of the job's CURVE keys (elaswave keys DIR)")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in --out even if it holds an unfinished job with checkpoints",
+    )
+    p.add_argument(
         "--worker-prefix",
         metavar="WORDS",
         help="run each worker under these words, {rank} replaced by its rank (e.g. "
@@ -162,6 +167,28 @@ def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
     return values
 
 
+def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
+    """Refuse to clear a run directory whose job stopped before the end (its Core was
+    lost, or a failure stopped it) while a checkpoint could still continue it."""
+    from elaswave.fabric.checkpoint import latest_complete
+    from elaswave.runtime.config import JobSpec
+
+    if resuming is not None and resuming.resolve() == out.resolve():
+        return
+    if not (out / "job.json").is_file() or (out / "summary.json").is_file():
+        return
+    try:
+        step = latest_complete(out, JobSpec.read(out).config.model.num_layers)
+    except (OSError, KeyError, TypeError, ValueError):
+        return  # not a readable run: nothing to continue
+    if step is not None:
+        raise ValueError(
+            f"--out {str(out)!r} holds a job that stopped before its end, with a complete "
+            f"checkpoint of step {step}: continue it with --resume {out}, or pass --overwrite "
+            "to start over there"
+        )
+
+
 def _check_fits_in_memory(job) -> None:
     """Refuse a job whose parameters, gradients and optimizer state cannot fit in RAM."""
     import os
@@ -191,6 +218,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         file_values = _resume_values(args.resume, file_values)
     out = args.out or args.resume or Path("runs/train")
+    if not args.overwrite:
+        _refuse_unfinished(out, resuming=args.resume)
     overrides = {
         "model": {"preset": args.model},
         "data": {"path": args.data, "dtype": args.data_dtype},

@@ -259,6 +259,14 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
     )
     assert proc.returncode == 1 and "unrecoverable" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step2", "step5"]
+    # Training into it again would clear what can continue it: refused, nothing touched.
+    again = elaswave("train", "--out", str(crashed), *steps, timeout=60)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert (
+        f"holds a job that stopped before its end, with a complete checkpoint of step 5: "
+        f"continue it with --resume {crashed}, or pass --overwrite" in again.stderr
+    ), again.stderr
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step2", "step5"]
     resumed = train(runs_dir / "resumed", "--resume", str(crashed), "--dp", "4", "--pp", "3")
     ref = train(runs_dir / "uninterrupted", "--dp", "2", "--pp", "2", *steps)
     s = resumed.summary

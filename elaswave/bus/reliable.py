@@ -102,6 +102,12 @@ class SeqTracker:
                 self._missing.pop(key, None)
         self._nonces[sender] = nonce
 
+    def forget(self, sender: str) -> None:
+        """``sender`` is gone (its process exited): stop waiting for what it never sent
+        or can no longer send again. Its numbers stay known, so late copies are dropped."""
+        for key in [k for k in self._missing if k[0] == sender]:
+            del self._missing[key]
+
     def missing(
         self, topics: Iterable[str], *, older_than: float = 0.0
     ) -> dict[tuple[str, str], list[int]]:

@@ -371,6 +371,8 @@ class Supervisor:
             if r in self.alive and self.procs[r].returncode is not None
         }
         self.alive -= set(gone)
+        for rank in gone:  # what it did not deliver, no one can send again
+            self.core.client.tracker.forget(f"rank{rank}")
         return {r: code for r, code in gone.items() if code != 0}
 
     def _describe(self, failed: dict[int, int]) -> str:

@@ -45,6 +45,15 @@ def test_beacon_reveals_a_lost_last_message() -> None:
     assert t.missing(["recovery"]) == {("core", "recovery"): [5, 6]}
 
 
+def test_a_gone_sender_is_no_longer_waited_for() -> None:
+    t = SeqTracker()
+    assert t.accept("rank3", "recovery", 1)
+    assert t.accept("rank3", "recovery", 4)
+    t.forget("rank3")
+    assert t.missing(["recovery"]) == {}
+    assert not t.accept("rank3", "recovery", 4)  # a late copy is still a duplicate
+
+
 def test_from_start_receivers_expect_every_number_and_restarts_count_again() -> None:
     t = SeqTracker(from_start=True)
     assert t.accept("rank1", "recovery", 3)

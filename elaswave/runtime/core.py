@@ -78,6 +78,8 @@ class Core:
         """(step, wall time it arrived) of every StepCompleted, in arrival order."""
         self.step_timings: list[StepTiming] = []
         """Every StepTiming, in arrival order (the fail-slow detector's input)."""
+        self.trained_generation: dict[int, int] = {}
+        """rank -> the latest plan generation it has trained a step under."""
         self.scale_requests: list[ScaleRequest] = []
         """Requests to add workers (``elaswave scale``), in arrival order."""
         self.joining: list[WorkerStarted] = []
@@ -163,6 +165,8 @@ class Core:
                 self.steps_completed.append((event.step, time.time()))
             elif isinstance(event, StepTiming):
                 self.step_timings.append(event)
+                trained = self.trained_generation.get(event.rank, -1)
+                self.trained_generation[event.rank] = max(trained, event.generation)
             elif isinstance(event, ScaleRequest):
                 self.scale_requests.append(event)
             elif isinstance(event, WorkerStarted) and event.joining:

@@ -49,6 +49,10 @@ from elaswave.runtime.slowwatch import StragglerWatch
 
 log = structlog.get_logger(__name__)
 
+EXIT_GRACE_S = 0.5
+"""How long a participant that exited is given for its report to arrive before its
+exit counts as a failure inside the recovery."""
+
 GRACE_S = 0.02
 """Exits this close together are announced as one failure. Later exits, until every
 survivor has stopped, widen the announced set instead of starting a second recovery."""
@@ -629,7 +633,11 @@ class Supervisor:
         for rank in silent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.procs[rank].wait(), 10.0)
-        return self._exits(silent)
+        lost = self._exits(silent)
+        for rank in silent - set(lost):  # killed but not reaped yet: out of the plan all the same
+            self.alive.discard(rank)
+            lost[rank] = -signal.SIGKILL
+        return lost
 
     async def _await_all(
         self, ranks: set[int], kind: type, generation: int, detail: str, what: str
@@ -637,12 +645,15 @@ class Supervisor:
         """Wait for ``kind`` from every rank; fail at once if one of them exits before it
         reported (one that exits after is a later failure, which the exit watch takes).
 
-        A clean exit counts as a report: that worker trained to the end, so it went
-        through this point, and its report was lost on the bus with no sender left to
-        publish it again."""
+        A clean exit counts as a report, and so does a step trained under ``generation``
+        (for RecoveryDone): that worker went past this point, and its report was lost on
+        the bus with no sender left to publish it again."""
 
         def through() -> set[int]:
             clean = {r for r in ranks if self.procs[r].returncode == 0}
+            if kind is RecoveryDone:
+                trained = self.core.trained_generation
+                clean |= {r for r in ranks if trained.get(r, -1) >= generation}
             return set(self._events(kind, generation)) | clean
 
         def exited() -> dict[int, int]:
@@ -653,6 +664,8 @@ class Supervisor:
         ok = await self.core.wait_until(
             lambda: ranks <= through() or bool(exited()), self.timeout_s
         )
+        if exited():  # a report still on its way (delayed, or being repaired) settles it
+            ok = await self.core.wait_until(lambda: ranks <= through(), EXIT_GRACE_S)
         if gone := exited():
             every = self.cfg.train.checkpoint_every
             resume = (

@@ -673,10 +673,19 @@ class Supervisor:
                 if every
                 else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
             )
+            # Those killed (or fenced) are the cause; peers that then failed on their
+            # links with them are named, their errors left to their logs.
+            cause = {r: c for r, c in gone.items() if c < 0 or r in self.fenced} or gone
+            then = sorted(set(gone) - set(cause))
+            after = (
+                f"; then ranks {then} stopped on errors with them (see logs/rankN.log)"
+                if then
+                else ""
+            )
             raise JobFailed(
                 f"{detail}; then, while waiting for every rank to {what}: "
-                f"{self._describe(gone)} (a failure in that window is not recovered: the job "
-                f"stops; {resume})"
+                f"{self._describe(cause)}{after} (a failure in that window is not recovered: "
+                f"the job stops; {resume})"
             )
         if not ok:
             missing = sorted(ranks - through())

@@ -6,7 +6,9 @@ Every case is a real run (real processes, SIGKILL/SIGSTOP, the fault-injecting b
 transport) compared with the fault-free run of the same job: losses and parameters
 within 1e-4 when it continues; when it stops, the resumed run within 1e-5. Extra MTTR is
 the case's median MTTR (kill to the redone step's completion) minus the median of a
-single SIGKILL on a healthy bus, measured in the same invocation. Writes
+single SIGKILL on a healthy bus, measured in the same invocation. A Core lost without
+a worker failure has no recovery: its row says how long the Core was away and how long
+the workers paused (0 while the outage stays under --core-outage). Writes
 docs/control_plane.{md,json}. Timings are measured on real CPU processes (2 cores).
 """
 
@@ -27,6 +29,7 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, RecoveryPlan, WorkerStarted
 from elaswave.runtime.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.replay import replay_run
+from elaswave.runtime.supervisor import CORE_FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL = ("--fault", "kill:1@3:backward")
@@ -38,8 +41,12 @@ class Case:
     fault: str
     args: tuple[str, ...]
     stops: bool = False
-    kill_core: str | None = None
-    """'mid-step' or 'during-recovery': SIGKILL the Core (the launcher) there."""
+    kill_host: str | None = None
+    """'mid-step' or 'during-recovery': SIGKILL the job host (``elaswave train``) there."""
+    core: tuple[str, signal.Signals, float] | None = None
+    """(when, signal, seconds): signal the Core process at 'step2' or 'step4' (a SIGSTOPped
+    Core gets SIGCONT after the seconds), or have it SIGKILL itself right after it
+    publishes a recovery's 'plan' or 'commit'."""
     mttr: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -60,11 +67,19 @@ CASES = [
          (*KILL, "--bus-faults", "drop=0.1,dup=0.1,reorder=0.1,delay=0.005")),
     Case("lossy-bus-30", "bus drops 30%, duplicates 10%, reorders 10%, delays 0-5 ms",
          (*KILL, "--bus-faults", "drop=0.3,dup=0.1,reorder=0.1,delay=0.005")),
-    Case("core-killed-mid-step", "the Core SIGKILLed in step 4", ("--checkpoint-every", "2"),
-         stops=True, kill_core="mid-step"),
-    Case("core-killed-in-recovery", "the Core SIGKILLed while a recovery plan is out",
+    Case("core-killed-mid-step", "the Core SIGKILLed in step 4 (restarted by the job host)",
+         (), core=("step4", signal.SIGKILL, 0.0)),
+    Case("core-stopped-past-bound", "the Core SIGSTOPped 3 s in step 2, outage bound 1 s",
+         ("--core-outage", "1"), core=("step2", signal.SIGSTOP, 3.0)),
+    Case("core-killed-plan-out", "the Core SIGKILLed just after publishing a recovery plan",
+         KILL, core=("plan", signal.SIGKILL, 0.0)),
+    Case("core-killed-after-commit", "the Core SIGKILLed just after a recovery's commit",
+         KILL, core=("commit", signal.SIGKILL, 0.0)),
+    Case("host-killed-mid-step", "the job host (store, workers' parent) SIGKILLed in step 4",
+         ("--checkpoint-every", "2"), stops=True, kill_host="mid-step"),
+    Case("host-killed-in-recovery", "the job host SIGKILLed while a recovery plan is out",
          ("--fault", "kill:1@4:backward", "--checkpoint-every", "2"), stops=True,
-         kill_core="during-recovery"),
+         kill_host="during-recovery"),
 ]  # fmt: skip
 
 
@@ -87,8 +102,77 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_core(out: Path, cmd: list[str], when: str) -> str:
-    """Start the job, SIGKILL the launcher at ``when``; say how long its workers lived."""
+def _reached(events: list, when: str) -> bool:
+    if when.startswith("step"):
+        return any(isinstance(e, Heartbeat) and e.step == int(when[4:]) for e in events)
+    return any(isinstance(e, RecoveryPlan) for e in events)  # during-recovery
+
+
+def _log_records(path: Path, event: str) -> list[dict]:
+    docs = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{") and f'"{event}"' in line:
+            doc = json.loads(line)
+            if doc.get("event") == event:
+                docs.append(doc)
+    return docs
+
+
+def _iso(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_s: float):
+    """Run the job and signal its Core at ``when``; return the finished process and what
+    the outage was: how long until a Core served again, how long the workers paused."""
+    log = out / "events.log"
+    own = when in ("plan", "commit")  # the Core kills itself there: see CORE_FAULT_ENV
+    env = dict(os.environ, **{CORE_FAULT_ENV: when}) if own else None
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 300
+    while not own and not (
+        (out / "core.pid").exists()
+        and log.exists()
+        and _reached([r.event for r in read_event_log(log)], when)
+    ):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{' '.join(cmd)}: the job ended before the signal point")
+        time.sleep(0.01)
+    signalled = time.time()
+    if not own:
+        pid = int((out / "core.pid").read_text())
+        os.kill(pid, sig)
+        if sig == signal.SIGSTOP:
+            time.sleep(hold_s)
+            os.kill(pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=600)
+    proc.stderr = err
+    if own:
+        (hit,) = _log_records(out / "logs" / "core0.log", "core.fault_injected")
+        signalled = _iso(hit["timestamp"])
+    restored = _log_records(out / "logs" / "core1.log", "core.restored")
+    if restored:
+        back = _iso(restored[0]["timestamp"])
+        away = f"a new Core served {back - signalled:.2f} s after the kill"
+    else:
+        away = f"the Core was stopped {hold_s:.1f} s" if sig == signal.SIGSTOP else ""
+    logs = [out / "logs" / f"rank{rank}.log" for rank in range(8)]
+    paused = [d["paused_s"] for p in logs for d in _log_records(p, "core.outage_resumed")]
+    steps = {d["step"] for p in logs for d in _log_records(p, "core.outage_paused")}
+    pause = (
+        f"all {len(paused)} workers paused before step {min(steps)} for up to {max(paused):.2f} s"
+        if paused
+        else "no worker paused"
+    )
+    return proc, f"{away}; {pause}".lstrip("; ")
+
+
+def kill_host(out: Path, cmd: list[str], when: str) -> str:
+    """Start the job, SIGKILL the job host at ``when``; say how long its children lived."""
     log = out / "events.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -102,6 +186,7 @@ def kill_core(out: Path, cmd: list[str], when: str) -> str:
             raise SystemExit(f"{' '.join(cmd)}: the job ended before the kill point")
         time.sleep(0.02)
     pids = [e.pid for e in events if isinstance(e, WorkerStarted)]
+    pids.append(int((out / "core.pid").read_text()))
     killed = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -109,8 +194,11 @@ def kill_core(out: Path, cmd: list[str], when: str) -> str:
         time.sleep(0.01)
     left = [p for p in pids if alive(p)]
     if left:
-        raise SystemExit(f"workers {left} outlived their Core")
-    return f"all {len(pids)} workers gone {time.monotonic() - killed:.2f} s after the Core"
+        raise SystemExit(f"processes {left} outlived the job host")
+    return (
+        f"all {len(pids) - 1} workers and the Core gone {time.monotonic() - killed:.2f} s "
+        "after the host"
+    )
 
 
 def resume_check(out: Path, ref: Path, steps: int) -> str:
@@ -143,12 +231,16 @@ def main() -> int:
         for i in range(1 if case.stops else args.repeats):
             out = args.out / f"{case.name}_{i}"
             cmd = train_cmd(out, args.steps, *case.args)
-            if case.kill_core:
-                case.notes.append(kill_core(out, cmd, case.kill_core))
+            if case.kill_host:
+                case.notes.append(kill_host(out, cmd, case.kill_host))
                 case.notes.append(resume_check(out, ref, args.steps))
                 continue
             started = time.monotonic()
-            proc = run(cmd)
+            if case.core:
+                proc, outage = signal_core(out, cmd, *case.core)
+                case.notes.append(f"run {i}: {outage}")
+            else:
+                proc = run(cmd)
             if case.stops:
                 if proc.returncode != 1:
                     raise SystemExit(f"{case.name}: expected the job to stop, rc {proc.returncode}")
@@ -163,7 +255,8 @@ def main() -> int:
             if diff.loss_rel > 1e-4 or diff.param_rel > 1e-4 or replay.diverged is not None:
                 raise SystemExit(f"{case.name}: diverged ({diff}, replay {replay.diverged})")
             s = json.loads((out / "summary.json").read_text())
-            case.mttr.append(sum(r["mttr_s"] for r in s["recoveries"]))
+            if s["recoveries"]:
+                case.mttr.append(sum(r["mttr_s"] for r in s["recoveries"]))
             if i == 0:
                 recs = s["recoveries"]
                 case.notes.append(

@@ -44,6 +44,17 @@ def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+def launch(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``elaswave train`` in the background; its stderr goes to OUT.stderr beside OUT."""
+    with out.with_suffix(".stderr").open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+        )
+
+
 def train(out: Path, *args: str, timeout: float = 240) -> Run:
     """Run ``elaswave train`` to success; then replay its recovery plans from its event
     log, every one of which must come out byte for byte as the Core announced it."""

@@ -34,7 +34,7 @@ import collections
 import dataclasses
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import NamedTuple, Self
 
@@ -107,6 +107,13 @@ class BusClient:
         from_start: expect every sender's numbers from 1 (the Core, which starts first);
             otherwise a sender's first beacon or message sets where this client starts.
         faults: faults to inject into what this client receives (tests).
+        nonce: the identity its hello carries (default: a new one). A restarted process
+            that continues its predecessor's numbering (:meth:`resume_numbering`) passes
+            the predecessor's, so receivers do not count it from 1 again.
+        on_publish: called with every message's frames just before it is sent (the
+            Core records what it publishes before anyone can have seen it).
+        log_rejected: log every message that fails to decode as a warning (an observer
+            beside the Core, which logs them already, logs them at debug level).
     """
 
     def __init__(
@@ -124,6 +131,9 @@ class BusClient:
         fetch_endpoint: str | None = None,
         from_start: bool = False,
         faults: BusFaults | None = None,
+        nonce: str | None = None,
+        on_publish: Callable[[list[bytes]], None] | None = None,
+        log_rejected: bool = True,
     ) -> None:
         if not sender:
             raise ValueError("sender must be a non-empty name such as 'core' or 'rank3'")
@@ -164,6 +174,14 @@ class BusClient:
             faults.injector(sender) if faults is not None and faults.active else None
         )
         self._wake: asyncio.Event | None = None
+        self.nonce = nonce or secrets.token_hex(8)
+        self._on_publish = on_publish
+        self._log_rejected = logger.warning if log_rejected else logger.debug
+
+    def resume_numbering(self, last: dict[str, int]) -> None:
+        """Continue a predecessor's numbering: ``last`` maps topic -> its last ``seq``."""
+        for topic, seq in last.items():
+            self._seq[topic] = max(self._seq.get(topic, 0), seq)
 
     @property
     def connected(self) -> bool:
@@ -214,8 +232,7 @@ class BusClient:
     async def _handshake(self, sub_sync: zmq.Socket[bytes]) -> None:
         assert self._pub is not None
         assert self._sub is not None
-        nonce = secrets.token_hex(8)
-        hello = encode(Hello(sender=self.sender, nonce=nonce, time=time.time()))
+        hello = encode(Hello(sender=self.sender, nonce=self.nonce, time=time.time()))
         self._own_hello = hello
         interval_ms = max(1, int(self._hello_interval * 1000))
         try:
@@ -324,6 +341,8 @@ class BusClient:
         frames = encode(stamped)
         if event.TOPIC in RELIABLE_TOPICS:
             self._history.add(topic, seq, frames)
+        if self._on_publish is not None:
+            self._on_publish(frames)
         await self._pub.send_multipart(frames)
         return stamped
 
@@ -363,7 +382,7 @@ class BusClient:
                 event = decode(frames)
             except SchemaError as exc:
                 self.rejected += 1
-                logger.warning(
+                self._log_rejected(
                     "bus_message_rejected",
                     receiver=self.sender,
                     error=str(exc),

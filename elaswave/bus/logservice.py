@@ -109,14 +109,21 @@ def _answer(index: LogIndex, body: bytes) -> dict[str, Any]:
 
 
 class LogService:
-    """Answer fetches from ``index`` on a ROUTER socket bound on ``host`` (any port)."""
+    """Answer fetches from ``index`` on a ROUTER socket bound on ``host`` (``port`` 0:
+    any free port)."""
 
     def __init__(
-        self, index: LogIndex, host: str = "127.0.0.1", *, keys: BusKeys | None = None
+        self,
+        index: LogIndex,
+        host: str = "127.0.0.1",
+        *,
+        keys: BusKeys | None = None,
+        port: int = 0,
     ) -> None:
         check_bind(host, keyed=keys is not None)
         self.index = index
         self._host = host
+        self._port = port
         self._keys = keys
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._auth: ThreadAuthenticator | None = None
@@ -135,13 +142,15 @@ class LogService:
             self._auth.configure_curve(domain="*", location=str(self._keys.directory))
             serve_curve(sock, self._keys)
         try:
-            sock.bind(f"tcp://{self._host}:0")
+            sock.bind(f"tcp://{self._host}:{self._port}")
         except zmq.ZMQError as exc:
             sock.close()
             if self._auth is not None:
                 self._auth.stop()
             context.term()
-            raise RuntimeError(f"log service could not bind on {self._host}: {exc}") from exc
+            raise RuntimeError(
+                f"log service could not bind on {self._host} (port {self._port}): {exc}"
+            ) from exc
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         assert isinstance(endpoint, bytes)
         self.endpoint = endpoint.decode()

@@ -68,6 +68,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds every participant has to acknowledge a recovery plan (default 5)",
     )
+    p.add_argument(
+        "--core-restarts",
+        type=int,
+        help="times a lost Core is started again while the workers train on (default 3)",
+    )
+    p.add_argument(
+        "--core-outage",
+        type=float,
+        help="seconds workers train without hearing the Core before they all pause at one "
+        "step boundary and wait for it (default 10)",
+    )
     p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
     p.add_argument(
         "--no-snapshots",
@@ -235,6 +246,8 @@ def _train(args: argparse.Namespace) -> int:
             "comm_timeout_s": args.comm_timeout,
             "heartbeat_timeout_s": args.heartbeat_timeout,
             "plan_ack_timeout_s": args.plan_ack_timeout,
+            "core_restarts": args.core_restarts,
+            "core_outage_s": args.core_outage,
             "ranks_per_node": args.ranks_per_node,
             "snapshots": args.snapshots,
             "verify_snapshots": args.verify_snapshots,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,12 @@ class TrainConfig:
     plan_ack_timeout_s: float = 5.0
     """Seconds the Core waits for every participant to acknowledge a recovery plan;
     one that does not is fenced and the plan superseded."""
+    core_restarts: int = 3
+    """Times the job host starts the Core again after it is lost (0: a lost Core stops
+    the job, which can be resumed from its latest checkpoint)."""
+    core_outage_s: float = 10.0
+    """Seconds workers train on without hearing from the Core; after that they all stop
+    at the same step boundary and wait for it, keeping their state."""
 
     def worker_command(self, rank: int) -> list[str]:
         """``worker_prefix`` for ``rank``, split into words."""
@@ -160,6 +167,18 @@ class TrainConfig:
         if isinstance(ack, bool) or not isinstance(ack, int | float) or not 0 < ack <= 600:
             raise ValueError(
                 f"plan_ack_timeout_s = {self.plan_ack_timeout_s!r}: must be 0 to 600 seconds"
+            )
+        restarts = self.core_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or not 0 <= restarts <= 100:
+            raise ValueError(f"core_restarts = {restarts!r}: must be an integer from 0 to 100")
+        outage = self.core_outage_s
+        if (
+            isinstance(outage, bool)
+            or not isinstance(outage, int | float)
+            or not 0 < outage <= 3600
+        ):
+            raise ValueError(
+                f"core_outage_s = {outage!r}: must be more than 0 and at most 3600 seconds"
             )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
@@ -299,17 +318,20 @@ class JobSpec:
     config: JobConfig
     endpoints: Endpoints
 
-    def write(self, run_dir: Path) -> None:
+    def write(self, run_dir: Path, name: str = "job.json") -> None:
+        """Write it whole or not at all: readers poll for the file."""
         doc = {
             "run_id": self.run_id,
             "config": self.config.to_dict(),
             "endpoints": dataclasses.asdict(self.endpoints),
         }
-        (run_dir / "job.json").write_text(json.dumps(doc, indent=2))
+        tmp = run_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(doc, indent=2))
+        os.replace(tmp, run_dir / name)
 
     @classmethod
-    def read(cls, run_dir: Path) -> JobSpec:
-        doc = json.loads((run_dir / "job.json").read_text())
+    def read(cls, run_dir: Path, name: str = "job.json") -> JobSpec:
+        doc = json.loads((run_dir / name).read_text())
         return cls(
             run_id=doc["run_id"],
             config=JobConfig.from_dict(doc["config"]),

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import structlog
 
 from elaswave.bus.broker import Broker
@@ -27,23 +30,43 @@ from elaswave.bus.logservice import LogIndex, LogService
 from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import (
     Event,
+    FailureDetected,
     Heartbeat,
     MigrationDone,
+    PauseRequest,
     PlanAck,
+    PlanCommit,
     RecoveryDone,
+    RecoveryPlan,
     RecoveryReady,
     RunFinished,
     ScaleRequest,
+    SchemaError,
     StepCompleted,
     StepTiming,
     WorkerFinished,
     WorkerStarted,
-    encode,
+    decode,
 )
 
 log = structlog.get_logger(__name__)
 
 EVENT_LOG = "events.log"
+
+
+@dataclass(frozen=True)
+class CorePorts:
+    """The ports a Core binds (0: any free port): a restarted Core binds its
+    predecessor's, so every worker's connections find it again."""
+
+    publish: int = 0
+    subscribe: int = 0
+    fetch: int = 0
+
+    @classmethod
+    def of(cls, publish: str, subscribe: str, fetch: str) -> CorePorts:
+        """The ports of ``tcp://host:port`` endpoints."""
+        return cls(*(int(e.rsplit(":", 1)[1]) if e else 0 for e in (publish, subscribe, fetch)))
 
 
 class Core:
@@ -55,16 +78,27 @@ class Core:
         host: str = "127.0.0.1",
         keys: BusKeys | None = None,
         faults: BusFaults | None = None,
+        ports: CorePorts | None = None,
+        nonce: str | None = None,
+        restore: bool = False,
     ) -> None:
         """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
-        loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives."""
+        loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives.
+
+        ``nonce``: its hello's identity, the same for every incarnation of a run's Core.
+        A restarted Core passes its predecessor's ``ports`` and ``restore``: it binds the
+        same endpoints, and its numbering continues the predecessor's (:meth:`restore`).
+        """
         self.run_dir = run_dir
         self.on_event = on_event
         self.keys = keys
         self.faults = faults
-        self.broker = Broker(host, keys=keys)
+        self.nonce = nonce
+        self._restore = restore
+        ports = ports or CorePorts()
+        self.broker = Broker(host, ports.publish, ports.subscribe, keys=keys)
         self.index = LogIndex()
-        self.log_service = LogService(self.index, host, keys=keys)
+        self.log_service = LogService(self.index, host, keys=keys, port=ports.fetch)
         self.num_events = 0
         self.num_rejected = 0
         self.finished: dict[int, WorkerFinished] = {}
@@ -84,6 +118,11 @@ class Core:
         """Requests to add workers (``elaswave scale``), in arrival order."""
         self.joining: list[WorkerStarted] = []
         """WorkerStarted of every worker that joined the running job."""
+        self.announcements: list[Event] = []
+        """The Core's own FailureDetected, PauseRequest, RecoveryPlan and PlanCommit, in
+        the order published (a restarted Core reads its predecessor's here)."""
+        self.restored = 0
+        """Messages read back from the event log by :meth:`restore`."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
         self._maintain: asyncio.Task[None] | None = None
@@ -109,7 +148,6 @@ class Core:
     async def __aenter__(self) -> Core:
         self.broker.start()
         self.log_service.start()
-        self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         self._client = BusClient(
             "core",
             self.broker.publish_endpoint,
@@ -117,7 +155,12 @@ class Core:
             keys=self.keys,
             from_start=True,  # every other process connects after the Core
             faults=self.faults,
+            nonce=self.nonce,
+            on_publish=self._record_own,
         )
+        if self._restore:
+            self.restore()
+        self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         await self._client.connect()
         self._maintain = asyncio.create_task(self._client.maintain(), name="core-delivery")
         return self
@@ -135,11 +178,54 @@ class Core:
         self.broker.close()
 
     async def publish(self, event: Event) -> Event:
-        """Publish ``event`` as the Core; it is in the log service from this moment."""
+        """Publish ``event`` as the Core; it is in the event log and the log service
+        before it is sent (:meth:`_record_own`)."""
         assert self._client is not None, "Core used outside its context"
-        sent = await self._client.publish(event)
-        self.index.add(sent.sender, sent.TOPIC.value, sent.seq, encode(sent))
-        return sent
+        return await self._client.publish(event)
+
+    def _record_own(self, frames: list[bytes]) -> None:
+        """Log a message of the Core's before it leaves: a successor continues the
+        numbering from the log, so no number can reach a worker unlogged."""
+        if self._writer is not None:
+            self._writer.append(frames, time.time())
+        event = decode(frames)
+        self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
+
+    def restore(self) -> None:
+        """Read the predecessor's event log back: the log service serves it again, the
+        tracker knows what was received, the numbering continues, and the state the
+        supervisor reads (recovery reports, step timings, announcements) is rebuilt.
+        A record cut short by the predecessor's death is cut off the file."""
+        path = self.run_dir / EVENT_LOG
+        good, last = 0, {}
+        with contextlib.suppress(FileNotFoundError), path.open("rb") as file:
+            unpacker = msgpack.Unpacker(file, raw=False, use_list=True)
+            while True:
+                try:
+                    obj = unpacker.unpack()
+                except msgpack.OutOfData:
+                    break
+                except Exception:  # corrupt bytes: keep what came before them
+                    break
+                good = unpacker.tell()
+                frames = obj.get("frames") if isinstance(obj, dict) else None
+                try:
+                    event = decode(frames or [])
+                except SchemaError:
+                    continue
+                self.restored += 1
+                topic = event.TOPIC.value
+                self.client.tracker.accept(event.sender, topic, event.seq)
+                self.index.add(event.sender, topic, event.seq, frames)
+                if event.sender == self.client.sender:
+                    last[topic] = max(last.get(topic, 0), event.seq)
+                self._dispatch(event, float(obj.get("t", 0.0)))
+        if path.exists() and path.stat().st_size > good:
+            log.warning("core.event_log_cut", path=str(path), at=good)
+            os.truncate(path, good)
+        self.client.resume_numbering(last)
+        self.last_heartbeat.clear()  # the supervisor times silence from now
+        log.warning("core.restored", events=self.restored, numbering=last)
 
     async def listen(self) -> None:
         """Record and dispatch events until cancelled."""
@@ -147,36 +233,48 @@ class Core:
         assert self._writer is not None, "Core used outside its context"
         while True:
             frames, event, _error = await self._client.recv_raw()
-            self._writer.append(frames, time.time())
+            now = time.time()
             self.num_events += 1
             if event is None:  # the client has logged why; the raw frames are in the log
+                self._writer.append(frames, now)
                 self.num_rejected += 1
                 continue
-            self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
-            if isinstance(event, Heartbeat):
-                self.last_heartbeat[event.rank] = time.monotonic()
-            elif isinstance(event, WorkerFinished):
-                self.finished[event.rank] = event
-            elif isinstance(event, RunFinished):
-                self.run_finished = event
-            elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone | PlanAck):
-                self.recovery_events.append(event)
-            elif isinstance(event, StepCompleted):
-                self.steps_completed.append((event.step, time.time()))
-            elif isinstance(event, StepTiming):
-                self.step_timings.append(event)
-                trained = self.trained_generation.get(event.rank, -1)
-                self.trained_generation[event.rank] = max(trained, event.generation)
-            elif isinstance(event, ScaleRequest):
-                self.scale_requests.append(event)
-            elif isinstance(event, WorkerStarted) and event.joining:
-                self.joining.append(event)
+            if event.sender != self.client.sender:  # its own were logged when sent
+                self._writer.append(frames, now)
+                self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
+            self._dispatch(event, now)
             if self.on_event is not None:
                 try:
                     self.on_event(event)
                 except Exception:
                     log.exception("core.on_event_failed", kind=str(event.KIND))
             self._changed.set()
+
+    def _dispatch(self, event: Event, t: float) -> None:
+        """Update the state the supervisor reads with ``event``, received at ``t``."""
+        if isinstance(event, Heartbeat):
+            self.last_heartbeat[event.rank] = time.monotonic()
+        elif isinstance(event, WorkerFinished):
+            self.finished[event.rank] = event
+        elif isinstance(event, RunFinished):
+            self.run_finished = event
+        elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone | PlanAck):
+            self.recovery_events.append(event)
+        elif isinstance(event, StepCompleted):
+            self.steps_completed.append((event.step, t))
+        elif isinstance(event, StepTiming):
+            self.step_timings.append(event)
+            trained = self.trained_generation.get(event.rank, -1)
+            self.trained_generation[event.rank] = max(trained, event.generation)
+        elif isinstance(event, ScaleRequest):
+            self.scale_requests.append(event)
+        elif isinstance(event, WorkerStarted) and event.joining:
+            self.joining.append(event)
+        elif (
+            isinstance(event, FailureDetected | PauseRequest | RecoveryPlan | PlanCommit)
+            and event.sender == self.client.sender
+        ):
+            self.announcements.append(event)
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds, or the timeout passes.

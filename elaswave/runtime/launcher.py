@@ -1,11 +1,20 @@
-"""Start the Core and N local workers, supervise them, and write the run's summary."""
+"""The job host: serve the store, run the workers, and run (and restart) the Core.
+
+The workers and the store belong to this process, so a lost Core loses neither: the
+host starts a new Core, which binds the same bus endpoints and resumes from the event
+log and its persisted state, while the workers train on (:mod:`elaswave.runtime.coreproc`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import os
 import shutil
+import signal
+import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -13,20 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch.distributed as dist
 
-from elaswave.bus.schema import Event, RunFinished, RunStarted
+from elaswave.bus.client import BusClient
+from elaswave.bus.schema import Event
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
-from elaswave.fabric.checkpoint import CHECKPOINTS
+from elaswave.fabric.checkpoint import CHECKPOINTS, latest_complete
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
-from elaswave.runtime.core import EVENT_LOG, Core
-from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import JobFailed, Supervisor
+from elaswave.runtime.core import EVENT_LOG
+from elaswave.runtime.coreproc import CORE_RESULT, HOST_SPEC, JOB_FAILED
+from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink
+from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed
 
 log = structlog.get_logger(__name__)
 
-_RUN_OUTPUTS = ("workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json")
+_RUN_OUTPUTS = (
+    "workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json",
+    CORE_STATE, CORE_RESULT, HOST_SPEC, "core.pid",
+)  # fmt: skip
 
 
 def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
@@ -64,62 +77,178 @@ async def _spawn(
         )
 
 
-async def _run_workers(
-    cfg: JobConfig, run_dir: Path, run_id: str, store: dist.TCPStore, core: Core
-) -> list[dict[str, Any]]:
-    """Run the workers to the end, recovering from failures; returns the recoveries."""
-    plan = cfg.plan()
-    JobSpec(
-        run_id=run_id,
-        config=cfg,
-        endpoints=Endpoints(
-            store_host=cfg.train.bus_host,
-            store_port=store.port,
-            bus_publish=core.publish_endpoint,
-            bus_subscribe=core.subscribe_endpoint,
-            bus_fetch=core.fetch_endpoint,
-        ),
-    ).write(run_dir)
-    t = cfg.train
-    await core.publish(
-        RunStarted(
-            sender="core",
-            run_id=run_id,
-            world_size=t.num_ranks,
-            dp=t.dp,
-            pp=t.pp,
-            steps=t.steps,
-            global_batch=t.global_batch,
-            device=t.device,
+class JobHost:
+    """Owns what must outlive a Core: the store (held by the caller), the workers, and
+    their exit codes. Runs the Core as a child process over the host link and starts it
+    again, up to ``core_restarts`` times, when it is lost."""
+
+    def __init__(
+        self, cfg: JobConfig, run_dir: Path, on_event: Callable[[Event], None] | None
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.on_event = on_event
+        self.workers: dict[int, asyncio.subprocess.Process] = {}
+        self.codes: dict[int, int | None] = {}
+        self._reapers: list[asyncio.Task[None]] = []
+        self._link: HostLink | None = None
+        self._observer: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        """Run Cores until one finishes the job (or fails it: JobFailed)."""
+        try:
+            for incarnation in itertools.count():
+                code = await self._run_core(incarnation)
+                if code == 0:
+                    return
+                result = self._result()
+                if code == JOB_FAILED and result is not None:
+                    raise JobFailed(result["reason"])
+                lost = f"the Core was lost ({_exit_text(code)}; see logs/core{incarnation}.log)"
+                if incarnation >= (allowed := self.cfg.train.core_restarts):
+                    raise JobFailed(
+                        f"{lost}, and --core-restarts {allowed} allows no further restart; "
+                        f"{self._resume()}"
+                    )
+                if not (self.run_dir / CORE_STATE).is_file():
+                    raise JobFailed(f"{lost} before it had started the job; {self._resume()}")
+                log.warning("host.core_lost", code=code, incarnation=incarnation)
+        finally:
+            await self._stop_workers()
+
+    def _result(self) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.run_dir / CORE_RESULT).read_text())
+        return None
+
+    def _resume(self) -> str:
+        step = latest_complete(self.run_dir, self.cfg.model.num_layers)
+        if step is None:
+            return "it wrote no complete checkpoint (train with --checkpoint-every K to resume)"
+        return f"resume from the checkpoint of step {step} with --resume {self.run_dir}"
+
+    async def _run_core(self, incarnation: int) -> int:
+        host_end, core_end = socket.socketpair()
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+            **{LINK_FD_ENV: str(core_end.fileno())},
+            # its log is relayed to this stderr: readable lines where a person reads it
+            ELASWAVE_LOG_JSON="0" if sys.stderr.isatty() else "1",
+        )  # fmt: skip
+        if incarnation:
+            env.pop(CORE_FAULT_ENV, None)  # an injected Core fault strikes once
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "elaswave.runtime.coreproc",
+            "--run-dir",
+            str(self.run_dir),
+            "--incarnation",
+            str(incarnation),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            pass_fds=(core_end.fileno(),),
         )
-    )
-    ok, reason = True, ""
-    try:
-        procs = {rank: await _spawn(cfg, run_dir, rank) for rank in plan.ranks}
-        supervisor = Supervisor(
-            cfg,
-            run_dir,
-            core,
-            procs,
-            spawn=lambda rank: _spawn(cfg, run_dir, rank, join=True),
-            store=store,
+        core_end.close()
+        (self.run_dir / "core.pid").write_text(str(proc.pid))
+        assert proc.stdout is not None
+        relay = asyncio.create_task(
+            _relay(proc.stdout, self.run_dir / "logs" / f"core{incarnation}.log")
         )
-        await supervisor.run()
-        # Workers publish WorkerFinished just before exiting; give the bus a moment.
-        survivors = set(supervisor.plan.ranks)
-        await core.wait_until(lambda: survivors <= set(core.finished), timeout_s=5.0)
-        return supervisor.recoveries
-    except JobFailed as exc:
-        ok, reason = False, str(exc)
-        raise
-    except BaseException as exc:  # interrupted (Ctrl-C, cancelled) or a Core bug
-        ok, reason = False, f"the Core stopped: {type(exc).__name__}: {exc}".rstrip(": ")
-        raise
-    finally:
-        await core.publish(
-            RunFinished(sender="core", steps_completed=t.steps if ok else 0, ok=ok, reason=reason)
+        link = self._link = HostLink(host_end)
+        await link.open({r: {"pid": p.pid, "code": self.codes[r]} for r, p in self.workers.items()})
+        serving = asyncio.create_task(self._serve(link), name="host-requests")
+        try:
+            code = await proc.wait()
+            await relay
+            return code
+        finally:
+            serving.cancel()
+            relay.cancel()
+            for task in (serving, relay):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            link.close()
+            self._link = None
+
+    async def _serve(self, link: HostLink) -> None:
+        async for request in link.requests():
+            op, rank = request.get("op"), request.get("rank")
+            if op == "observe":
+                if self.on_event is not None and self._observer is None:
+                    self._observer = asyncio.create_task(self._observe(), name="host-observer")
+                    await asyncio.sleep(0.2)  # let it connect before the first event
+                link.send({"op": "observing"})
+            elif not isinstance(rank, int):
+                log.error("host.bad_core_request", request=request)
+            elif op == "spawn":
+                try:
+                    proc = await _spawn(self.cfg, self.run_dir, rank, join=bool(request["join"]))
+                except OSError as exc:
+                    link.send({"op": "spawn_failed", "rank": rank, "error": str(exc)})
+                    continue
+                self.workers[rank], self.codes[rank] = proc, None
+                self._reapers.append(asyncio.create_task(self._reap(rank, proc)))
+                link.send({"op": "started", "rank": rank, "pid": proc.pid})
+            elif op == "signal" and rank in self.workers:
+                if self.codes[rank] is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        self.workers[rank].send_signal(int(request["signal"]))
+            else:
+                log.error("host.bad_core_request", request=request)
+
+    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.codes[rank] = code
+        if self._link is not None:
+            self._link.send({"op": "exited", "rank": rank, "code": code})
+
+    async def _observe(self) -> None:
+        """Feed ``on_event`` every event on the bus (whichever Core incarnation runs it)."""
+        assert self.on_event is not None
+        ep = JobSpec.read(self.run_dir).endpoints
+        client = BusClient(  # the Core logs what fails to decode; no need to say it twice
+            "host", ep.bus_publish, ep.bus_subscribe, keys=self.cfg.train.keys(), log_rejected=False
         )
-        await core.wait_until(lambda: core.run_finished is not None, timeout_s=2.0)
+        await client.connect()
+        try:
+            while True:
+                event = await client.recv()
+                try:
+                    self.on_event(event)
+                except Exception:
+                    log.exception("host.on_event_failed", kind=str(event.KIND))
+        finally:
+            await client.close()
+
+    async def _stop_workers(self) -> None:
+        for rank, proc in self.workers.items():
+            if self.codes[rank] is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        for task in self._reapers:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 10.0)
+        if self._observer is not None:
+            await asyncio.sleep(0.2)  # the last events (RunFinished) on their way
+            self._observer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._observer
+
+
+async def _relay(stream: asyncio.StreamReader, path: Path) -> None:
+    """The Core's log: to logs/coreN.log, and to this process's stderr as before."""
+    with path.open("wb") as out:
+        async for line in stream:
+            out.write(line)
+            out.flush()
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 async def run_job(
@@ -128,32 +257,23 @@ async def run_job(
     *,
     on_event: Callable[[Event], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``cfg`` with dp x pp local worker processes; return the summary."""
+    """Train ``cfg`` with dp x pp local worker processes; return the summary.
+
+    This process is the job host: it serves the store and owns the workers; the Core
+    runs in a child process (:mod:`elaswave.runtime.coreproc`), restarted when lost.
+    ``on_event`` sees every event on the bus, in this process.
+    """
     check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)
-    keys = cfg.train.keys()  # a missing key stops the job here, before anything starts
+    cfg.train.keys()  # a missing key stops the job here, before anything starts
     _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
-    plan = cfg.plan()
     store = serve_store(cfg.train.bus_host, timeout_s=cfg.train.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
-    faults = cfg.train.bus_fault_spec()
-    async with Core(
-        run_dir, on_event=on_event, host=cfg.train.bus_host, keys=keys, faults=faults
-    ) as core:
-        listener = asyncio.create_task(core.listen())
-        try:
-            recoveries = await _run_workers(cfg, run_dir, run_id, store, core)
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
-    summary = build_summary(
-        run_dir=run_dir,
-        plan=plan,
-        steps=cfg.train.steps,
-        num_events=core.num_events,
-        device=cfg.train.device,
-        recoveries=recoveries,
-        bus=core.client.delivery(),
-    )
-    write_summary(run_dir, summary)
-    return summary
+    JobSpec(  # the Core completes it with the bus endpoints, as RUN_DIR/job.json
+        run_id=run_id,
+        config=cfg,
+        endpoints=Endpoints(
+            store_host=cfg.train.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
+        ),
+    ).write(run_dir, HOST_SPEC)
+    await JobHost(cfg, run_dir, on_event).run()
+    return json.loads((run_dir / "summary.json").read_text())

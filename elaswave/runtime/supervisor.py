@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +38,7 @@ from elaswave.bus.schema import (
     StragglerDetected,
 )
 from elaswave.engine.migration import layer_moves, plan_transition, why_blocking
-from elaswave.engine.plan import Plan, plan_key, plan_to_dict
+from elaswave.engine.plan import Plan, plan_from_dict, plan_key, plan_to_dict
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
 from elaswave.engine.straggler import StragglerVerdict
@@ -52,6 +53,14 @@ log = structlog.get_logger(__name__)
 EXIT_GRACE_S = 0.5
 """How long a participant that exited is given for its report to arrive before its
 exit counts as a failure inside the recovery."""
+
+CORE_STATE = "core_state.json"
+"""What a restarted Core resumes from, beside the event log: membership, the plan and
+its generation, the recoveries so far, and a change under way."""
+
+CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
+"""Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
+a recovery's plan (or its commit); the job host does not pass it to a restarted Core."""
 
 GRACE_S = 0.02
 """Exits this close together are announced as one failure. Later exits, until every
@@ -124,6 +133,12 @@ def _migration_of(
     return {"mode": "nonblocking", "layers": layers, "early_micro_batches": transition.early}
 
 
+def _fault_point(name: str) -> None:
+    if os.environ.get(CORE_FAULT_ENV) == name:
+        log.warning("core.fault_injected", point=name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _exit_text(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
@@ -134,13 +149,16 @@ class Supervisor:
         cfg: JobConfig,
         run_dir: Path,
         core: Core,
-        procs: dict[int, asyncio.subprocess.Process],
+        procs: dict[int, Any],
         *,
-        spawn: Callable[[int], Awaitable[asyncio.subprocess.Process]] | None = None,
+        spawn: Callable[[int], Awaitable[Any]] | None = None,
         store: dist.Store | None = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
-        """``spawn(rank)`` starts a worker that joins the running job; ``store`` is where
-        the Core publishes the current plan for it."""
+        """``procs``: the workers' processes (``asyncio.subprocess.Process`` or the host
+        link's :class:`~elaswave.runtime.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
+        worker that joins the running job; ``store`` is where the Core publishes the
+        current plan for it. ``state``: a predecessor's :data:`CORE_STATE` to resume."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.spawn = spawn
@@ -168,6 +186,43 @@ class Supervisor:
             threshold=t.straggler_threshold,
             min_steps=t.straggler_min_steps,
         )
+        self._inflight: dict[str, Any] | None = None
+        """The change under way since its first announcement (what a successor redoes)."""
+        self._pending: dict[str, Any] | None = None
+        """The plan about to be committed, and its record so far (what a successor
+        finishes when the commit went out)."""
+        self._joins_done = 0
+        self._scales_done = 0
+        if state is not None:
+            self.plan = plan_from_dict(state["plan"])
+            self.alive = {int(r) for r in state["alive"]}
+            self.fenced = {int(r): why for r, why in state["fenced"].items()}
+            self.recoveries = list(state["recoveries"])
+            self.slowdowns = {int(r): f for r, f in state["slowdowns"].items()}
+            self._inflight = state["inflight"]
+            self._pending = state["pending"]
+            self._joins_done = int(state["joins_done"])
+            self._scales_done = int(state["scales_done"])
+            # A worker the predecessor asked for that the host never started is not one.
+            self.alive &= set(procs)
+
+    def persist(self) -> None:
+        """Write :data:`CORE_STATE` (atomically: a successor reads it whole or not at all)."""
+        doc = {
+            "plan": plan_to_dict(self.plan),
+            "alive": sorted(self.alive),
+            "fenced": {str(r): why for r, why in self.fenced.items()},
+            "recoveries": self.recoveries,
+            "slowdowns": {str(r): f for r, f in self.slowdowns.items()},
+            "inflight": self._inflight,
+            "pending": self._pending,
+            "joins_done": self._joins_done,
+            "scales_done": self._scales_done,
+        }
+        path = self.run_dir / CORE_STATE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
 
     def rebalancing(self) -> Rebalancing:
         """The throughput planner's inputs: the job's policy and the measured slowdowns."""
@@ -182,10 +237,13 @@ class Supervisor:
     async def run(self) -> None:
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
         self._waits = waits
+        self.persist()
         monitor = asyncio.create_task(self._watch_heartbeats())
         slow = asyncio.create_task(self._watch_stragglers())
         joins = asyncio.create_task(self._watch_joins())
         try:
+            async with self._changing:
+                await self._resume()
             while waits:
                 added = asyncio.ensure_future(self._added.wait())
                 done, _ = await asyncio.wait({*waits, added}, return_when=asyncio.FIRST_COMPLETED)
@@ -224,14 +282,24 @@ class Supervisor:
     async def _watch_heartbeats(self) -> None:
         """Fence a worker that is alive but silent: SIGKILL it, so it fails like a crash."""
         timeout = self.cfg.train.heartbeat_timeout_s
+        tick = min(0.1, timeout / 4)
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(min(0.1, timeout / 4))
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            if now - last_tick > max(4 * tick, timeout / 2):
+                # The Core itself was stalled (stopped, starved): it cannot tell a silent
+                # worker from a period it did not watch. Silence counts from now.
+                log.warning("core.stalled", seconds=round(now - last_tick, 2))
+                for rank in self.core.last_heartbeat:
+                    self.core.last_heartbeat[rank] = now
+            last_tick = now
             for rank in sorted(self.alive - set(self.fenced)):
                 last = self.core.last_heartbeat.get(rank)
                 if last is not None and now - last > timeout:
                     self.fenced[rank] = f"no heartbeat for {now - last:.1f} s (hung); fenced"
                     log.warning("core.fencing", rank=rank, silent_s=now - last)
+                    self.persist()
                     with contextlib.suppress(ProcessLookupError):
                         self.procs[rank].kill()
 
@@ -279,6 +347,14 @@ class Supervisor:
         """Ask the plan's workers to stop after their next step, then change the plan
         (adding the ``joined`` ranks, which are already waiting for it)."""
         gen, seen_at = self.plan.generation, time.time()
+        self._inflight = {
+            "kind": kind,
+            "generation": gen,
+            "ranks": list(ranks),
+            "detail": detail,
+            "joined": list(joined),
+        }
+        self.persist()
         after = max((t.step for t in self.core.step_timings), default=-1) + 1
         await self.core.publish(
             PauseRequest(sender="core", generation=gen, after_step=after, reason=detail)
@@ -308,18 +384,21 @@ class Supervisor:
             )
             if f.kind is FaultKind.JOIN
         )  # fmt: skip
-        handled = 0
+        joins = joins[self._joins_done :]  # a restarted Core: those its predecessor started
         while True:
             await asyncio.sleep(0.1)
             done = max((s for s, _ in self.core.steps_completed), default=-1)
             due = sum(1 for step in joins if step <= done + 1)
-            requests = self.core.scale_requests[handled:]
-            handled += len(requests)
+            requests = self.core.scale_requests[self._scales_done :]
+            self._scales_done += len(requests)
+            self._joins_done += due
             want = due + sum(r.add for r in requests)
             if due:
                 joins = joins[due:]
             for _ in range(want):
                 await self._start_joiner()
+            if want:
+                self.persist()
             ready = [
                 e.rank
                 for e in self.core.joining
@@ -377,6 +456,8 @@ class Supervisor:
         self.alive -= set(gone)
         for rank in gone:  # what it did not deliver, no one can send again
             self.core.client.tracker.forget(f"rank{rank}")
+        if gone:
+            self.persist()
         return {r: code for r, code in gone.items() if code != 0}
 
     def _describe(self, failed: dict[int, int]) -> str:
@@ -398,6 +479,13 @@ class Supervisor:
             ranks, detail = sorted(failed), self._describe(failed)
             if not self._members():
                 raise JobFailed(f"{detail}; no worker survives")
+            self._inflight = {
+                "kind": "fail-stop",
+                "generation": gen,
+                "failed": {str(r): c for r, c in failed.items()},
+                "seen_at": seen_at,
+            }
+            self.persist()
             log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
             await self.core.publish(
                 FailureDetected(
@@ -457,7 +545,12 @@ class Supervisor:
         failed, joined, ranks = list(failed), list(joined), list(ranks)
         survivors = set(survivors)
         reports = self._events(RecoveryReady, gen)
-        for attempt in itertools.count():
+        first = 1 + max(  # a restarted Core supersedes what its predecessor announced
+            (e.attempt for e in self.core.announcements
+             if isinstance(e, RecoveryPlan) and e.generation == gen + 1),
+            default=-1,
+        )  # fmt: skip
+        for attempt in itertools.count(first):
             commits = {r: e.committed_step for r, e in reports.items() if r in survivors}
             try:
                 decision = plan_fail_stop(
@@ -511,6 +604,7 @@ class Supervisor:
                     attempt=attempt,
                 )
             )
+            _fault_point("plan")
             lost = await self._collect_acks(survivors, gen + 1, digest, attempt)
             if not lost:
                 break
@@ -523,25 +617,51 @@ class Supervisor:
             survivors -= set(lost)
             if not survivors & set(self.plan.ranks):
                 raise JobFailed(f"{detail}; no worker survives")
+        self._pending = {
+            "generation": gen + 1,
+            "digest": digest,
+            "attempt": attempt,
+            "plan": plan_to_dict(decision.plan),
+            "survivors": sorted(survivors),
+            "detail": detail,
+            "origin": origin,
+            "seen_at": seen_at,
+            "planned_at": planned_at,
+            "record": {
+                "step": redo,
+                "kind": kind,
+                "ranks": ranks,
+                "generation": gen + 1,
+                "committed_step": decision.committed_step,
+                "reason": decision.reason,
+                "superseded": attempt,
+                "migration": migration,
+                "plan": plan_summary(decision.plan),
+            },
+        }
+        self.persist()  # before the commit: a successor that finds it sent finishes it
         await self.core.publish(
             PlanCommit(sender="core", generation=gen + 1, plan_digest=digest, attempt=attempt)
         )
-        committed_at = time.time()
-        await self._await_all(survivors, RecoveryDone, gen + 1, detail, "apply the recovery plan")
+        _fault_point("commit")
+        await self._complete(self._pending, committed_at=time.time())
+
+    async def _complete(self, pending: dict[str, Any], committed_at: float) -> None:
+        """The plan is committed: wait until every participant has applied it, and
+        record the change."""
+        gen, origin, planned_at = pending["generation"], pending["origin"], pending["planned_at"]
+        survivors = set(pending["survivors"])
+        await self._await_all(
+            survivors, RecoveryDone, gen, pending["detail"], "apply the recovery plan"
+        )
         done_at = time.time()
-        done = self._events(RecoveryDone, gen + 1).values()
+        done = self._events(RecoveryDone, gen).values()
         record = {
-            "step": redo,
-            "kind": kind,
-            "ranks": ranks,
+            **pending["record"],
             "mttr_s": done_at - origin,
-            "generation": gen + 1,
-            "committed_step": decision.committed_step,
-            "reason": decision.reason,
-            "superseded": attempt,
             "phases": {
-                "detect": seen_at - origin,
-                "plan": planned_at - seen_at,
+                "detect": pending["seen_at"] - origin,
+                "plan": planned_at - pending["seen_at"],
                 "ack": committed_at - planned_at,
                 "comm": max((e.comm_s for e in done), default=0.0),
                 "remap": max((e.remap_s for e in done), default=0.0),
@@ -549,16 +669,45 @@ class Supervisor:
                 "redo": None,
             },
             "bytes_moved": sum(e.bytes_sent for e in done),
-            "migration": migration,
             "params_s": max((e.params_s for e in done), default=0.0),
-            "plan": plan_summary(decision.plan),
         }
         self.recoveries.append(record)
-        self.plan = decision.plan
+        self.plan = plan_from_dict(pending["plan"])
+        self._inflight = self._pending = None
+        self.persist()
         log.warning("core.recovered", **{k: v for k, v in record.items() if k != "reason"})
         self._finishing.append(
             asyncio.create_task(self._finish_recovery(record, origin, planned_at, done_at))
         )
+
+    async def _resume(self) -> None:
+        """A restarted Core: finish or redo the change its predecessor left under way.
+
+        A plan whose commit went out is being applied by the workers: wait for them and
+        record it. A change announced but not committed is announced again, superseding
+        whatever plan the predecessor proposed (the workers acknowledge the new attempt).
+        """
+        pending, inflight = self._pending, self._inflight
+        if pending is not None and any(
+            isinstance(e, PlanCommit)
+            and e.generation == pending["generation"]
+            and e.plan_digest == pending["digest"]
+            for e in self.core.announcements
+        ):
+            log.warning("core.resuming", generation=pending["generation"], state="committed")
+            await self._complete(pending, committed_at=time.time())
+            return
+        self._pending = None
+        if inflight is None:
+            return
+        log.warning("core.resuming", generation=inflight["generation"], state="announced")
+        if inflight["kind"] == "fail-stop":
+            failed = {int(r): c for r, c in inflight["failed"].items()}
+            await self._on_failure(failed, inflight["seen_at"])
+        else:
+            await self._pause_and_apply(
+                inflight["kind"], inflight["ranks"], inflight["detail"], inflight["joined"]
+            )
 
     async def _finish_recovery(
         self, record: dict[str, Any], origin: float, planned_at: float, done_at: float

@@ -13,7 +13,6 @@ import faulthandler
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -56,10 +55,12 @@ from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import build_layer
 from elaswave.model.rng import make_rng
 from elaswave.runtime.agent import Agent
+from elaswave.runtime.child import die_with_parent, exit_now
 from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector, Phase, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
+from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.replay import announced_rebalancing
 from elaswave.runtime.session import Session
 from elaswave.runtime.trainer import (
@@ -98,6 +99,8 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     inbox = Mailbox()
     pauses = PauseBox()
     agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
+    watch = CoreWatch(spec.config.train.core_outage_s)
+    session.subscribe(watch.heard)
 
     def on_recovery_event(event: Event) -> None:  # on the session's thread
         # A repeat announcement (a widened failure set) for a generation this worker
@@ -124,7 +127,7 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     session.start()
     agent.start()
     try:
-        _train(run_dir, rank, spec, session, abort, inbox, agent, pauses, join=join)
+        _train(run_dir, rank, spec, session, abort, inbox, agent, pauses, watch, join=join)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -437,12 +440,14 @@ def _train(
     inbox: Mailbox,
     agent: Agent,
     pauses: PauseBox,
+    watch: CoreWatch,
     *,
     join: bool = False,
 ) -> None:
     cfg = spec.config
     sender = f"rank{rank}"
     ctx = _context(run_dir, rank, spec, abort)
+    watch.store = ctx.store
     if join:
         session.publish(
             WorkerStarted(
@@ -487,6 +492,9 @@ def _train(
         try:
             if pause is not None and step > pause.after_step:
                 raise _PausedAtBoundary
+            if watch.pause_before(step):  # the Core is away: wait for it, state kept
+                watch.wait(step, abort.is_set)
+                abort.check()  # the returned Core announced a failure meanwhile
             result = trainer.runner.run_step(step)
         except (StepAborted, CommError, _PausedAtBoundary) as exc:
             cause = None if isinstance(exc, _PausedAtBoundary) else exc
@@ -592,23 +600,8 @@ def _train(
     session.publish(WorkerFinished(sender=sender, rank=rank, ok=True))
 
 
-def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this worker if its launcher dies, so no orphan trains on."""
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: the launcher's own cleanup is all there is
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
+    die_with_parent()
     parser = argparse.ArgumentParser(prog="elaswave-worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
@@ -624,10 +617,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Results are on disk and the bus session has flushed and closed. Interpreter
-    # teardown of gloo pairs, the store client and torch takes seconds on a loaded host
-    # and protects nothing, so leave at once.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

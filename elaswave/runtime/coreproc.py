@@ -1,0 +1,175 @@
+"""The Core process: the bus, the event log, the supervisor and its planners.
+
+The job host (:mod:`elaswave.runtime.launcher`) starts it with one end of the host link
+(:mod:`elaswave.runtime.hostlink`) and starts it again when it is lost. Incarnation 0
+binds the bus, writes RUN_DIR/job.json (the host's :data:`HOST_SPEC` completed with the
+bus endpoints), announces the run and has the host start the workers. A later
+incarnation binds the same endpoints, reads back the event log and
+:data:`~elaswave.runtime.supervisor.CORE_STATE`, adopts the workers the host still has,
+and finishes or redoes the change its predecessor left under way; the workers train on
+meanwhile.
+
+Its outcome is RUN_DIR/core_result.json: ``{"ok": true}``, or ``{"ok": false,
+"reason": ...}`` with exit code :data:`JOB_FAILED`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from elaswave import logs
+from elaswave.bus.schema import RunFinished, RunStarted
+from elaswave.comm.store import connect_store
+from elaswave.runtime.child import die_with_parent, exit_now
+from elaswave.runtime.config import JobSpec
+from elaswave.runtime.core import Core, CorePorts
+from elaswave.runtime.hostlink import LINK_FD_ENV, CoreLink
+from elaswave.runtime.summary import build_summary, write_summary
+from elaswave.runtime.supervisor import CORE_STATE, JobFailed, Supervisor
+
+log = structlog.get_logger(__name__)
+
+CORE_RESULT = "core_result.json"
+HOST_SPEC = "host.json"
+"""The job as the host wrote it (the store's address, no bus yet): incarnation 0 reads
+it and writes RUN_DIR/job.json with the bus endpoints, which everyone else reads."""
+JOB_FAILED = 3
+"""The Core's exit code when the job failed (the reason is in :data:`CORE_RESULT`)."""
+
+
+def write_result(run_dir: Path, doc: dict[str, Any]) -> None:
+    path = run_dir / CORE_RESULT
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
+    """Run the job's control plane to the end (raises JobFailed)."""
+    restart = incarnation > 0
+    spec = JobSpec.read(run_dir, "job.json" if restart else HOST_SPEC)
+    cfg, t, ep = spec.config, spec.config.train, spec.endpoints
+    state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
+    ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
+    store = connect_store(ep.store_host, ep.store_port, timeout_s=t.comm_timeout_s)
+    procs = await link.connect()
+    async with Core(
+        run_dir,
+        host=t.bus_host,
+        keys=t.keys(),
+        faults=t.bus_fault_spec(),
+        ports=ports,
+        nonce=f"core-{spec.run_id}",  # every incarnation continues one numbering
+        restore=restart,
+    ) as core:
+        listener = asyncio.create_task(core.listen())
+        ok, reason = True, ""
+        try:
+            if not restart:
+                endpoints = dataclasses.replace(
+                    ep,
+                    bus_publish=core.publish_endpoint,
+                    bus_subscribe=core.subscribe_endpoint,
+                    bus_fetch=core.fetch_endpoint,
+                )
+                dataclasses.replace(spec, endpoints=endpoints).write(run_dir)
+                await link.observe()
+                await core.publish(
+                    RunStarted(
+                        sender="core",
+                        run_id=spec.run_id,
+                        world_size=t.num_ranks,
+                        dp=t.dp,
+                        pp=t.pp,
+                        steps=t.steps,
+                        global_batch=t.global_batch,
+                        device=t.device,
+                    )
+                )
+                procs = {r: await link.spawn(r, join=False) for r in cfg.plan().ranks}
+            else:
+                log.warning("core.restarted", incarnation=incarnation, workers=sorted(procs))
+            supervisor = Supervisor(
+                cfg,
+                run_dir,
+                core,
+                procs,
+                spawn=lambda rank: link.spawn(rank, join=True),
+                store=store,
+                state=state,
+            )
+            await supervisor.run()
+            # Workers publish WorkerFinished just before exiting; give the bus a moment.
+            survivors = set(supervisor.plan.ranks)
+            await core.wait_until(lambda: survivors <= set(core.finished), timeout_s=5.0)
+        except JobFailed as exc:
+            ok, reason = False, str(exc)
+            raise
+        except BaseException as exc:
+            ok, reason = False, f"the Core stopped: {type(exc).__name__}: {exc}".rstrip(": ")
+            raise
+        finally:
+            await core.publish(
+                RunFinished(
+                    sender="core", steps_completed=t.steps if ok else 0, ok=ok, reason=reason
+                )
+            )
+            await core.wait_until(lambda: core.run_finished is not None, timeout_s=2.0)
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await link.close()
+    summary = build_summary(
+        run_dir=run_dir,
+        plan=cfg.plan(),
+        steps=t.steps,
+        num_events=core.num_events + core.restored,
+        device=t.device,
+        recoveries=supervisor.recoveries,
+        bus=core.client.delivery(),
+    )
+    summary["core_incarnations"] = incarnation + 1
+    write_summary(run_dir, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # the job host: without it there is no one to serve
+    parser = argparse.ArgumentParser(prog="elaswave-core")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--incarnation", type=int, default=0)
+    args = parser.parse_args(argv)
+    logs.configure(json=os.environ.get("ELASWAVE_LOG_JSON", "1") != "0")
+    structlog.contextvars.bind_contextvars(core=args.incarnation)
+    link = CoreLink.from_fd(int(os.environ[LINK_FD_ENV]))
+    import uvloop
+
+    try:
+        uvloop.run(serve(args.run_dir, link, args.incarnation))
+    except JobFailed as exc:
+        write_result(args.run_dir, {"ok": False, "reason": str(exc)})
+        return JOB_FAILED
+    except KeyboardInterrupt:
+        write_result(args.run_dir, {"ok": False, "reason": "the Core was interrupted"})
+        return 130
+    except Exception as exc:
+        log.error("core.failed", error=str(exc), traceback=traceback.format_exc())
+        write_result(
+            args.run_dir, {"ok": False, "reason": f"the Core failed: {type(exc).__name__}: {exc}"}
+        )
+        return JOB_FAILED
+    write_result(args.run_dir, {"ok": True})
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main())

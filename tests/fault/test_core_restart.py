@@ -1,0 +1,173 @@
+"""A lost Core is started again and the job goes on: workers train through the outage.
+
+The Core is a child process of the job host, which keeps the workers and the store.
+These tests SIGKILL (or SIGSTOP) the real Core process at named points: in the middle
+of a step, right after a recovery's plan is published, and right after its commit. Each run must end
+as the fault-free run does, without a worker restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import Heartbeat, WorkerStarted
+from elaswave.fabric.checkpoint import CHECKPOINTS
+from elaswave.runtime.compare import compare_runs, load_params, param_rel_diff
+from elaswave.runtime.supervisor import CORE_FAULT_ENV
+from tests.fault.recovery import JOB, check_recovered
+from tests.runs import Run, check_replay, launch, train
+
+DP2_PP2 = ("--dp", "2", "--pp", "2")
+DP4_PP2 = ("--dp", "4", "--pp", "2", *JOB)
+LONGER = ("--steps", "60", "--global-batch", "16", "--micro-batch", "2")
+
+
+@pytest.fixture(scope="module")
+def longer_reference(runs_dir) -> Run:
+    return train(runs_dir / "ref_core_2x2_60", *DP2_PP2, *LONGER)
+
+
+def _signal_core_when(out, proc, ready, sig: signal.Signals, timeout_s: float = 120) -> int:
+    """Send ``sig`` to the Core process once the event log satisfies ``ready``."""
+    deadline = time.monotonic() + timeout_s
+    while not (
+        (out / "core.pid").exists()
+        and (out / "events.log").exists()
+        and ready([r.event for r in read_event_log(out / "events.log")])
+    ):
+        assert proc.poll() is None, out.with_suffix(".stderr").read_text()
+        assert time.monotonic() < deadline, "the job never reached the signal point"
+        time.sleep(0.01)
+    pid = int((out / "core.pid").read_text())
+    os.kill(pid, sig)
+    return pid
+
+
+def _finished(out, proc, timeout_s: float = 240) -> Run:
+    code = proc.wait(timeout_s)
+    assert code == 0, out.with_suffix(".stderr").read_text()
+    run = Run(out, subprocess.CompletedProcess(proc.args, code))
+    check_replay(run)
+    return run
+
+
+def _log_records(path, event: str) -> list[dict]:
+    docs = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"{event}"' in line:
+            doc = json.loads(line)
+            if doc.get("event") == event:
+                docs.append(doc)
+    return docs
+
+
+def _started_once(out, world: int) -> None:
+    started = [
+        r.event.rank
+        for r in read_event_log(out / "events.log")
+        if isinstance(r.event, WorkerStarted)
+    ]
+    assert sorted(started) == list(range(world)), "a worker was started again"
+
+
+def _at_step(step: int):
+    return lambda events: any(isinstance(e, Heartbeat) and e.step >= step for e in events)
+
+
+@pytest.mark.timeout(300)
+def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, longer_reference):
+    """SIGKILL the Core in step 3: the host starts another, which binds the same
+    endpoints and reads back the log, while the workers keep training (their
+    checkpoints of steps after the kill are written before the new Core is up)."""
+    out = runs_dir / "core_restart_mid_step"
+    proc = launch(out, *DP2_PP2, *LONGER, "--checkpoint-every", "1")
+    _signal_core_when(out, proc, _at_step(3), signal.SIGKILL)
+    killed_at = time.time()
+    run = _finished(out, proc)
+    s = run.summary
+    assert s["core_incarnations"] == 2 and s["recoveries"] == []
+    diff = compare_runs(out, longer_reference.out)
+    assert diff.loss_rel <= 1e-6 and diff.param_rel <= 1e-6, diff
+    _started_once(out, 4)
+    (restored,) = _log_records(out / "logs" / "core1.log", "core.restored")
+    back_at = _iso_time(restored["timestamp"])
+    trained = [
+        p.name for p in (out / CHECKPOINTS).iterdir() if killed_at < p.stat().st_mtime < back_at
+    ]
+    assert trained, "no step was trained while the Core was away"
+    for rank in range(4):
+        assert not _log_records(out / "logs" / f"rank{rank}.log", "core.outage_paused")
+
+
+def _iso_time(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.timeout(300)
+def test_core_silent_past_the_bound_pauses_every_worker_at_one_boundary(runs_dir, longer_reference):
+    """SIGSTOP the Core for 3 s with a 1 s outage bound: the workers agree through the
+    store on one step boundary, all wait there with their state, and resume when the
+    Core is heard again; the Core does not fence them for the silence it slept through."""
+    out = runs_dir / "core_outage_pause"
+    proc = launch(out, *DP2_PP2, *LONGER, "--core-outage", "1")
+    pid = _signal_core_when(out, proc, _at_step(2), signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(pid, signal.SIGCONT)
+    run = _finished(out, proc)
+    assert run.summary["core_incarnations"] == 1 and run.summary["recoveries"] == []
+    paused = [_log_records(out / "logs" / f"rank{r}.log", "core.outage_paused") for r in range(4)]
+    resumed = [_log_records(out / "logs" / f"rank{r}.log", "core.outage_resumed") for r in range(4)]
+    assert all(len(p) == 1 for p in paused), paused
+    assert len({p[0]["step"] for p in paused}) == 1, paused
+    assert all(len(r) == 1 and r[0]["paused_s"] > 0.5 for r in resumed), resumed
+    diff = compare_runs(out, longer_reference.out)
+    assert diff.loss_rel <= 1e-6 and diff.param_rel <= 1e-6, diff
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "when",
+    ["plan", pytest.param("commit", marks=pytest.mark.long)],
+)
+def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, reference, when):
+    """Rank 1 dies in step 4 and the Core SIGKILLs itself right after it has published
+    the recovery's plan (its successor announces the plan again as a new attempt, which
+    the survivors acknowledge) or its commit (its successor waits for the survivors to
+    apply it). The kill point is the Core's own, as a worker's ``kill:`` fault is: a
+    watcher polling the log cannot land between a plan and its commit reliably."""
+    out = runs_dir / f"core_restart_{when}"
+    env = dict(os.environ, **{CORE_FAULT_ENV: when})
+    proc = launch(out, *DP4_PP2, "--fault", "kill:1@4:backward", env=env)
+    run = _finished(out, proc)
+    check_recovered(run, reference(4, 2), world=8, failed=[[1]])
+    (rec,) = run.summary["recoveries"]
+    assert rec["superseded"] == (1 if when == "plan" else 0)
+    assert run.summary["core_incarnations"] == 2
+    (injected,) = _log_records(out / "logs" / "core0.log", "core.fault_injected")
+    assert injected["point"] == when
+    (resuming,) = _log_records(out / "logs" / "core1.log", "core.resuming")
+    assert resuming["state"] == ("announced" if when == "plan" else "committed")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(runs_dir, reference):
+    out = runs_dir / "core_restarts_spent"
+    proc = launch(out, *DP4_PP2, "--core-restarts", "0", "--checkpoint-every", "2")
+    _signal_core_when(out, proc, _at_step(4), signal.SIGKILL)
+    assert proc.wait(120) == 1
+    err = out.with_suffix(".stderr").read_text()
+    assert "the Core was lost (signal SIGKILL; see logs/core0.log)" in err, err
+    assert "--core-restarts 0" in err and f"--resume {out}" in err, err
+    resumed = train(runs_dir / "core_restarts_spent_resumed", "--resume", str(out))
+    assert resumed.summary["steps_completed"] == 6
+    assert param_rel_diff(load_params(resumed.out), load_params(reference(4, 2).out)) <= 1e-5

@@ -224,6 +224,7 @@ def _train(args: argparse.Namespace) -> int:
     from elaswave.cli.config_file import build_job, load_toml
     from elaswave.runtime.launcher import run_job
     from elaswave.runtime.supervisor import JobFailed
+    from elaswave.runtime.zygote import Zygote
 
     file_values = load_toml(args.config) if args.config else None
     if args.resume is not None:
@@ -274,12 +275,15 @@ def _train(args: argparse.Namespace) -> int:
         f"elaswave: training dp={t.dp} x pp={t.pp} ({t.num_ranks} workers, device {t.device}) "
         f"for {t.steps} steps, global batch {t.global_batch}; run dir {out}"
     )
+    zygote = Zygote.start()  # before any thread or event loop: it forks every Core
     try:
         progress = _Progress(t.steps, emulated=t.device == "emulated")
-        summary = uvloop.run(run_job(job, out, on_event=progress))
+        summary = uvloop.run(run_job(job, out, on_event=progress, zygote=zygote))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        zygote.close()
     print(
         f"elaswave: done: {summary['steps_completed']} steps, final loss "
         f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "

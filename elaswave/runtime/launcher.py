@@ -33,6 +33,7 @@ from elaswave.runtime.core import EVENT_LOG
 from elaswave.runtime.coreproc import CORE_RESULT, HOST_SPEC, JOB_FAILED
 from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink
 from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed
+from elaswave.runtime.zygote import Zygote
 
 log = structlog.get_logger(__name__)
 
@@ -83,9 +84,14 @@ class JobHost:
     again, up to ``core_restarts`` times, when it is lost."""
 
     def __init__(
-        self, cfg: JobConfig, run_dir: Path, on_event: Callable[[Event], None] | None
+        self,
+        cfg: JobConfig,
+        run_dir: Path,
+        on_event: Callable[[Event], None] | None,
+        zygote: Zygote | None = None,
     ) -> None:
         self.cfg = cfg
+        self.zygote = zygote
         self.run_dir = run_dir
         self.on_event = on_event
         self.workers: dict[int, asyncio.subprocess.Process] = {}
@@ -129,38 +135,47 @@ class JobHost:
 
     async def _run_core(self, incarnation: int) -> int:
         host_end, core_end = socket.socketpair()
-        env = dict(
-            os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-            **{LINK_FD_ENV: str(core_end.fileno())},
+        argv = ["--run-dir", str(self.run_dir), "--incarnation", str(incarnation)]
+        env: dict[str, str | None] = {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
             # its log is relayed to this stderr: readable lines where a person reads it
-            ELASWAVE_LOG_JSON="0" if sys.stderr.isatty() else "1",
-        )  # fmt: skip
+            "ELASWAVE_LOG_JSON": "0" if sys.stderr.isatty() else "1",
+        }
         if incarnation:
-            env.pop(CORE_FAULT_ENV, None)  # an injected Core fault strikes once
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "elaswave.runtime.coreproc",
-            "--run-dir",
-            str(self.run_dir),
-            "--incarnation",
-            str(incarnation),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            pass_fds=(core_end.fileno(),),
-        )
-        core_end.close()
-        (self.run_dir / "core.pid").write_text(str(proc.pid))
-        assert proc.stdout is not None
+            env[CORE_FAULT_ENV] = None  # an injected Core fault strikes once
+        if self.zygote is not None:
+            read_fd, write_fd = os.pipe()
+            try:
+                pid = await self.zygote.spawn(argv, env, link_fd=core_end.fileno(), out_fd=write_fd)
+            finally:
+                os.close(write_fd)
+                core_end.close()
+            output = asyncio.StreamReader()
+            transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(output), os.fdopen(read_fd, "rb")
+            )
+            exited = self.zygote.wait(pid)
+        else:
+            full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "elaswave.runtime.coreproc", *argv,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                env={**full, LINK_FD_ENV: str(core_end.fileno())},
+                pass_fds=(core_end.fileno(),),
+            )  # fmt: skip
+            core_end.close()
+            assert proc.stdout is not None
+            pid, output, transport, exited = proc.pid, proc.stdout, None, proc.wait()
+        (self.run_dir / "core.pid").write_text(str(pid))
         relay = asyncio.create_task(
-            _relay(proc.stdout, self.run_dir / "logs" / f"core{incarnation}.log")
+            _relay(output, self.run_dir / "logs" / f"core{incarnation}.log")
         )
         link = self._link = HostLink(host_end)
         await link.open({r: {"pid": p.pid, "code": self.codes[r]} for r, p in self.workers.items()})
         serving = asyncio.create_task(self._serve(link), name="host-requests")
         try:
-            code = await proc.wait()
+            code = await exited
             await relay
             return code
         finally:
@@ -169,6 +184,8 @@ class JobHost:
             for task in (serving, relay):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if transport is not None:
+                transport.close()
             link.close()
             self._link = None
 
@@ -256,12 +273,14 @@ async def run_job(
     run_dir: Path,
     *,
     on_event: Callable[[Event], None] | None = None,
+    zygote: Zygote | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with dp x pp local worker processes; return the summary.
 
     This process is the job host: it serves the store and owns the workers; the Core
     runs in a child process (:mod:`elaswave.runtime.coreproc`), restarted when lost.
-    ``on_event`` sees every event on the bus, in this process.
+    ``on_event`` sees every event on the bus, in this process. ``zygote``: forks the
+    Core without a second start-up of Python and torch (:mod:`elaswave.runtime.zygote`).
     """
     check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)
     cfg.train.keys()  # a missing key stops the job here, before anything starts
@@ -275,5 +294,5 @@ async def run_job(
             store_host=cfg.train.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
         ),
     ).write(run_dir, HOST_SPEC)
-    await JobHost(cfg, run_dir, on_event).run()
+    await JobHost(cfg, run_dir, on_event, zygote).run()
     return json.loads((run_dir / "summary.json").read_text())

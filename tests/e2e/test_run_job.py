@@ -35,7 +35,7 @@ def test_run_job_from_a_program_starts_its_core_without_a_zygote(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    steps, incarnations, events = (int(x) for x in proc.stdout.split())
+    steps, incarnations, events = (int(x) for x in proc.stdout.splitlines()[-1].split())
     assert (steps, incarnations) == (3, 1)
     assert events > 10, "on_event saw the job's events"
     assert (out / "logs" / "core0.log").is_file()

@@ -74,6 +74,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="times a lost Core is started again while the workers train on (default 3)",
     )
     p.add_argument(
+        "--core-restart-delay",
+        type=float,
+        help="seconds to wait before starting a lost Core again (default 0)",
+    )
+    p.add_argument(
         "--core-outage",
         type=float,
         help="seconds workers train without hearing the Core before they all pause at one "
@@ -249,6 +254,7 @@ def _train(args: argparse.Namespace) -> int:
             "plan_ack_timeout_s": args.plan_ack_timeout,
             "core_restarts": args.core_restarts,
             "core_outage_s": args.core_outage,
+            "core_restart_delay_s": args.core_restart_delay,
             "ranks_per_node": args.ranks_per_node,
             "snapshots": args.snapshots,
             "verify_snapshots": args.verify_snapshots,

@@ -125,6 +125,8 @@ class TrainConfig:
     core_restarts: int = 3
     """Times the job host starts the Core again after it is lost (0: a lost Core stops
     the job, which can be resumed from its latest checkpoint)."""
+    core_restart_delay_s: float = 0.0
+    """Seconds the job host waits before starting a lost Core again (a back-off)."""
     core_outage_s: float = 10.0
     """Seconds workers train on without hearing from the Core; after that they all stop
     at the same step boundary and wait for it, keeping their state."""
@@ -171,6 +173,9 @@ class TrainConfig:
         restarts = self.core_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or not 0 <= restarts <= 100:
             raise ValueError(f"core_restarts = {restarts!r}: must be an integer from 0 to 100")
+        delay = self.core_restart_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
+            raise ValueError(f"core_restart_delay_s = {delay!r}: must be 0 to 600 seconds")
         outage = self.core_outage_s
         if (
             isinstance(outage, bool)

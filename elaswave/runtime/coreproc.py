@@ -35,7 +35,7 @@ from elaswave.runtime.config import JobSpec
 from elaswave.runtime.core import Core, CorePorts
 from elaswave.runtime.hostlink import LINK_FD_ENV, CoreLink
 from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import CORE_STATE, JobFailed, Supervisor
+from elaswave.runtime.supervisor import CORE_STATE, JobFailed, Supervisor, fault_point
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +109,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                 state=state,
             )
             await supervisor.run()
+            fault_point("finished")
             # Workers publish WorkerFinished just before exiting; give the bus a moment.
             survivors = set(supervisor.plan.ranks)
             await core.wait_until(lambda: survivors <= set(core.finished), timeout_s=5.0)

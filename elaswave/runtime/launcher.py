@@ -24,7 +24,8 @@ from typing import Any
 import structlog
 
 from elaswave.bus.client import BusClient
-from elaswave.bus.schema import Event
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import Event, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
 from elaswave.fabric.checkpoint import CHECKPOINTS, latest_complete
@@ -32,10 +33,15 @@ from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.core import EVENT_LOG
 from elaswave.runtime.coreproc import CORE_RESULT, HOST_SPEC, JOB_FAILED
 from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink
+from elaswave.runtime.summary import build_summary, write_summary
 from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed
-from elaswave.runtime.zygote import Zygote
+from elaswave.runtime.zygote import ForkedProcess, Zygote
 
 log = structlog.get_logger(__name__)
+
+OBSERVED = (Topic.LIFECYCLE, Topic.METRICS, Topic.RECOVERY)
+"""What ``on_event`` is given: heartbeats (HEALTH) are the Core's business, and each
+observed message costs this process's CPU beside the workers'."""
 
 _RUN_OUTPUTS = (
     "workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json",
@@ -94,7 +100,8 @@ class JobHost:
         self.zygote = zygote
         self.run_dir = run_dir
         self.on_event = on_event
-        self.workers: dict[int, asyncio.subprocess.Process] = {}
+        self.workers: dict[int, Any] = {}
+        """rank -> its process (``asyncio.subprocess.Process`` or ``ForkedProcess``)."""
         self.codes: dict[int, int | None] = {}
         self._reapers: list[asyncio.Task[None]] = []
         self._link: HostLink | None = None
@@ -111,6 +118,9 @@ class JobHost:
                 if code == JOB_FAILED and result is not None:
                     raise JobFailed(result["reason"])
                 lost = f"the Core was lost ({_exit_text(code)}; see logs/core{incarnation}.log)"
+                if self._all_finished():
+                    self._summarise(lost)  # the job ended while no Core was there
+                    return
                 if incarnation >= (allowed := self.cfg.train.core_restarts):
                     raise JobFailed(
                         f"{lost}, and --core-restarts {allowed} allows no further restart; "
@@ -119,8 +129,31 @@ class JobHost:
                 if not (self.run_dir / CORE_STATE).is_file():
                     raise JobFailed(f"{lost} before it had started the job; {self._resume()}")
                 log.warning("host.core_lost", code=code, incarnation=incarnation)
+                await asyncio.sleep(self.cfg.train.core_restart_delay_s)
         finally:
             await self._stop_workers()
+
+    def _all_finished(self) -> bool:
+        """Every worker of the last plan exited cleanly: the training is done."""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            state = json.loads((self.run_dir / CORE_STATE).read_text())
+            ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
+            return bool(ranks) and all(self.codes.get(r) == 0 for r in ranks)
+        return False
+
+    def _summarise(self, lost: str) -> None:
+        """Write the summary a Core would have, from the workers' results on disk."""
+        state = json.loads((self.run_dir / CORE_STATE).read_text())
+        log.warning("host.summarising", reason=f"{lost} after every worker had finished")
+        summary = build_summary(
+            run_dir=self.run_dir,
+            plan=self.cfg.plan(),
+            steps=self.cfg.train.steps,
+            num_events=sum(1 for _ in read_event_log(self.run_dir / EVENT_LOG)),
+            device=self.cfg.train.device,
+            recoveries=state["recoveries"],
+        )
+        write_summary(self.run_dir, summary)
 
     def _result(self) -> dict[str, Any] | None:
         with contextlib.suppress(OSError, ValueError):
@@ -147,7 +180,7 @@ class JobHost:
         if self.zygote is not None:
             read_fd, write_fd = os.pipe()
             try:
-                pid = await self.zygote.spawn(argv, env, link_fd=core_end.fileno(), out_fd=write_fd)
+                pid = await self.zygote.spawn("core", argv, env, [core_end.fileno(), write_fd])
             finally:
                 os.close(write_fd)
                 core_end.close()
@@ -201,8 +234,8 @@ class JobHost:
                 log.error("host.bad_core_request", request=request)
             elif op == "spawn":
                 try:
-                    proc = await _spawn(self.cfg, self.run_dir, rank, join=bool(request["join"]))
-                except OSError as exc:
+                    proc = await self._spawn(rank, join=bool(request["join"]))
+                except (OSError, RuntimeError) as exc:
                     link.send({"op": "spawn_failed", "rank": rank, "error": str(exc)})
                     continue
                 self.workers[rank], self.codes[rank] = proc, None
@@ -215,18 +248,33 @@ class JobHost:
             else:
                 log.error("host.bad_core_request", request=request)
 
-    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _spawn(self, rank: int, *, join: bool) -> Any:
+        """Start worker ``rank``: forked by the zygote, or exec'd with its prefix."""
+        if self.zygote is None or self.cfg.train.worker_prefix:
+            return await _spawn(self.cfg, self.run_dir, rank, join=join)
+        argv = ["--run-dir", str(self.run_dir), "--rank", str(rank), *(["--join"] * join)]
+        env: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with (self.run_dir / "logs" / f"rank{rank}.log").open("wb") as out:
+            pid = await self.zygote.spawn("worker", argv, env, [out.fileno()])
+        return ForkedProcess(self.zygote, pid)
+
+    async def _reap(self, rank: int, proc: Any) -> None:
         code = await proc.wait()
         self.codes[rank] = code
         if self._link is not None:
             self._link.send({"op": "exited", "rank": rank, "code": code})
 
     async def _observe(self) -> None:
-        """Feed ``on_event`` every event on the bus (whichever Core incarnation runs it)."""
+        """Feed ``on_event`` the observed events (whichever Core incarnation runs the bus)."""
         assert self.on_event is not None
         ep = JobSpec.read(self.run_dir).endpoints
         client = BusClient(  # the Core logs what fails to decode; no need to say it twice
-            "host", ep.bus_publish, ep.bus_subscribe, keys=self.cfg.train.keys(), log_rejected=False
+            "host",
+            ep.bus_publish,
+            ep.bus_subscribe,
+            topics=OBSERVED,
+            keys=self.cfg.train.keys(),
+            log_rejected=False,
         )
         await client.connect()
         try:
@@ -279,7 +327,8 @@ async def run_job(
 
     This process is the job host: it serves the store and owns the workers; the Core
     runs in a child process (:mod:`elaswave.runtime.coreproc`), restarted when lost.
-    ``on_event`` sees every event on the bus, in this process. ``zygote``: forks the
+    ``on_event`` sees every lifecycle, metrics and recovery event on the bus (not the
+    heartbeats), in this process. ``zygote``: forks the
     Core without a second start-up of Python and torch (:mod:`elaswave.runtime.zygote`).
     """
     check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)

@@ -60,7 +60,8 @@ its generation, the recoveries so far, and a change under way."""
 
 CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
 """Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
-a recovery's plan (or its commit); the job host does not pass it to a restarted Core."""
+a recovery's plan (or its commit), ``finished`` once every worker has exited; the job
+host does not pass it to a restarted Core."""
 
 GRACE_S = 0.02
 """Exits this close together are announced as one failure. Later exits, until every
@@ -133,7 +134,7 @@ def _migration_of(
     return {"mode": "nonblocking", "layers": layers, "early_micro_batches": transition.early}
 
 
-def _fault_point(name: str) -> None:
+def fault_point(name: str) -> None:
     if os.environ.get(CORE_FAULT_ENV) == name:
         log.warning("core.fault_injected", point=name)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -604,7 +605,7 @@ class Supervisor:
                     attempt=attempt,
                 )
             )
-            _fault_point("plan")
+            fault_point("plan")
             lost = await self._collect_acks(survivors, gen + 1, digest, attempt)
             if not lost:
                 break
@@ -643,7 +644,7 @@ class Supervisor:
         await self.core.publish(
             PlanCommit(sender="core", generation=gen + 1, plan_digest=digest, attempt=attempt)
         )
-        _fault_point("commit")
+        fault_point("commit")
         await self._complete(self._pending, committed_at=time.time())
 
     async def _complete(self, pending: dict[str, Any], committed_at: float) -> None:

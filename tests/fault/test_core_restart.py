@@ -17,8 +17,7 @@ import time
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Heartbeat, WorkerStarted
-from elaswave.fabric.checkpoint import CHECKPOINTS
+from elaswave.bus.schema import Heartbeat, StepCompleted, WorkerStarted
 from elaswave.runtime.compare import compare_runs, load_params, param_rel_diff
 from elaswave.runtime.supervisor import CORE_FAULT_ENV
 from tests.fault.recovery import JOB, check_recovered
@@ -83,11 +82,12 @@ def _at_step(step: int):
 
 @pytest.mark.timeout(300)
 def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, longer_reference):
-    """SIGKILL the Core in step 3: the host starts another, which binds the same
-    endpoints and reads back the log, while the workers keep training (their
-    checkpoints of steps after the kill are written before the new Core is up)."""
+    """SIGKILL the Core in step 3; the host starts another 1 s later (a restart back-off),
+    which binds the same endpoints and reads back the log. The workers train on
+    meanwhile: steps completed during the outage (stamped by their senders) reach the
+    new Core's log, asked for again, and no worker paused."""
     out = runs_dir / "core_restart_mid_step"
-    proc = launch(out, *DP2_PP2, *LONGER, "--checkpoint-every", "1")
+    proc = launch(out, *DP2_PP2, *LONGER, "--core-restart-delay", "1")
     _signal_core_when(out, proc, _at_step(3), signal.SIGKILL)
     killed_at = time.time()
     run = _finished(out, proc)
@@ -98,12 +98,21 @@ def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, 
     _started_once(out, 4)
     (restored,) = _log_records(out / "logs" / "core1.log", "core.restored")
     back_at = _iso_time(restored["timestamp"])
-    trained = [
-        p.name for p in (out / CHECKPOINTS).iterdir() if killed_at < p.stat().st_mtime < back_at
+    assert back_at - killed_at >= 1.0
+    during = [
+        r.event.step
+        for r in read_event_log(out / "events.log")
+        if isinstance(r.event, StepCompleted) and killed_at < r.event.time < back_at
     ]
-    assert trained, "no step was trained while the Core was away"
+    assert len(during) >= 2, "the workers did not train while the Core was away"
+    assert sorted(e.step for e in _completed(out)) == list(range(60)), "a step went unreported"
     for rank in range(4):
         assert not _log_records(out / "logs" / f"rank{rank}.log", "core.outage_paused")
+
+
+def _completed(out) -> list:
+    events = [r.event for r in read_event_log(out / "events.log")]
+    return [e for e in events if isinstance(e, StepCompleted)]
 
 
 def _iso_time(text: str) -> float:
@@ -163,7 +172,9 @@ def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, re
 def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(runs_dir, reference):
     out = runs_dir / "core_restarts_spent"
     proc = launch(out, *DP4_PP2, "--core-restarts", "0", "--checkpoint-every", "2")
-    _signal_core_when(out, proc, _at_step(4), signal.SIGKILL)
+    # after the checkpoint of step 1, long before the end (workers train on until the
+    # host, told of the loss, stops them)
+    _signal_core_when(out, proc, _at_step(2), signal.SIGKILL)
     assert proc.wait(120) == 1
     err = out.with_suffix(".stderr").read_text()
     assert "the Core was lost (signal SIGKILL; see logs/core0.log)" in err, err
@@ -171,3 +182,17 @@ def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(run
     resumed = train(runs_dir / "core_restarts_spent_resumed", "--resume", str(out))
     assert resumed.summary["steps_completed"] == 6
     assert param_rel_diff(load_params(resumed.out), load_params(reference(4, 2).out)) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_core_lost_after_every_worker_finished_leaves_a_complete_run(runs_dir, reference):
+    """The Core dies once the workers are done, before it wrote the summary, and may not
+    be restarted: the job host writes the summary from the workers' results."""
+    out = runs_dir / "core_lost_at_the_end"
+    env = dict(os.environ, **{CORE_FAULT_ENV: "finished"})
+    proc = launch(out, *DP2_PP2, *JOB, "--core-restarts", "0", env=env)
+    run = _finished(out, proc)
+    assert run.summary["steps_completed"] == 6
+    diff = compare_runs(out, reference(2, 2).out)
+    assert diff.loss_rel <= 1e-6 and diff.param_rel <= 1e-6, diff
+    assert "host.summarising" in out.with_suffix(".stderr").read_text()

@@ -29,8 +29,7 @@ def rotating_reference(runs_dir) -> Run:
     [
         # The full dp=4 matrix is scripts/fault_matrix.py; CI runs smaller layouts.
         (2, 2, "kill:1@3:backward"),  # first stage
-        # middle stage, after the update: rollback needed
-        pytest.param(2, 3, "kill:3@3:optimizer", marks=pytest.mark.long),
+        (2, 3, "kill:3@3:optimizer"),  # middle stage, after the update: rollback needed
         (2, 2, "kill:3@3:snapshot"),  # last stage, gradient already at the snapshot holder
         (2, 2, "kill:2@2:grad-sync"),
         (2, 3, "kill:2@4:forward"),
@@ -78,7 +77,6 @@ def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     ], rec["plan"]  # fmt: skip
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, reference):
     run = train(
@@ -109,7 +107,6 @@ def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, refere
     check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
     run = train(
@@ -217,7 +214,6 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
 
 
-@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(runs_dir, reference):
     import statistics
@@ -240,7 +236,6 @@ def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(run
     assert without > 10 * with_resharding and without > 1e-6
 
 
-@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_dir):
     steps = ("--steps", "10", "--global-batch", "16", "--micro-batch", "2")

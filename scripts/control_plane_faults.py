@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,6 +48,8 @@ class Case:
     """(when, signal, seconds): signal the Core process at 'step2' or 'step4' (a SIGSTOPped
     Core gets SIGCONT after the seconds), or have it SIGKILL itself right after it
     publishes a recovery's 'plan' or 'commit'."""
+    steps: int | None = None
+    """Steps of this case's job (and of its own fault-free reference); None: --steps."""
     mttr: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -69,8 +72,9 @@ CASES = [
          (*KILL, "--bus-faults", "drop=0.3,dup=0.1,reorder=0.1,delay=0.005")),
     Case("core-killed-mid-step", "the Core SIGKILLed in step 4 (restarted by the job host)",
          (), core=("step4", signal.SIGKILL, 0.0)),
-    Case("core-stopped-past-bound", "the Core SIGSTOPped 3 s in step 2, outage bound 1 s",
-         ("--core-outage", "1"), core=("step2", signal.SIGSTOP, 3.0)),
+    Case("core-stopped-past-bound", "the Core SIGSTOPped 3 s in step 2, outage bound 1 s "
+         "(a 40-step job)", ("--core-outage", "1"), core=("step2", signal.SIGSTOP, 3.0),
+         steps=40),
     Case("core-killed-plan-out", "the Core SIGKILLed just after publishing a recovery plan",
          KILL, core=("plan", signal.SIGKILL, 0.0)),
     Case("core-killed-after-commit", "the Core SIGKILLed just after a recovery's commit",
@@ -127,6 +131,7 @@ def _iso(text: str) -> float:
 def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_s: float):
     """Run the job and signal its Core at ``when``; return the finished process and what
     the outage was: how long until a Core served again, how long the workers paused."""
+    shutil.rmtree(out, ignore_errors=True)  # a previous invocation's log and pid file
     log = out / "events.log"
     own = when in ("plan", "commit")  # the Core kills itself there: see CORE_FAULT_ENV
     env = dict(os.environ, **{CORE_FAULT_ENV: when}) if own else None
@@ -173,6 +178,7 @@ def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_
 
 def kill_host(out: Path, cmd: list[str], when: str) -> str:
     """Start the job, SIGKILL the job host at ``when``; say how long its children lived."""
+    shutil.rmtree(out, ignore_errors=True)
     log = out / "events.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -224,16 +230,20 @@ def main() -> int:
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ref = args.out / "reference"
-    if run(train_cmd(ref, args.steps)).returncode != 0:
-        raise SystemExit("the fault-free reference run failed")
+    refs: dict[int, Path] = {}
+    for steps in sorted({c.steps or args.steps for c in CASES}):
+        refs[steps] = args.out / f"reference_{steps}"
+        if run(train_cmd(refs[steps], steps)).returncode != 0:
+            raise SystemExit("the fault-free reference run failed")
     for case in CASES:
+        steps = case.steps or args.steps
+        ref = refs[steps]
         for i in range(1 if case.stops else args.repeats):
             out = args.out / f"{case.name}_{i}"
-            cmd = train_cmd(out, args.steps, *case.args)
+            cmd = train_cmd(out, steps, *case.args)
             if case.kill_host:
                 case.notes.append(kill_host(out, cmd, case.kill_host))
-                case.notes.append(resume_check(out, ref, args.steps))
+                case.notes.append(resume_check(out, ref, steps))
                 continue
             started = time.monotonic()
             if case.core:
@@ -246,7 +256,7 @@ def main() -> int:
                     raise SystemExit(f"{case.name}: expected the job to stop, rc {proc.returncode}")
                 reason = proc.stderr.strip().splitlines()[-1]
                 case.notes.append(f"stopped after {time.monotonic() - started:.1f} s: {reason}")
-                case.notes.append(resume_check(out, ref, args.steps))
+                case.notes.append(resume_check(out, ref, steps))
                 continue
             if proc.returncode != 0:
                 raise SystemExit(f"{case.name} failed:\n{proc.stderr[-3000:]}")

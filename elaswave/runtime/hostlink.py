@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 from typing import Any
 
@@ -61,10 +62,10 @@ class WorkerHandle:
         self._link.send({"op": "signal", "rank": self.rank, "signal": int(signum)})
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def _exit(self, code: int) -> None:
         self.returncode = code

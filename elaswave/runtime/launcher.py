@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 import uuid
@@ -34,7 +33,7 @@ from elaswave.runtime.core import EVENT_LOG
 from elaswave.runtime.coreproc import CORE_RESULT, HOST_SPEC, JOB_FAILED
 from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink
 from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed
+from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed, exit_text
 from elaswave.runtime.zygote import ForkedProcess, Zygote
 
 log = structlog.get_logger(__name__)
@@ -117,33 +116,36 @@ class JobHost:
                 result = self._result()
                 if code == JOB_FAILED and result is not None:
                     raise JobFailed(result["reason"])
-                lost = f"the Core was lost ({_exit_text(code)}; see logs/core{incarnation}.log)"
-                if self._all_finished():
-                    self._summarise(lost)  # the job ended while no Core was there
+                lost = f"the Core was lost ({exit_text(code)}; see logs/core{incarnation}.log)"
+                state = self._state()
+                if state is not None and self._all_finished(state):
+                    self._summarise(state, lost)  # the job ended while no Core was there
                     return
                 if incarnation >= (allowed := self.cfg.train.core_restarts):
                     raise JobFailed(
                         f"{lost}, and --core-restarts {allowed} allows no further restart; "
                         f"{self._resume()}"
                     )
-                if not (self.run_dir / CORE_STATE).is_file():
+                if state is None:
                     raise JobFailed(f"{lost} before it had started the job; {self._resume()}")
                 log.warning("host.core_lost", code=code, incarnation=incarnation)
                 await asyncio.sleep(self.cfg.train.core_restart_delay_s)
         finally:
             await self._stop_workers()
 
-    def _all_finished(self) -> bool:
-        """Every worker of the last plan exited cleanly: the training is done."""
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            state = json.loads((self.run_dir / CORE_STATE).read_text())
-            ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
-            return bool(ranks) and all(self.codes.get(r) == 0 for r in ranks)
-        return False
+    def _state(self) -> dict[str, Any] | None:
+        """The lost Core's persisted state; None when it had not started the job."""
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.run_dir / CORE_STATE).read_text())
+        return None
 
-    def _summarise(self, lost: str) -> None:
+    def _all_finished(self, state: dict[str, Any]) -> bool:
+        """Every worker of the last plan exited cleanly: the training is done."""
+        ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
+        return bool(ranks) and all(self.codes.get(r) == 0 for r in ranks)
+
+    def _summarise(self, state: dict[str, Any], lost: str) -> None:
         """Write the summary a Core would have, from the workers' results on disk."""
-        state = json.loads((self.run_dir / CORE_STATE).read_text())
         log.warning("host.summarising", reason=f"{lost} after every worker had finished")
         summary = build_summary(
             run_dir=self.run_dir,
@@ -310,10 +312,6 @@ async def _relay(stream: asyncio.StreamReader, path: Path) -> None:
             out.flush()
             sys.stderr.buffer.write(line)
             sys.stderr.flush()
-
-
-def _exit_text(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 async def run_job(

@@ -140,7 +140,8 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a process ended: ``signal SIGKILL``, ``code 1``."""
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
@@ -466,7 +467,7 @@ class Supervisor:
             (
                 f"rank {r}: {self.fenced[r]}"
                 if r in self.fenced
-                else f"rank {r} exited with {_exit_text(c)}"
+                else f"rank {r} exited with {exit_text(c)}"
             )
             + (f": {why}" if (why := last_error(self.run_dir / "logs" / f"rank{r}.log")) else "")
             for r, c in sorted(failed.items())

@@ -211,7 +211,9 @@ class BusClient:
             use_curve(self._sub, self._keys)
         self._pub.connect(self.publish_endpoint)
         self._sub.connect(self.subscribe_endpoint)
-        for topic in self.topics | {Topic.CONTROL}:
+        # CONTROL last: the echo of the hello (a CONTROL message) then shows that every
+        # earlier subscription has passed the broker too (one pipe keeps their order).
+        for topic in [*sorted(self.topics - {Topic.CONTROL}), Topic.CONTROL]:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.value.encode())
         sub_sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
         try:

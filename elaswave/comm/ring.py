@@ -158,7 +158,7 @@ class RingGroup:
     @property
     def pairs(self) -> list[Pair]:
         """The links this process uses in the ring (at most two)."""
-        return sorted({lk.pair for lk, _ in (self._prev, self._next) if lk is not None})
+        return sorted({end[0].pair for end in (self._prev, self._next) if end is not None})
 
     def __repr__(self) -> str:
         return f"RingGroup({self.name!r}, ranks={self.spec.ranks}, rank={self.rank})"

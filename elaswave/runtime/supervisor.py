@@ -260,7 +260,9 @@ class Supervisor:
                 await asyncio.sleep(GRACE_S)
                 failed |= self._members_only(self._exits(self.alive))
                 async with self._changing:
-                    await self._on_failure(failed, seen_at)
+                    # A change under way may have taken these exits into its plan already.
+                    if failed := {r: c for r, c in failed.items() if r in self.plan.ranks}:
+                        await self._on_failure(failed, seen_at)
         finally:
             for task in (monitor, slow, joins):
                 task.cancel()
@@ -344,35 +346,92 @@ class Supervisor:
         await self._pause_and_apply("fail-slow", ranks, f"fail-slow: {verdict.reason}")
 
     async def _pause_and_apply(
-        self, kind: str, ranks: list[int], detail: str, joined: Sequence[int] = ()
+        self,
+        kind: str,
+        ranks: list[int],
+        detail: str,
+        joined: Sequence[int] = (),
+        failed: dict[int, int] | None = None,
     ) -> None:
         """Ask the plan's workers to stop after their next step, then change the plan
-        (adding the ``joined`` ranks, which are already waiting for it)."""
+        (adding the ``joined`` ranks, which are already waiting for it).
+
+        A member that fails before every member has stopped (``failed``: those already
+        lost, for a restarted Core) joins the change: the failure is announced, the
+        members still training abort their step and report, and the plan both drops the
+        failed ranks and adds the joiners."""
         gen, seen_at = self.plan.generation, time.time()
+        failed = dict(failed or {})
         self._inflight = {
             "kind": kind,
             "generation": gen,
             "ranks": list(ranks),
             "detail": detail,
             "joined": list(joined),
+            "failed": {str(r): c for r, c in failed.items()},
         }
         self.persist()
         after = max((t.step for t in self.core.step_timings), default=-1) + 1
         await self.core.publish(
             PauseRequest(sender="core", generation=gen, after_step=after, reason=detail)
         )
-        members = self._members()
-        await self._await_all(members, RecoveryReady, gen, detail, "pause at a step boundary")
+        members = self._members() - set(failed)
+        while True:
+            reported = await self._await_stopped(members, gen)
+            lost = self._lost(members)
+            if not lost:
+                break
+            failed |= lost
+            members -= set(lost)
+            why = self._describe(lost)
+            detail = f"{detail}; then, while pausing: {why}"
+            if not members:
+                raise JobFailed(f"{detail}; no worker survives")
+            self._inflight["failed"] = {str(r): c for r, c in failed.items()}
+            self.persist()
+            log.warning("core.failure_detected", ranks=sorted(failed), generation=gen, detail=why)
+            await self.core.publish(
+                FailureDetected(
+                    sender="core",
+                    generation=gen,
+                    ranks=sorted(failed),
+                    source="process-exit",
+                    detail=why,
+                )
+            )
+        if not reported:
+            missing = sorted(members - set(self._events(RecoveryReady, gen)))
+            raise JobFailed(
+                f"{detail}; ranks {missing} did not pause at a step boundary "
+                f"within {self.timeout_s:g} s"
+            )
         await self._apply_plan(
             kind=kind,
-            ranks=ranks,
-            failed=[],
+            ranks=sorted(set(ranks) | set(failed)),
+            failed=sorted(failed),
             joined=joined,
             detail=detail,
             survivors=members | set(joined),
             origin=seen_at,
             seen_at=seen_at,
         )
+
+    async def _await_stopped(self, members: set[int], generation: int) -> bool:
+        """Wait until every member has stopped at a step boundary and reported it
+        (RecoveryReady of ``generation``), or one of them has exited. False: neither
+        within the timeout."""
+        return await self.core.wait_until(
+            lambda: members <= set(self._events(RecoveryReady, generation))
+            or any(self.procs[r].returncode is not None for r in members),
+            self.timeout_s,
+        )
+
+    def _lost(self, ranks: set[int]) -> dict[int, int]:
+        """The ``ranks`` that have exited with an error (whoever noticed it first), now
+        out of ``alive``: their exit codes."""
+        lost = {r: c for r in ranks if (c := self.procs[r].returncode) is not None and c != 0}
+        self._exits(set(lost))  # bookkeeping, for those the exit watch has not taken yet
+        return lost
 
     async def _watch_joins(self) -> None:
         """Start the workers that join: at a ``join@STEP`` fault's step, and for every
@@ -495,14 +554,8 @@ class Supervisor:
                 )
             )
             survivors = self._members()
-            ok = await self.core.wait_until(
-                lambda survivors=survivors: (
-                    survivors <= set(self._events(RecoveryReady, gen))
-                    or any(self.procs[r].returncode is not None for r in survivors)
-                ),
-                self.timeout_s,
-            )
-            more = self._exits(survivors)
+            ok = await self._await_stopped(survivors, gen)
+            more = self._lost(survivors)
             if not more:
                 break
             failed |= more  # e.g. the rest of a node: widen the announced set
@@ -708,7 +761,11 @@ class Supervisor:
             await self._on_failure(failed, inflight["seen_at"])
         else:
             await self._pause_and_apply(
-                inflight["kind"], inflight["ranks"], inflight["detail"], inflight["joined"]
+                inflight["kind"],
+                inflight["ranks"],
+                inflight["detail"],
+                inflight["joined"],
+                failed={int(r): c for r, c in inflight.get("failed", {}).items()},
             )
 
     async def _finish_recovery(

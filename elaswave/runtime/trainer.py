@@ -291,14 +291,19 @@ def _resume(
 
 
 def join_trainer(
-    ctx: WorkerContext, current: Plan, new_plan: Plan, committed_step: int
+    ctx: WorkerContext,
+    current: Plan,
+    new_plan: Plan,
+    committed_step: int,
+    failed: Collection[int] = (),
 ) -> tuple[Trainer, dict[str, float]]:
     """A rank joining a running job: connect to its peers under ``new_plan``, receive its
-    optimizer shards from their owners (the same transfer plan every member computes
-    from ``current`` to ``new_plan``), gather its layers' parameters, and resume."""
+    optimizer shards from their owners, or from the snapshot holders of ``failed`` owners
+    (the same transfer plan every member computes from ``current`` to ``new_plan``),
+    gather its layers' parameters, and resume."""
     c = committed_step
     t0 = time.perf_counter()
-    moves = plan_state_moves(ctx, current, new_plan, set())
+    moves = plan_state_moves(ctx, current, new_plan, set(failed))
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
     specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]

@@ -413,7 +413,9 @@ def _join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
     session.floor_generation = decision.generation
     inbox.prune(decision.generation)
     ctx.abort.clear()  # failures announced before it joined are not its business
-    trainer, phases = join_trainer(ctx, current, new_plan, decision.committed_step)
+    trainer, phases = join_trainer(
+        ctx, current, new_plan, decision.committed_step, failed=decision.failed
+    )
     session.publish(
         RecoveryDone(
             sender=f"rank{ctx.rank}",

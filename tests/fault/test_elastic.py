@@ -86,6 +86,37 @@ def test_fail_slow_rank_is_detected_and_given_less_work(runs_dir):
     _check_numbers(run.out, ref.out)
 
 
+PAUSE_JOB = ("--device", "emulated", "--dp", "2", "--pp", "2", "--global-batch", "6",
+             "--micro-batch", "1", "--steps", "12", "--seed", "819",
+             "--rebalance", "resize")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_during_a_joins_pause_is_recovered(runs_dir):
+    """A rank dies while the members pause for a join. The pause becomes a change that
+    drops the failed rank and adds the joiner in one plan; the job finishes every step
+    and matches the fault-free run. (It used to stop: "a failure in that window is not
+    recovered".)
+
+    Rank 1 computes 20x slower in step 4, so the joiner started at step 4 is waiting
+    (and the pause requested) long before rank 1 dies at the end of that step."""
+    ref = train(runs_dir / "pause_ref", *PAUSE_JOB)
+    run = train(runs_dir / "pause_kill", *PAUSE_JOB, "--fault", "slow:1=20@4",
+                "--fault", "join@4", "--fault", "kill:1@4:optimizer")  # fmt: skip
+    assert run.summary["steps_completed"] == 12
+    (rec,) = run.summary["recoveries"]
+    assert (rec["kind"], rec["ranks"]) == ("join", [1, 4]), rec
+    stages = rec["plan"]["stages"]
+    assert [sorted(s["ranks"]) for s in stages] == [[0, 4], [2, 3]], stages
+    _check_numbers(run.out, ref.out)
+    # The reported command: whether rank 1 dies inside the pause or after it depends on
+    # when the joiner is up; either way every step completes and the numbers match.
+    run = train(runs_dir / "pause_kill_2", *PAUSE_JOB, "--fault", "join@3",
+                "--fault", "kill:1@4:optimizer", "--fault", "join@8")  # fmt: skip
+    assert run.summary["steps_completed"] == 12
+    _check_numbers(run.out, ref.out)
+
+
 @pytest.mark.timeout(300)
 def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
     steps = ("--steps", "40")

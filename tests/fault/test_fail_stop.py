@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from elaswave.runtime.compare import compare_runs
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, elaswave, train
 
@@ -105,6 +106,22 @@ def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, refere
         "kill:6@4:grad-sync",
     )
     check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_down_to_one_rank_recovers_again(runs_dir):
+    """dp 2 x pp 2: the first kill leaves stage 0 with one rank, whose DP ring then has
+    one member; the second kill (stage 1) must recover all the same. A one-member ring
+    used to crash every survivor in the second recovery (``RingGroup.pairs``)."""
+    args = ("--dp", "2", "--pp", "2", "--steps", "10")
+    ref = train(runs_dir / "one_member_ref", *args)
+    run = train(runs_dir / "one_member", *args,
+                "--fault", "kill:1@3:backward", "--fault", "kill:3@6:backward")  # fmt: skip
+    assert [r["ranks"] for r in run.summary["recoveries"]] == [[1], [3]]
+    assert run.summary["steps_completed"] == 10
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
 
 
 @pytest.mark.timeout(300)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from elaswave.bus.schema import Topic
+from elaswave.rundir import JOB
 from elaswave.runtime.config import JobSpec
 from elaswave.runtime.session import Session
 
@@ -30,8 +31,8 @@ def connect(
     iterators before starting so that no early event is missed.
     """
     run_dir = Path(run_dir)
-    if not (run_dir / "job.json").is_file():
-        raise ValueError(f"{str(run_dir)!r} has no job.json: not a running job's run directory")
+    if not (run_dir / JOB).is_file():
+        raise ValueError(f"{str(run_dir)!r} has no {JOB}: not a running job's run directory")
     spec = JobSpec.read(run_dir)
     endpoints = spec.endpoints
     return Session(

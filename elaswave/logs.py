@@ -30,6 +30,13 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # The stream is looked up when a logger is made, not now: a host that swaps
+        # sys.stderr (a test runner's capture, an embedding program) keeps logging to
+        # the current one instead of a stream it has since closed.
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(file=sys.stderr)

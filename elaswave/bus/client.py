@@ -244,7 +244,7 @@ class BusClient:
                     # A wait that ends early when something arrives. Its answer is not
                     # trusted: ZeroMQ's descriptor is edge-triggered, and a missed edge
                     # must not stall us, so the socket is read on every round regardless.
-                    await self._sub.poll(interval_ms, zmq.POLLIN)
+                    await self._sub.poll(interval_ms)  # POLLIN, the default
                     while True:
                         try:
                             frames = sub_sync.recv_multipart(zmq.NOBLOCK)
@@ -441,7 +441,7 @@ class BusClient:
             # is not trusted (an edge-triggered descriptor may miss one), hence the cap.
             wait_s = 0.1 if link is None or (due := link.next_due()) is None else min(0.1, due)
             self._wake.clear()
-            poll = asyncio.ensure_future(sub.poll(max(1, int(wait_s * 1000)), zmq.POLLIN))
+            poll = asyncio.ensure_future(sub.poll(max(1, int(wait_s * 1000))))
             wake = asyncio.ensure_future(self._wake.wait())
             try:
                 await asyncio.wait({poll, wake}, return_when=asyncio.FIRST_COMPLETED)

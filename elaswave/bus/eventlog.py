@@ -144,7 +144,7 @@ def _to_record(obj: Any, offset: int) -> LogRecord:
     if not isinstance(obj, dict):
         return _unreadable(f"log record at byte {offset} is a {type(obj).__name__}, not a map")
     t, frames = obj.get("t"), obj.get("frames")
-    if type(t) not in (int, float) or not isinstance(frames, list):
+    if not (type(t) is int or type(t) is float) or not isinstance(frames, list):
         return _unreadable(f"log record at byte {offset} lacks a numeric 't' or a 'frames' list")
     if not all(type(frame) is bytes for frame in frames):
         return _unreadable(f"log record at byte {offset} has non-bytes frames")
@@ -185,9 +185,9 @@ def format_record(record: LogRecord) -> str:
 
 def _at_default(field: Field[Any], value: object) -> bool:
     if field.default is not MISSING:
-        return value == field.default
+        return bool(value == field.default)
     if field.default_factory is not MISSING:
-        return value == field.default_factory()
+        return bool(value == field.default_factory())
     return False
 
 

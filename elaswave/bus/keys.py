@@ -19,6 +19,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -95,14 +96,14 @@ def load_keys(directory: Path) -> BusKeys:
     return BusKeys(directory, pairs["server"], pairs["client"])
 
 
-def serve_curve(sock: zmq.Socket, keys: BusKeys) -> None:
+def serve_curve(sock: zmq.Socket[Any], keys: BusKeys) -> None:
     """Make ``sock`` (a broker socket, before bind) a CURVE server."""
     sock.curve_secretkey = keys.server.secret
     sock.curve_publickey = keys.server.public
     sock.curve_server = True
 
 
-def use_curve(sock: zmq.Socket, keys: BusKeys) -> None:
+def use_curve(sock: zmq.Socket[Any], keys: BusKeys) -> None:
     """Make ``sock`` (a client socket, before connect) a CURVE client of the broker."""
     sock.curve_secretkey = keys.client.secret
     sock.curve_publickey = keys.client.public

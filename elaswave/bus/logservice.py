@@ -66,13 +66,13 @@ class LogIndex:
 
     def get(self, sender: str, topic: str, seqs: Iterable[int]) -> list[list[bytes]]:
         with self._lock:
-            kept = self._messages.get((sender, topic), {})
-            return [kept[s] for s in seqs if s in kept]
+            kept = self._messages.get((sender, topic))
+            return [] if kept is None else [kept[s] for s in seqs if s in kept]
 
     def lacks(self, sender: str, topic: str, seqs: Iterable[int]) -> list[int]:
         with self._lock:
-            kept = self._messages.get((sender, topic), {})
-            return [s for s in seqs if s not in kept]
+            kept = self._messages.get((sender, topic))
+            return list(seqs) if kept is None else [s for s in seqs if s not in kept]
 
 
 def _answer(index: LogIndex, body: bytes) -> dict[str, Any]:

@@ -148,7 +148,9 @@ class SentHistory:
             sent.popitem(last=False)
 
     def get(self, topic: str, seqs: Iterable[int]) -> list[list[bytes]]:
-        sent = self._sent.get(topic, {})
+        sent = self._sent.get(topic)
+        if sent is None:
+            return []
         return [sent[s] for s in seqs if s in sent]
 
     def recent(self, count: int) -> dict[str, list[int]]:

@@ -93,6 +93,18 @@ class EventKind(enum.StrEnum):
     PLAN_COMMIT = "plan_commit"
 
 
+class RecoveryKind(enum.StrEnum):
+    """What a recovery answers: the ``kind`` of RecoveryStarted, RecoveryFinished and
+    RecoveryPlan. Those fields are plain ``str`` on the wire (a member equals its value)."""
+
+    FAIL_STOP = "fail-stop"
+    """Ranks exited or were fenced."""
+    FAIL_SLOW = "fail-slow"
+    """The straggler detector flagged (or cleared) ranks."""
+    JOIN = "join"
+    """Ranks joined the job."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Event:
     """Fields every event carries.
@@ -134,7 +146,7 @@ def _exact(tp: type) -> Callable[[object], object]:
 
 def _float(value: object) -> float:
     if type(value) is float:
-        return value  # type: ignore[return-value]
+        return value
     if type(value) is int:
         return float(value)
     raise TypeError
@@ -329,7 +341,7 @@ class StepTiming(Event):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryStarted(Event):
-    """A recovery of ``kind`` (e.g. "fail", "join", "slow") began for ``ranks``."""
+    """A recovery of ``kind`` (a :class:`RecoveryKind`) began for ``ranks``."""
 
     KIND = EventKind.RECOVERY_STARTED
     TOPIC = Topic.RECOVERY
@@ -445,8 +457,8 @@ class RecoveryPlan(Event):
     """Ranks the straggler detector measured as slow ..."""
     slow_factors: list[float] = dataclasses.field(default_factory=list)
     """... and their slowdown factors, in the same order."""
-    kind: str = "fail-stop"
-    """What the plan answers: "fail-stop", "fail-slow" or "join"."""
+    kind: str = RecoveryKind.FAIL_STOP.value
+    """What the plan answers (a :class:`RecoveryKind`)."""
     joined: list[int] = dataclasses.field(default_factory=list)
     """Ranks joining the job (they read the current plan from the store)."""
     stale: list[int] = dataclasses.field(default_factory=list)
@@ -560,7 +572,8 @@ def with_seq(event: _E, seq: int) -> _E:
 def encode(event: Event) -> list[bytes]:
     """Encode ``event`` as the two-frame multipart message ``[topic, msgpack payload]``."""
     cls = type(event)
-    if _REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
+    kind = getattr(cls, "KIND", None)
+    if not isinstance(kind, EventKind) or _REGISTRY.get(kind) is not cls:
         raise TypeError(f"{cls.__name__} is not a registered event class")
     payload: dict[str, Any] = {KIND_KEY: cls.KIND.value}
     for spec in _FIELD_SPECS[cls.KIND]:

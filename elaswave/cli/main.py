@@ -14,6 +14,7 @@ from elaswave import logs
 from elaswave.bus.schema import Event, StepCompleted
 from elaswave.cli import sim
 from elaswave.comm.backend import DEVICES
+from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
 
 
 class _Progress:
@@ -164,14 +165,14 @@ def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
     from elaswave.fabric.checkpoint import latest_complete
     from elaswave.runtime.config import JobSpec
 
-    if not (run_dir / "job.json").is_file():
-        raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no job.json)")
+    if not (run_dir / JOB).is_file():
+        raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no {JOB})")
     old = JobSpec.read(run_dir).config
     step = latest_complete(run_dir, old.model.num_layers)
     if step is None:
         raise ValueError(
             f"--resume {str(run_dir)!r}: no complete checkpoint under "
-            f"{str(run_dir / 'checkpoints')!r}; train with --checkpoint-every K first"
+            f"{str(run_dir / CHECKPOINTS)!r}; train with --checkpoint-every K first"
         )
     values = old.to_dict()
     values["train"] = {
@@ -191,7 +192,7 @@ def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
 
     if resuming is not None and resuming.resolve() == out.resolve():
         return
-    if not (out / "job.json").is_file() or (out / "summary.json").is_file():
+    if not (out / JOB).is_file() or (out / SUMMARY).is_file():
         return
     try:
         step = latest_complete(out, JobSpec.read(out).config.model.num_layers)
@@ -209,11 +210,12 @@ def _check_fits_in_memory(job) -> None:
     """Refuse a job whose parameters, gradients and optimizer state cannot fit in RAM."""
     import os
 
+    from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS
     from elaswave.model.config import parameter_count
 
     params = parameter_count(job.model)
     # Every replica holds fp32 parameters and gradients; ZeRO-1 shards 12 B of state.
-    need = params * (8 * job.train.dp + 12)
+    need = params * (2 * FP32_BYTES * job.train.dp + STATE_TENSORS * FP32_BYTES)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have // 2:
         raise ValueError(
@@ -294,7 +296,7 @@ def _train(args: argparse.Namespace) -> int:
         f"elaswave: done: {summary['steps_completed']} steps, final loss "
         f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
         f"({summary['timing']}), "
-        f"{summary['events']} events; summary: {out / 'summary.json'}"
+        f"{summary['events']} events; summary: {out / SUMMARY}"
     )
     return 0
 
@@ -302,7 +304,6 @@ def _train(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     from elaswave.bus.eventlog import format_record, read_event_log
     from elaswave.bus.schema import Beacon
-    from elaswave.runtime.core import EVENT_LOG
 
     path = args.run_dir / EVENT_LOG
     if not path.is_file():
@@ -354,11 +355,11 @@ def _replay(args: argparse.Namespace) -> int:
             print(f"  {problem}")
         print(f"  announced by: {p.event}")
         print(f"  caused by:    {p.cause or '(no detector, pause or scale event before it)'}")
-    bad = result.diverged
-    if bad is not None:
+    diverged = result.diverged
+    if diverged is not None:
         good = len(result.plans) - 1
         print(
-            f"elaswave: replay: the plan of generation {bad.generation} diverges ({good} "
+            f"elaswave: replay: the plan of generation {diverged.generation} diverges ({good} "
             "reproduced before it); later plans build on it and were not replayed",
             file=sys.stderr,
         )
@@ -378,11 +379,17 @@ def _scale(args: argparse.Namespace) -> int:
     import queue
 
     from elaswave.api import connect
-    from elaswave.bus.schema import EventKind, RecoveryFinished, RunFinished, ScaleRequest
+    from elaswave.bus.schema import (
+        EventKind,
+        RecoveryFinished,
+        RecoveryKind,
+        RunFinished,
+        ScaleRequest,
+    )
 
     if args.add < 1:
         raise ValueError(f"--add {args.add}: must be at least 1 worker")
-    if (args.run_dir / "summary.json").is_file():
+    if (args.run_dir / SUMMARY).is_file():
         raise ValueError(f"the job in {str(args.run_dir)!r} has already finished")
     done: queue.Queue[object] = queue.Queue()
     with connect(args.run_dir, sender="elaswave-scale") as session:
@@ -400,7 +407,7 @@ def _scale(args: argparse.Namespace) -> int:
                 ) from None
             if isinstance(event, RunFinished):
                 raise ValueError("the job finished before the workers could join")
-            if isinstance(event, RecoveryFinished) and event.kind == "join":
+            if isinstance(event, RecoveryFinished) and event.kind == RecoveryKind.JOIN:
                 joined += event.ranks
                 print(f"elaswave: ranks {event.ranks} joined at step {event.step}")
     return 0

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elaswave.bus.schema import Event, StragglerDetected
+from elaswave.bus.schema import Event, RecoveryKind, StragglerDetected
+from elaswave.rundir import EVENT_LOG, JOB, REPORT, SUMMARY
 
-SUMMARY = "summary.json"
-JOB = "job.json"
 PLOT_EXTRA = "install the plot extra: pip install 'elaswave[plot]'"
 
 
@@ -382,7 +381,6 @@ def _events(run_dir: Path) -> list[Event]:
     """The event log's events (absent: none). Messages the bus logged as invalid are
     skipped; bytes that are not a log record are an error."""
     from elaswave.bus.eventlog import read_event_log
-    from elaswave.runtime.core import EVENT_LOG
 
     path = run_dir / EVENT_LOG
     if not path.is_file():
@@ -425,7 +423,11 @@ def load_report(run_dir: Path) -> Report:
 
 # --------------------------------------------------------------------------- drawing
 
-_KIND_COLOURS = {"fail-stop": "tab:red", "fail-slow": "tab:orange", "join": "tab:green"}
+_KIND_COLOURS: dict[str, str] = {
+    RecoveryKind.FAIL_STOP: "tab:red",
+    RecoveryKind.FAIL_SLOW: "tab:orange",
+    RecoveryKind.JOIN: "tab:green",
+}
 _LABEL_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
 
 
@@ -527,7 +529,7 @@ def _draw_plans(ax: Any, report: Report) -> None:
 def write_report(run_dir: Path, out: Path | None = None) -> int:
     """Read RUN_DIR, print its plan changes, and write the figure to ``out``."""
     report = load_report(run_dir)
-    out = out if out is not None else run_dir / "report.png"
+    out = out if out is not None else run_dir / REPORT
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a directory; give a file name such as report.png")
     if not out.parent.is_dir():

@@ -150,7 +150,7 @@ def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> 
     Returns what ``wait`` returned; re-raises its RuntimeError.
     """
     signal.check()
-    future = WAITERS.submit(lambda: work.wait(timeout))
+    future: concurrent.futures.Future[bool | None] = WAITERS.submit(lambda: work.wait(timeout))
     # gloo's own timeout ends the wait; the margin only guards against a stuck waiter.
     done, ok = await_future(future, timeout.total_seconds() + 5.0, signal)
     return bool(ok) if done else False

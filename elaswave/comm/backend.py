@@ -56,7 +56,9 @@ class GlooBackend:
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta
     ) -> dist.ProcessGroup:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        # torch's stubs declare ProcessGroupGloo a bare Backend, without the collective
+        # and point-to-point methods it has at runtime (and that Group calls).
+        return dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[return-value]
 
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
@@ -73,7 +75,7 @@ class NcclBackend:
     ) -> dist.ProcessGroup:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)  # type: ignore[return-value]  # as gloo
 
     def device_for(self, local_rank: int) -> torch.device:
         device = torch.device("cuda", _one_each(local_rank, self.devices(), "CUDA"))

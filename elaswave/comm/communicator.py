@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
-from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.group import CollectiveGroup, Group, GroupSpec, P2PGroup
 from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
 
@@ -27,7 +27,10 @@ log = structlog.get_logger(__name__)
 
 CommGroup = Group | RingGroup | PairGroup
 """A gloo process group; a ring over pooled links with the same collectives; or a
-2-rank view over a pooled link with the same point-to-point methods."""
+2-rank view over a pooled link with the same point-to-point methods. Callers that use a
+group take it as a :class:`~elaswave.comm.group.CollectiveGroup` or a
+:class:`~elaswave.comm.group.P2PGroup` (:meth:`Communicator.collective`,
+:meth:`Communicator.p2p`)."""
 
 
 class Communicator:
@@ -122,6 +125,20 @@ class Communicator:
     def get(self, name: str) -> CommGroup | None:
         return self._groups.get(name)
 
+    def collective(self, name: str) -> CollectiveGroup:
+        """The group ``name``, for collectives; TypeError if it is a pair link."""
+        group = self._groups[name]
+        if isinstance(group, PairGroup):
+            raise TypeError(f"group {name!r} is a point-to-point pair: it has no collectives")
+        return group
+
+    def p2p(self, name: str) -> P2PGroup:
+        """The group ``name``, for point-to-point traffic; TypeError if it is a ring."""
+        group = self._groups[name]
+        if isinstance(group, RingGroup):
+            raise TypeError(f"group {name!r} is a ring: it has no point-to-point methods")
+        return group
+
     def groups(self) -> list[CommGroup]:
         """Every group this rank holds, sorted by name."""
         return [self._groups[name] for name in sorted(self._groups)]
@@ -133,7 +150,7 @@ class Communicator:
 
     def tainted(self) -> list[str]:
         """Names of the groups with a collective that did not complete."""
-        return sorted(n for n, g in self._groups.items() if getattr(g, "tainted", False))
+        return sorted(n for n, g in self._groups.items() if g.tainted)
 
     @property
     def names(self) -> list[str]:

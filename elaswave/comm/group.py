@@ -4,6 +4,13 @@ Collectives are called through the group object's own methods (torch's ``dist.*`
 helpers reject groups that were not registered through ``init_process_group``). Every
 wait is bounded: a peer that dies or hangs surfaces as :class:`CommError` instead of a
 silent hang, which is what fail-stop detection builds on.
+
+Three classes implement groups: :class:`Group` (one gloo process group: collectives and
+point-to-point), :class:`~elaswave.comm.ring.RingGroup` (collectives over pooled links)
+and :class:`~elaswave.comm.links.PairGroup` (point-to-point over a pooled link). Callers
+name what they need by Protocol: :class:`CollectiveGroup` (Group, RingGroup) or
+:class:`P2PGroup` (Group, PairGroup); :class:`P2PLink` is the part of the latter that a
+transfer executor uses.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +50,63 @@ class GroupSpec:
     def __post_init__(self) -> None:
         if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
             raise ValueError(f"group {self.name!r}: ranks {self.ranks} must be distinct, non-empty")
+
+
+class GroupMember(Protocol):
+    """What every group kind tells about itself."""
+
+    @property
+    def spec(self) -> GroupSpec: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        ...
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def index(self) -> int:
+        """This process's position in the group."""
+        ...
+
+    @property
+    def timeout(self) -> timedelta: ...
+    @property
+    def tainted(self) -> bool:
+        """A collective on the group did not complete: rebuild it, do not reuse it."""
+        ...
+
+
+class CollectiveGroup(GroupMember, Protocol):
+    """A group that data parallelism reduces over: :class:`Group` or a
+    :class:`~elaswave.comm.ring.RingGroup`. Every member runs the same collectives in
+    the same order."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+    def barrier(self) -> None: ...
+
+
+class P2PLink(Protocol):
+    """Bounded point-to-point sends and receives between global ranks."""
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work: ...
+    def wait_send(self, work: dist.Work) -> None: ...
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
+
+
+class P2PGroup(GroupMember, P2PLink, Protocol):
+    """A group that carries point-to-point traffic: :class:`Group` or a
+    :class:`~elaswave.comm.links.PairGroup`."""
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work: ...
+    def wait_recv(self, work: dist.Work) -> None: ...
+    def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
+    def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
+    def wait_detached(self, work: dist.Work, op: str) -> None: ...
 
 
 @dataclass
@@ -97,7 +162,7 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         self._collective(self.pg.allreduce([tensor], opts), "all_reduce")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -106,7 +171,7 @@ class Group:
             output.copy_(input)
             return
         opts = dist.ReduceScatterOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         self._collective(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -129,10 +194,16 @@ class Group:
         self._wait(work, "send")
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.wait_recv(self.irecv(tensor, peer, tag))
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
         try:
-            work = self.pg.recv([tensor], self._index[peer], tag)
+            return self.pg.recv([tensor], self._index[peer], tag)
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
+
+    def wait_recv(self, work: dist.Work) -> None:
         self._wait(work, "recv")
 
     def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:

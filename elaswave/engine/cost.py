@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS
 from elaswave.model.config import ModelConfig
 
 __all__ = [
@@ -234,7 +235,7 @@ def layer_costs(
 
     matmul = h * h + 2 * h * kv + h * h + 3 * h * f
     block_fwd = (2.0 * matmul * s + 4.0 * s * s * h) / tp
-    scores = 4.0 * a * s if flash_attention else float(dtype_bytes * a * s * s)
+    scores = float(FP32_BYTES * a * s) if flash_attention else float(dtype_bytes * a * s * s)
     block_act = (
         dtype_bytes * s * (6 * h + 2 * kv + 4 * f) + (2 * s * h if masks else 0) + scores
     ) / tp
@@ -258,7 +259,7 @@ def layer_costs(
         params=h + h * v // tp,
         fwd_flops_per_sample=head_fwd,
         bwd_flops_per_sample=2.0 * head_fwd,
-        activation_bytes_per_sample=(2.0 * dtype_bytes * s * h + 4.0 * s * v) / tp,
+        activation_bytes_per_sample=(2.0 * dtype_bytes * s * h + FP32_BYTES * s * v) / tp,
         output_bytes_per_sample=0.0,
     )
     return [embed, *blocks, head]
@@ -386,8 +387,8 @@ def stage_memory(
     stage: int,
     num_stages: int,
     num_micro_batches: int | None = None,
-    param_bytes: float = 4.0,
-    optimizer_bytes: float = 12.0,
+    param_bytes: float = FP32_BYTES,
+    optimizer_bytes: float = STATE_TENSORS * FP32_BYTES,
 ) -> float:
     """Bytes on one rank of a stage that holds ``layers`` (a contiguous slice).
 
@@ -468,8 +469,8 @@ def segment_tables(
     sigma_f: float | Sequence[float] = 0.0,
     sigma_b: float | Sequence[float] = 0.0,
     num_micro_batches: int | None = None,
-    param_bytes: float = 4.0,
-    optimizer_bytes: float = 12.0,
+    param_bytes: float = FP32_BYTES,
+    optimizer_bytes: float = STATE_TENSORS * FP32_BYTES,
 ) -> tuple[FloatArray, FloatArray]:
     """Mini-step seconds ``T`` and per-rank memory bytes ``M`` of every segment on every stage.
 

@@ -77,11 +77,13 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
                 f"all its ranks {list(stage.ranks)}: no replica holds its layers"
             )
         total = sum(stage.sizes)
-        new = dataclasses.replace(stage, ranks=survivors, **split_shares(total, len(survivors)))
-        stages.append(new)
+        shrunk = dataclasses.replace(
+            stage, ranks=survivors, **split_shares(total, len(survivors))
+        )
+        stages.append(shrunk)
         reasons.append(
             f"stage {stage.stage}: ranks {lost} failed; ranks {list(survivors)} now take "
-            f"{_describe(new)} of every {total}-sample micro-batch"
+            f"{_describe(shrunk)} of every {total}-sample micro-batch"
         )
     if not reasons:
         return plan, "no rank of the plan failed"
@@ -101,9 +103,9 @@ def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
             raise ValueError(f"rank {rank}: stage {stage} is not in 0..{plan.pp - 1}")
         old = stages[stage]
         ranks = (*old.ranks, rank)
-        new = dataclasses.replace(old, ranks=ranks, **split_shares(sum(old.sizes), len(ranks)))
-        stages[stage] = new
-        reasons.append(f"rank {rank} joins stage {stage}, which now takes {_describe(new)}")
+        grown = dataclasses.replace(old, ranks=ranks, **split_shares(sum(old.sizes), len(ranks)))
+        stages[stage] = grown
+        reasons.append(f"rank {rank} joins stage {stage}, which now takes {_describe(grown)}")
     if not reasons:
         return plan, "no rank joined"
     new = dataclasses.replace(plan, generation=plan.generation + 1, stages=tuple(stages))

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, segment_tables
+from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS
 
 __all__ = ["Infeasible", "Partition", "minimax_partition", "plan_layers"]
 
@@ -227,10 +228,10 @@ def _infeasible_reason(
         if math.isinf(smallest):
             stuck.append(f"stage {stage} has no segment with a finite time")
         elif smallest > caps[stage]:
-            a, b = np.unravel_index(int(np.argmin(window)), window.shape)
+            a, b = (int(i) for i in np.unravel_index(int(np.argmin(window)), window.shape))
             stuck.append(
                 f"stage {stage} cannot hold any layer: its smallest choice "
-                f"({_layers(int(a), int(b))}) needs {_fmt_bytes(smallest)}, "
+                f"({_layers(a, b)}) needs {_fmt_bytes(smallest)}, "
                 f"cap {_fmt_bytes(float(caps[stage]))}"
             )
     if stuck:
@@ -265,8 +266,8 @@ def plan_layers(
     sigma_f: float | Sequence[float] = 0.0,
     sigma_b: float | Sequence[float] = 0.0,
     num_micro_batches: int | None = None,
-    param_bytes: float = 4.0,
-    optimizer_bytes: float = 12.0,
+    param_bytes: float = FP32_BYTES,
+    optimizer_bytes: float = STATE_TENSORS * FP32_BYTES,
 ) -> Partition:
     """Price every segment with :func:`~elaswave.engine.cost.segment_tables` and solve.
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from elaswave.comm.group import TagSpace
 from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time, p2p_time
 from elaswave.engine.plan import Plan
+from elaswave.fabric.remap import FP32_BYTES
 
 MIGRATION_MODES = ("nonblocking", "blocking")
 MAX_TRANSFERS = TagSpace.PAYBACK - TagSpace.STREAM
@@ -170,7 +171,7 @@ def plan_transition(
                 for u in range(stage)
             )
             before = _forward_s(new, stage, [i for i in kept if i < min(incoming)], cost, device)
-            stream_s = p2p_time(sum(cost[i].params * 4 for i in incoming), device)
+            stream_s = p2p_time(sum(cost[i].params * FP32_BYTES for i in incoming), device)
             gap = stream_s - upstream - before
             if gap <= 0:
                 continue

@@ -155,7 +155,7 @@ def plan_key(generation: int) -> str:
     return f"plan/g{generation}"
 
 
-def plan_to_dict(plan: Plan) -> dict:
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """A plan as plain data (JSON, msgpack); :func:`plan_from_dict` inverts it."""
     return dataclasses.asdict(plan)
 

@@ -45,6 +45,7 @@ from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
 from elaswave.engine.graph import Infeasible, plan_layers
 from elaswave.engine.plan import Plan, StagePlan
 from elaswave.engine.steptime import plan_step_time
+from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
 
 __all__ = [
@@ -483,9 +484,9 @@ def rebalance(
         stages = [dataclasses.replace(s, mhz=None) for s in stages]
         reasons.append("stage clocks re-planned from base")
     current = _by_speed(dataclasses.replace(plan, stages=tuple(stages)), slowdowns)  # 1.
-    for old, new in zip(stages, current.stages, strict=True):
-        if new != old:
-            reasons.append(f"stage {new.stage} splits samples {list(new.sizes)} by speed")
+    for was, now in zip(stages, current.stages, strict=True):
+        if now != was:
+            reasons.append(f"stage {now.stage} splits samples {list(now.sizes)} by speed")
     stages = list(current.stages)
 
     def candidate(trial: Plan, rotation: float) -> _Candidate:
@@ -525,7 +526,7 @@ def balanced_counts(
     spec = StageSpec(
         dp=dp, micro_batch=micro_batch, mhz=device.base_mhz, memory_cap_bytes=device.memory_bytes
     )
-    partition = plan_layers(layer_costs(model, dtype_bytes=4), [spec] * pp, device)
+    partition = plan_layers(layer_costs(model, dtype_bytes=FP32_BYTES), [spec] * pp, device)
     return partition.counts
 
 

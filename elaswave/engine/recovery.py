@@ -69,14 +69,14 @@ def next_plan(
     """
     resized, reason = resize_after_failure(plan, failed)
     if joined:
-        with_model = rebalancing is not None and rebalancing.device is not None
+        model = rebalancing if rebalancing is not None and rebalancing.device is not None else None
         placement = place_joiners(
             resized,
             joined,
-            layers=rebalancing.layers if with_model else None,
-            device=rebalancing.device if with_model else None,
+            layers=model.layers if model is not None else None,
+            device=model.device if model is not None else None,
             policy=rebalancing.policy if rebalancing is not None else Policy.RESIZE,
-            slowdowns=rebalancing.slowdowns if with_model else None,
+            slowdowns=model.slowdowns if model is not None else None,
         )
         resized, why = add_ranks(resized, placement)
         reason = f"{reason}; {why}"

@@ -43,8 +43,9 @@ from elaswave.engine.cost import (
     ring_allreduce_time,
     stage_p2p_time,
 )
-from elaswave.engine.plan import Plan
+from elaswave.engine.plan import Plan, StagePlan
 from elaswave.engine.schedule import Op, one_f_one_b
+from elaswave.fabric.remap import FP32_BYTES
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,9 @@ def stage_times(
     return out
 
 
-def _sync_s(stage, cost: Mapping[int, LayerCost], device: DeviceSpec) -> float:
+def _sync_s(stage: StagePlan, cost: Mapping[int, LayerCost], device: DeviceSpec) -> float:
     params = sum(cost[i].params for i in stage.layers)
-    return ring_allreduce_time(params * 4, device, dp=stage.dp) if stage.dp > 1 else 0.0
+    return ring_allreduce_time(params * FP32_BYTES, device, dp=stage.dp) if stage.dp > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,8 @@ def plan_step_time(
         factor = np.array([slow.get(r, 1.0) for r in st.ranks])
         per_f = compute_time(sum(cost[i].fwd_flops_per_sample for i in st.layers), device, mhz)
         per_b = compute_time(sum(cost[i].bwd_flops_per_sample for i in st.layers), device, mhz)
-        phases = range(min(st.period, m))  # micro-batch mb takes phase mb % len(phases)
-        shares = np.array([st.shares(ph) for ph in phases], dtype=np.float64)
+        period = min(st.period, m)  # micro-batch mb takes phase mb % period
+        shares = np.array([st.shares(ph) for ph in range(period)], dtype=np.float64)
         fwd.append(shares * per_f * factor)  # [phase, replica] seconds
         bwd.append(shares * per_b * factor)
         sync.append(_sync_s(st, cost, device))
@@ -260,10 +261,10 @@ def plan_step_time(
     for s in range(p - 1):
         a, b = plan.stages[s], plan.stages[s + 1]
         per_sample = cost[a.layer_stop - 1].output_bytes_per_sample
-        phases = min(math.lcm(a.period, b.period), m)  # micro-batch mb uses mb % phases
+        block = min(math.lcm(a.period, b.period), m)  # micro-batch mb uses mb % block
         distinct: dict[tuple[int, int], _Links] = {}  # phases in one block share routes
         row = []
-        for ph in range(phases):
+        for ph in range(block):
             key = (a.turn(ph), b.turn(ph))
             if key not in distinct:
                 distinct[key] = _links(plan, s, ph, per_sample, device)
@@ -308,6 +309,6 @@ def plan_step_time(
     step = max(f + t for f, t in zip(finish, sync, strict=True))
     busy = []
     for s in range(p):
-        phases = np.arange(m) % len(fwd[s])
-        busy.append(float((fwd[s][phases] + bwd[s][phases]).sum(axis=0).max()))
+        phase = np.arange(m) % len(fwd[s])
+        busy.append(float((fwd[s][phase] + bwd[s][phase]).sum(axis=0).max()))
     return StepSim(step, finish, tuple(busy))

@@ -19,16 +19,12 @@ import torch
 
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.zero import ShardState
+from elaswave.rundir import CHECKPOINTS, step_dir
 
-CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step(\d+)$")
 
 LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """A layer's whole flat (master, exp_avg, exp_avg_sq)."""
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINTS / f"step{step}"
 
 
 def shard_pieces(layout: InterleavedLayout, replica: int, state: ShardState) -> dict:

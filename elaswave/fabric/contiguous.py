@@ -41,9 +41,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.remap import STATE_TENSORS, shard_bounds
+from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS, shard_bounds
 
-STATE_BYTES_PER_ELEMENT = STATE_TENSORS * 4
+STATE_BYTES_PER_ELEMENT = STATE_TENSORS * FP32_BYTES
 """Bytes that move per element of a layer's flat state: fp32 master, exp_avg, exp_avg_sq."""
 
 

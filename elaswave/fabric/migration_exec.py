@@ -18,8 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.group import Group, TagSpace, p2p_tag
-from elaswave.comm.links import PairGroup
+from elaswave.comm.group import P2PLink, TagSpace, p2p_tag
 from elaswave.fabric.contiguous import MigrationPlan
 
 MAX_TRANSFERS = 4094
@@ -29,7 +28,7 @@ MAX_TRANSFERS = 4094
 class CountingLink:
     """A point-to-point group that counts the bytes its sends carry, per receiving rank."""
 
-    def __init__(self, inner: Group | PairGroup) -> None:
+    def __init__(self, inner: P2PLink) -> None:
         self.inner = inner
         self.sent_bytes: dict[int, int] = {}
         """Receiving global rank -> bytes handed to ``isend`` since the last reset."""
@@ -51,7 +50,7 @@ class CountingLink:
         self.inner.recv(tensor, peer, tag)
 
 
-LinkLookup = Callable[[int, int], Group | PairGroup | CountingLink]
+LinkLookup = Callable[[int, int], P2PLink]
 """(this rank, peer rank) -> the link that carries their traffic."""
 
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 
+FP32_BYTES = 4
+"""Bytes of one fp32 element: the runtime trains, reduces and keeps its optimizer state
+in fp32."""
 STATE_TENSORS = 3
 """fp32 tensors per element that move: master weight, exp_avg, exp_avg_sq."""
 
@@ -75,7 +78,7 @@ class RemapPlan:
 
     def bytes_moved(self) -> int:
         """Bytes that cross between ranks (local device copies excluded)."""
-        return sum(t.numel for t in self.transfers if not t.local) * STATE_TENSORS * 4
+        return sum(t.numel for t in self.transfers if not t.local) * STATE_TENSORS * FP32_BYTES
 
 
 def shard_bounds(numel: int, num_shards: int, index: int) -> tuple[int, int]:

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elaswave.comm.group import Group, TagSpace, p2p_tag
-from elaswave.comm.links import PairGroup
+from elaswave.comm.group import P2PLink, TagSpace, p2p_tag
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source
 from elaswave.fabric.zero import ShardState
@@ -52,7 +51,7 @@ def execute_remap(
     new_layout: InterleavedLayout,
     device_state: ShardState | None,
     host_states: Mapping[int, ShardState],
-    link: Callable[[int, int], Group | PairGroup],
+    link: Callable[[int, int], P2PLink],
     generation: int,
     step: int,
 ) -> RemapResult:

@@ -22,8 +22,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.group import CommError, Group, TagSpace, p2p_tag
-from elaswave.comm.links import PairGroup
+from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
 from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
 
 log = structlog.get_logger(__name__)
@@ -50,7 +49,7 @@ class SnapshotKeeper:
     """
 
     owner: int
-    link: Group | PairGroup
+    link: P2PGroup
     cfg: OptimizerConfig
     initial: ShardState
     generation: int = 0
@@ -144,7 +143,7 @@ class SnapshotSender:
     so the training thread never waits on the snapshot path.
     """
 
-    def __init__(self, link: Group | PairGroup, holder: int, generation: int = 0) -> None:
+    def __init__(self, link: P2PGroup, holder: int, generation: int = 0) -> None:
         self.link = link
         self.holder = holder
         self.generation = generation

@@ -9,14 +9,14 @@ tensors so that a snapshot holder can apply the very same update to a host copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from elaswave.comm.communicator import CommGroup
+from elaswave.comm.group import CollectiveGroup
 from elaswave.fabric.layout import InterleavedLayout
 
 
@@ -112,10 +112,10 @@ class ZeroAdamW:
 
     def __init__(
         self,
-        layers: Sequence[nn.Module],
+        layers: Iterable[nn.Module],
         *,
         layer_ids: Sequence[int],
-        dp_group: CommGroup,
+        dp_group: CollectiveGroup,
         replica: int,
         cfg: OptimizerConfig,
         state: ShardState | None = None,

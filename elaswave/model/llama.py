@@ -78,6 +78,14 @@ class PipelineLayer(nn.Module):
         self.index = index
 
 
+def layer_index(layer: nn.Module) -> int:
+    """The global index of ``layer``, which must be a :class:`PipelineLayer` (containers
+    such as ``nn.ModuleList`` hand their items out as plain modules)."""
+    if not isinstance(layer, PipelineLayer):
+        raise TypeError(f"{type(layer).__name__} is not a pipeline layer")
+    return layer.index
+
+
 class EmbeddingLayer(PipelineLayer):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__(index)
@@ -89,6 +97,9 @@ class EmbeddingLayer(PipelineLayer):
 
 
 class TransformerBlock(PipelineLayer):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__(index)
         self.cfg = cfg

@@ -12,22 +12,24 @@ from pathlib import Path
 
 import torch
 
+from elaswave import rundir
+
 Params = dict[int, dict[str, torch.Tensor]]
 
 
 def load_params(run_dir: Path) -> Params:
     """Final parameters of every layer of a finished run, merged from its stage files."""
     params: Params = {}
-    files = sorted((run_dir / "params").glob("stage*.pt"))
+    files = rundir.stage_params_files(run_dir)
     if not files:
-        raise FileNotFoundError(f"no parameter files under {run_dir / 'params'}")
+        raise FileNotFoundError(f"no parameter files under {run_dir / rundir.PARAMS}")
     for path in files:
         params.update(torch.load(path, weights_only=True))
     return dict(sorted(params.items()))
 
 
 def load_summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / rundir.SUMMARY).read_text())
 
 
 def loss_rel_diff(loss: list[float], ref: list[float]) -> float:

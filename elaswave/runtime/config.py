@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elaswave import rundir
 from elaswave.bus.keys import BusKeys, check_bind, load_keys
 from elaswave.bus.reliable import BusFaults
 from elaswave.comm.backend import parse_device
@@ -23,6 +24,7 @@ from elaswave.engine.cost import device as cost_device
 from elaswave.engine.migration import MIGRATION_MODES
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import POLICIES, balanced_counts
+from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import RNG_KINDS
@@ -288,7 +290,7 @@ class JobConfig:
     @property
     def layer_costs(self) -> list[LayerCost]:
         """The cost model's layers, fp32 as the runtime trains."""
-        return layer_costs(self.model, dtype_bytes=4)
+        return layer_costs(self.model, dtype_bytes=FP32_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,7 +325,7 @@ class JobSpec:
     config: JobConfig
     endpoints: Endpoints
 
-    def write(self, run_dir: Path, name: str = "job.json") -> None:
+    def write(self, run_dir: Path, name: str = rundir.JOB) -> None:
         """Write it whole or not at all: readers poll for the file."""
         doc = {
             "run_id": self.run_id,
@@ -335,7 +337,7 @@ class JobSpec:
         os.replace(tmp, run_dir / name)
 
     @classmethod
-    def read(cls, run_dir: Path, name: str = "job.json") -> JobSpec:
+    def read(cls, run_dir: Path, name: str = rundir.JOB) -> JobSpec:
         doc = json.loads((run_dir / name).read_text())
         return cls(
             run_id=doc["run_id"],

@@ -48,10 +48,9 @@ from elaswave.bus.schema import (
     WorkerStarted,
     decode,
 )
+from elaswave.rundir import EVENT_LOG
 
 log = structlog.get_logger(__name__)
-
-EVENT_LOG = "events.log"
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,8 @@ class Core:
         supervisor reads (recovery reports, step timings, announcements) is rebuilt.
         A record cut short by the predecessor's death is cut off the file."""
         path = self.run_dir / EVENT_LOG
-        good, last = 0, {}
+        good = 0
+        last: dict[str, int] = {}
         with contextlib.suppress(FileNotFoundError), path.open("rb") as file:
             unpacker = msgpack.Unpacker(file, raw=False, use_list=True)
             while True:
@@ -208,9 +208,9 @@ class Core:
                 except Exception:  # corrupt bytes: keep what came before them
                     break
                 good = unpacker.tell()
-                frames = obj.get("frames") if isinstance(obj, dict) else None
+                frames = (obj.get("frames") if isinstance(obj, dict) else None) or []
                 try:
-                    event = decode(frames or [])
+                    event = decode(frames)
                 except SchemaError:
                     continue
                 self.restored += 1

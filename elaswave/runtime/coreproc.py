@@ -2,10 +2,10 @@
 
 The job host (:mod:`elaswave.runtime.launcher`) starts it with one end of the host link
 (:mod:`elaswave.runtime.hostlink`) and starts it again when it is lost. Incarnation 0
-binds the bus, writes RUN_DIR/job.json (the host's :data:`HOST_SPEC` completed with the
+binds the bus, writes RUN_DIR/job.json (the host's RUN_DIR/host.json completed with the
 bus endpoints), announces the run and has the host start the workers. A later
 incarnation binds the same endpoints, reads back the event log and
-:data:`~elaswave.runtime.supervisor.CORE_STATE`, adopts the workers the host still has,
+:data:`~elaswave.rundir.CORE_STATE`, adopts the workers the host still has,
 and finishes or redoes the change its predecessor left under way; the workers train on
 meanwhile.
 
@@ -30,21 +30,18 @@ import structlog
 from elaswave import logs
 from elaswave.bus.schema import RunFinished, RunStarted
 from elaswave.comm.store import connect_store
+from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
 from elaswave.runtime.child import die_with_parent, exit_now
 from elaswave.runtime.config import JobSpec
 from elaswave.runtime.core import Core, CorePorts
 from elaswave.runtime.hostlink import LINK_FD_ENV, CoreLink
 from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import CORE_STATE, JobFailed, Supervisor, fault_point
+from elaswave.runtime.supervisor import JobFailed, Supervisor, fault_point
 
 log = structlog.get_logger(__name__)
 
-CORE_RESULT = "core_result.json"
-HOST_SPEC = "host.json"
-"""The job as the host wrote it (the store's address, no bus yet): incarnation 0 reads
-it and writes RUN_DIR/job.json with the bus endpoints, which everyone else reads."""
 JOB_FAILED = 3
-"""The Core's exit code when the job failed (the reason is in :data:`CORE_RESULT`)."""
+"""The Core's exit code when the job failed (the reason is in RUN_DIR/core_result.json)."""
 
 
 def write_result(run_dir: Path, doc: dict[str, Any]) -> None:
@@ -57,7 +54,7 @@ def write_result(run_dir: Path, doc: dict[str, Any]) -> None:
 async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     """Run the job's control plane to the end (raises JobFailed)."""
     restart = incarnation > 0
-    spec = JobSpec.read(run_dir, "job.json" if restart else HOST_SPEC)
+    spec = JobSpec.read(run_dir, JOB if restart else HOST_SPEC)
     cfg, t, ep = spec.config, spec.config.train, spec.endpoints
     state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None

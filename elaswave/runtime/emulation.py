@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import structlog
 
@@ -131,13 +132,16 @@ class Pacer:
         return False
 
 
-class DelayedSend:
+W = TypeVar("W")
+
+
+class DelayedSend(Generic[W]):
     """A point-to-point send posted after the modelled transfer time, off the caller's
     thread, so that compute goes on meanwhile; :meth:`work` waits for the post."""
 
-    def __init__(self, post: Callable[[], object], delay_s: float) -> None:
+    def __init__(self, post: Callable[[], W], delay_s: float) -> None:
         self._posted = threading.Event()
-        self._work: object = None
+        self._work: tuple[W] | None = None
         self._error: BaseException | None = None
         self._post = post
         self._timer = threading.Timer(delay_s, self._fire)
@@ -146,15 +150,16 @@ class DelayedSend:
 
     def _fire(self) -> None:
         try:
-            self._work = self._post()
+            self._work = (self._post(),)
         except BaseException as exc:
             self._error = exc
         finally:
             self._posted.set()
 
-    def work(self, timeout_s: float) -> object:
+    def work(self, timeout_s: float) -> W:
         if not self._posted.wait(timeout_s):
             raise TimeoutError(f"a delayed send was not posted within {timeout_s:g} s")
         if self._error is not None:
             raise self._error
-        return self._work
+        assert self._work is not None  # posted without an error
+        return self._work[0]

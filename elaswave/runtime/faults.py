@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from elaswave import rundir
+
 
 class Phase(enum.StrEnum):
     FORWARD = "forward"
@@ -188,6 +190,6 @@ class FaultInjector:
     def _record(self, spec: FaultSpec, rank: int, when: float) -> None:
         if self.run_dir is None:
             return
-        path = self.run_dir / "faults" / f"rank{rank}.json"
+        path = rundir.fault_record(self.run_dir, rank)
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps({"rank": rank, "fault": str(spec), "killed_at": when}))

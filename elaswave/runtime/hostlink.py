@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import signal
 import socket
@@ -32,6 +33,27 @@ log = structlog.get_logger(__name__)
 
 LINK_FD_ENV = "ELASWAVE_HOST_LINK_FD"
 """Environment variable naming the Core's end of the link (an inherited descriptor)."""
+
+
+class LinkOp(enum.StrEnum):
+    """The ``op`` of a host-link message (plain strings in the JSON)."""
+
+    TABLE = "table"
+    """host -> Core, once on connect: every worker's pid and exit code (null: running)."""
+    STARTED = "started"
+    """host -> Core: a worker the Core asked for is up (rank, pid)."""
+    SPAWN_FAILED = "spawn_failed"
+    """host -> Core: a worker the Core asked for could not be started (rank, error)."""
+    EXITED = "exited"
+    """host -> Core: a worker exited (rank, code: its exit status, or ``-signal``)."""
+    OBSERVING = "observing"
+    """host -> Core: the answer to ``observe``."""
+    SPAWN = "spawn"
+    """Core -> host: start a worker (rank, join)."""
+    SIGNAL = "signal"
+    """Core -> host: signal a worker (rank, signal number)."""
+    OBSERVE = "observe"
+    """Core -> host: the bus is up, attach the observer of the job's events."""
 
 
 class LinkClosed(RuntimeError):
@@ -59,7 +81,7 @@ class WorkerHandle:
     def send_signal(self, signum: int) -> None:
         if self.returncode is not None:
             raise ProcessLookupError(f"rank {self.rank} (pid {self.pid}) has exited")
-        self._link.send({"op": "signal", "rank": self.rank, "signal": int(signum)})
+        self._link.send({"op": LinkOp.SIGNAL, "rank": self.rank, "signal": int(signum)})
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -102,7 +124,7 @@ class CoreLink:
         """Read the host's worker table; return the handles of its workers."""
         self._reader, self._writer = await asyncio.open_connection(sock=self._sock)
         first = await _read_lines(self._reader)
-        if first["op"] != "table":
+        if first["op"] != LinkOp.TABLE:
             raise ValueError(f"host link: expected the worker table first, got {first['op']!r}")
         for rank, entry in first["workers"].items():
             self.workers[int(rank)] = WorkerHandle(self, int(rank), entry["pid"], entry["code"])
@@ -118,12 +140,12 @@ class CoreLink:
         """Ask the host to start worker ``rank``; return its handle once it runs."""
         started = asyncio.get_running_loop().create_future()
         self._started[rank] = started
-        self.send({"op": "spawn", "rank": rank, "join": join})
+        self.send({"op": LinkOp.SPAWN, "rank": rank, "join": join})
         return await started
 
     async def observe(self, timeout_s: float = 10.0) -> None:
         """The bus is up: let the host attach its observer before the first event."""
-        self.send({"op": "observe"})
+        self.send({"op": LinkOp.OBSERVE})
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._observing.wait(), timeout_s)
 
@@ -133,15 +155,15 @@ class CoreLink:
             while True:
                 doc = await _read_lines(self._reader)
                 rank = int(doc.get("rank", -1))
-                if doc["op"] == "started":
+                if doc["op"] == LinkOp.STARTED:
                     handle = self.workers[rank] = WorkerHandle(self, rank, int(doc["pid"]))
                     if (waiter := self._started.pop(rank, None)) is not None:
                         waiter.set_result(handle)
-                elif doc["op"] == "exited" and rank in self.workers:
+                elif doc["op"] == LinkOp.EXITED and rank in self.workers:
                     self.workers[rank]._exit(int(doc["code"]))
-                elif doc["op"] == "observing":
+                elif doc["op"] == LinkOp.OBSERVING:
                     self._observing.set()
-                elif doc["op"] == "spawn_failed":
+                elif doc["op"] == LinkOp.SPAWN_FAILED:
                     if (waiter := self._started.pop(rank, None)) is not None:
                         waiter.set_exception(RuntimeError(str(doc.get("error"))))
                 else:
@@ -172,7 +194,7 @@ class HostLink:
 
     async def open(self, table: dict[int, dict[str, Any]]) -> None:
         self._reader, self._writer = await asyncio.open_connection(sock=self._sock)
-        self.send({"op": "table", "workers": {str(r): e for r, e in table.items()}})
+        self.send({"op": LinkOp.TABLE, "workers": {str(r): e for r, e in table.items()}})
 
     def send(self, doc: dict[str, Any]) -> None:
         """Best effort: a Core that has gone misses nothing the next one is not given."""

@@ -27,13 +27,25 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Event, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
-from elaswave.fabric.checkpoint import CHECKPOINTS, latest_complete
+from elaswave.fabric.checkpoint import latest_complete
+from elaswave.rundir import (
+    CHECKPOINTS,
+    CORE_PID,
+    CORE_RESULT,
+    CORE_STATE,
+    EVENT_LOG,
+    HOST_SPEC,
+    LOGS,
+    OUTPUTS,
+    SUMMARY,
+    core_log,
+    rank_log,
+)
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
-from elaswave.runtime.core import EVENT_LOG
-from elaswave.runtime.coreproc import CORE_RESULT, HOST_SPEC, JOB_FAILED
-from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink
+from elaswave.runtime.coreproc import JOB_FAILED
+from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink, LinkOp
 from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import CORE_FAULT_ENV, CORE_STATE, JobFailed, exit_text
+from elaswave.runtime.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
 from elaswave.runtime.zygote import ForkedProcess, Zygote
 
 log = structlog.get_logger(__name__)
@@ -42,31 +54,25 @@ OBSERVED = (Topic.LIFECYCLE, Topic.METRICS, Topic.RECOVERY)
 """What ``on_event`` is given: heartbeats (HEALTH) are the Core's business, and each
 observed message costs this process's CPU beside the workers'."""
 
-_RUN_OUTPUTS = (
-    "workers", "params", "logs", "faults", EVENT_LOG, "summary.json", "job.json",
-    CORE_STATE, CORE_RESULT, HOST_SPEC, "core.pid",
-)  # fmt: skip
-
-
 def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
     """Clear a previous run's outputs; its checkpoints too unless resuming from them."""
     keep_checkpoints = resume_dir is not None and Path(resume_dir).resolve() == run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    names = _RUN_OUTPUTS if keep_checkpoints else (*_RUN_OUTPUTS, CHECKPOINTS)
+    names = OUTPUTS if keep_checkpoints else (*OUTPUTS, CHECKPOINTS)
     for name in names:
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    (run_dir / "logs").mkdir()
+    (run_dir / LOGS).mkdir()
 
 
 async def _spawn(
     cfg: JobConfig, run_dir: Path, rank: int, *, join: bool = False
 ) -> asyncio.subprocess.Process:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with (run_dir / "logs" / f"rank{rank}.log").open("wb") as out:
+    with rank_log(run_dir, rank).open("wb") as out:
         return await asyncio.create_subprocess_exec(
             *cfg.train.worker_command(rank),
             sys.executable,
@@ -202,10 +208,8 @@ class JobHost:
             core_end.close()
             assert proc.stdout is not None
             pid, output, transport, exited = proc.pid, proc.stdout, None, proc.wait()
-        (self.run_dir / "core.pid").write_text(str(pid))
-        relay = asyncio.create_task(
-            _relay(output, self.run_dir / "logs" / f"core{incarnation}.log")
-        )
+        (self.run_dir / CORE_PID).write_text(str(pid))
+        relay = asyncio.create_task(_relay(output, core_log(self.run_dir, incarnation)))
         link = self._link = HostLink(host_end)
         await link.open({r: {"pid": p.pid, "code": self.codes[r]} for r, p in self.workers.items()})
         serving = asyncio.create_task(self._serve(link), name="host-requests")
@@ -227,23 +231,23 @@ class JobHost:
     async def _serve(self, link: HostLink) -> None:
         async for request in link.requests():
             op, rank = request.get("op"), request.get("rank")
-            if op == "observe":
+            if op == LinkOp.OBSERVE:
                 if self.on_event is not None and self._observer is None:
                     self._observer = asyncio.create_task(self._observe(), name="host-observer")
                     await asyncio.sleep(0.2)  # let it connect before the first event
-                link.send({"op": "observing"})
+                link.send({"op": LinkOp.OBSERVING})
             elif not isinstance(rank, int):
                 log.error("host.bad_core_request", request=request)
-            elif op == "spawn":
+            elif op == LinkOp.SPAWN:
                 try:
                     proc = await self._spawn(rank, join=bool(request["join"]))
                 except (OSError, RuntimeError) as exc:
-                    link.send({"op": "spawn_failed", "rank": rank, "error": str(exc)})
+                    link.send({"op": LinkOp.SPAWN_FAILED, "rank": rank, "error": str(exc)})
                     continue
                 self.workers[rank], self.codes[rank] = proc, None
                 self._reapers.append(asyncio.create_task(self._reap(rank, proc)))
-                link.send({"op": "started", "rank": rank, "pid": proc.pid})
-            elif op == "signal" and rank in self.workers:
+                link.send({"op": LinkOp.STARTED, "rank": rank, "pid": proc.pid})
+            elif op == LinkOp.SIGNAL and rank in self.workers:
                 if self.codes[rank] is None:
                     with contextlib.suppress(ProcessLookupError):
                         self.workers[rank].send_signal(int(request["signal"]))
@@ -256,7 +260,7 @@ class JobHost:
             return await _spawn(self.cfg, self.run_dir, rank, join=join)
         argv = ["--run-dir", str(self.run_dir), "--rank", str(rank), *(["--join"] * join)]
         env: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with (self.run_dir / "logs" / f"rank{rank}.log").open("wb") as out:
+        with rank_log(self.run_dir, rank).open("wb") as out:
             pid = await self.zygote.spawn("worker", argv, env, [out.fileno()])
         return ForkedProcess(self.zygote, pid)
 
@@ -264,7 +268,7 @@ class JobHost:
         code = await proc.wait()
         self.codes[rank] = code
         if self._link is not None:
-            self._link.send({"op": "exited", "rank": rank, "code": code})
+            self._link.send({"op": LinkOp.EXITED, "rank": rank, "code": code})
 
     async def _observe(self) -> None:
         """Feed ``on_event`` the observed events (whichever Core incarnation runs the bus)."""
@@ -342,4 +346,4 @@ async def run_job(
         ),
     ).write(run_dir, HOST_SPEC)
     await JobHost(cfg, run_dir, on_event, zygote).run()
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / SUMMARY).read_text())

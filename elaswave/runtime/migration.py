@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import TagSpace, p2p_tag
+from elaswave.comm.group import P2PGroup, TagSpace, p2p_tag
 from elaswave.engine.migration import Transfer, Transition
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap_exec import remap_link_name
@@ -102,16 +103,16 @@ class ShadowStep:
         for layer in self.shadows.values():
             for p in layer.parameters():
                 p.grad = None
-        self._sends: list[tuple[object, object, torch.Tensor]] = []
-        self._recvs: list[tuple[Transfer, object, torch.Tensor]] = []
+        self._sends: list[tuple[P2PGroup, dist.Work | DelayedSend[dist.Work], torch.Tensor]] = []
+        self._recvs: list[tuple[Transfer, dist.Work, torch.Tensor]] = []
         self._ready = False
         self._paid = False
         self.bytes_streamed = 0
         self.waited_s = 0.0
         """Seconds the transition step waited for incoming parameters."""
 
-    def _link(self, t: Transfer):
-        return self.comm[remap_link_name(t.src, t.dst)]
+    def _link(self, t: Transfer) -> P2PGroup:
+        return self.comm.p2p(remap_link_name(t.src, t.dst))
 
     def _tag(self, space: TagSpace, index: int) -> int:
         return p2p_tag(self.generation, self.step, space + index)

@@ -24,9 +24,10 @@ from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
 from elaswave.engine.schedule import Op, one_f_one_b
+from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
-from elaswave.model.llama import StepContext, per_sample_loss
+from elaswave.model.llama import StepContext, layer_index, per_sample_loss
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.emulation import DelayedSend, Pacer
 from elaswave.runtime.faults import Phase
@@ -97,7 +98,7 @@ class StageRunner:
             [] if self.is_last else [r for r in plan.routes(self.stage, mb) if r.src == rank]
             for mb in range(self.period)
         ]
-        self.layer_ids = [layer.index for layer in layers]
+        self.layer_ids = [layer_index(layer) for layer in layers]
         if plan.num_micro_batches > MAX_MICRO_BATCHES:
             raise ValueError(
                 f"{plan.num_micro_batches} micro-batches: at most {MAX_MICRO_BATCHES} per step"
@@ -134,7 +135,7 @@ class StageRunner:
         for route in sorted(routes, key=lambda r: r.lo):
             buf = self._activation(route.hi - route.lo)
             peer = peer_of(route)
-            self.comm[link_group_name(route.src, route.dst)].recv(buf, peer, tag)
+            self.comm.p2p(link_group_name(route.src, route.dst)).recv(buf, peer, tag)
             parts.append(buf)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -150,7 +151,7 @@ class StageRunner:
         """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``."""
         for route in routes:
             chunk = tensor[route.lo - lo : route.hi - lo].contiguous()
-            group = self.comm[link_group_name(route.src, route.dst)]
+            group = self.comm.p2p(link_group_name(route.src, route.dst))
             peer = peer_of(route)
             if self.pacer is not None and self.pacer.emulated:
                 delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
@@ -190,10 +191,10 @@ class StageRunner:
         self.optimizer.step(step, hook=lambda phase: self.fault_hook(Phase(phase), step))
         if self.pacer is not None:
             layout = self.optimizer.layout
-            self.pacer.collectives(layout.dp * layout.shard_numel * 4, layout.dp, synced)
+            self.pacer.collectives(layout.dp * layout.shard_numel * FP32_BYTES, layout.dp, synced)
         total = None
         if self.is_last:
-            self.comm[dp_group_name(self.stage)].all_reduce(loss_sum)
+            self.comm.collective(dp_group_name(self.stage)).all_reduce(loss_sum)
             total = float(loss_sum)
         self.optimizer.commit(step)
         return StepResult(step, total, time.perf_counter() - started, trace, shadow)

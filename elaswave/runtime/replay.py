@@ -39,8 +39,8 @@ from elaswave.engine.plan import Plan
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
+from elaswave.rundir import EVENT_LOG, JOB
 from elaswave.runtime.config import JobConfig, JobSpec
-from elaswave.runtime.core import EVENT_LOG
 
 CORE = "core"
 """The sender name of the Core, the only process that announces plans."""
@@ -101,8 +101,8 @@ class ReplayResult:
 
 def replay_run(run_dir: Path) -> ReplayResult:
     """Replay every recovery plan of ``run_dir``; ValueError when it is not a run."""
-    if not (run_dir / "job.json").is_file():
-        raise ValueError(f"{str(run_dir)!r} has no job.json: not a run directory")
+    if not (run_dir / JOB).is_file():
+        raise ValueError(f"{str(run_dir)!r} has no {JOB}: not a run directory")
     log_path = run_dir / EVENT_LOG
     if not log_path.is_file():
         raise ValueError(f"{str(run_dir)!r} has no {EVENT_LOG}: the run recorded no events")
@@ -110,7 +110,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
         cfg = JobSpec.read(run_dir).config
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(
-            f"{str(run_dir / 'job.json')!r} does not describe a job ({type(exc).__name__}: {exc})"
+            f"{str(run_dir / JOB)!r} does not describe a job ({type(exc).__name__}: {exc})"
         ) from None
     initial = cfg.plan()
     settled: dict[int, Plan] = {initial.generation: initial}

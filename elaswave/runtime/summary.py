@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from elaswave import rundir
 from elaswave.engine.plan import Plan
 from elaswave.runtime.compare import load_params
 
@@ -37,7 +38,7 @@ def build_summary(
     bus: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """``bus``: the Core's delivery counters; the workers' are added from their results."""
-    results = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank*.json"))]
+    results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
     # Any surviving last-stage rank knows every step's loss; pick the longest record.
     reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
     trained = len(reporter["loss"])  # steps this run trained (fewer when resumed)
@@ -73,4 +74,4 @@ def build_summary(
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2))

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from elaswave.bus.schema import (
     PlanCommit,
     RecoveryDone,
     RecoveryFinished,
+    RecoveryKind,
     RecoveryPlan,
     RecoveryReady,
     RecoveryStarted,
@@ -43,6 +44,7 @@ from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
 from elaswave.engine.straggler import StragglerVerdict
 from elaswave.fabric.errors import Unrecoverable
+from elaswave.rundir import CORE_STATE, fault_record, rank_log
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.core import Core
 from elaswave.runtime.faults import FaultKind, validate_faults
@@ -50,13 +52,12 @@ from elaswave.runtime.slowwatch import StragglerWatch
 
 log = structlog.get_logger(__name__)
 
+_R = TypeVar("_R", RecoveryReady, RecoveryDone, MigrationDone)
+"""A recovery event that one rank sends about one generation."""
+
 EXIT_GRACE_S = 0.5
 """How long a participant that exited is given for its report to arrive before its
 exit counts as a failure inside the recovery."""
-
-CORE_STATE = "core_state.json"
-"""What a restarted Core resumes from, beside the event log: membership, the plan and
-its generation, the recoveries so far, and a change under way."""
 
 CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
 """Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
@@ -319,6 +320,7 @@ class Supervisor:
             verdict = self.stragglers.update(self.core.step_timings, self.alive)
             if verdict is None:
                 continue
+            assert verdict.step is not None  # a verdict that flags or clears evaluated a step
             slowdowns = {s.rank: s.factor for s in verdict.stragglers}
             await self.core.publish(
                 StragglerDetected(
@@ -343,7 +345,9 @@ class Supervisor:
 
     async def _on_straggler(self, verdict: StragglerVerdict, ranks: list[int]) -> None:
         """Pause every worker at a step boundary and apply the rebalanced plan."""
-        await self._pause_and_apply("fail-slow", ranks, f"fail-slow: {verdict.reason}")
+        await self._pause_and_apply(
+            RecoveryKind.FAIL_SLOW, ranks, f"{RecoveryKind.FAIL_SLOW}: {verdict.reason}"
+        )
 
     async def _pause_and_apply(
         self,
@@ -491,7 +495,7 @@ class Supervisor:
         """Pause the job at a step boundary and apply a plan that includes ``ranks``."""
         assert self.store is not None
         self.store.set(plan_key(self.plan.generation), json.dumps(plan_to_dict(self.plan)))
-        await self._pause_and_apply("join", ranks, f"ranks {ranks} join", joined=ranks)
+        await self._pause_and_apply(RecoveryKind.JOIN, ranks, f"ranks {ranks} join", joined=ranks)
 
     def _members(self) -> set[int]:
         """The live ranks of the current plan: a joiner still starting up has no step
@@ -528,7 +532,7 @@ class Supervisor:
                 if r in self.fenced
                 else f"rank {r} exited with {exit_text(c)}"
             )
-            + (f": {why}" if (why := last_error(self.run_dir / "logs" / f"rank{r}.log")) else "")
+            + (f": {why}" if (why := last_error(rank_log(self.run_dir, r))) else "")
             for r, c in sorted(failed.items())
         )
 
@@ -541,7 +545,7 @@ class Supervisor:
             if not self._members():
                 raise JobFailed(f"{detail}; no worker survives")
             self._inflight = {
-                "kind": "fail-stop",
+                "kind": RecoveryKind.FAIL_STOP,
                 "generation": gen,
                 "failed": {str(r): c for r, c in failed.items()},
                 "seen_at": seen_at,
@@ -568,7 +572,7 @@ class Supervisor:
         killed = [self._kill_time(r) for r in ranks]
         origin = min((t for t in killed if t is not None), default=seen_at)
         await self._apply_plan(
-            kind="fail-stop",
+            kind=RecoveryKind.FAIL_STOP,
             ranks=ranks,
             failed=ranks,
             detail=detail,
@@ -756,7 +760,7 @@ class Supervisor:
         if inflight is None:
             return
         log.warning("core.resuming", generation=inflight["generation"], state="announced")
-        if inflight["kind"] == "fail-stop":
+        if inflight["kind"] == RecoveryKind.FAIL_STOP:
             failed = {int(r): c for r, c in inflight["failed"].items()}
             await self._on_failure(failed, inflight["seen_at"])
         else:
@@ -899,7 +903,8 @@ class Supervisor:
             missing = sorted(ranks - through())
             raise JobFailed(f"{detail}; ranks {missing} did not {what} within {self.timeout_s:g} s")
 
-    def _events(self, kind: type, generation: int) -> dict[int, Any]:
+    def _events(self, kind: type[_R], generation: int) -> dict[int, _R]:
+        """This generation's recovery events of ``kind``, by rank (the latest of each)."""
         return {
             e.rank: e
             for e in self.core.recovery_events
@@ -907,7 +912,7 @@ class Supervisor:
         }
 
     def _kill_time(self, rank: int) -> float | None:
-        path = self.run_dir / "faults" / f"rank{rank}.json"
+        path = fault_record(self.run_dir, rank)
         with contextlib.suppress(OSError, ValueError, KeyError):
             return float(json.loads(path.read_text())["killed_at"])
         return None

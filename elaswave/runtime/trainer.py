@@ -37,14 +37,21 @@ from elaswave.engine.plan import (
     snapshot_group_specs,
     snapshot_placements,
 )
-from elaswave.fabric.checkpoint import load_layers, shard_of_layers, step_dir
+from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.remap import STATE_TENSORS, LayerShards, RemapPlan, plan_reshard
+from elaswave.fabric.remap import (
+    FP32_BYTES,
+    STATE_TENSORS,
+    LayerShards,
+    RemapPlan,
+    plan_reshard,
+)
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
 from elaswave.fabric.zero import ShardState, ZeroAdamW
-from elaswave.model.llama import build_layer
+from elaswave.model.llama import build_layer, layer_index
 from elaswave.model.rng import DropoutRng
+from elaswave.rundir import step_dir
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector
@@ -151,7 +158,7 @@ def _optimizer(
     return ZeroAdamW(
         layers,
         layer_ids=list(plan.stages[stage].layers),
-        dp_group=comm[dp_group_name(stage)],
+        dp_group=comm.collective(dp_group_name(stage)),
         replica=replica,
         cfg=ctx.cfg.optim,
         state=state,
@@ -178,7 +185,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     loaded = load_layers(step_dir(Path(t.resume_dir), t.resume_step), plan.stages[stage].layers)
     with torch.no_grad():
         for layer in ctx.layers:
-            master, offset = loaded[layer.index][0], 0
+            master, offset = loaded[layer_index(layer)][0], 0
             for param in layer.parameters():
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
@@ -217,7 +224,7 @@ def _attach_snapshots(
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         optimizer.snapshot = SnapshotSender(
-            comm[snapshot_link_name(ctx.rank, holder)], holder, generation=plan.generation
+            comm.p2p(snapshot_link_name(ctx.rank, holder)), holder, generation=plan.generation
         )
     keepers = []
     for owner in placement.holds(ctx.rank):
@@ -225,7 +232,7 @@ def _attach_snapshots(
         state = optimizer.initial_state_of(replica) if initial is None else initial[owner]
         keeper = SnapshotKeeper(
             owner=owner,
-            link=comm[snapshot_link_name(owner, ctx.rank)],
+            link=comm.p2p(snapshot_link_name(owner, ctx.rank)),
             cfg=ctx.cfg.optim,
             initial=state,
             generation=plan.generation,
@@ -253,12 +260,12 @@ def _exchange_snapshot_states(
     if holder is not None:
         s = optimizer.state
         payload = torch.stack([s.master, s.exp_avg, s.exp_avg_sq]).contiguous()
-        group = comm[snapshot_link_name(ctx.rank, holder)]
+        group = comm.p2p(snapshot_link_name(ctx.rank, holder))
         pending = (group, group.isend(payload, holder, tag), payload)
     received = {}
     for owner in placement.holds(ctx.rank):
         buf = torch.empty(3, optimizer.layout.shard_numel)
-        comm[snapshot_link_name(owner, ctx.rank)].recv(buf, owner, tag)
+        comm.p2p(snapshot_link_name(owner, ctx.rank)).recv(buf, owner, tag)
         replica = plan.stages[stage].ranks.index(owner)
         received[owner] = ShardState(
             buf[0].clone(), buf[1].clone(), buf[2].clone(), optimizer.decay_mask_of(replica)
@@ -332,7 +339,7 @@ def join_trainer(
         new_layout=layout,
         device_state=None,
         host_states={},
-        link=lambda a, b: comm[remap_link_name(a, b)],
+        link=lambda a, b: comm.p2p(remap_link_name(a, b)),
         generation=new_plan.generation,
         step=c,
     )
@@ -376,13 +383,13 @@ def plan_state_moves(ctx: WorkerContext, old: Plan, new: Plan, failed: set[int])
 def _bytes_received(moves: RemapPlan, rank: int) -> int:
     """Optimizer-state bytes ``rank`` receives from other ranks under ``moves``."""
     numel = sum(t.numel for t in moves.transfers if t.dst == rank and t.src != rank)
-    return numel * STATE_TENSORS * 4
+    return numel * STATE_TENSORS * FP32_BYTES
 
 
 def _stage_layers(ctx: WorkerContext, old: Trainer, layer_ids: range) -> nn.ModuleList:
     """This rank's layer modules for ``layer_ids``: kept ones as they are, new ones built
     (their parameters arrive through the optimizer's all-gather)."""
-    have = {layer.index: layer for layer in old.layers}
+    have = {layer_index(layer): layer for layer in old.layers}
     return nn.ModuleList(
         have[i]
         if i in have
@@ -467,7 +474,7 @@ def reconfigure(
     layers = _stage_layers(ctx, old, new_stage.layers)
     shadow = None
     if transition is not None:
-        have = {layer.index: layer for layer in old.layers}
+        have = {layer_index(layer): layer for layer in old.layers}
         outgoing = [i for i in old.plan.stages[stage].layers if i not in new_stage.layers]
         shadow = ShadowStep(
             transition=transition,
@@ -475,7 +482,7 @@ def reconfigure(
             step=c + 1,
             old_plan=old.plan,
             new_plan=new_plan,
-            modules={layer.index: layer for layer in layers},
+            modules={layer_index(layer): layer for layer in layers},
             shadows={i: have[i] for i in outgoing},
             comm=comm,
             pacer=ctx.pacer,
@@ -496,7 +503,7 @@ def reconfigure(
         new_layout=new_layout,
         device_state=old.optimizer.state,
         host_states=host_states,
-        link=lambda a, b: comm[remap_link_name(a, b)],
+        link=lambda a, b: comm.p2p(remap_link_name(a, b)),
         generation=new_plan.generation,
         step=c,
     )
@@ -508,7 +515,7 @@ def reconfigure(
     if shadow is None:
         optimizer.all_gather_params()  # every replica's parameters at the committed step
         incoming = [i for i in new_stage.layers if i not in old.plan.stages[stage].layers]
-        ctx.pacer.transfer(sum(ctx.numels[i] * 4 for i in incoming), t_params)
+        ctx.pacer.transfer(sum(ctx.numels[i] * FP32_BYTES for i in incoming), t_params)
     else:
         # Parameters of kept layers are at the committed step; incoming ones stream in.
         optimizer.params_step = None if shadow.waiting else c

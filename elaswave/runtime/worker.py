@@ -23,7 +23,7 @@ import structlog
 import torch
 from torch import nn
 
-from elaswave import logs
+from elaswave import logs, rundir
 from elaswave.bus.schema import (
     Event,
     EventKind,
@@ -51,8 +51,9 @@ from elaswave.engine.cost import layer_costs
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import next_plan, plan_digest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
+from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.snapshot import state_digest
-from elaswave.model.llama import build_layer
+from elaswave.model.llama import build_layer, layer_index
 from elaswave.model.rng import make_rng
 from elaswave.runtime.agent import Agent
 from elaswave.runtime.child import die_with_parent, exit_now
@@ -72,14 +73,6 @@ from elaswave.runtime.trainer import (
 )
 
 log = structlog.get_logger(__name__)
-
-
-def worker_result_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "workers" / f"rank{rank}.json"
-
-
-def stage_params_path(run_dir: Path, stage: int) -> Path:
-    return run_dir / "params" / f"stage{stage}.pt"
 
 
 def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
@@ -158,13 +151,13 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         ranks_per_node=cfg.train.ranks_per_node,
         steps=cfg.train.steps,
     )
-    costs = {c.index: c for c in layer_costs(cfg.model, dtype_bytes=4)}
+    costs = {c.index: c for c in layer_costs(cfg.model, dtype_bytes=FP32_BYTES)}
     if parse_device(cfg.train.device) is Device.EMULATED:
-        spec = device_spec(EMULATED_DEVICE)
+        emulated = device_spec(EMULATED_DEVICE)
         clock = EmulatedFrequency(
-            base_mhz=spec.base_mhz, min_mhz=spec.min_mhz, max_mhz=spec.max_mhz
+            base_mhz=emulated.base_mhz, min_mhz=emulated.min_mhz, max_mhz=emulated.max_mhz
         )
-        pacer = Pacer(spec, costs, clock)
+        pacer = Pacer(emulated, costs, clock)
     else:
         pacer = Pacer(None, costs, reference=cfg.cost_device)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
@@ -233,6 +226,19 @@ def _await_event(
     return inbox.take(want, timeout_s, what)
 
 
+def _answers(generation: int, attempt: int) -> Callable[[Event], bool]:
+    """Whether an event answers the acknowledgment of announcement ``attempt`` of
+    ``generation``: the Core's commit of it, or a later announcement superseding it."""
+
+    def want(e: Event) -> bool:
+        return e.generation == generation and (
+            (isinstance(e, PlanCommit) and e.attempt == attempt)
+            or (isinstance(e, RecoveryPlan) and e.attempt > attempt)
+        )
+
+    return want
+
+
 def _agree(
     ctx: WorkerContext,
     session: Session,
@@ -270,13 +276,10 @@ def _agree(
         attempt = decision.attempt
         answer = _await_event(
             inbox,
-            lambda e, attempt=attempt: e.generation == gen and (
-                (isinstance(e, PlanCommit) and e.attempt == attempt)
-                or (isinstance(e, RecoveryPlan) and e.attempt > attempt)
-            ),
+            _answers(gen, attempt),
             timeout_s,
             f"commit of the plan of generation {gen} (attempt {attempt})",
-        )  # fmt: skip
+        )
         if isinstance(answer, PlanCommit):
             if answer.plan_digest != decision.plan_digest:
                 raise RuntimeError(
@@ -569,11 +572,11 @@ def _train(
         keeper.close()
     stage, replica = trainer.plan.locate(rank)
     if replica == 0:
-        path = stage_params_path(run_dir, stage)
+        path = rundir.stage_params(run_dir, stage)
         path.parent.mkdir(exist_ok=True)
         torch.save(
             {
-                layer.index: {n: p.detach().cpu() for n, p in layer.named_parameters()}
+                layer_index(layer): {n: p.detach().cpu() for n, p in layer.named_parameters()}
                 for layer in trainer.layers
             },
             path,
@@ -596,7 +599,7 @@ def _train(
         "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
         + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
     }
-    path = worker_result_path(run_dir, rank)
+    path = rundir.worker_result(run_dir, rank)
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(result_doc))
     session.publish(WorkerFinished(sender=sender, rank=rank, ok=True))

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.migration import layer_moves
 from elaswave.engine.plan import Plan
+from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS
 
-PARAM_BYTES = 4.0
-OPTIMIZER_BYTES = 12.0
+PARAM_BYTES = float(FP32_BYTES)
+OPTIMIZER_BYTES = float(STATE_TENSORS * FP32_BYTES)
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,10 @@ class FaultInjector:
         ranks_per_node: int,
         specs: Iterable[FaultSpec],
         run_dir: Path | None = None,
-        pid_of: Callable[[int], int] | None = None,
+        pid_of: Callable[[int], int | None] | None = None,
     ) -> None:
-        """``pid_of(rank)`` gives a node peer's process id: a kill-node takes the node at once."""
+        """``pid_of(rank)`` gives a node peer's process id (None: no such rank has started),
+        without waiting: a kill-node takes the node at once."""
         self.rank = rank
         self.run_dir = run_dir
         self.ranks_per_node = ranks_per_node
@@ -178,13 +179,18 @@ class FaultInjector:
             self._record(spec, self.rank, now)
             os.kill(os.getpid(), signal.SIGSTOP)
             return
-        victims = spec.ranks(self.ranks_per_node)
-        for rank in victims:
+        # The node's other ranks that exist and live: a node slot may be empty (the last
+        # node of a job that does not fill it), and a rank may have died already.
+        peers: dict[int, int] = {}
+        for rank in spec.ranks(self.ranks_per_node):
+            pid = self.pid_of(rank) if rank != self.rank and self.pid_of is not None else None
+            if pid is not None and _alive(pid):
+                peers[rank] = pid
+        for rank in [*peers, self.rank]:
             self._record(spec, rank, now)
-        for rank in victims:
-            if rank != self.rank and self.pid_of is not None:
-                with contextlib.suppress(ProcessLookupError, RuntimeError, ValueError):
-                    os.kill(self.pid_of(rank), signal.SIGKILL)
+        for pid in peers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _record(self, spec: FaultSpec, rank: int, when: float) -> None:
@@ -192,4 +198,17 @@ class FaultInjector:
             return
         path = rundir.fault_record(self.run_dir, rank)
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"rank": rank, "fault": str(spec), "killed_at": when}))
+        # Whole or not at all: a node peer may SIGKILL this process mid-write.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"rank": rank, "fault": str(spec), "killed_at": when}))
+        os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

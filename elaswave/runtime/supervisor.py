@@ -238,20 +238,38 @@ class Supervisor:
         )
 
     async def run(self) -> None:
+        """Watch the workers until every one has exited; recover each failure.
+
+        The watchers (heartbeats, stragglers, joins) run beside the exit watch. A change
+        one of them started that cannot complete (JobFailed) ends the job at once: the
+        exit watch re-raises it the moment it sees it, and nothing starts after it."""
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in self.procs.items()}
         self._waits = waits
         self.persist()
-        monitor = asyncio.create_task(self._watch_heartbeats())
-        slow = asyncio.create_task(self._watch_stragglers())
-        joins = asyncio.create_task(self._watch_joins())
+        watchers = [
+            asyncio.create_task(self._watch_heartbeats()),
+            asyncio.create_task(self._watch_stragglers()),
+            asyncio.create_task(self._watch_joins()),
+        ]
+
+        def surface() -> None:
+            """Raise what a watcher raised (a watcher that returned has nothing to do)."""
+            for task in watchers:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    task.result()
+
         try:
             async with self._changing:
                 await self._resume()
             while waits:
                 added = asyncio.ensure_future(self._added.wait())
-                done, _ = await asyncio.wait({*waits, added}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {*waits, added, *(t for t in watchers if not t.done())},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 added.cancel()
                 self._added.clear()
+                surface()
                 failed = self._members_only(self._exits({waits.pop(f) for f in done if f in waits}))
                 if self.plan.ranks and not self._members():
                     self._stop_joiners()  # the job is over; late joiners have no place
@@ -261,21 +279,24 @@ class Supervisor:
                 await asyncio.sleep(GRACE_S)
                 failed |= self._members_only(self._exits(self.alive))
                 async with self._changing:
+                    surface()  # the change that held the lock may have failed the job
                     # A change under way may have taken these exits into its plan already.
                     if failed := {r: c for r, c in failed.items() if r in self.plan.ranks}:
                         await self._on_failure(failed, seen_at)
+            surface()
         finally:
-            for task in (monitor, slow, joins):
+            for task in watchers:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # Their errors were raised above, or are superseded by the one on its way.
+            await asyncio.gather(*watchers, return_exceptions=True)
             # Every worker has exited: each redone step has completed, or never will.
             for task in self._finishing:
                 if not task.done():
                     await asyncio.wait([task], timeout=1.0)
                     task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for outcome in await asyncio.gather(*self._finishing, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.error("core.recovery_record_failed", error=repr(outcome))
             for proc in self.procs.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -379,30 +400,37 @@ class Supervisor:
         await self.core.publish(
             PauseRequest(sender="core", generation=gen, after_step=after, reason=detail)
         )
-        members = self._members() - set(failed)
+        # Members already gone whose exit the exit watch has not recovered yet (it waits
+        # for this change) are failed from the start: their peers are stuck with them.
+        # (A restarted Core announces its predecessor's ``failed`` again.)
+        lost, failed = failed | self._lost(set(self.plan.ranks)), {}
+        members = self._members() - set(lost)
         while True:
+            if lost:
+                failed |= lost
+                why = self._describe(lost)
+                detail = f"{detail}; then, while pausing: {why}"
+                if not members:
+                    raise JobFailed(f"{detail}; no worker survives")
+                self._inflight["failed"] = {str(r): c for r, c in failed.items()}
+                self.persist()
+                log.warning(
+                    "core.failure_detected", ranks=sorted(failed), generation=gen, detail=why
+                )
+                await self.core.publish(
+                    FailureDetected(
+                        sender="core",
+                        generation=gen,
+                        ranks=sorted(failed),
+                        source="process-exit",
+                        detail=why,
+                    )
+                )
             reported = await self._await_stopped(members, gen)
             lost = self._lost(members)
             if not lost:
                 break
-            failed |= lost
             members -= set(lost)
-            why = self._describe(lost)
-            detail = f"{detail}; then, while pausing: {why}"
-            if not members:
-                raise JobFailed(f"{detail}; no worker survives")
-            self._inflight["failed"] = {str(r): c for r, c in failed.items()}
-            self.persist()
-            log.warning("core.failure_detected", ranks=sorted(failed), generation=gen, detail=why)
-            await self.core.publish(
-                FailureDetected(
-                    sender="core",
-                    generation=gen,
-                    ranks=sorted(failed),
-                    source="process-exit",
-                    detail=why,
-                )
-            )
         if not reported:
             missing = sorted(members - set(self._events(RecoveryReady, gen)))
             raise JobFailed(

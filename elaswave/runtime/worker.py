@@ -17,10 +17,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import structlog
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elaswave import logs, rundir
@@ -178,10 +180,17 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
             cfg.train.ranks_per_node,
             faults,
             run_dir,
-            pid_of=lambda peer: int(store.get(f"pid/{peer}")),
+            pid_of=partial(_registered_pid, store),
         ),
         pacer=pacer,
     )
+
+
+def _registered_pid(store: dist.Store, rank: int) -> int | None:
+    """The process id ``rank`` registered, None if no such rank has started: a rank
+    that does not exist must not hold a kill-node for the store's timeout."""
+    key = f"pid/{rank}"
+    return int(store.get(key)) if store.check([key]) else None
 
 
 class Mailbox:

@@ -118,6 +118,23 @@ def test_a_failure_during_a_joins_pause_is_recovered(runs_dir):
 
 
 @pytest.mark.timeout(300)
+def test_a_failure_just_before_a_joins_pause_is_recovered(runs_dir):
+    """Rank 2 dies 30 ms after the joiner is up: the exit watch takes its exit and waits
+    for the join's change, which used to pause without it and wait for its peers, stuck
+    in a collective with it, until the timeout (found by scripts/chaos, seed 2, case
+    27). The change now counts it failed from the start; whichever comes first, the run
+    completes and matches the fault-free one."""
+    job = ("--dp", "6", "--pp", "1", "--steps", "10", "--global-batch", "12",
+           "--micro-batch", "1", "--ranks-per-node", "3", "--rebalance", "none")  # fmt: skip
+    ref = train(runs_dir / "pre_pause_ref", *job)
+    run = train(runs_dir / "pre_pause", *job, "--fault", "join@2",
+                "--fault", "kill:2@2:snapshot")  # fmt: skip
+    assert run.summary["steps_completed"] == 10
+    assert [r["ranks"] for r in run.summary["recoveries"]] in ([[2, 6]], [[2], [6]])
+    _check_numbers(run.out, ref.out)
+
+
+@pytest.mark.timeout(300)
 def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
     steps = ("--steps", "40")
     ref = train(runs_dir / "join_ref", "--dp", "2", "--pp", "2", *steps, *JOB)

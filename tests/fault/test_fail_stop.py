@@ -142,6 +142,17 @@ def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
 
 
 @pytest.mark.timeout(300)
+def test_a_node_slot_left_empty_is_not_waited_for(runs_dir, reference):
+    """4 ranks, 3 per node: node 1 holds rank 3 alone. Its kill-node used to look up the
+    process ids of ranks 4 and 5, which do not exist, for the store's timeout, while
+    rank 3 kept its heartbeat and stalled the job until every collective timed out
+    (found by scripts/chaos, seed 1, case 3)."""
+    run = train(runs_dir / "node_slot", "--dp", "2", "--pp", "2", "--ranks-per-node", "3",
+                *JOB, "--fault", "kill-node:1@3:forward")  # fmt: skip
+    check_recovered(run, reference(2, 2, 3), world=4, failed=[[3]])
+
+
+@pytest.mark.timeout(300)
 def test_two_workers_of_different_stages_killed_at_once(runs_dir, reference):
     """Ranks 1 (stage 0) and 6 (stage 1), on different nodes, SIGKILLed in step 3's
     backward pass. Stage 1 reaches it first; rank 1 dies either before every survivor

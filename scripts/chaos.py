@@ -1,0 +1,808 @@
+"""A randomized fault campaign over real processes: draw a job and 1-4 overlapping faults,
+run it and its fault-free twin, and judge the outcome.
+
+    scripts/chaos --cases 300 --seed 1 [--case K[,K...]] [--out /tmp/chaos]
+                  [--json FILE] [--timeout 120] [--keep]
+
+(``.venv/bin/python scripts/chaos ...`` works too; add --snapshot in a tree others are
+editing: every job then runs on one copy of elaswave/ taken at the start, while the
+printed commands run the tree as it is.) Cases run one after another; case K
+of seed S is drawn from its own generator (``random.Random(f"{S}:{K}")``), so
+``--seed S --case K`` reruns exactly that case, and every case line ends with the one
+``elaswave train`` command that reproduces it.
+
+The draw
+    layout     dp x pp with 2 <= dp*pp <= 8 and pp <= 6 (the tiny model has 6 layers);
+               dp = 1 layouts at half weight (any kill stops them)
+    nodes      --ranks-per-node 1-3 (at most the world size; need not divide it)
+    job        micro batch 1 or 2, two micro-batches per replica (global batch
+               2*dp*mb); 10 steps on cpu, 8 on emulated; --seed 0
+    faults     1-4 of kill:RANK@STEP:PHASE, kill-node:NODE@STEP:PHASE,
+               hang:RANK@STEP:PHASE, slow:RANK=FACTOR@STEP and join@STEP, at steps
+               2..steps-2. After the first, a fault's step is, with probability 0.6, that
+               of an earlier fault (same, one before or one after): faults overlap. A kill,
+               kill-node or hang drawn after a kill, kill-node, hang or join takes, with
+               probability 0.3, phase plan or apply at that fault's step (or the next),
+               which fires inside the recovery that redoes the step; otherwise phases are
+               uniform over forward, backward, grad-sync, snapshot, optimizer. A plan or
+               apply fault whose recovery never happens does not fire (the JSON record
+               lists which faults fired, from RUN_DIR/faults/).
+    policy     --rebalance none, resize, migrate or migrate+dvfs
+    device     cpu (60%) or emulated (40%: there a slow fault is detected and rebalanced)
+    timeouts   --heartbeat-timeout 2 (a hang is fenced after 2 s), --plan-ack-timeout 2,
+               --comm-timeout 30
+
+The twin is the same command without --fault (and with the default --rebalance and
+--ranks-per-node, which do not change a fault-free run's numerics); twins are cached
+per (dp, pp, global batch, micro batch, steps, seed, device) under OUT/seedS/twins.
+
+Outcomes (``ok``: the first three; any other is a failure, and the script exits 1)
+    recovered       exit 0, every step done, per-step losses and final parameters within
+                    1e-4 (relative) of the twin, ``elaswave replay`` reproduces every
+                    announced plan (``replay_run(...).diverged is None``) and the plans
+                    are one committed announcement per recovery (as tests/runs.py checks),
+                    no worker or Core traceback, and every fail-stop recovery's ranks
+                    were fault victims (see below)
+    stopped-ok      exit 1 with one ``elaswave: job failed: ...`` line that names state
+                    that really was lost, and no traceback. "Really lost" is checked
+                    against the victims: the ranks with a RUN_DIR/faults/rankN.json record
+                    (SIGKILLed by kill or kill-node, or SIGSTOPped by hang, then fenced).
+                    Accepted messages: "stage S (...) lost all its ranks [R...]: no
+                    replica holds its layers" with every R a victim; "optimizer state
+                    lost: ... (owner O, snapshot holder H)" with O and H victims (H may be
+                    none); "no worker survives" with every launched rank a victim
+    stopped-window  exit 1 with the documented stop for a failure after a plan's commit
+                    ("while waiting for every rank to apply the recovery plan: ... (a
+                    failure in that window is not recovered: the job stops; ...)", see
+                    docs/control_plane.md), every rank it names as the cause a victim.
+                    No state is lost there, but the design stops (resumably) by intent
+    mismatch        exit 0 but steps missing, or losses/parameters differ by > 1e-4
+    replay-diverged replay recomputes a plan differently (or the plans do not match the
+                    recoveries)
+    traceback       a Python traceback in the job's output, a ``worker.failed`` record
+                    whose exception is a programming error (TypeError, KeyError,
+                    IndexError, AttributeError, AssertionError, ValueError, ...), a Core
+                    failure (``core.failed``, ``core.on_event_failed``), or a message
+                    "the Core failed/stopped: ..."
+    collateral      the job completed, but a rank that no fault touched failed on the way
+                    (a worker.failed record, or a fail-stop recovery of a non-victim)
+    hang            the job ran past --timeout (its whole process group is then killed),
+                    or left processes behind after it exited
+    unexplained-stop a non-zero exit whose message names no real loss: a rank blamed that
+                    no fault touched, a wait that ran out ("did not ... within 30 s"), the
+                    Core lost, a stop while pausing for a join or a straggler ("while
+                    waiting for every rank to pause at a step boundary": known, being
+                    fixed in supervisor._pause_and_apply), or no ``job failed`` line
+    refused         the CLI refused the drawn job (exit 2): the draw is validated first,
+                    so this is a failure of the script or of validation
+
+At the end: a table of cases by fault kind (a case counts once under each kind it has;
+"in-recovery" counts plan/apply faults) and outcome, the time per case, and every
+failing case's reproduce command. Run directories of passing cases are deleted unless
+--keep; failing ones are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-4
+OK_OUTCOMES = ("recovered", "stopped-ok", "stopped-window")
+FAIL_OUTCOMES = (
+    "mismatch",
+    "replay-diverged",
+    "traceback",
+    "collateral",
+    "hang",
+    "unexplained-stop",
+    "refused",
+)
+KINDS = ("kill", "kill-node", "hang", "slow", "join", "in-recovery")
+STEP_PHASES = ("forward", "backward", "grad-sync", "snapshot", "optimizer")
+POLICIES = ("none", "resize", "migrate", "migrate+dvfs")
+SMOKE = ("cli.main", "runtime.launcher", "runtime.coreproc", "runtime.worker", "runtime.replay")
+"""Modules a --snapshot must import (a tree caught mid-edit often does not)."""
+FIXED = (
+    "--heartbeat-timeout", "2", "--plan-ack-timeout", "2", "--comm-timeout", "30",
+)  # fmt: skip
+BUG_TYPES = {
+    "TypeError",
+    "KeyError",
+    "IndexError",
+    "AttributeError",
+    "AssertionError",
+    "ValueError",
+    "ZeroDivisionError",
+    "NameError",
+    "UnboundLocalError",
+    "NotImplementedError",
+    "RecursionError",
+    "StopIteration",
+    "UnicodeDecodeError",
+}
+"""Exceptions that mean a bug wherever a worker raises them (a peer's death shows up as
+CommError, StepAborted, RuntimeError from gloo, ConnectionError, TimeoutError)."""
+
+
+# ---------------------------------------------------------------------------- the draw
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    index: int
+    dp: int
+    pp: int
+    ranks_per_node: int
+    steps: int
+    global_batch: int
+    micro_batch: int
+    faults: tuple[str, ...]
+    policy: str
+    device: str
+    train_seed: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp
+
+    def job_args(self) -> list[str]:
+        """The job without faults, policy or node size (what the twin shares)."""
+        return [
+            "--dp", str(self.dp), "--pp", str(self.pp), "--steps", str(self.steps),
+            "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
+            "--seed", str(self.train_seed), "--device", self.device, *FIXED,
+        ]  # fmt: skip
+
+    def args(self) -> list[str]:
+        out = [*self.job_args(), "--ranks-per-node", str(self.ranks_per_node)]
+        out += ["--rebalance", self.policy]
+        for fault in self.faults:
+            out += ["--fault", fault]
+        return out
+
+    def twin_key(self) -> str:
+        return (
+            f"dp{self.dp}_pp{self.pp}_gb{self.global_batch}_mb{self.micro_batch}"
+            f"_s{self.steps}_seed{self.train_seed}_{self.device}"
+        )
+
+    def describe(self) -> str:
+        return (
+            f"dp={self.dp}xpp={self.pp} rpn={self.ranks_per_node} gb={self.global_batch} "
+            f"mb={self.micro_batch} steps={self.steps} faults=[{', '.join(self.faults)}] "
+            f"policy={self.policy} device={self.device}"
+        )
+
+
+def _layouts() -> list[tuple[int, int]]:
+    return [(dp, pp) for dp in range(1, 9) for pp in range(1, 7) if 2 <= dp * pp <= 8]
+
+
+def draw_case(seed: int, index: int) -> Case:
+    """Case ``index`` of campaign ``seed``: a function of the two only."""
+    rng = random.Random(f"chaos:{seed}:{index}")
+    for _ in range(100):
+        case = _draw(rng, seed, index)
+        if _valid(case):
+            return case
+    raise RuntimeError(f"could not draw a valid case {index} of seed {seed}")
+
+
+def _draw(rng: random.Random, seed: int, index: int) -> Case:
+    layouts = _layouts()
+    dp, pp = rng.choices(layouts, weights=[1 if dp == 1 else 2 for dp, _ in layouts])[0]
+    world = dp * pp
+    rpn = rng.randint(1, min(3, world))
+    device = rng.choices(["cpu", "emulated"], weights=[0.6, 0.4])[0]
+    steps = 10 if device == "cpu" else 8
+    mb = rng.choice([1, 2])
+    nodes = -(-world // rpn)
+    count = rng.choices([1, 2, 3, 4], weights=[0.3, 0.3, 0.25, 0.15])[0]
+    faults: list[str] = []
+    drawn: list[tuple[str, int]] = []  # (kind, step) of each fault so far
+    while len(faults) < count:
+        kind = rng.choices(
+            ["kill", "kill-node", "hang", "slow", "join"], weights=[35, 15, 15, 15, 20]
+        )[0]
+        if drawn and rng.random() < 0.6:
+            step = rng.choice(drawn)[1] + rng.choice([0, 0, -1, 1])
+        else:
+            step = rng.randint(2, steps - 2)
+        step = min(max(step, 2), steps - 2)
+        if kind == "join":
+            fault = f"join@{step}"
+        elif kind == "slow":
+            factor = rng.choice([1.5, 2, 3, 4])
+            fault = f"slow:{rng.randrange(world)}={factor:g}@{step}"
+        else:
+            anchors = [(k, s) for k, s in drawn if k in ("kill", "kill-node", "hang", "join")]
+            if anchors and rng.random() < 0.3:
+                phase = rng.choice(["plan", "apply"])
+                step = min(rng.choice(anchors)[1] + rng.choice([0, 0, 1]), steps - 2)
+            else:
+                phase = rng.choice(STEP_PHASES)
+            if kind == "kill-node":
+                target = rng.randrange(nodes)
+            else:  # a rank killed or stopped once stays so: target another
+                taken = {
+                    int(f.split(":")[1].split("@")[0])
+                    for f in faults
+                    if f.startswith(("kill:", "hang:"))
+                }
+                free = [r for r in range(world) if r not in taken]
+                target = rng.choice(free or list(range(world)))
+            fault = f"{kind}:{target}@{step}:{phase}"
+        if fault in faults:
+            continue
+        faults.append(fault)
+        drawn.append((kind, step))
+    return Case(
+        seed=seed,
+        index=index,
+        dp=dp,
+        pp=pp,
+        ranks_per_node=rpn,
+        steps=steps,
+        global_batch=2 * dp * mb,
+        micro_batch=mb,
+        faults=tuple(faults),
+        policy=rng.choice(POLICIES),
+        device=device,
+    )
+
+
+def _valid(case: Case) -> bool:
+    """What ``elaswave train`` would accept (the config's own validation)."""
+    from elaswave.runtime.config import JobConfig, TrainConfig
+
+    try:
+        JobConfig(
+            train=TrainConfig(
+                dp=case.dp,
+                pp=case.pp,
+                steps=case.steps,
+                global_batch=case.global_batch,
+                micro_batch=case.micro_batch,
+                device=case.device,
+                ranks_per_node=case.ranks_per_node,
+                faults=case.faults,
+                rebalance=case.policy,
+            )
+        )
+    except ValueError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Job:
+    out: Path
+    code: int | None
+    """Exit status; None when it ran past the timeout (then killed)."""
+    stdout: str
+    stderr: str
+    wall_s: float
+    leftovers: list[int] = field(default_factory=list)
+    """Processes of the job's session still alive after it exited."""
+
+
+def command(out: Path, args: list[str]) -> str:
+    return shlex.join([".venv/bin/elaswave", "train", "--out", str(out), *args])
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+JOB_ENV: dict[str, str] | None = None
+"""The jobs' environment: None (inherit), or with PYTHONPATH on a --snapshot copy."""
+JOB_CWD = ROOT
+"""Where jobs start (outside the tree with --snapshot, so the copy is what imports)."""
+
+
+def take_snapshot(root: Path) -> tuple[Path, str]:
+    """Copy the tree's elaswave/ under ``root``/code; (its directory, a digest of it)."""
+    code = root / "code"
+    shutil.rmtree(code, ignore_errors=True)
+    shutil.copytree(
+        ROOT / "elaswave", code / "elaswave", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    digest = hashlib.sha256()
+    for path in sorted((code / "elaswave").rglob("*.py")):
+        digest.update(str(path.relative_to(code)).encode() + b"\0" + path.read_bytes())
+    return code, digest.hexdigest()[:16]
+
+
+def run_job(out: Path, args: list[str], timeout: float) -> Job:
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=JOB_CWD,
+        env=JOB_ENV,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        code = None
+    wall = time.monotonic() - started
+    leftovers: list[int] = []
+    if code is not None:
+        deadline = time.monotonic() + 3.0
+        while (leftovers := _session_pids(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
+    return Job(out, code, stdout, stderr, wall, leftovers)
+
+
+# ---------------------------------------------------------------------------- judging
+
+
+@dataclass
+class Verdict:
+    outcome: str
+    detail: str = ""
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in OK_OUTCOMES
+
+
+def victims(run_dir: Path) -> dict[int, str]:
+    """rank -> the fault that SIGKILLed or SIGSTOPped it (RUN_DIR/faults/rankN.json)."""
+    out = {}
+    for path in sorted((run_dir / "faults").glob("rank*.json")):
+        if not path.stem[4:].isdigit():
+            continue
+        # A record can be empty: a node's ranks that reach a kill-node together race, and
+        # one can be SIGKILLed while writing its own. The file still names the victim.
+        out[int(path.stem[4:])] = "?"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            out[int(path.stem[4:])] = str(json.loads(path.read_text())["fault"])
+    return out
+
+
+def _exc_type(trace: str) -> str:
+    lines = [ln for ln in trace.strip().splitlines() if ln and not ln.startswith(" ")]
+    if not lines:
+        return "?"
+    return lines[-1].split(":", 1)[0].rsplit(".", 1)[-1].strip()
+
+
+@dataclass
+class LogFindings:
+    bugs: list[str] = field(default_factory=list)
+    """Programming errors: 'logs/rank3.log: TypeError: ... (at file:line in func)'."""
+    peer_errors: dict[int, str] = field(default_factory=dict)
+    """rank -> its worker.failed error of a non-bug kind (a peer's death, a timeout)."""
+
+
+def _where(trace: str) -> str:
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+    if not frames:
+        return ""
+    elaswave = [f for f in frames if "/elaswave/" in f[0]] or frames
+    path, line, func = elaswave[-1]
+    path = path.split("/elaswave/", 1)[-1]
+    return f" (raised at elaswave/{path}:{line} in {func})"
+
+
+def scan_logs(job: Job) -> LogFindings:
+    found = LogFindings()
+    for text, name in ((job.stdout, "stdout"), (job.stderr, "stderr")):
+        if "Traceback (most recent call last)" in text:
+            tail = text[text.index("Traceback (most recent call last)") :]
+            found.bugs.append(f"{name}: {_exc_type(tail)}{_where(tail)}")
+        for line in text.splitlines():
+            if '"host.on_event_failed"' in line or '"core.on_event_failed"' in line:
+                found.bugs.append(f"{name}: {line[:300]}")
+    for path in sorted((job.out / "logs").glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                if "Traceback (most recent call last)" in line:
+                    found.bugs.append(f"logs/{path.name}: a traceback outside the JSON log")
+                continue
+            if not isinstance(doc, dict):
+                continue
+            event = doc.get("event")
+            trace = str(doc.get("traceback") or doc.get("exception") or "")
+            if event == "worker.failed":
+                kind = _exc_type(trace)
+                what = f"{kind}: {doc.get('error', '')}"
+                if kind in BUG_TYPES:
+                    found.bugs.append(f"logs/{path.name}: {what}{_where(trace)}")
+                else:
+                    rank = int(re.sub(r"\D", "", path.stem) or -1)
+                    found.peer_errors[rank] = f"{what}{_where(trace)}"
+            elif event in ("core.failed", "core.on_event_failed", "host.on_event_failed") or (
+                trace and event != "worker.failed"
+            ):
+                kind = _exc_type(trace) if trace else str(doc.get("error", ""))
+                found.bugs.append(f"logs/{path.name}: {event}: {kind}{_where(trace)}")
+    return found
+
+
+def _ranks(text: str) -> list[int]:
+    return [int(r) for r in re.findall(r"\d+", text)]
+
+
+def judge_stop(case: Case, job: Job, hit: dict[int, str]) -> Verdict:
+    lines = [ln for ln in job.stderr.splitlines() if ln.startswith("elaswave: job failed: ")]
+    if job.code != 1 or len(lines) != 1:
+        tail = job.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        return Verdict("unexplained-stop", f"exit {job.code}, no single 'job failed' line: "
+                       f"{tail[0][:300]}")  # fmt: skip
+    msg = lines[0].removeprefix("elaswave: job failed: ")
+    short = msg if len(msg) < 400 else msg[:400] + "..."
+    if msg.startswith(("the Core failed", "the Core stopped")):
+        return Verdict("traceback", short)
+    unknown = lambda ranks: sorted(set(ranks) - set(hit))  # noqa: E731
+    if "while waiting for every rank to pause at a step boundary" in msg:
+        return Verdict(
+            "unexplained-stop",
+            short,
+            "known: a failure during a join's or straggler's pause stops the job "
+            "(supervisor._pause_and_apply)",
+        )
+    window = re.search(
+        r"while waiting for every rank to apply the recovery plan: (.*?)"
+        r"(?:; then ranks \[[\d, ]*\] stopped on errors with them.*?)? "
+        r"\(a failure in that window is not recovered",
+        msg,
+    )
+    if window:
+        cause = _ranks(" ".join(re.findall(r"rank (\d+)", window[1])))
+        if cause and not unknown(cause):
+            return Verdict("stopped-window", short)
+        return Verdict("unexplained-stop", short, f"ranks {unknown(cause)} were not fault victims")
+    if re.search(r"ranks \[[\d, ]*\] did not [^;]* within [\d.]+ s", msg):
+        return Verdict("unexplained-stop", short, "a wait ran out")
+    if "the Core was lost" in msg:
+        return Verdict("unexplained-stop", short, "the Core was lost")
+    if msg.endswith("no worker survives"):
+        left = sorted(set(range(case.world)) - set(hit))
+        if not left:
+            return Verdict("stopped-ok", short)
+        return Verdict("unexplained-stop", short, f"ranks {left} were never fault victims")
+    stage = re.search(r"stage \d+ \(layers [^)]*\) lost all its ranks \[([\d, ]+)\]", msg)
+    if stage:
+        bad = unknown(_ranks(stage[1]))
+        if not bad:
+            return Verdict("stopped-ok", short)
+        return Verdict("unexplained-stop", short, f"ranks {bad} were not fault victims")
+    if "optimizer state lost" in msg:
+        pairs = re.findall(r"owner (\d+), snapshot holder (\d+|none)", msg)
+        named = [int(x) for pair in pairs for x in pair if x != "none"]
+        bad = unknown(named)
+        if pairs and not bad:
+            return Verdict("stopped-ok", short)
+        return Verdict("unexplained-stop", short, f"ranks {bad} were not fault victims")
+    return Verdict("unexplained-stop", short, "the message names no lost state")
+
+
+def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
+    from elaswave.runtime.compare import compare_runs, load_summary
+    from elaswave.runtime.replay import replay_run
+
+    if job.code is None:
+        return Verdict("hang", f"still running after {job.wall_s:.0f} s; killed")
+    if job.leftovers:
+        return Verdict("hang", f"processes {job.leftovers} outlived the job")
+    if job.code == 2:
+        return Verdict("refused", job.stderr.strip()[-300:])
+    hit = victims(job.out)
+    logs = scan_logs(job)
+    if logs.bugs:
+        return Verdict("traceback", "; ".join(logs.bugs[:3]))
+    replay_problem = ""
+    try:
+        replayed = replay_run(job.out)
+    except ValueError as exc:
+        replayed = None
+        replay_problem = str(exc) if job.code == 0 else ""
+    if replayed is not None and replayed.diverged is not None:
+        d = replayed.diverged
+        replay_problem = (
+            f"generation {d.generation} attempt {d.attempt}: {'; '.join(d.problems)} "
+            f"(cause: {d.cause})"
+        )
+    if job.code != 0:
+        verdict = judge_stop(case, job, hit)
+        if verdict.ok and replay_problem:
+            return Verdict("replay-diverged", replay_problem, verdict.detail)
+        return verdict
+    if logs.peer_errors:
+        return Verdict(
+            "collateral",
+            "; ".join(f"rank {r}: {e}" for r, e in sorted(logs.peer_errors.items())),
+        )
+    summary = load_summary(job.out)
+    if summary["steps_completed"] != case.steps or len(summary["loss"]) != case.steps:
+        return Verdict("mismatch", f"{summary['steps_completed']} of {case.steps} steps")
+    strangers = sorted(
+        {r for rec in summary["recoveries"] if rec["kind"] == "fail-stop" for r in rec["ranks"]}
+        - set(hit)
+    )
+    if strangers:
+        return Verdict("collateral", f"recovered around ranks {strangers}, no fault's victims")
+    if replay_problem:
+        return Verdict("replay-diverged", replay_problem)
+    assert replayed is not None
+    want = [
+        (r["generation"], attempt)
+        for r in summary["recoveries"]
+        for attempt in range(r.get("superseded", 0) + 1)
+    ]
+    got = [(p.generation, p.attempt) for p in replayed.plans]
+    if got != want:
+        return Verdict("replay-diverged", f"replayed plans {got}, recoveries say {want}")
+    assert twin is not None
+    diff = compare_runs(job.out, twin)
+    if not (diff.loss_rel <= TOL and diff.param_rel <= TOL):
+        return Verdict(
+            "mismatch", f"loss {diff.loss_rel:.2e}, params {diff.param_rel:.2e} rel. to the twin"
+        )
+    kinds = [r["kind"] for r in summary["recoveries"]]
+    return Verdict(
+        "recovered",
+        f"recoveries {kinds}; loss {diff.loss_rel:.0e}, params {diff.param_rel:.0e}",
+    )
+
+
+# ------------------------------------------------------------------------------ campaign
+
+
+def ensure_twin(case: Case, root: Path, timeout: float) -> tuple[Path | None, str]:
+    """The fault-free run of the case's job (cached); (None, why) if it failed."""
+    out = root / "twins" / case.twin_key()
+    if (out / "summary.json").is_file() and (out / "params").is_dir():
+        return out, ""
+    job = run_job(out, case.job_args(), timeout)
+    if job.code != 0:
+        tail = (job.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"the fault-free twin failed (exit {job.code}): {tail[:300]}"
+    return out, ""
+
+
+def run_case(case: Case, root: Path, timeout: float, keep: bool) -> dict:
+    out = root / f"case{case.index:04d}"
+    cmd = command(out, case.args())
+    job = run_job(out, case.args(), timeout)
+    twin: Path | None = None
+    twin_s = 0.0
+    if job.code == 0:
+        started = time.monotonic()
+        twin, why = ensure_twin(case, root, timeout)
+        twin_s = time.monotonic() - started
+        if twin is None:
+            verdict = Verdict("mismatch", why)
+    if job.code != 0 or twin is not None:
+        try:
+            verdict = judge(case, job, twin)
+        except Exception as exc:  # a run too broken to read is a finding, not a crash
+            verdict = Verdict("mismatch", f"could not judge: {type(exc).__name__}: {exc}")
+    fired = victims(out)
+    record = {
+        "case": case.index,
+        "seed": case.seed,
+        **{k: v for k, v in asdict(case).items() if k not in ("seed", "index")},
+        "faults": list(case.faults),
+        "victims": {str(r): f for r, f in sorted(fired.items())},
+        "outcome": verdict.outcome,
+        "ok": verdict.ok,
+        "detail": verdict.detail,
+        "note": verdict.note,
+        "exit": job.code,
+        "wall_s": round(job.wall_s, 2),
+        "twin_s": round(twin_s, 2),
+        "command": cmd,
+        "rerun": f"scripts/chaos --seed {case.seed} --case {case.index} --out {root.parent}",
+        "run_dir": str(out),
+    }
+    if verdict.ok and not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return record
+
+
+def table(records: list[dict]) -> str:
+    outcomes = [
+        o for o in (*OK_OUTCOMES, *FAIL_OUTCOMES) if any(r["outcome"] == o for r in records)
+    ]
+    outcomes = outcomes or list(OK_OUTCOMES)
+    rows = []
+    for kind in (*KINDS, "all cases"):
+        sel = [r for r in records if kind == "all cases" or kind in _kinds(r["faults"])]
+        counts = Counter(r["outcome"] for r in sel)
+        rows.append([kind, str(len(sel)), *(str(counts.get(o, 0)) for o in outcomes)])
+    head = ["fault kind", "cases", *outcomes]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(head), sep, *(fmt(r) for r in rows)])
+
+
+def _kinds(faults: list[str]) -> set[str]:
+    kinds = {f.split(":")[0].split("@")[0] for f in faults}
+    if any(f.endswith((":plan", ":apply")) for f in faults):
+        kinds.add("in-recovery")
+    return kinds
+
+
+def _case_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/chaos",
+        description="A randomized fault campaign over real processes (see the docstring "
+        "of scripts/chaos.py for the draw, the checks and the outcome rules).",
+    )
+    parser.add_argument("--cases", type=int, default=300, help="cases to run (default 300)")
+    parser.add_argument("--seed", type=int, default=1, help="campaign seed (default 1)")
+    parser.add_argument("--case", help="run only these cases of the seed: K, K,L or K-L")
+    parser.add_argument("--first", type=int, default=0, help="first case index (default 0)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/chaos"), help="run directories")
+    parser.add_argument("--json", type=Path, help="write every case's record here")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
+    parser.add_argument("--keep", action="store_true", help="keep passing cases' run dirs")
+    parser.add_argument("--dry-run", action="store_true", help="print the draw, run nothing")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="copy elaswave/ once at the start and run every job (and the checks) on the "
+        "copy: a campaign in a tree that others edit then tests one version",
+    )
+    args = parser.parse_args(argv)
+    indices = (
+        _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
+    )
+    root = (args.out / f"seed{args.seed}").resolve()
+    global JOB_ENV, JOB_CWD
+    if args.snapshot and not args.dry_run:
+        root.mkdir(parents=True, exist_ok=True)
+        code, digest = take_snapshot(root)
+        sys.path.insert(0, str(code))
+        JOB_ENV = {**os.environ, "PYTHONPATH": str(code)}
+        JOB_CWD = root
+        args.code = f"snapshot {digest} of the tree's elaswave/ in {code}"
+        check = subprocess.run(
+            [sys.executable, "-c", "import " + ", ".join(f"elaswave.{m}" for m in SMOKE)],
+            capture_output=True,
+            text=True,
+            env=JOB_ENV,
+            cwd=JOB_CWD,
+            check=False,
+        )
+        if check.returncode != 0:
+            tail = (check.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"chaos: the snapshot does not import ({tail}); try again later", flush=True)
+            return 2
+        print(f"chaos: running on a {args.code}", flush=True)
+    else:
+        args.code = f"the tree {ROOT}"
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    args.code += f" (git HEAD {head or '?'} plus uncommitted edits, if any)"
+    records: list[dict] = []
+    started = time.monotonic()
+    for index in indices:
+        case = draw_case(args.seed, index)
+        if args.dry_run:
+            cmd = command(root / f"case{index:04d}", case.args())
+            print(f"case {index:>4}  {case.describe()}\n    {cmd}")
+            continue
+        rec = run_case(case, root, args.timeout, args.keep)
+        records.append(rec)
+        print(_case_line(case, rec), flush=True)
+        if args.json:
+            _write_json(args, records, time.monotonic() - started)
+    if args.dry_run or not records:
+        return 0
+    total = time.monotonic() - started
+    failed = [r for r in records if not r["ok"]]
+    print()
+    print(table(records))
+    print(
+        f"\n{len(records)} cases in {total:.0f} s: {total / len(records):.1f} s per case "
+        f"(jobs {sum(r['wall_s'] for r in records) / len(records):.1f} s, twins "
+        f"{sum(r['twin_s'] for r in records):.0f} s in all); {len(failed)} failed"
+    )
+    for rec in failed:
+        print(f"  FAIL case {rec['case']} ({rec['outcome']}): {rec['rerun']}\n    {rec['command']}")
+    if args.json:
+        _write_json(args, records, total)
+    return 1 if failed else 0
+
+
+def _case_line(case: Case, rec: dict) -> str:
+    took = f"{rec['wall_s']:.1f} s" + (f", twin {rec['twin_s']:.1f} s" if rec["twin_s"] else "")
+    line = f"case {case.index:>4}  {case.describe()}  -> {rec['outcome']} ({took})"
+    if not rec["ok"]:
+        line += "  <-- FAIL"
+    line += f"\n    {rec['command']}"
+    if rec["outcome"] != "recovered":
+        line += f"\n    {rec['detail']}"
+    if rec["note"]:
+        line += f"\n    note: {rec['note']}"
+    return line
+
+
+def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:
+    doc = {
+        "seed": args.seed,
+        "code": args.code,
+        "cases": len(records),
+        "failed": sum(1 for r in records if not r["ok"]),
+        "seconds": round(total, 1),
+        "table": {
+            kind: dict(
+                Counter(
+                    r["outcome"]
+                    for r in records
+                    if kind == "all cases" or kind in _kinds(r["faults"])
+                )
+            )
+            for kind in (*KINDS, "all cases")
+        },
+        "records": records,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

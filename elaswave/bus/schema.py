@@ -467,6 +467,10 @@ class RecoveryPlan(Event):
     attempt: int = 0
     """0 for a generation's first announcement; a later one (same generation) supersedes
     it: a participant did not acknowledge in time, or failed before the commit."""
+    migration: str = "none"
+    """How layers move, decided once by the Core: ``none``, ``blocking`` (gathered before
+    resuming) or ``nonblocking`` (streamed during the transition step); workers follow
+    it, replay checks it."""
 
 
 @_register

@@ -16,8 +16,9 @@ or did not acknowledge before the commit). Every announcement is replayed from t
 base; the next generation builds on the one the Core committed (its
 :class:`~elaswave.bus.schema.PlanCommit`).
 
-Workers do the same for every plan they apply (:func:`announced_rebalancing`), so a plan is
-never shipped, only its inputs.
+Workers do the same for every plan they apply, so a plan is never shipped, only its
+inputs (:mod:`elaswave.runtime.inputs` encodes and decodes them for all three). Replay
+also checks the migration mode the Core decided for the change.
 """
 
 from __future__ import annotations
@@ -36,28 +37,17 @@ from elaswave.bus.schema import (
     StragglerDetected,
 )
 from elaswave.engine.plan import Plan
-from elaswave.engine.rebalance import Policy
-from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
+from elaswave.engine.recovery import plan_digest, plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import EVENT_LOG, JOB
 from elaswave.runtime.config import JobConfig, JobSpec
+from elaswave.runtime.inputs import announced_rebalancing, decide_migration
 
 CORE = "core"
 """The sender name of the Core, the only process that announces plans."""
 
 _CAUSES = (FailureDetected, StragglerDetected, ScaleRequest, PauseRequest)
 """Events that start a recovery: the divergence report names the latest one."""
-
-
-def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing:
-    """The throughput planner's inputs as the Core announced them in ``decision``."""
-    return Rebalancing(
-        policy=Policy(decision.policy),
-        slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
-        layers=cfg.layer_costs,
-        device=cfg.cost_device,
-        power_budget=cfg.power_budget,
-    )
 
 
 @dataclass(frozen=True)
@@ -198,4 +188,7 @@ def _replay_one(
         )
     if decision.reason != event.reason:
         problems.append(f"reason: announced {event.reason!r}, replayed {decision.reason!r}")
+    mode = decide_migration(cfg, plan, decision.plan, event.stale, event.joined)["mode"]
+    if mode != event.migration:
+        problems.append(f"migration: announced {event.migration!r}, replayed {mode!r}")
     return digest, tuple(problems), None if problems else decision.plan

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from elaswave import rundir
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import StepCompleted
 from elaswave.engine.plan import Plan
 from elaswave.runtime.compare import load_params
 
@@ -39,8 +41,17 @@ def build_summary(
 ) -> dict[str, Any]:
     """``bus``: the Core's delivery counters; the workers' are added from their results."""
     results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
-    # Any surviving last-stage rank knows every step's loss; pick the longest record.
+    # A surviving last-stage rank knows the loss of every step since it started; pick
+    # the longest record. A rank that joined later starts later: the steps before it
+    # come from the StepCompleted records of the event log (the latest for each step,
+    # which is the redone one after a recovery).
     reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
+    first, losses = reporter["first_step"], list(reporter["loss"])
+    logged = _logged_steps(run_dir)
+    while first - 1 in logged:
+        first -= 1
+        losses.insert(0, logged[first].loss)
+    reporter = {**reporter, "first_step": first, "loss": losses}
     trained = len(reporter["loss"])  # steps this run trained (fewer when resumed)
     # A step's time is its slowest rank's; a worker that joined mid-run records its
     # step times from its own first step on.
@@ -48,7 +59,11 @@ def build_summary(
     for r in results:
         for step, seconds in enumerate(r["step_time_s"], start=r["first_step"]):
             slowest[step] = max(slowest.get(step, 0.0), seconds)
-    step_time = [slowest[reporter["first_step"] + i] for i in range(trained)]
+    # Steps no surviving rank trained: the time their last stage reported.
+    step_time = [
+        slowest[step] if step in slowest else logged[step].step_time_s
+        for step in range(reporter["first_step"], reporter["first_step"] + trained)
+    ]
     params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
@@ -70,6 +85,18 @@ def build_summary(
                 for k in sorted({k for r in results for k in r.get("bus", {})})
             },
         },
+    }
+
+
+def _logged_steps(run_dir: Path) -> dict[int, StepCompleted]:
+    """step -> the last StepCompleted the event log holds for it."""
+    path = run_dir / rundir.EVENT_LOG
+    if not path.is_file():
+        return {}
+    return {
+        record.event.step: record.event
+        for record in read_event_log(path)
+        if isinstance(record.event, StepCompleted)
     }
 
 

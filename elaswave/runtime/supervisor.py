@@ -38,9 +38,7 @@ from elaswave.bus.schema import (
     RecoveryStarted,
     StragglerDetected,
 )
-from elaswave.engine.migration import layer_moves, plan_transition, why_blocking
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key, plan_to_dict
-from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
 from elaswave.engine.straggler import StragglerVerdict
 from elaswave.fabric.errors import Unrecoverable
@@ -48,6 +46,7 @@ from elaswave.rundir import CORE_STATE, fault_record, rank_log
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.core import Core
 from elaswave.runtime.faults import FaultKind, validate_faults
+from elaswave.runtime.inputs import decide_migration, rebalancing_fields, rebalancing_of
 from elaswave.runtime.slowwatch import StragglerWatch
 
 log = structlog.get_logger(__name__)
@@ -109,30 +108,6 @@ def last_error(log_path: Path) -> str:
             if isinstance(doc, dict) and doc.get("event") == "worker.failed":
                 return str(doc.get("error", ""))
     return ""
-
-
-def _migration_of(
-    cfg: JobConfig, old: Plan, new: Plan, stale: Sequence[int], joined: Sequence[int]
-) -> dict[str, Any]:
-    """How the change moves layers (what every worker computes from the same inputs)."""
-    moves = layer_moves(old, new)
-    if not moves:
-        return {"mode": "none", "layers": []}
-    layers = [m.layer for m in moves]
-    why = why_blocking(
-        cfg.train.migration, old, new, stale=stale, joined=joined, layers=cfg.layer_costs
-    )
-    if why is not None:
-        return {"mode": "blocking", "layers": layers, "why": why}
-    transition = plan_transition(
-        old,
-        new,
-        layers=cfg.layer_costs,
-        device=cfg.cost_device,
-        early=cfg.train.migration_early,
-    )
-    assert transition is not None
-    return {"mode": "nonblocking", "layers": layers, "early_micro_batches": transition.early}
 
 
 def fault_point(name: str) -> None:
@@ -229,13 +204,7 @@ class Supervisor:
 
     def rebalancing(self) -> Rebalancing:
         """The throughput planner's inputs: the job's policy and the measured slowdowns."""
-        return Rebalancing(
-            policy=Policy(self.cfg.train.rebalance),
-            slowdowns=dict(self.slowdowns),
-            layers=self.cfg.layer_costs,
-            device=self.cfg.cost_device,
-            power_budget=self.cfg.power_budget,
-        )
+        return rebalancing_of(self.cfg, self.slowdowns)
 
     async def run(self) -> None:
         """Watch the workers until every one has exited; recover each failure.
@@ -658,7 +627,7 @@ class Supervisor:
                 for r, e in reports.items()
                 if r in survivors and e.params_step != decision.committed_step
             )
-            migration = _migration_of(self.cfg, self.plan, decision.plan, stale, joined)
+            migration = decide_migration(self.cfg, self.plan, decision.plan, stale, joined)
             if attempt == 0:
                 await self.core.publish(
                     RecoveryStarted(
@@ -682,13 +651,12 @@ class Supervisor:
                     rebuild=sorted(
                         {name for r, e in reports.items() if r in survivors for name in e.tainted}
                     ),
-                    policy=self.cfg.train.rebalance,
-                    slow_ranks=sorted(self.slowdowns),
-                    slow_factors=[self.slowdowns[r] for r in sorted(self.slowdowns)],
+                    **rebalancing_fields(self.cfg, self.slowdowns),
                     kind=kind,
                     joined=joined,
                     stale=stale,
                     attempt=attempt,
+                    migration=migration["mode"],
                 )
             )
             fault_point("plan")

@@ -30,7 +30,7 @@ from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.data.corpus import SampleLoader
-from elaswave.engine.migration import plan_transition, why_blocking
+from elaswave.engine.migration import plan_transition
 from elaswave.engine.plan import (
     Plan,
     dp_group_name,
@@ -55,6 +55,7 @@ from elaswave.rundir import step_dir
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector
+from elaswave.runtime.inputs import NONBLOCKING
 from elaswave.runtime.migration import ShadowStep, migration_pairs
 from elaswave.runtime.pipeline import StageRunner
 
@@ -406,8 +407,7 @@ def reconfigure(
     committed_step: int,
     *,
     rebuild: set[str],
-    stale: Collection[int] = (),
-    joined: Collection[int] = (),
+    migration: str,
 ) -> tuple[Trainer, dict[str, float]]:
     """The recovery executor: apply ``new_plan`` on this surviving rank.
 
@@ -421,9 +421,8 @@ def reconfigure(
     Migrating layers' parameters move *blocking* (gathered from the moved optimizer
     state before resuming) or *non-blocking* (streamed during the transition step while
     the source computes a shadow for the early micro-batches, see
-    :mod:`elaswave.engine.migration`); ``stale`` lists the ranks whose parameters are
-    newer than the committed step and ``joined`` the ranks joining, either of which forces
-    a gather.
+    :mod:`elaswave.engine.migration`): ``migration``, the mode the Core decided and
+    announced (:func:`elaswave.runtime.inputs.decide_migration`).
     """
     c = committed_step
     # Host snapshots this rank holds for failed owners, at the committed step.
@@ -435,25 +434,22 @@ def reconfigure(
 
     t0 = time.perf_counter()
     moves = plan_state_moves(ctx, old.plan, new_plan, failed)
-    blocking = why_blocking(
-        ctx.cfg.train.migration,
-        old.plan,
-        new_plan,
-        stale=stale,
-        joined=joined,
-        layers=ctx.cfg.layer_costs,
-    )
     transition = (
-        None
-        if blocking is not None
-        else plan_transition(
+        plan_transition(
             old.plan,
             new_plan,
             layers=ctx.cfg.layer_costs,
             device=ctx.cfg.cost_device,
             early=ctx.cfg.train.migration_early,
         )
+        if migration == NONBLOCKING
+        else None
     )
+    if migration == NONBLOCKING and transition is None:
+        raise RuntimeError(
+            f"the plan of generation {new_plan.generation} migrates layers non-blocking, "
+            "but this rank finds no transition: planners disagree"
+        )
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
@@ -532,7 +528,7 @@ def reconfigure(
         created_groups=change.groups_created,
         created_links=change.links_created,
         bytes_sent=result.bytes_sent,
-        migration="nonblocking" if transition is not None else blocking or "none",
+        migration=migration,
     )
     return trainer, {
         "comm": t1 - t0,

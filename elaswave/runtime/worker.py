@@ -63,8 +63,8 @@ from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector, Phase, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
+from elaswave.runtime.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.outage import CoreWatch
-from elaswave.runtime.replay import announced_rebalancing
 from elaswave.runtime.session import Session
 from elaswave.runtime.trainer import (
     Trainer,
@@ -385,8 +385,7 @@ def _recover(
             set(decision.failed),
             decision.committed_step,
             rebuild=set(decision.rebuild),
-            stale=decision.stale,
-            joined=decision.joined,
+            migration=announced_migration(decision),
         )
     finally:
         faulthandler.cancel_dump_traceback_later()

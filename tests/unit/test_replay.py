@@ -18,7 +18,8 @@ from elaswave.bus.schema import FailureDetected, PlanCommit, RecoveryPlan, Recov
 from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.recovery import plan_digest, plan_fail_stop
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec, TrainConfig
-from elaswave.runtime.replay import announced_rebalancing, replay_run
+from elaswave.runtime.inputs import announced_rebalancing, decide_migration
+from elaswave.runtime.replay import replay_run
 from tests.runs import elaswave
 
 CFG = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=24, micro_batch=1, rebalance="migrate"))
@@ -43,6 +44,7 @@ def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
     announced = dataclasses.replace(
         draft, committed_step=decision.committed_step, plan_digest=plan_digest(decision.plan),
         reason=decision.reason,
+        migration=decide_migration(CFG, plan, decision.plan, (), ())["mode"],
     )  # fmt: skip
     events = [detected, *reports, announced]
     return events, decision.plan
@@ -99,6 +101,18 @@ def test_a_tampered_announcement_is_named_with_its_cause(tmp_path):
     assert "committed step: announced 1, replayed 3" in proc.stdout
     assert "caused by:" in proc.stdout and "ranks=[4]" in proc.stdout
     assert "the plan of generation 2 diverges (1 reproduced before it)" in proc.stderr
+
+
+def test_a_migration_mode_other_than_the_decided_one_diverges(tmp_path):
+    """The Core decides once how layers move and announces it; workers follow it, so
+    replay checks it like the plan itself."""
+    events = _two_failures()
+    first = next(e for e in events if isinstance(e, RecoveryPlan))
+    assert first.migration == "none", first  # no layer moves in this change
+    events[events.index(first)] = dataclasses.replace(first, migration="nonblocking")
+    bad = replay_run(_run_dir(tmp_path, events)).diverged
+    assert bad is not None and bad.generation == 1
+    assert bad.problems == ("migration: announced 'nonblocking', replayed 'none'",)
 
 
 def test_a_plan_not_from_the_core_is_skipped_and_named(tmp_path):

@@ -12,7 +12,6 @@ parameters, re-place snapshots, set the stage clock, and rebuild the runner.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -298,61 +297,6 @@ def _resume(
     return Trainer(plan, links, optimizer, runner, layers, keepers)
 
 
-def join_trainer(
-    ctx: WorkerContext,
-    current: Plan,
-    new_plan: Plan,
-    committed_step: int,
-    failed: Collection[int] = (),
-) -> tuple[Trainer, dict[str, float]]:
-    """A rank joining a running job: connect to its peers under ``new_plan``, receive its
-    optimizer shards from their owners, or from the snapshot holders of ``failed`` owners
-    (the same transfer plan every member computes from ``current`` to ``new_plan``),
-    gather its layers' parameters, and resume."""
-    c = committed_step
-    t0 = time.perf_counter()
-    moves = plan_state_moves(ctx, current, new_plan, set(failed))
-    pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
-    specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
-    specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
-    links = DynamicCommunicator(
-        ctx.store,
-        ctx.rank,
-        ctx.backend,
-        timeout=ctx.timeout,
-        generation=new_plan.generation,
-        abort=ctx.abort,
-    )
-    change = links.build(specs)
-    comm = links.comm
-    t1 = time.perf_counter()
-    stage, _ = new_plan.locate(ctx.rank)
-    new_stage = new_plan.stages[stage]
-    layers = nn.ModuleList(
-        build_layer(ctx.cfg.model, i, seed=ctx.cfg.train.seed).to(ctx.device)
-        for i in new_stage.layers
-    )
-    layout = InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
-    result = execute_remap(
-        moves,
-        rank=ctx.rank,
-        old_layout=InterleavedLayout(dp=1, layers=()),
-        new_layout=layout,
-        device_state=None,
-        host_states={},
-        link=lambda a, b: comm.p2p(remap_link_name(a, b)),
-        generation=new_plan.generation,
-        step=c,
-    )
-    optimizer = _optimizer(ctx, new_plan, comm, layers, state=result.state, committed_step=c)
-    optimizer.all_gather_params()
-    t2 = time.perf_counter()
-    trainer = _resume(ctx, new_plan, links, layers, optimizer, c)
-    t3 = time.perf_counter()
-    log.info("join.applied", generation=new_plan.generation, created_links=change.links_created)
-    return trainer, {"comm": t1 - t0, "remap": t2 - t1, "resume": t3 - t2, "bytes_sent": 0.0}
-
-
 def _changed_stages(old: Plan, new: Plan) -> set[int]:
     """Stages whose members or layers differ between the plans."""
     return {
@@ -387,10 +331,10 @@ def _bytes_received(moves: RemapPlan, rank: int) -> int:
     return numel * STATE_TENSORS * FP32_BYTES
 
 
-def _stage_layers(ctx: WorkerContext, old: Trainer, layer_ids: range) -> nn.ModuleList:
+def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> nn.ModuleList:
     """This rank's layer modules for ``layer_ids``: kept ones as they are, new ones built
     (their parameters arrive through the optimizer's all-gather)."""
-    have = {layer_index(layer): layer for layer in old.layers}
+    have = {layer_index(layer): layer for layer in held}
     return nn.ModuleList(
         have[i]
         if i in have
@@ -401,7 +345,8 @@ def _stage_layers(ctx: WorkerContext, old: Trainer, layer_ids: range) -> nn.Modu
 
 def reconfigure(
     ctx: WorkerContext,
-    old: Trainer,
+    old: Trainer | None,
+    base: Plan,
     new_plan: Plan,
     failed: set[int],
     committed_step: int,
@@ -409,14 +354,17 @@ def reconfigure(
     rebuild: set[str],
     migration: str,
 ) -> tuple[Trainer, dict[str, float]]:
-    """The recovery executor: apply ``new_plan`` on this surviving rank.
+    """The recovery executor: apply ``new_plan`` on this rank, which trains under ``base``
+    (``old``), or joins the job (``old`` is None: an empty trainer, no groups, no layers,
+    no optimizer state).
 
     One pass for any change of plan: ranks that failed (their shards rebuilt from host
-    snapshots), micro-batch resizing, layers migrating between stages (their optimizer
-    state moves as D disjoint shard sends under the interleaved layout) and stage clocks
-    (DVFS). Roll back to ``committed_step``, edit the communicator, move optimizer state,
-    gather parameters, re-place snapshots, set the clock, and rebuild the runner. Returns
-    the new trainer and the phase times (and bytes moved).
+    snapshots), ranks that join (their shards sent by the owners), micro-batch resizing,
+    layers migrating between stages (their optimizer state moves as D disjoint shard
+    sends under the interleaved layout) and stage clocks (DVFS). Roll back to
+    ``committed_step``, edit the communicator (a joiner builds its groups), move
+    optimizer state, gather parameters, re-place snapshots, set the clock, and rebuild
+    the runner. Returns the new trainer and the phase times (and bytes moved).
 
     Migrating layers' parameters move *blocking* (gathered from the moved optimizer
     state before resuming) or *non-blocking* (streamed during the transition step while
@@ -425,18 +373,22 @@ def reconfigure(
     announced (:func:`elaswave.runtime.inputs.decide_migration`).
     """
     c = committed_step
-    # Host snapshots this rank holds for failed owners, at the committed step.
-    host_states = {
-        k.owner: k.wait(c, ctx.cfg.train.comm_timeout_s) for k in old.keepers if k.owner in failed
-    }
-    old.close_snapshots()
-    old.optimizer.rollback(c)
+    host_states: dict[int, ShardState] = {}
+    if old is not None:
+        # Host snapshots this rank holds for failed owners, at the committed step.
+        host_states = {
+            k.owner: k.wait(c, ctx.cfg.train.comm_timeout_s)
+            for k in old.keepers
+            if k.owner in failed
+        }
+        old.close_snapshots()
+        old.optimizer.rollback(c)
 
     t0 = time.perf_counter()
-    moves = plan_state_moves(ctx, old.plan, new_plan, failed)
+    moves = plan_state_moves(ctx, base, new_plan, failed)
     transition = (
         plan_transition(
-            old.plan,
+            base,
             new_plan,
             layers=ctx.cfg.layer_costs,
             device=ctx.cfg.cost_device,
@@ -445,38 +397,51 @@ def reconfigure(
         if migration == NONBLOCKING
         else None
     )
-    if migration == NONBLOCKING and transition is None:
+    if migration == NONBLOCKING and (transition is None or old is None):
         raise RuntimeError(
             f"the plan of generation {new_plan.generation} migrates layers non-blocking, "
-            "but this rank finds no transition: planners disagree"
+            "but this rank finds no transition (or joins): planners disagree"
         )
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
     specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
     specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
-    change = old.links.apply(
-        specs,
-        removed=failed,
-        strategy=RebuildStrategy.EDIT,
-        generation=new_plan.generation,
-        rebuild=lambda spec: spec.name in rebuild,
-    )
-    comm = old.links.comm
+    if old is None:
+        links = DynamicCommunicator(
+            ctx.store,
+            ctx.rank,
+            ctx.backend,
+            timeout=ctx.timeout,
+            generation=new_plan.generation,
+            abort=ctx.abort,
+        )
+        change = links.build(specs)
+    else:
+        links = old.links
+        change = links.apply(
+            specs,
+            removed=failed,
+            strategy=RebuildStrategy.EDIT,
+            generation=new_plan.generation,
+            rebuild=lambda spec: spec.name in rebuild,
+        )
+    comm = links.comm
     t1 = time.perf_counter()
 
     stage, _ = new_plan.locate(ctx.rank)
     new_stage = new_plan.stages[stage]
-    layers = _stage_layers(ctx, old, new_stage.layers)
+    held = old.layers if old is not None else nn.ModuleList()
+    layers = _stage_layers(ctx, held, new_stage.layers)
     shadow = None
-    if transition is not None:
-        have = {layer_index(layer): layer for layer in old.layers}
-        outgoing = [i for i in old.plan.stages[stage].layers if i not in new_stage.layers]
+    if transition is not None and old is not None:
+        have = {layer_index(layer): layer for layer in held}
+        outgoing = [i for i in base.stages[stage].layers if i not in new_stage.layers]
         shadow = ShadowStep(
             transition=transition,
             rank=ctx.rank,
             step=c + 1,
-            old_plan=old.plan,
+            old_plan=base,
             new_plan=new_plan,
             modules={layer_index(layer): layer for layer in layers},
             shadows={i: have[i] for i in outgoing},
@@ -485,32 +450,38 @@ def reconfigure(
             timeout_s=ctx.cfg.train.comm_timeout_s,
         )
         shadow.start()  # the streams overlap the rest of the recovery and the step
-    moved_in = stage in _changed_stages(old.plan, new_plan)
+    old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
+    moved_in = stage in _changed_stages(base, new_plan)
     new_layout = (
         InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
         if moved_in
-        else old.optimizer.layout
+        else old_layout
     )
     # Every survivor runs it: a rank whose stage does not change may still be a source.
     result = execute_remap(
         moves,
         rank=ctx.rank,
-        old_layout=old.optimizer.layout,
+        old_layout=old_layout,
         new_layout=new_layout,
-        device_state=old.optimizer.state,
+        device_state=old.optimizer.state if old is not None else None,
         host_states=host_states,
         link=lambda a, b: comm.p2p(remap_link_name(a, b)),
         generation=new_plan.generation,
         step=c,
     )
-    state = result.state if moved_in else old.optimizer.state
+    if moved_in:
+        state = result.state
+    else:
+        assert old is not None  # a joiner's stage gains it
+        state = old.optimizer.state
     optimizer = _optimizer(ctx, new_plan, comm, layers, state=state, committed_step=c)
     # Modelled time of this rank's optimizer-state moves (the emulated device only).
     ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), t1)
     t_params = time.perf_counter()
     if shadow is None:
         optimizer.all_gather_params()  # every replica's parameters at the committed step
-        incoming = [i for i in new_stage.layers if i not in old.plan.stages[stage].layers]
+        kept = {layer_index(layer) for layer in held}
+        incoming = [i for i in new_stage.layers if i not in kept]
         ctx.pacer.transfer(sum(ctx.numels[i] * FP32_BYTES for i in incoming), t_params)
     else:
         # Parameters of kept layers are at the committed step; incoming ones stream in.
@@ -518,12 +489,13 @@ def reconfigure(
         shadow.on_ready = partial(setattr, optimizer, "params_step", c)
     t2 = time.perf_counter()
     params_s = t2 - t_params
-    trainer = _resume(ctx, new_plan, old.links, layers, optimizer, c, shadow)
+    trainer = _resume(ctx, new_plan, links, layers, optimizer, c, shadow)
     t3 = time.perf_counter()
     log.info(
         "recovery.applied",
         generation=new_plan.generation,
         committed_step=c,
+        joined=old is None,
         reused_groups=change.groups_reused,
         created_groups=change.groups_created,
         created_links=change.links_created,

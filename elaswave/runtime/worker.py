@@ -70,7 +70,6 @@ from elaswave.runtime.trainer import (
     Trainer,
     WorkerContext,
     initial_trainer,
-    join_trainer,
     reconfigure,
 )
 
@@ -369,11 +368,44 @@ def _recover(
         f"recovery plan for generation {gen + 1}",
     )
     assert isinstance(decision, RecoveryPlan)
-    decision, new_plan = _agree(ctx, session, inbox, decision, trainer.plan, timeout)
-    ctx.abort.generation = gen + 1
-    session.floor_generation = gen + 1  # the old generation's messages are stale now
-    inbox.prune(gen + 1)
-    ctx.abort.clear()
+    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout)
+
+
+def _join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
+    """Wait for the Core's plan that gives this new rank a place, and take it: a join is
+    a change applied to an empty trainer."""
+    timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
+    decision = _await_event(
+        inbox,
+        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,
+        timeout,
+        "plan that lets this worker join",
+    )
+    assert isinstance(decision, RecoveryPlan)
+    current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
+    return _apply(ctx, session, inbox, decision, current, None, timeout)
+
+
+def _apply(
+    ctx: WorkerContext,
+    session: Session,
+    inbox: Mailbox,
+    decision: RecoveryPlan,
+    base: Plan,
+    trainer: Trainer | None,
+    timeout: float,
+) -> Trainer:
+    """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
+    generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
+    decision, new_plan = _agree(ctx, session, inbox, decision, base, timeout)
+    if trainer is None and ctx.rank not in decision.joined:
+        raise RuntimeError(
+            f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
+        )
+    ctx.abort.generation = decision.generation
+    session.floor_generation = decision.generation  # older generations' messages are stale
+    inbox.prune(decision.generation)
+    ctx.abort.clear()  # failures announced before are answered by this plan
     # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
     # thread's stack goes to this worker's log.
     faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
@@ -381,6 +413,7 @@ def _recover(
         trainer, phases = reconfigure(
             ctx,
             trainer,
+            base,
             new_plan,
             set(decision.failed),
             decision.committed_step,
@@ -391,50 +424,14 @@ def _recover(
         faulthandler.cancel_dump_traceback_later()
     session.publish(
         RecoveryDone(
-            sender=sender,
-            generation=gen + 1,
-            rank=ctx.rank,
-            comm_s=phases["comm"],
-            remap_s=phases["remap"],
-            resume_s=phases["resume"],
-            params_s=phases["params"],
-            bytes_sent=int(phases["bytes_sent"]),
-        )
-    )
-    return trainer
-
-
-def _join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
-    """Wait for the Core's plan that gives this new rank a place, and take it."""
-    timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
-    decision = _await_event(
-        inbox,
-        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,
-        timeout,
-        "plan that lets this worker join",
-    )
-    assert isinstance(decision, RecoveryPlan)
-    current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
-    decision, new_plan = _agree(ctx, session, inbox, decision, current, timeout)
-    if ctx.rank not in decision.joined:
-        raise RuntimeError(
-            f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
-        )
-    ctx.abort.generation = decision.generation
-    session.floor_generation = decision.generation
-    inbox.prune(decision.generation)
-    ctx.abort.clear()  # failures announced before it joined are not its business
-    trainer, phases = join_trainer(
-        ctx, current, new_plan, decision.committed_step, failed=decision.failed
-    )
-    session.publish(
-        RecoveryDone(
             sender=f"rank{ctx.rank}",
             generation=decision.generation,
             rank=ctx.rank,
             comm_s=phases["comm"],
             remap_s=phases["remap"],
             resume_s=phases["resume"],
+            params_s=phases["params"],
+            bytes_sent=int(phases["bytes_sent"]),
         )
     )
     return trainer

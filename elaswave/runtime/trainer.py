@@ -36,14 +36,13 @@ from elaswave.engine.plan import (
     snapshot_group_specs,
     snapshot_placements,
 )
+from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import (
     FP32_BYTES,
     STATE_TENSORS,
-    LayerShards,
     RemapPlan,
-    plan_reshard,
 )
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
@@ -297,34 +296,6 @@ def _resume(
     return Trainer(plan, links, optimizer, runner, layers, keepers)
 
 
-def _changed_stages(old: Plan, new: Plan) -> set[int]:
-    """Stages whose members or layers differ between the plans."""
-    return {
-        a.stage
-        for a, b in zip(old.stages, new.stages, strict=True)
-        if a.ranks != b.ranks or a.layers != b.layers
-    }
-
-
-def plan_state_moves(ctx: WorkerContext, old: Plan, new: Plan, failed: set[int]) -> RemapPlan:
-    """Every optimizer-shard transfer from ``old`` to ``new`` (pure, the same on every
-    rank): for each layer of a stage that changes, its old stage's shards (or their
-    snapshots, for failed owners) to its new stage's owners."""
-    changed = _changed_stages(old, new)
-    holder_of: dict[int, int] = {}
-    for placement in snapshot_placements(old, ctx.cfg.train.ranks_per_node).values():
-        holder_of.update(placement.holder)
-    if not ctx.cfg.train.snapshots:
-        holder_of = {}
-    items = []
-    for layer in range(ctx.cfg.model.num_layers):
-        src = next(s for s in old.stages if layer in s.layers)
-        dst = next(s for s in new.stages if layer in s.layers)
-        if src.stage in changed or dst.stage in changed:
-            items.append(LayerShards(layer, ctx.numels[layer], src.ranks, dst.ranks))
-    return plan_reshard(items, failed=failed, holder_of=holder_of)
-
-
 def _bytes_received(moves: RemapPlan, rank: int) -> int:
     """Optimizer-state bytes ``rank`` receives from other ranks under ``moves``."""
     numel = sum(t.numel for t in moves.transfers if t.dst == rank and t.src != rank)
@@ -385,7 +356,14 @@ def reconfigure(
         old.optimizer.rollback(c)
 
     t0 = time.perf_counter()
-    moves = plan_state_moves(ctx, base, new_plan, failed)
+    moves = plan_state_moves(
+        base,
+        new_plan,
+        failed,
+        numels=ctx.numels,
+        ranks_per_node=ctx.cfg.train.ranks_per_node,
+        snapshots=ctx.cfg.train.snapshots,
+    )
     transition = (
         plan_transition(
             base,
@@ -451,7 +429,7 @@ def reconfigure(
         )
         shadow.start()  # the streams overlap the rest of the recovery and the step
     old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
-    moved_in = stage in _changed_stages(base, new_plan)
+    moved_in = stage in changed_stages(base, new_plan)
     new_layout = (
         InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
         if moved_in

@@ -103,7 +103,7 @@ class Core:
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
         self.last_heartbeat: dict[int, float] = {}
-        """rank -> monotonic time its last heartbeat arrived."""
+        """rank -> monotonic time its last heartbeat (or its WorkerStarted) arrived."""
         self.recovery_events: list[Event] = []
         """RecoveryReady, PlanAck, RecoveryDone and MigrationDone events, for the
         supervisor's protocol."""
@@ -224,7 +224,9 @@ class Core:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
         self.client.resume_numbering(last)
-        self.last_heartbeat.clear()  # the supervisor times silence from now
+        now = time.monotonic()  # the supervisor times silence from now
+        for rank in self.last_heartbeat:
+            self.last_heartbeat[rank] = now
         log.warning("core.restored", events=self.restored, numbering=last)
 
     async def listen(self) -> None:
@@ -254,6 +256,12 @@ class Core:
         """Update the state the supervisor reads with ``event``, received at ``t``."""
         if isinstance(event, Heartbeat):
             self.last_heartbeat[event.rank] = time.monotonic()
+        elif isinstance(event, WorkerStarted):
+            # Its agent beats from before this on: a worker that hangs before its first
+            # heartbeat is silent from here, and fenced like any other.
+            self.last_heartbeat[event.rank] = time.monotonic()
+            if event.joining:
+                self.joining.append(event)
         elif isinstance(event, WorkerFinished):
             self.finished[event.rank] = event
         elif isinstance(event, RunFinished):
@@ -268,8 +276,6 @@ class Core:
             self.trained_generation[event.rank] = max(trained, event.generation)
         elif isinstance(event, ScaleRequest):
             self.scale_requests.append(event)
-        elif isinstance(event, WorkerStarted) and event.joining:
-            self.joining.append(event)
         elif (
             isinstance(event, FailureDetected | PauseRequest | RecoveryPlan | PlanCommit)
             and event.sender == self.client.sender

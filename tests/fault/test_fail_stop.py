@@ -242,6 +242,19 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
 
 
+@pytest.mark.timeout(300)
+def test_a_worker_hung_before_its_first_heartbeat_is_fenced(runs_dir, reference):
+    """A worker that hangs in its first step has sent no heartbeat yet. Its silence
+    counts from its WorkerStarted: it used to be never fenced, and the job waited for it
+    until the collectives timed out (found by scripts/chaos, seed 3, case 93)."""
+    config = runs_dir / "fast_heartbeat_early.toml"
+    config.write_text("[train]\nheartbeat_timeout_s = 1.0\n")
+    run = train(runs_dir / "hang_early", "--dp", "2", "--pp", "2", *JOB,
+                "--config", str(config), "--fault", "hang:3@0:forward")  # fmt: skip
+    check_recovered(run, reference(2, 2), world=4, failed=[[3]], max_detect_s=2.5)
+    assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
+
+
 @pytest.mark.timeout(400)
 def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(runs_dir, reference):
     import statistics

@@ -1,0 +1,283 @@
+"""The Recovery Executor's protocol on a worker: stop at a step boundary, report, agree
+on the Core's plan (check its digest, acknowledge, wait for the commit, follow a
+superseding announcement), take its generation, apply it and report it done.
+
+A recovery (:func:`recover`) and a join (:func:`join`) are the same change: a joiner
+applies the plan to an empty trainer (:func:`elaswave.runtime.trainer.reconfigure`).
+The Core's announcements reach the training thread through a :class:`Mailbox` (plans,
+commits, failures) and a :class:`PauseBox` (the pending pause request).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from elaswave.bus.schema import (
+    Event,
+    FailureDetected,
+    PauseRequest,
+    PlanAck,
+    PlanCommit,
+    RecoveryDone,
+    RecoveryPlan,
+    RecoveryReady,
+)
+from elaswave.engine.plan import Plan, plan_from_dict, plan_key
+from elaswave.engine.recovery import next_plan, plan_digest
+from elaswave.runtime.faults import Phase
+from elaswave.runtime.inputs import announced_migration, announced_rebalancing
+from elaswave.runtime.session import Session
+from elaswave.runtime.trainer import Trainer, WorkerContext, reconfigure
+
+log = structlog.get_logger(__name__)
+
+
+class Mailbox:
+    """The Core's announcements, put by the bus thread, taken by the training loop.
+
+    An event is kept until taken: the bus may deliver a plan before the failure it
+    answers (a reordered or repaired message), and whichever the loop waits for first
+    must not discard the other. Events of generations the worker has left are pruned.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+
+    def put(self, event: Event) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def take(self, want: Callable[[Event], bool], timeout_s: float, what: str) -> Event:
+        """The first kept event ``want`` accepts; TimeoutError naming ``what``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for i, event in enumerate(self._events):
+                    if want(event):
+                        return self._events.pop(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} from the Core within {timeout_s:g} s")
+                self._cond.wait(left)
+
+    def prune(self, generation: int) -> None:
+        """Forget events of generations below ``generation``."""
+        with self._cond:
+            self._events = [e for e in self._events if e.generation >= generation]
+
+
+def _await_event(
+    inbox: Mailbox, want: Callable[[Event], bool], timeout_s: float, what: str
+) -> Event:
+    return inbox.take(want, timeout_s, what)
+
+
+def _answers(generation: int, attempt: int) -> Callable[[Event], bool]:
+    """Whether an event answers the acknowledgment of announcement ``attempt`` of
+    ``generation``: the Core's commit of it, or a later announcement superseding it."""
+
+    def want(e: Event) -> bool:
+        return e.generation == generation and (
+            (isinstance(e, PlanCommit) and e.attempt == attempt)
+            or (isinstance(e, RecoveryPlan) and e.attempt > attempt)
+        )
+
+    return want
+
+
+def _agree(
+    ctx: WorkerContext,
+    session: Session,
+    inbox: Mailbox,
+    decision: RecoveryPlan,
+    base: Plan,
+    timeout_s: float,
+) -> tuple[RecoveryPlan, Plan]:
+    """Check the announced plan, acknowledge it, and wait for the Core's commit.
+
+    A later announcement of the same generation (a participant failed or did not
+    acknowledge in time) supersedes the one acknowledged: check and acknowledge that.
+    Returns the committed announcement and its plan.
+    """
+    gen = decision.generation
+    while True:
+        new_plan, _ = next_plan(
+            base, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
+        )
+        if plan_digest(new_plan) != decision.plan_digest:
+            raise RuntimeError(
+                f"plan digest {plan_digest(new_plan)} differs from the Core's "
+                f"{decision.plan_digest}: planners disagree"
+            )
+        ctx.faults.at(Phase.PLAN, decision.committed_step + 1)
+        session.publish(
+            PlanAck(
+                sender=f"rank{ctx.rank}",
+                generation=gen,
+                rank=ctx.rank,
+                plan_digest=decision.plan_digest,
+                attempt=decision.attempt,
+            )
+        )
+        attempt = decision.attempt
+        answer = _await_event(
+            inbox,
+            _answers(gen, attempt),
+            timeout_s,
+            f"commit of the plan of generation {gen} (attempt {attempt})",
+        )
+        if isinstance(answer, PlanCommit):
+            if answer.plan_digest != decision.plan_digest:
+                raise RuntimeError(
+                    f"the Core committed plan {answer.plan_digest} of generation {gen}, "
+                    f"this rank acknowledged {decision.plan_digest}"
+                )
+            ctx.faults.at(Phase.APPLY, decision.committed_step + 1)
+            return decision, new_plan
+        assert isinstance(answer, RecoveryPlan)
+        log.warning("recovery.plan_superseded", generation=gen, attempt=answer.attempt)
+        decision = answer
+
+
+class PauseBox:
+    """The Core's pending PauseRequest, set from the bus thread, read by the training loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pause: PauseRequest | None = None
+
+    def put(self, pause: PauseRequest) -> None:
+        with self._lock:
+            self._pause = pause
+
+    def pending(self, generation: int) -> PauseRequest | None:
+        with self._lock:
+            pause = self._pause
+        return pause if pause is not None and pause.generation == generation else None
+
+
+def recover(
+    ctx: WorkerContext,
+    trainer: Trainer,
+    session: Session,
+    inbox: Mailbox,
+    cause: BaseException | None,
+    pauses: PauseBox,
+) -> Trainer:
+    """Stop at the step boundary, report, and apply the Core's plan.
+
+    ``cause`` is what stopped the step (a failed wait, or the abort signal), None when
+    the loop stopped at a boundary for a pause the Core requested.
+    """
+    gen, sender, timeout = trainer.plan.generation, f"rank{ctx.rank}", ctx.cfg.train.comm_timeout_s
+    announced: Event | None = pauses.pending(gen)
+    if announced is None:
+        try:
+            announced = _await_event(
+                inbox,
+                lambda e: isinstance(e, FailureDetected) and e.generation == gen,
+                timeout,
+                f"failure announcement after {type(cause).__name__}: {cause}",
+            )
+        except TimeoutError:
+            if cause is None:
+                raise
+            raise cause from None  # a communication error nobody explains: not a recovery
+    log.info(
+        "recovery.stopped",
+        announced=str(announced.KIND),
+        committed_step=trainer.committed_step,
+        cause=str(cause),
+    )
+    session.publish(
+        RecoveryReady(
+            sender=sender,
+            generation=gen,
+            rank=ctx.rank,
+            committed_step=trainer.committed_step,
+            tainted=trainer.comm.tainted(),
+            params_step=-2 if (ps := trainer.optimizer.params_step) is None else ps,
+        )
+    )
+    decision = _await_event(
+        inbox,
+        lambda e: isinstance(e, RecoveryPlan) and e.generation == gen + 1,
+        timeout,
+        f"recovery plan for generation {gen + 1}",
+    )
+    assert isinstance(decision, RecoveryPlan)
+    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout)
+
+
+def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
+    """Wait for the Core's plan that gives this new rank a place, and take it: a join is
+    a change applied to an empty trainer."""
+    timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
+    decision = _await_event(
+        inbox,
+        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,
+        timeout,
+        "plan that lets this worker join",
+    )
+    assert isinstance(decision, RecoveryPlan)
+    current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
+    return _apply(ctx, session, inbox, decision, current, None, timeout)
+
+
+def _apply(
+    ctx: WorkerContext,
+    session: Session,
+    inbox: Mailbox,
+    decision: RecoveryPlan,
+    base: Plan,
+    trainer: Trainer | None,
+    timeout: float,
+) -> Trainer:
+    """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
+    generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
+    decision, new_plan = _agree(ctx, session, inbox, decision, base, timeout)
+    if trainer is None and ctx.rank not in decision.joined:
+        raise RuntimeError(
+            f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
+        )
+    ctx.abort.generation = decision.generation
+    session.floor_generation = decision.generation  # older generations' messages are stale
+    inbox.prune(decision.generation)
+    ctx.abort.clear()  # failures announced before are answered by this plan
+    # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
+    # thread's stack goes to this worker's log.
+    faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
+    try:
+        trainer, phases = reconfigure(
+            ctx,
+            trainer,
+            base,
+            new_plan,
+            set(decision.failed),
+            decision.committed_step,
+            rebuild=set(decision.rebuild),
+            migration=announced_migration(decision),
+        )
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    session.publish(
+        RecoveryDone(
+            sender=f"rank{ctx.rank}",
+            generation=decision.generation,
+            rank=ctx.rank,
+            comm_s=phases["comm"],
+            remap_s=phases["remap"],
+            resume_s=phases["resume"],
+            params_s=phases["params"],
+            bytes_sent=int(phases["bytes_sent"]),
+        )
+    )
+    return trainer

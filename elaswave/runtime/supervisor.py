@@ -40,6 +40,7 @@ from elaswave.bus.schema import (
 )
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key, plan_to_dict
 from elaswave.engine.recovery import Rebalancing, next_plan, plan_digest, plan_fail_stop
+from elaswave.engine.stopping import Outcome, Stopping, on_exit, on_report, outcome, stop_phase
 from elaswave.engine.straggler import StragglerVerdict
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import CORE_STATE, fault_record, rank_log
@@ -369,43 +370,14 @@ class Supervisor:
         await self.core.publish(
             PauseRequest(sender="core", generation=gen, after_step=after, reason=detail)
         )
-        # Members already gone whose exit the exit watch has not recovered yet (it waits
-        # for this change) are failed from the start: their peers are stuck with them.
-        # (A restarted Core announces its predecessor's ``failed`` again.)
-        lost, failed = failed | self._lost(set(self.plan.ranks)), {}
-        members = self._members() - set(lost)
-        while True:
-            if lost:
-                failed |= lost
-                why = self._describe(lost)
-                detail = f"{detail}; then, while pausing: {why}"
-                if not members:
-                    raise JobFailed(f"{detail}; no worker survives")
-                self._inflight["failed"] = {str(r): c for r, c in failed.items()}
-                self.persist()
-                log.warning(
-                    "core.failure_detected", ranks=sorted(failed), generation=gen, detail=why
-                )
-                await self.core.publish(
-                    FailureDetected(
-                        sender="core",
-                        generation=gen,
-                        ranks=sorted(failed),
-                        source="process-exit",
-                        detail=why,
-                    )
-                )
-            reported = await self._await_stopped(members, gen)
-            lost = self._lost(members)
-            if not lost:
-                break
-            members -= set(lost)
-        if not reported:
-            missing = sorted(members - set(self._events(RecoveryReady, gen)))
-            raise JobFailed(
-                f"{detail}; ranks {missing} did not pause at a step boundary "
-                f"within {self.timeout_s:g} s"
-            )
+        base = detail
+
+        def paused_detail(lost: dict[int, int]) -> str:
+            return f"{base}; then, while pausing: {self._describe(lost)}" if lost else base
+
+        stopped = await self._stop_members(failed, paused_detail, "pause")
+        failed, members = dict(stopped.failed), set(stopped.members)
+        detail = paused_detail(failed)
         await self._apply_plan(
             kind=kind,
             ranks=sorted(set(ranks) | set(failed)),
@@ -415,16 +387,6 @@ class Supervisor:
             survivors=members | set(joined),
             origin=seen_at,
             seen_at=seen_at,
-        )
-
-    async def _await_stopped(self, members: set[int], generation: int) -> bool:
-        """Wait until every member has stopped at a step boundary and reported it
-        (RecoveryReady of ``generation``), or one of them has exited. False: neither
-        within the timeout."""
-        return await self.core.wait_until(
-            lambda: members <= set(self._events(RecoveryReady, generation))
-            or any(self.procs[r].returncode is not None for r in members),
-            self.timeout_s,
         )
 
     def _lost(self, ranks: set[int]) -> dict[int, int]:
@@ -537,35 +499,14 @@ class Supervisor:
         if not self.cfg.train.recovery:
             raise JobFailed(f"{self._describe(failed)} (recovery is off)")
         gen = self.plan.generation
-        while True:
-            ranks, detail = sorted(failed), self._describe(failed)
-            if not self._members():
-                raise JobFailed(f"{detail}; no worker survives")
-            self._inflight = {
-                "kind": RecoveryKind.FAIL_STOP,
-                "generation": gen,
-                "failed": {str(r): c for r, c in failed.items()},
-                "seen_at": seen_at,
-            }
-            self.persist()
-            log.warning("core.failure_detected", ranks=ranks, generation=gen, detail=detail)
-            await self.core.publish(
-                FailureDetected(
-                    sender="core", generation=gen, ranks=ranks, source="process-exit", detail=detail
-                )
-            )
-            survivors = self._members()
-            ok = await self._await_stopped(survivors, gen)
-            more = self._lost(survivors)
-            if not more:
-                break
-            failed |= more  # e.g. the rest of a node: widen the announced set
-        if not ok:
-            missing = sorted(survivors - set(self._events(RecoveryReady, gen)))
-            raise JobFailed(
-                f"{detail}; ranks {missing} did not stop at a step boundary "
-                f"within {self.timeout_s:g} s"
-            )
+        self._inflight = {
+            "kind": RecoveryKind.FAIL_STOP,
+            "generation": gen,
+            "failed": {str(r): c for r, c in failed.items()},
+            "seen_at": seen_at,
+        }
+        stopped = await self._stop_members(failed, lambda lost: self._describe(lost), "stop")
+        ranks, detail = sorted(stopped.failed), self._describe(dict(stopped.failed))
         killed = [self._kill_time(r) for r in ranks]
         origin = min((t for t in killed if t is not None), default=seen_at)
         await self._apply_plan(
@@ -573,10 +514,71 @@ class Supervisor:
             ranks=ranks,
             failed=ranks,
             detail=detail,
-            survivors=survivors,
+            survivors=set(stopped.members),
             origin=origin,
             seen_at=seen_at,
         )
+
+    async def _stop_members(
+        self, failed: dict[int, int], detail: Callable[[dict[int, int]], str], what: str
+    ) -> Stopping:
+        """The stop phase of a change (:mod:`elaswave.engine.stopping`): announce the
+        ``failed`` ranks, and members of the plan already gone, then take every member's
+        report or exit until each member left has reported. Each loss is announced with
+        the whole failed set. ``detail(failed)`` words a failed set for the messages.
+        JobFailed when no member is left, or when one neither reports nor exits within
+        the timeout."""
+        gen = self.plan.generation
+        state, announce = stop_phase(
+            gen, frozenset(self.plan.ranks), failed | self._lost(set(self.plan.ranks))
+        )
+        seen: set[int] = set()
+        while True:
+            for a in announce:
+                self._exits(set(a.ranks))  # bookkeeping for the exits not taken yet
+                failed_now = dict(state.failed)
+                assert self._inflight is not None
+                self._inflight["failed"] = {str(r): c for r, c in failed_now.items()}
+                self.persist()
+                why = detail(failed_now)
+                log.warning(
+                    "core.failure_detected", ranks=list(a.ranks), generation=gen, detail=why
+                )
+                await self.core.publish(
+                    FailureDetected(
+                        sender="core",
+                        generation=gen,
+                        ranks=list(a.ranks),
+                        source="process-exit",
+                        detail=why,
+                    )
+                )
+            announce = []
+            result = outcome(state)
+            if result is Outcome.NONE_LEFT:
+                raise JobFailed(f"{detail(dict(state.failed))}; no worker survives")
+            if result is Outcome.STOPPED:
+                return state
+            members = set(state.members)
+
+            def news(members: set[int] = members) -> bool:
+                reported = set(self._events(RecoveryReady, gen)) & members
+                exited = {r for r in members if self.procs[r].returncode is not None}
+                return bool(reported - seen) or bool(exited)
+
+            if not await self.core.wait_until(news, self.timeout_s):
+                missing = sorted(state.members - state.reported)
+                raise JobFailed(
+                    f"{detail(dict(state.failed))}; ranks {missing} did not {what} at a step "
+                    f"boundary within {self.timeout_s:g} s"
+                )
+            for rank in sorted(members):
+                if (code := self.procs[rank].returncode) is not None:
+                    state, more = on_exit(state, rank, code)
+                    announce += more
+            for rank in set(self._events(RecoveryReady, gen)) & set(state.members):
+                state = on_report(state, rank, gen)
+                seen.add(rank)
 
     async def _apply_plan(
         self,

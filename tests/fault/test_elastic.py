@@ -140,18 +140,21 @@ def test_a_run_left_to_its_joiner_records_every_step(runs_dir):
     its first step, and summary.json takes the earlier steps' losses and times from the
     event log (it used to record only the joiner's steps; found by scripts/chaos, seed
     3, case 10)."""
-    job = ("--dp", "2", "--pp", "1", "--steps", "10", "--global-batch", "4",
-           "--micro-batch", "1")  # fmt: skip
+    # Emulated steps (about 0.2 s) give the joiner, started at step 2, several steps to
+    # be up before rank 1, the last original rank, dies at step 10: a joiner still
+    # starting then would find no one to take the state from.
+    job = ("--device", "emulated", "--dp", "2", "--pp", "1", "--steps", "12",
+           "--global-batch", "4", "--micro-batch", "1")  # fmt: skip
     ref = train(runs_dir / "joiner_left_ref", *job)
     run = train(runs_dir / "joiner_left", *job, "--fault", "join@2",
-                "--fault", "kill:0@6:backward", "--fault", "kill:1@8:backward")  # fmt: skip
+                "--fault", "kill:0@7:backward", "--fault", "kill:1@10:backward")  # fmt: skip
     summary = run.summary
-    # The join lands before, with or after rank 0's recovery: steps are faster than a
-    # worker's start-up. Rank 1's recovery leaves the joiner alone either way.
+    # The join lands before, with or after rank 0's recovery; rank 1's recovery leaves
+    # the joiner alone either way.
     ranks = [r["ranks"] for r in summary["recoveries"]]
     assert ranks in ([[2], [0], [1]], [[0], [2], [1]], [[0, 2], [1]]), ranks
-    assert (summary["first_step"], summary["steps_completed"]) == (0, 10)
-    assert len(summary["loss"]) == len(summary["step_time_s"]) == 10
+    assert (summary["first_step"], summary["steps_completed"]) == (0, 12)
+    assert len(summary["loss"]) == len(summary["step_time_s"]) == 12
     _check_numbers(run.out, ref.out)
 
 

@@ -693,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="first case index (default 0)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/chaos"), help="run directories")
     parser.add_argument("--json", type=Path, help="write every case's record here")
+    parser.add_argument("--md", type=Path, help="write the tally as a markdown report here")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
     parser.add_argument("--keep", action="store_true", help="keep passing cases' run dirs")
     parser.add_argument("--dry-run", action="store_true", help="print the draw, run nothing")
@@ -765,6 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  FAIL case {rec['case']} ({rec['outcome']}): {rec['rerun']}\n    {rec['command']}")
     if args.json:
         _write_json(args, records, total)
+    if args.md:
+        _write_md(args, records, total)
     return 1 if failed else 0
 
 
@@ -779,6 +782,29 @@ def _case_line(case: Case, rec: dict) -> str:
     if rec["note"]:
         line += f"\n    note: {rec['note']}"
     return line
+
+
+def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> None:
+    """The campaign as docs/chaos.md shows it: command, code, tally, timing, failures."""
+    failed = [r for r in records if not r["ok"]]
+    lines = [
+        "# Randomized fault campaign (measured)",
+        "",
+        f"`scripts/chaos --cases {len(records)} --seed {args.seed}` on {args.code}: real "
+        "processes, real SIGKILL/SIGSTOP, the real bus, on the 2-core host. Outcome rules: "
+        "the docstring of `scripts/chaos.py` (`recovered`, `stopped-ok` and "
+        "`stopped-window` pass; any other outcome is a failure).",
+        "",
+        table(records),
+        "",
+        f"{len(records)} cases in {total:.0f} s ({total / len(records):.1f} s per case); "
+        f"{len(failed)} failed.",
+    ]
+    if failed:
+        lines += ["", "| case | outcome | reproduce |", "|---|---|---|"]
+        lines += [f"| {r['case']} | {r['outcome']} | `{r['command']}` |" for r in failed]
+    args.md.parent.mkdir(parents=True, exist_ok=True)
+    args.md.write_text("\n".join(lines) + "\n")
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:

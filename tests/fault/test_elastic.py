@@ -109,14 +109,22 @@ def test_a_failure_during_a_joins_pause_is_recovered(runs_dir):
     stages = rec["plan"]["stages"]
     assert [sorted(s["ranks"]) for s in stages] == [[0, 4], [2, 3]], stages
     _check_numbers(run.out, ref.out)
-    # The reported command: whether rank 1 dies inside the pause or after it depends on
-    # when the joiner is up; either way every step completes and the numbers match.
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_the_reported_join_and_kill_command_completes(runs_dir):
+    """The command reported against a join's pause. Whether rank 1 dies inside the pause
+    or after it depends on when the joiner is up (the test above forces the first);
+    either way every step completes and the numbers match."""
+    ref = train(runs_dir / "pause_ref_2", *PAUSE_JOB)
     run = train(runs_dir / "pause_kill_2", *PAUSE_JOB, "--fault", "join@3",
                 "--fault", "kill:1@4:optimizer", "--fault", "join@8")  # fmt: skip
     assert run.summary["steps_completed"] == 12
     _check_numbers(run.out, ref.out)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_failure_just_before_a_joins_pause_is_recovered(runs_dir):
     """Rank 2 dies 30 ms after the joiner is up: the exit watch takes its exit and waits
@@ -158,6 +166,7 @@ def test_a_run_left_to_its_joiner_records_every_step(runs_dir):
     _check_numbers(run.out, ref.out)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
     steps = ("--steps", "40")

@@ -78,6 +78,7 @@ def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     ], rec["plan"]  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, reference):
     run = train(
@@ -149,7 +150,8 @@ def test_a_node_slot_left_empty_is_not_waited_for(runs_dir, reference):
     (found by scripts/chaos, seed 1, case 3)."""
     run = train(runs_dir / "node_slot", "--dp", "2", "--pp", "2", "--ranks-per-node", "3",
                 *JOB, "--fault", "kill-node:1@3:forward")  # fmt: skip
-    check_recovered(run, reference(2, 2, 3), world=4, failed=[[3]])
+    # Nodes place snapshots, not numbers: the 1-rank-per-node reference serves.
+    check_recovered(run, reference(2, 2), world=4, failed=[[3]])
 
 
 @pytest.mark.timeout(300)

@@ -50,6 +50,10 @@ def mean_rel(loss: list[float], ref: list[float]) -> float:
     return statistics.mean(abs(a - b) / b for a, b in zip(loss, ref, strict=True))
 
 
+STEP_PHASES = [p for p in Phase if p not in (Phase.PLAN, Phase.APPLY)]
+"""Points of a training step (plan and apply are points of a recovery: see control_plane)."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -71,7 +75,7 @@ def main() -> int:
 
     rows = []
     for position, (dp, pp, rank) in POSITIONS.items():
-        for phase in Phase:
+        for phase in STEP_PHASES:
             out = args.out / f"{position}_{phase}"
             s = train(
                 out,

@@ -71,8 +71,8 @@ Outcomes (``ok``: the first three; any other is a failure, and the script exits 
     unexplained-stop a non-zero exit whose message names no real loss: a rank blamed that
                     no fault touched, a wait that ran out ("did not ... within 30 s"), the
                     Core lost, a stop while pausing for a join or a straggler ("while
-                    waiting for every rank to pause at a step boundary": known, being
-                    fixed in supervisor._pause_and_apply), or no ``job failed`` line
+                    waiting for every rank to pause at a step boundary"), or no ``job
+                    failed`` line
     refused         the CLI refused the drawn job (exit 2): the draw is validated first,
                     so this is a failure of the script or of validation
 
@@ -486,8 +486,7 @@ def judge_stop(case: Case, job: Job, hit: dict[int, str]) -> Verdict:
         return Verdict(
             "unexplained-stop",
             short,
-            "known: a failure during a join's or straggler's pause stops the job "
-            "(supervisor._pause_and_apply)",
+            "a failure during a join's or straggler's pause stopped the job",
         )
     window = re.search(
         r"while waiting for every rank to apply the recovery plan: (.*?)"

@@ -11,10 +11,9 @@ The first frame is what SUB sockets filter on. The discriminator key is ``"event
 rather than ``"kind"`` because recovery events have a field named ``kind``; no event
 class may define a field called ``event_kind``.
 
-Schemas evolve like protobuf: new fields are appended *with defaults*, fields are never
-retyped or removed, and a receiver ignores fields it does not know. A message whose
-``schema_version`` is newer than :data:`SCHEMA_VERSION` is refused, because its meaning
-may have changed.
+Schemas evolve like protobuf: new fields are appended *with defaults*, never retyped or
+removed; a receiver ignores fields it does not know and refuses a ``schema_version``
+newer than :data:`SCHEMA_VERSION` (its meaning may have changed).
 
 :func:`decode` never trusts its input: every problem raises one :class:`SchemaError` whose
 message names the offending value, so that the bus can log it and skip the message.
@@ -25,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
+
+from elaswave.bus.fields import FieldSpec, checker, is_int, short, type_name
 
 SCHEMA_VERSION = 1
 """Version written into every event this code produces."""
@@ -49,7 +50,6 @@ MAX_TOPIC_BYTES = 32
 """Largest topic frame :func:`decode` reads (topic names are a few letters)."""
 
 _NUM_FRAMES = 2
-_MAX_REPR = 80
 
 
 class SchemaError(ValueError):
@@ -126,74 +126,11 @@ class Event:
     schema_version: int = SCHEMA_VERSION
 
 
-# --------------------------------------------------------------------------- type checks
-# msgpack only produces exact builtin types, so exact type tests are both strict
-# (``True`` is not an int) and fast. A checker returns the value or raises TypeError.
-
-
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
-def _exact(tp: type) -> Callable[[object], object]:
-    def check(value: object) -> object:
-        if type(value) is not tp:
-            raise TypeError
-        return value
-
-    return check
-
-
-def _float(value: object) -> float:
-    if type(value) is float:
-        return value
-    if type(value) is int:
-        return float(value)
-    raise TypeError
-
-
-_SCALAR_CHECKERS: dict[Any, Callable[[object], object]] = {
-    int: _exact(int),
-    float: _float,
-    bool: _exact(bool),
-    str: _exact(str),
-}
-
-
-def _checker(tp: Any) -> Callable[[object], object]:
-    """Build the checker for one field annotation (scalars and ``list`` of scalars)."""
-    if tp in _SCALAR_CHECKERS:
-        return _SCALAR_CHECKERS[tp]
-    if typing.get_origin(tp) is list:
-        (item_type,) = typing.get_args(tp)
-        check_item = _SCALAR_CHECKERS[item_type]
-
-        def check_list(value: object) -> object:
-            if type(value) is not list:
-                raise TypeError
-            return [check_item(item) for item in value]
-
-        return check_list
-    raise TypeError(f"event fields must be int, float, bool, str or list of those, not {tp}")
-
-
-def _type_name(tp: Any) -> str:
-    return tp.__name__ if typing.get_origin(tp) is None else str(tp)
-
-
 _E = TypeVar("_E", bound=Event)
-
-
-class _FieldSpec(NamedTuple):
-    name: str
-    check: Callable[[object], object]
-    type_name: str
-    required: bool
-
 
 # kind -> class, and kind -> how to check each field when decoding.
 _REGISTRY: dict[EventKind, type[Event]] = {}
-_FIELD_SPECS: dict[EventKind, tuple[_FieldSpec, ...]] = {}
+_FIELD_SPECS: dict[EventKind, tuple[FieldSpec, ...]] = {}
 
 EVENT_TYPES: Mapping[EventKind, type[Event]] = MappingProxyType(_REGISTRY)
 """Read-only map from every :class:`EventKind` to its event class."""
@@ -215,7 +152,7 @@ def _register(cls: type[_E]) -> type[_E]:
             field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         )
         tp = hints[field.name]
-        specs.append(_FieldSpec(field.name, _checker(tp), _type_name(tp), required))
+        specs.append(FieldSpec(field.name, checker(tp), type_name(tp), required))
     _REGISTRY[kind] = cls
     _FIELD_SPECS[kind] = tuple(specs)
     return cls
@@ -615,19 +552,19 @@ def decode(frames: Sequence[bytes]) -> Event:
         payload = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise SchemaError(f"undecodable msgpack payload ({detail}): {_short(body)}") from None
+        raise SchemaError(f"undecodable msgpack payload ({detail}): {short(body)}") from None
     if not isinstance(payload, dict):
-        raise SchemaError(f"payload must be a map, got {type(payload).__name__} {_short(payload)}")
+        raise SchemaError(f"payload must be a map, got {type(payload).__name__} {short(payload)}")
 
     version = payload.get("schema_version", dataclasses.MISSING)
     if version is dataclasses.MISSING:
         raise SchemaError("payload has no 'schema_version' field")
-    if not _is_int(version) or version not in SUPPORTED_SCHEMA_VERSIONS:
+    if not is_int(version) or version not in SUPPORTED_SCHEMA_VERSIONS:
         supported = sorted(SUPPORTED_SCHEMA_VERSIONS)
-        newer = _is_int(version) and version > SCHEMA_VERSION
+        newer = is_int(version) and version > SCHEMA_VERSION
         hint = " (it is newer: upgrade this process to read it)" if newer else ""
         raise SchemaError(
-            f"unsupported schema_version {_short(version)}{hint}; supported: {supported}"
+            f"unsupported schema_version {short(version)}{hint}; supported: {supported}"
         )
 
     if KIND_KEY not in payload:
@@ -637,12 +574,12 @@ def decode(frames: Sequence[bytes]) -> Event:
         kind = EventKind(raw_kind)
     except (ValueError, TypeError):
         valid = ", ".join(k.value for k in EventKind)
-        raise SchemaError(f"unknown event kind {_short(raw_kind)}; valid kinds: {valid}") from None
+        raise SchemaError(f"unknown event kind {short(raw_kind)}; valid kinds: {valid}") from None
     cls = _REGISTRY[kind]
 
     if topic_frame != cls.TOPIC.value.encode():
         raise SchemaError(
-            f"topic frame {_short(topic_frame)} does not match kind {kind.value!r}, "
+            f"topic frame {short(topic_frame)} does not match kind {kind.value!r}, "
             f"which is published on topic {cls.TOPIC.value!r}"
         )
 
@@ -658,11 +595,6 @@ def decode(frames: Sequence[bytes]) -> Event:
         except TypeError:
             raise SchemaError(
                 f"{kind.value}: field {spec.name!r} expected {spec.type_name}, "
-                f"got {type(value).__name__} {_short(value)}"
+                f"got {type(value).__name__} {short(value)}"
             ) from None
     return cls(**kwargs)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."

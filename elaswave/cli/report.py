@@ -255,7 +255,7 @@ class _Doc:
         return tuple(values)
 
     def stages(self, plan: Any, where: str) -> tuple[StageRow, ...]:
-        """The stages of a plan as :func:`elaswave.runtime.supervisor.plan_summary` writes."""
+        """The stages of a plan as :func:`elaswave.engine.plan.plan_summary` writes."""
         raw = self.get(plan, "stages", list, where)
         if not raw:
             raise ValueError(f"{self.source}: {where}.stages is empty")
@@ -361,8 +361,8 @@ def _read_json(path: Path) -> Any:
 
 def _initial_plan(run_dir: Path) -> dict[str, Any]:
     """The run's first plan, rebuilt from job.json's config as the launcher built it."""
+    from elaswave.engine.plan import plan_summary
     from elaswave.runtime.config import JobConfig
-    from elaswave.runtime.supervisor import plan_summary
 
     path = run_dir / JOB
     if not path.is_file():

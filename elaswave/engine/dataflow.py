@@ -77,9 +77,7 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
                 f"all its ranks {list(stage.ranks)}: no replica holds its layers"
             )
         total = sum(stage.sizes)
-        shrunk = dataclasses.replace(
-            stage, ranks=survivors, **split_shares(total, len(survivors))
-        )
+        shrunk = dataclasses.replace(stage, ranks=survivors, **split_shares(total, len(survivors)))
         stages.append(shrunk)
         reasons.append(
             f"stage {stage.stage}: ranks {lost} failed; ranks {list(survivors)} now take "

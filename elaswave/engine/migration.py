@@ -31,6 +31,9 @@ from elaswave.engine.plan import Plan
 from elaswave.fabric.remap import FP32_BYTES
 
 MIGRATION_MODES = ("nonblocking", "blocking")
+NONE, BLOCKING, NONBLOCKING = "none", "blocking", "nonblocking"
+"""How a change moves layers: no layer moves; parameters gathered before resuming;
+streamed during the transition step."""
 MAX_TRANSFERS = TagSpace.PAYBACK - TagSpace.STREAM
 """Streams (and paybacks) one transition may hold: stream ``i`` uses tag index
 ``TagSpace.STREAM + i``."""
@@ -188,3 +191,31 @@ def plan_transition(
         if early:
             paybacks += [Transfer(move.layer, r, dst[i % len(dst)]) for i, r in enumerate(src)]
     return Transition(moves, early, tuple(streams), tuple(paybacks))
+
+
+def decide_migration(
+    mode: str,
+    old: Plan,
+    new: Plan,
+    *,
+    stale: Collection[int],
+    joined: Collection[int],
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    early: int | None = None,
+) -> dict[str, object]:
+    """How the change from ``old`` to ``new`` moves layers, as summary.json records it:
+    ``mode`` (:data:`NONE`, :data:`BLOCKING` or :data:`NONBLOCKING`), the ``layers``
+    that move, and why they move blocking or how many micro-batches keep the old
+    placement. ``mode``: the job's ``--migration``. The Core decides it once and
+    announces the mode; workers follow it."""
+    moves = layer_moves(old, new)
+    if not moves:
+        return {"mode": NONE, "layers": []}
+    moving = [m.layer for m in moves]
+    why = why_blocking(mode, old, new, stale=stale, joined=joined, layers=layers)
+    if why is not None:
+        return {"mode": BLOCKING, "layers": moving, "why": why}
+    transition = plan_transition(old, new, layers=layers, device=device, early=early)
+    assert transition is not None  # why_blocking found nothing against it
+    return {"mode": NONBLOCKING, "layers": moving, "early_micro_batches": transition.early}

@@ -265,3 +265,24 @@ def initial_plan(
         num_micro_batches=global_batch // (dp * micro_batch),
         stages=tuple(stages),
     )
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """A plan as summary.json records it: its micro-batches per step and, per stage, its
+    layers, ranks, micro-batch shares (whether they rotate, and in blocks of how
+    many micro-batches) and clock."""
+    return {
+        "generation": plan.generation,
+        "num_micro_batches": plan.num_micro_batches,
+        "stages": [
+            {
+                "layers": [s.layer_start, s.layer_stop],
+                "ranks": list(s.ranks),
+                "sizes": list(s.sizes),
+                "rotate": s.rotate,
+                "block": s.block,
+                "mhz": s.mhz,
+            }
+            for s in plan.stages
+        ],
+    }

@@ -133,6 +133,10 @@ def plan_fail_stop(
         if failed & set(stage.ranks):
             check_integrity(stage.ranks, failed, placements[stage.stage])
     committed = min(steps)
+    if new.generation == plan.generation:
+        # Nothing changes (the joiners it was for are gone, say): the members are stopped
+        # all the same and take the next generation, so that every change advances it.
+        new = dataclasses.replace(new, generation=plan.generation + 1)
     return RecoveryDecision(
         new,
         tuple(sorted(failed)),

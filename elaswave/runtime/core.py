@@ -53,6 +53,17 @@ from elaswave.rundir import EVENT_LOG
 log = structlog.get_logger(__name__)
 
 
+def _for_protocol(event: Event) -> bool:
+    """Whether the Core's change protocol takes ``event``."""
+    if isinstance(event, WorkerStarted):
+        return event.joining
+    return isinstance(
+        event,
+        RecoveryReady | PlanAck | RecoveryDone | MigrationDone | StepCompleted | StepTiming
+        | ScaleRequest,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CorePorts:
     """The ports a Core binds (0: any free port): a restarted Core binds its
@@ -122,6 +133,11 @@ class Core:
         the order published (a restarted Core reads its predecessor's here)."""
         self.restored = 0
         """Messages read back from the event log by :meth:`restore`."""
+        self.inbox: asyncio.Queue[tuple[Event, float]] | None = None
+        """Where the events the change protocol takes go as they arrive (with their
+        arrival time), once the supervisor has set it (bounded: it slows the bus)."""
+        self.backlog: list[tuple[Event, float]] = []
+        """Those events as :meth:`restore` read them back from the event log."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
         self._maintain: asyncio.Task[None] | None = None
@@ -220,6 +236,8 @@ class Core:
                 if event.sender == self.client.sender:
                     last[topic] = max(last.get(topic, 0), event.seq)
                 self._dispatch(event, float(obj.get("t", 0.0)))
+                if _for_protocol(event):
+                    self.backlog.append((event, float(obj.get("t", 0.0))))
         if path.exists() and path.stat().st_size > good:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
@@ -245,6 +263,8 @@ class Core:
                 self._writer.append(frames, now)
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             self._dispatch(event, now)
+            if self.inbox is not None and _for_protocol(event):
+                await self.inbox.put((event, now))
             if self.on_event is not None:
                 try:
                     self.on_event(event)

@@ -16,18 +16,18 @@ committed steps come with their RecoveryReady.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from elaswave.bus.schema import RecoveryPlan
-from elaswave.engine.migration import layer_moves, plan_transition, why_blocking
+from elaswave.engine import migration
+from elaswave.engine.change import Rules
+from elaswave.engine.migration import BLOCKING, NONBLOCKING, NONE
 from elaswave.engine.plan import Plan
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
 from elaswave.runtime.config import JobConfig
-
-NONE, BLOCKING, NONBLOCKING = "none", "blocking", "nonblocking"
-"""How a change moves layers: no layer moves; parameters gathered before resuming;
-streamed during the transition step (see :mod:`elaswave.engine.migration`)."""
+from elaswave.runtime.faults import FaultKind, validate_faults
 
 
 def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
@@ -65,24 +65,17 @@ def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing
 def decide_migration(
     cfg: JobConfig, old: Plan, new: Plan, stale: Sequence[int], joined: Sequence[int]
 ) -> dict[str, Any]:
-    """How the change from ``old`` to ``new`` moves layers, as summary.json records it:
-    ``mode`` (:data:`NONE`, :data:`BLOCKING` or :data:`NONBLOCKING`), the ``layers``
-    that move, and why they move blocking or how many micro-batches keep the old
-    placement. The Core decides it once and announces the mode; workers follow it."""
-    moves = layer_moves(old, new)
-    if not moves:
-        return {"mode": NONE, "layers": []}
-    layers = [m.layer for m in moves]
-    why = why_blocking(
-        cfg.train.migration, old, new, stale=stale, joined=joined, layers=cfg.layer_costs
+    """:func:`elaswave.engine.migration.decide_migration` with the job's settings."""
+    return migration.decide_migration(
+        cfg.train.migration,
+        old,
+        new,
+        stale=stale,
+        joined=joined,
+        layers=cfg.layer_costs,
+        device=cfg.cost_device,
+        early=cfg.train.migration_early,
     )
-    if why is not None:
-        return {"mode": BLOCKING, "layers": layers, "why": why}
-    transition = plan_transition(
-        old, new, layers=cfg.layer_costs, device=cfg.cost_device, early=cfg.train.migration_early
-    )
-    assert transition is not None  # why_blocking found nothing against it
-    return {"mode": NONBLOCKING, "layers": layers, "early_micro_batches": transition.early}
 
 
 def announced_migration(decision: RecoveryPlan) -> str:
@@ -93,3 +86,30 @@ def announced_migration(decision: RecoveryPlan) -> str:
             f"{decision.migration!r}; valid: {NONE}, {BLOCKING}, {NONBLOCKING}"
         )
     return decision.migration
+
+
+def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
+    """The change protocol's rules for the job ``cfg`` running in ``run_dir``."""
+    t = cfg.train
+    faults = validate_faults(
+        t.faults, world_size=t.num_ranks, ranks_per_node=t.ranks_per_node, steps=t.steps
+    )
+    resume = (
+        f"resume from its latest checkpoint with --resume {run_dir}"
+        if t.checkpoint_every
+        else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
+    )
+    return Rules(
+        steps=t.steps,
+        recovery=t.recovery,
+        ranks_per_node=t.ranks_per_node,
+        snapshots=t.snapshots,
+        rebalancing=rebalancing_of(cfg, {}),
+        migration=t.migration,
+        migration_early=t.migration_early,
+        stop_timeout_s=max(30.0, t.comm_timeout_s),
+        ack_timeout_s=t.plan_ack_timeout_s,
+        join_steps=tuple(sorted(f.step for f in faults if f.kind is FaultKind.JOIN)),
+        can_spawn=can_spawn,
+        resume_hint=resume,
+    )

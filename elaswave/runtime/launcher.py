@@ -54,6 +54,7 @@ OBSERVED = (Topic.LIFECYCLE, Topic.METRICS, Topic.RECOVERY)
 """What ``on_event`` is given: heartbeats (HEALTH) are the Core's business, and each
 observed message costs this process's CPU beside the workers'."""
 
+
 def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
     """Clear a previous run's outputs; its checkpoints too unless resuming from them."""
     keep_checkpoints = resume_dir is not None and Path(resume_dir).resolve() == run_dir.resolve()

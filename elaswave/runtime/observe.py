@@ -1,0 +1,85 @@
+"""What the Core observes, as inputs of the change protocol
+(:mod:`elaswave.engine.change`): bus events, and worker processes' exits with their own
+account of why."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from elaswave.bus.schema import (
+    Event,
+    MigrationDone,
+    PlanAck,
+    RecoveryDone,
+    RecoveryReady,
+    ScaleRequest,
+    StepCompleted,
+    StepTiming,
+    WorkerStarted,
+)
+from elaswave.engine import change as ch
+from elaswave.rundir import fault_record, rank_log
+
+
+def to_input(event: Event, t: float, scales: int) -> ch.Input | None:
+    """The protocol's input for a bus event that arrived at ``t`` (``scales``: how many
+    ScaleRequests came before it)."""
+    match event:
+        case RecoveryReady():
+            report = ch.Report(
+                committed_step=event.committed_step,
+                params_step=event.params_step,
+                tainted=tuple(event.tainted),
+            )
+            return ch.Ready(event.rank, event.generation, report)
+        case PlanAck():
+            return ch.Acked(event.rank, event.generation, event.attempt, event.plan_digest)
+        case RecoveryDone():
+            applied = ch.Applied(
+                comm_s=event.comm_s,
+                remap_s=event.remap_s,
+                resume_s=event.resume_s,
+                bytes_sent=event.bytes_sent,
+                params_s=event.params_s,
+            )
+            return ch.Done(event.rank, event.generation, applied)
+        case MigrationDone():
+            return ch.Migrated(event.rank, event.generation, event.bytes_streamed, event.waited_s)
+        case StepTiming():
+            return ch.Trained(event.rank, event.generation, event.step)
+        case StepCompleted():
+            return ch.StepDone(event.step, t)
+        case WorkerStarted():
+            return ch.Joining(event.rank)
+        case ScaleRequest():
+            return ch.ScaleUp(scales, event.add)
+    return None
+
+
+def exited(run_dir: Path, rank: int, code: int) -> ch.Exited:
+    """The exit of worker ``rank`` with ``code``: its last error, and when an injected
+    fault killed it (its own record), if it has them."""
+    why = last_error(rank_log(run_dir, rank)) if code else ""
+    killed_at = None
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        killed_at = float(json.loads(fault_record(run_dir, rank).read_text())["killed_at"])
+    return ch.Exited(rank, code, why, killed_at)
+
+
+def last_error(log_path: Path) -> str:
+    """The worker's own account of its failure (its ``worker.failed`` log record), if any.
+
+    A SIGKILLed worker has none: whatever else it logged is not the cause.
+    """
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and doc.get("event") == "worker.failed":
+                return str(doc.get("error", ""))
+    return ""

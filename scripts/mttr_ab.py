@@ -1,0 +1,59 @@
+"""Interleaved A/B of the MTTR of one fault: this tree against a git revision.
+
+    .venv/bin/python scripts/mttr_ab.py --base 73e28cd [--runs 8] [--fault kill:5@10:backward]
+
+Checks the revision out into a temporary worktree and runs the same job alternately on
+it and on this tree (base first, then this tree, ``--runs`` pairs), so that the machine's
+drift hits both alike; prints each pair's MTTR (summary.json) and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mttr(tree: Path, out: Path, args: argparse.Namespace) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--dp", "4", "--pp", "2"]
+    cmd += ["--steps", str(args.steps), "--fault", args.fault, "--out", str(out)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=tree)
+    (rec,) = json.loads((out / "summary.json").read_text())["recoveries"]
+    return float(rec["mttr_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--fault", default="kill:5@10:backward")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base), args.base],
+            cwd=ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            times: dict[str, list[float]] = {"base": [], "this": []}
+            for i in range(args.runs):
+                for name, tree in (("base", base), ("this", ROOT)):
+                    times[name].append(mttr(tree, Path(tmp) / f"{name}{i}", args))
+                print(f"pair {i}: base {times['base'][-1]:.3f} s, this {times['this'][-1]:.3f} s")
+            for name, values in times.items():
+                print(f"{name}: median MTTR {statistics.median(values):.3f} s over {len(values)} runs")
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
+
+
+if __name__ == "__main__":
+    main()

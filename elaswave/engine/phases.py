@@ -33,7 +33,7 @@ from elaswave.engine.change import (
 from elaswave.engine.migration import NONBLOCKING, decide_migration
 from elaswave.engine.plan import plan_summary
 from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
-from elaswave.engine.stopping import Announce, Outcome, on_report, outcome, stop_phase
+from elaswave.engine.stopping import Announce, Outcome, Stopping, on_report, outcome, stop_phase
 from elaswave.fabric.errors import Unrecoverable
 
 KILLED = -int(signal.SIGKILL)
@@ -79,7 +79,8 @@ def describe(state: State, failed: Mapping[int, int]) -> str:
 # ----------------------------------------------------------------------------- phases
 
 
-def new_change(s: State, kind: RecoveryKind, stop: Any, now: float, deadline: float) -> Change:
+def new_change(s: State, kind: RecoveryKind, stop: Stopping, now: float, due: float) -> Change:
+    """A change of ``kind`` seen at ``now``, detecting until ``due``."""
     return Change(
         kind=kind,
         phase=Phase.DETECTING,
@@ -89,7 +90,7 @@ def new_change(s: State, kind: RecoveryKind, stop: Any, now: float, deadline: fl
         stop=stop,
         seen_at=now,
         origin=now,
-        deadline=deadline,
+        deadline=due,
     )
 
 
@@ -130,12 +131,14 @@ def pause(
 
 
 def pause_request(s: State, c: Change) -> PauseRequest:
+    """The announcement of a pause (a join or a rebalance)."""
     return PauseRequest(
         sender="core", generation=c.generation, after_step=c.after_step, reason=c.detail
     )
 
 
 def stop_text(s: State, c: Change) -> str:
+    """What the change is about while members stop: its cause and every loss so far."""
     failed = dict(c.stop.failed)
     if c.kind is RecoveryKind.FAIL_STOP:
         return describe(s, failed)

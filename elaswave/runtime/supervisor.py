@@ -145,7 +145,9 @@ class Supervisor:
             await self._step(ch.Restarted(frozenset(self.procs)))
         ended: float | None = None
         while True:
-            if not self.state.alive:
+            if not self.state.alive and self.state.change is None:
+                # Every worker has exited and no change is left to decide (one under way
+                # ends at its deadlines: committed, or the job stops naming the loss).
                 ended = ended or time.monotonic()
                 if not self.state.finishing or time.monotonic() - ended > FINISH_WAIT_S:
                     return

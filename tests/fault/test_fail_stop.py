@@ -207,6 +207,19 @@ def test_unrecoverable_failures_stop_with_a_clear_message(tmp_path, args, messag
     assert message in proc.stderr
 
 
+@pytest.mark.timeout(200)
+def test_the_last_worker_lost_stops_the_job_naming_it(tmp_path):
+    """Found by scripts/chaos (seed 6, case 25): the last worker died with no change under
+    way, the Core's loop ended on every worker gone before the change was decided, and
+    the Core then failed building a summary of a job no worker finished."""
+    args = ["--dp", "2", "--pp", "1", "--steps", "10"]
+    faults = ["--fault", "kill:0@3:backward", "--fault", "kill:1@6:backward"]
+    proc = elaswave("train", "--out", str(tmp_path / "run"), *args, *faults, timeout=150)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "job failed: rank 1 exited with signal SIGKILL; no worker survives" in proc.stderr
+
+
 def test_bad_fault_specs_are_refused_at_start(tmp_path):
     for spec, message in [
         ("kill:9@3", "rank 9 is not in 0..3"),

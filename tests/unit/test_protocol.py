@@ -279,3 +279,56 @@ def test_a_broken_commit_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(AssertionError, match="committed without the acknowledgements"):
         World.TestCase("runTest").runTest()
     print(f"broken commit rule caught; the shrunk sequence has {LENGTHS[-1]} events")
+
+
+def _drive(layout: tuple[int, int], *events: ch.Input) -> tuple[ch.State, list[ch.Action]]:
+    cfg, rules = _job(*layout)
+    state, actions = ch.initial_state(cfg.plan()), []
+    for event in events:
+        state, more = protocol.step(rules, state, event, 1000.0)
+        actions += more
+    return state, actions
+
+
+def _published(actions: list[ch.Action], kind: type) -> list:
+    return [a.event for a in actions if isinstance(a, ch.Publish) and isinstance(a.event, kind)]
+
+
+def test_a_straggler_that_then_fails_is_planned_without_its_slowdown() -> None:
+    """Found by the model check: the flagged rank's slowdown stayed a planner input after
+    it failed, and the planner refused it (ValueError: the Core crashed)."""
+    report = ch.Report(committed_step=3, params_step=3)
+    state, actions = _drive(
+        (2, 1),
+        ch.Trained(0, 0, 3),
+        ch.Straggling(3, {0: 3.0}, (), "slow"),  # a pause for a fail-slow rebalance
+        ch.Exited(0, -9),  # the slow rank dies while the others pause
+        ch.Ready(1, 0, report),
+    )
+    assert not state.stopped
+    (plan,) = _published(actions, RecoveryPlan)
+    assert plan.failed == [0]
+    assert plan.slow_ranks == []
+
+
+def test_a_join_whose_joiner_died_still_advances_the_generation() -> None:
+    """Found by the model check: with its only joiner gone the plan did not change, kept
+    its generation, and the next change announced the same generation again."""
+    report = ch.Report(committed_step=1, params_step=1)
+    ready = [ch.Ready(r, 0, report) for r in (0, 1)]
+    state, actions = _drive(
+        (2, 1),
+        ch.ScaleUp(0, 1),
+        ch.Joining(2),
+        ch.Exited(2, 1),  # the joiner dies while the members pause
+        *ready,
+    )
+    (plan,) = _published(actions, RecoveryPlan)
+    assert plan.generation == 1
+    assert plan.joined == []
+    acks = [ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1)]
+    done = [ch.Done(r, 1, ch.Applied()) for r in (0, 1)]
+    _, rules = _job(2, 1)
+    for event in (*acks, *done):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    assert state.plan.generation == 1

@@ -2,16 +2,17 @@
 
     .venv/bin/python scripts/mttr_ab.py --base 73e28cd [--runs 8] [--fault kill:5@10:backward]
 
-Checks the revision out into a temporary worktree and runs the same job alternately on
-it and on this tree (base first, then this tree, ``--runs`` pairs), so that the machine's
-drift hits both alike; prints each pair's MTTR (summary.json) and the medians.
+Checks the revision out into a temporary worktree, with a virtual environment that
+sees this one's packages but imports elaswave from the worktree, and runs the same job
+alternately on it and on this tree (base first, then this tree, ``--runs`` pairs), so
+that the machine's drift hits both alike; prints each pair's MTTR (summary.json) and
+the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,11 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mttr(tree: Path, out: Path, args: argparse.Namespace) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--dp", "4", "--pp", "2"]
+def mttr(python: str, tree: Path, out: Path, args: argparse.Namespace) -> float:
+    cmd = [python, "-m", "elaswave.cli.main", "train", "--dp", "4", "--pp", "2"]
     cmd += ["--steps", str(args.steps), "--fault", args.fault, "--out", str(out)]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=tree)
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tree)
     (rec,) = json.loads((out / "summary.json").read_text())["recoveries"]
     return float(rec["mttr_s"])
 
@@ -43,14 +43,22 @@ def main() -> None:
             ["git", "worktree", "add", "--detach", str(base), args.base],
             cwd=ROOT, check=True, capture_output=True,
         )  # fmt: skip
+        venv = Path(tmp) / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        (site,) = (venv / "lib").glob("python*/site-packages")
+        packages = next(p for p in sys.path if p.endswith("site-packages"))
+        (site / "base.pth").write_text(f"{base}\n{packages}\n")  # no editable install
         try:
             times: dict[str, list[float]] = {"base": [], "this": []}
+            pythons = {"base": str(venv / "bin" / "python"), "this": sys.executable}
             for i in range(args.runs):
                 for name, tree in (("base", base), ("this", ROOT)):
-                    times[name].append(mttr(tree, Path(tmp) / f"{name}{i}", args))
+                    times[name].append(mttr(pythons[name], tree, Path(tmp) / f"{name}{i}", args))
                 print(f"pair {i}: base {times['base'][-1]:.3f} s, this {times['this'][-1]:.3f} s")
             for name, values in times.items():
-                print(f"{name}: median MTTR {statistics.median(values):.3f} s over {len(values)} runs")
+                print(
+                    f"{name}: median MTTR {statistics.median(values):.3f} s over {len(values)} runs"
+                )
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
 

@@ -10,7 +10,8 @@ dies and restarts from its persisted state (a JSON round trip of ``State``).
 After every event it checks:
 
 - at most one plan is committed per generation (a restarted Core may send the same
-  commit again, never another);
+  commit again, never another), and only the latest attempt announced: a superseded
+  attempt never runs;
 - a commit only with an acknowledgement of that attempt, delivered to the Core, from
   every participant of the attempt (the survivors and the joiners it announces);
 - a plan becomes current only after its commit, with the committed digest, and only
@@ -123,6 +124,8 @@ class World(RuleBasedStateMachine):
                     f"two plans committed for generation {e.generation}: {self.commits}"
                 )
                 assert self.announced[key].plan_digest == e.plan_digest
+                latest = max(a for g, a in self.announced if g == e.generation)
+                assert e.attempt == latest, f"superseded attempt {e.attempt} committed ({latest})"
                 missing = {
                     r
                     for r in self.participants[key]

@@ -112,13 +112,15 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
         killed_at={**s.killed_at, e.rank: e.killed_at} if e.killed_at is not None else s.killed_at,
     )
     c = s.change
-    if e.rank not in s.plan.ranks:  # a joiner never added: it leaves nothing behind
+    if e.rank not in s.plan.ranks:  # a joiner not added yet
         s = replace(s, joiners=s.joiners - {e.rank})
         out.append(Note("core.joiner_exited", {"rank": e.rank, "code": e.code}))
-        if c is not None and e.rank in c.joined:
+        if c is None or e.rank not in c.joined:
+            return s
+        if c.phase is not Phase.APPLYING:
             return lose(r, s, {e.rank: e.code}, now, out)
-        return s
-    if not s.alive & set(s.plan.ranks):  # the job is over; late joiners have no place
+        # A joiner lost while the plan that adds it is applied: as any participant.
+    elif not s.alive & set(s.plan.ranks):  # the job is over; late joiners have no place
         for rank in sorted(s.alive):
             out.append(Note("core.joiner_stopped", {"rank": rank}))
             out.append(Terminate(rank))

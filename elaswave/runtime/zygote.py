@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import select
@@ -140,6 +141,11 @@ class ForkedProcess:
 def _serve(sock: socket.socket) -> None:
     die_with_parent()
     from elaswave.runtime import coreproc, worker  # loaded once, here, for every child
+
+    # Every object loaded so far (torch, the model code) is the children's for good:
+    # a full collection in a child then scans only what the child made, instead of
+    # pausing a recovery for the whole heap (and copying every page it touches).
+    gc.freeze()
 
     mains = {"core": coreproc.main, "worker": worker.main}
 

@@ -54,9 +54,7 @@ LAYOUTS = [(2, 1), (2, 2), (3, 2), (1, 2), (4, 1)]
 
 @cache
 def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
-    cfg = JobConfig(
-        train=TrainConfig(dp=dp, pp=pp, global_batch=4 * dp, micro_batch=1, steps=40)
-    )
+    cfg = JobConfig(train=TrainConfig(dp=dp, pp=pp, global_batch=4 * dp, micro_batch=1, steps=40))
     return cfg, rules_of(cfg, Path("/run"), can_spawn=True)
 
 
@@ -335,3 +333,25 @@ def test_a_join_whose_joiner_died_still_advances_the_generation() -> None:
     for event in (*acks, *done):
         state, _ = protocol.step(rules, state, event, 1000.0)
     assert state.plan.generation == 1
+
+
+def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_stops_the_job() -> None:
+    """Found by the model check (20,000 sequences): a joiner that died after the commit
+    left the change waiting for it until the apply deadline; it is a participant lost
+    after the commit, like any other (the job stops naming it)."""
+    report = ch.Report(committed_step=1, params_step=1)
+    state, actions = _drive(
+        (2, 1), ch.ScaleUp(0, 1), ch.Joining(2), *(ch.Ready(r, 0, report) for r in (0, 1))
+    )
+    (plan,) = _published(actions, RecoveryPlan)
+    assert plan.joined == [2]
+    _, rules = _job(2, 1)
+    for event in (ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    assert state.change is not None and state.change.phase is ch.Phase.APPLYING
+    state, _ = protocol.step(rules, state, ch.Exited(2, -9), 1000.0)
+    assert state.change.participants <= set(state.plan.ranks) | set(state.change.joined)
+    state, actions = protocol.step(rules, state, ch.Tick(), 1000.0 + rules.exit_grace_s)
+    (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
+    assert "rank 2 exited with signal SIGKILL" in stop.reason
+    assert "while waiting for every rank to apply the recovery plan" in stop.reason

@@ -115,19 +115,8 @@ class Core:
         self.run_finished: RunFinished | None = None
         self.last_heartbeat: dict[int, float] = {}
         """rank -> monotonic time its last heartbeat (or its WorkerStarted) arrived."""
-        self.recovery_events: list[Event] = []
-        """RecoveryReady, PlanAck, RecoveryDone and MigrationDone events, for the
-        supervisor's protocol."""
-        self.steps_completed: list[tuple[int, float]] = []
-        """(step, wall time it arrived) of every StepCompleted, in arrival order."""
         self.step_timings: list[StepTiming] = []
         """Every StepTiming, in arrival order (the fail-slow detector's input)."""
-        self.trained_generation: dict[int, int] = {}
-        """rank -> the latest plan generation it has trained a step under."""
-        self.scale_requests: list[ScaleRequest] = []
-        """Requests to add workers (``elaswave scale``), in arrival order."""
-        self.joining: list[WorkerStarted] = []
-        """WorkerStarted of every worker that joined the running job."""
         self.announcements: list[Event] = []
         """The Core's own FailureDetected, PauseRequest, RecoveryPlan and PlanCommit, in
         the order published (a restarted Core reads its predecessor's here)."""
@@ -209,7 +198,8 @@ class Core:
     def restore(self) -> None:
         """Read the predecessor's event log back: the log service serves it again, the
         tracker knows what was received, the numbering continues, and the state the
-        supervisor reads (recovery reports, step timings, announcements) is rebuilt.
+        supervisor reads (step timings, announcements, the protocol's inputs in
+        :attr:`backlog`) is rebuilt.
         A record cut short by the predecessor's death is cut off the file."""
         path = self.run_dir / EVENT_LOG
         good = 0
@@ -235,7 +225,7 @@ class Core:
                 self.index.add(event.sender, topic, event.seq, frames)
                 if event.sender == self.client.sender:
                     last[topic] = max(last.get(topic, 0), event.seq)
-                self._dispatch(event, float(obj.get("t", 0.0)))
+                self._dispatch(event)
                 if _for_protocol(event):
                     self.backlog.append((event, float(obj.get("t", 0.0))))
         if path.exists() and path.stat().st_size > good:
@@ -262,7 +252,7 @@ class Core:
             if event.sender != self.client.sender:  # its own were logged when sent
                 self._writer.append(frames, now)
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
-            self._dispatch(event, now)
+            self._dispatch(event)
             if self.inbox is not None and _for_protocol(event):
                 await self.inbox.put((event, now))
             if self.on_event is not None:
@@ -272,30 +262,20 @@ class Core:
                     log.exception("core.on_event_failed", kind=str(event.KIND))
             self._changed.set()
 
-    def _dispatch(self, event: Event, t: float) -> None:
-        """Update the state the supervisor reads with ``event``, received at ``t``."""
+    def _dispatch(self, event: Event) -> None:
+        """Update the state the supervisor reads with ``event``."""
         if isinstance(event, Heartbeat):
             self.last_heartbeat[event.rank] = time.monotonic()
         elif isinstance(event, WorkerStarted):
             # Its agent beats from before this on: a worker that hangs before its first
             # heartbeat is silent from here, and fenced like any other.
             self.last_heartbeat[event.rank] = time.monotonic()
-            if event.joining:
-                self.joining.append(event)
         elif isinstance(event, WorkerFinished):
             self.finished[event.rank] = event
         elif isinstance(event, RunFinished):
             self.run_finished = event
-        elif isinstance(event, RecoveryReady | RecoveryDone | MigrationDone | PlanAck):
-            self.recovery_events.append(event)
-        elif isinstance(event, StepCompleted):
-            self.steps_completed.append((event.step, t))
         elif isinstance(event, StepTiming):
             self.step_timings.append(event)
-            trained = self.trained_generation.get(event.rank, -1)
-            self.trained_generation[event.rank] = max(trained, event.generation)
-        elif isinstance(event, ScaleRequest):
-            self.scale_requests.append(event)
         elif (
             isinstance(event, FailureDetected | PauseRequest | RecoveryPlan | PlanCommit)
             and event.sender == self.client.sender

@@ -364,6 +364,11 @@ class Session:
             event = await client.recv()
             if self._superseded(event):
                 continue
+            # Streams first: once a callback has seen an event, every stream holds it
+            # (a stream closed right after a callback saw the last event still yields it).
+            for feed in self._feeds:
+                if (feed.kinds is None or event.KIND in feed.kinds) and not feed.offer(event):
+                    self._unregister_feed(feed)  # its loop is gone
             for subscription in self._subscriptions:
                 if subscription.kinds is None or event.KIND in subscription.kinds:
                     try:
@@ -372,9 +377,6 @@ class Session:
                         logger.exception(
                             "session_callback_failed", sender=self.sender, kind=event.KIND.value
                         )
-            for feed in self._feeds:
-                if (feed.kinds is None or event.KIND in feed.kinds) and not feed.offer(event):
-                    self._unregister_feed(feed)  # its loop is gone
 
     def _unregister_feed(self, feed: _Feed) -> None:
         with self._lock:

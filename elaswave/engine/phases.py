@@ -30,6 +30,7 @@ from elaswave.engine.change import (
     Spawn,
     State,
 )
+from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.migration import NONBLOCKING, decide_migration
 from elaswave.engine.plan import plan_summary
 from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
@@ -457,6 +458,23 @@ def _window(r: Rules, s: State, c: Change) -> str:
         f"{_text(s, c)}; then, while waiting for every rank to apply the recovery plan: "
         f"{describe(s, cause)}{after} (a failure in that window is not recovered: the job "
         f"stops; {r.resume_hint})"
+    )
+
+
+def all_lost(s: State, c: Change) -> str:
+    """Why the job stops when every rank of the plan is gone while a plan adding joiners
+    is applied: the joiners hold no state until it is."""
+    gone = {x: s.codes[x] for x in s.plan.ranks if x in s.codes}
+    try:
+        resize_after_failure(s.plan, s.plan.ranks)
+        lost = "no rank of the plan survives"
+    except Unrecoverable as exc:
+        lost = str(exc)
+    joiners = sorted(s.alive & set(c.joined))
+    return (
+        f"{_text(s, c)}; then, while waiting for every rank to apply the recovery plan: "
+        f"{describe(s, gone)}; unrecoverable: {lost} (joining ranks {joiners} hold no "
+        "state until the plan adding them is applied)"
     )
 
 

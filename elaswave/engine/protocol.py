@@ -66,6 +66,7 @@ from elaswave.engine.phases import (
     Stopped,
     advance,
     after_stop,
+    all_lost,
     announce_failures,
     describe,
     lose,
@@ -121,6 +122,9 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
             return lose(r, s, {e.rank: e.code}, now, out)
         # A joiner lost while the plan that adds it is applied: as any participant.
     elif not s.alive & set(s.plan.ranks):  # the job is over; late joiners have no place
+        if c is not None and c.phase is Phase.APPLYING and s.alive & set(c.joined):
+            # A joiner holds nothing until the plan adding it is applied: the state is gone.
+            raise Stopped(all_lost(s, c))
         for rank in sorted(s.alive):
             out.append(Note("core.joiner_stopped", {"rank": rank}))
             out.append(Terminate(rank))

@@ -355,3 +355,28 @@ def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_stops_the_job() ->
     (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
     assert "rank 2 exited with signal SIGKILL" in stop.reason
     assert "while waiting for every rank to apply the recovery plan" in stop.reason
+
+
+def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> None:
+    """Found by scripts/chaos (seed 8, case 169: dp2 x pp1, both ranks on node 0, a
+    join, then node 0 killed while the join's plan was applied): the Core terminated
+    the joiner as a late joiner with no place and then named its SIGTERM among the
+    failures that stopped the job. The joiner holds no state until the plan is applied:
+    the stage's state is lost, and the stop says so, naming only the killed ranks."""
+    report = ch.Report(committed_step=1, params_step=1)
+    state, actions = _drive(
+        (2, 1), ch.ScaleUp(0, 1), ch.Joining(2), *(ch.Ready(r, 0, report) for r in (0, 1))
+    )
+    (plan,) = _published(actions, RecoveryPlan)
+    _, rules = _job(2, 1)
+    for event in (ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    state, actions = protocol.step(rules, state, ch.Exited(0, -9), 1000.0)
+    assert not any(isinstance(a, ch.Terminate | ch.Stop) for a in actions)
+    state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
+    assert "stage 0 (layers 0-5) lost all its ranks [0, 1]: no replica holds its layers" in (
+        stop.reason
+    )
+    assert "rank 2" not in stop.reason.split("(joining ranks")[0]
+    assert "SIGTERM" not in stop.reason

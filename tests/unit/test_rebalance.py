@@ -101,3 +101,58 @@ def test_policy_needs_the_cost_model() -> None:
         next_plan(_plan(), {5}, Rebalancing(policy=Policy.MIGRATE))
     with pytest.raises(ValueError, match="not in the plan"):
         rebalance(_plan(), layers=LAYERS, device=EMULATED, policy="resize", slowdowns={99: 2.0})
+
+
+def _llama7b_pp4_dp8():
+    from elaswave.model.config import preset
+    from elaswave.sim.policies import SimJob
+
+    job = SimJob(preset("llama2-7b"), device("h100"), tp=1, pp=4, dp=8, micro_batch=1,
+                 global_batch=64, devices_per_node=1)  # fmt: skip
+    return job
+
+
+@pytest.mark.parametrize("policy", [Policy.RESIZE, Policy.MIGRATE, Policy.MIGRATE_DVFS])
+def test_a_returning_rank_goes_to_the_stage_that_lost_one_not_to_a_full_one(policy):
+    """Regression (spot-trace simulation): stage 2 lost two ranks; a returning rank went
+    to stage 0, already eight wide for eight-sample micro-batches, and took no samples
+    (every stage tied on the slowest mini-step and the tie went to stage 0)."""
+    from elaswave.engine.rebalance import place_joiners
+    from elaswave.engine.steptime import plan_step_time
+
+    job = _llama7b_pp4_dp8()
+    plan, _ = next_plan(job.plan(), [16, 17])  # stage 2 is 6 wide
+    placement = place_joiners(plan, [16], layers=job.layers, device=job.device, policy=policy)
+    assert placement == {16: 2}
+    new, _ = next_plan(plan, [], Rebalancing(policy=policy, layers=job.layers, device=job.device),
+                       joined=[16])  # fmt: skip
+    if policy is Policy.MIGRATE_DVFS:
+        return  # its clock heuristics are not monotone in width (a join can slow 1%)
+    before = Rebalancing(policy=policy, layers=job.layers, device=job.device)
+    plan, _ = next_plan(plan, [], before)  # the plan as it ran before the join
+    assert (
+        plan_step_time(new, job.layers, job.device).step_s
+        < plan_step_time(plan, job.layers, job.device).step_s
+    )
+
+
+def test_joiners_never_idle_on_a_wide_stage_while_another_is_narrower():
+    """Brute force over small layouts: the stage chosen never leaves the joiner without
+    samples while a narrower stage exists, and its simulated step is the best among the
+    stages where it would work."""
+    from elaswave.engine.dataflow import add_ranks
+    from elaswave.engine.rebalance import place_joiners
+    from elaswave.engine.steptime import plan_step_time
+
+    for dp, failed in [(4, [5]), (4, [1, 9]), (3, [3, 4]), (4, [12, 13])]:
+        plan, _ = next_plan(_plan() if dp == 4 else initial_plan(
+            num_layers=16, dp=3, pp=4, global_batch=24, micro_batch=2), failed)  # fmt: skip
+        (stage,) = place_joiners(plan, [99], layers=LAYERS, device=EMULATED).values()
+        trial, _ = add_ranks(plan, {99: stage})
+        narrowest = min(s.dp for s in plan.stages)
+        idle = all(trial.stages[stage].shares(k)[-1] == 0
+                   for k in range(trial.stages[stage].period))  # fmt: skip
+        assert not (idle and plan.stages[stage].dp > narrowest)
+        steps = {p: plan_step_time(add_ranks(plan, {99: p})[0], LAYERS, EMULATED).step_s
+                 for p in range(plan.pp)}  # fmt: skip
+        assert steps[stage] <= min(steps.values()) * (1 + 1e-6), (failed, stage, steps)

@@ -34,7 +34,7 @@ from elaswave.sim.mttr import RecoveryCosts
 from elaswave.sim.policies import Layout, SimJob, SimPolicy, answer, baseline
 from elaswave.sim.recycle import OutOfMemory
 from elaswave.sim.timeline import simulate
-from elaswave.sim.trace import poisson_failures
+from elaswave.sim.trace import poisson_failures, to_slots
 
 WORKLOADS = {
     "llama2-7b": (4, 3, 8, 4, 8192),
@@ -114,13 +114,15 @@ def scale_runs(costs: RecoveryCosts) -> list[dict]:
         j = SimJob(PRESETS["llama2-7b"], device("h100"), tp=8, pp=16, dp=dp, micro_batch=1,
                    global_batch=dp * 64)  # fmt: skip
         span = baseline(j).step_s * 1000 * 1500
-        events = poisson_failures(num_nodes=j.num_nodes, devices_per_node=8, mtbf_hours=mtbf,
-                                  duration_ms=span, seed=1, repair_ms=600_000)  # fmt: skip
+        published = poisson_failures(num_nodes=j.num_nodes, devices_per_node=8,
+                                     mtbf_hours=mtbf, duration_ms=span, seed=1,
+                                     repair_ms=600_000)  # fmt: skip
+        trace = to_slots(published, j.num_nodes)
         started = time.perf_counter()
-        timelines = [simulate(j, p, events, steps=1000, costs=costs) for p in SHOWN]
+        timelines = [simulate(j, p, trace.events, steps=1000, costs=costs) for p in SHOWN]
         elapsed = time.perf_counter() - started
         where = f"per-device MTBF {mtbf:g} h, repair 600 s, seed 1"
-        doc = summarise(j, timelines, events, costs=costs, model_name="llama2-7b",
+        doc = summarise(j, timelines, trace, costs=costs, model_name="llama2-7b",
                         description=where)  # fmt: skip
         doc["wall_s_all_policies"] = elapsed
         out.append(doc)

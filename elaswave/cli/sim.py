@@ -1,8 +1,10 @@
 """``elaswave sim``: predict a job's throughput and MTTR under a trace, per policy.
 
 The job is described by flags (model preset, device preset, TP x PP x DP, micro- and
-global batch); the trace comes from a CSV file (``--trace``), a per-device MTBF
-(``--mtbf-hours``) or fixed intervals (``--every-s``). Every policy runs the same trace;
+global batch); the trace comes from a CSV file in the published spot-trace form
+(``--trace``: the cluster starts empty), a per-device MTBF (``--mtbf-hours``), fixed
+intervals (``--every-s``) or a generated spot cluster (``--spot-hours``), and is mapped
+onto the job's node slots (:func:`elaswave.sim.trace.to_slots`). Every policy runs the same trace;
 the command prints one line per policy and writes ``sim.json`` and ``sim.png`` to
 ``--out``. Everything but :func:`render` is pure and needs no matplotlib.
 """
@@ -24,12 +26,16 @@ from elaswave.sim.mttr import RecoveryCosts
 from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
 from elaswave.sim.timeline import Timeline, simulate
 from elaswave.sim.trace import (
-    EventKind,
+    SlotTrace,
     TraceEvent,
+    filled_fraction,
     format_trace,
-    parse_trace,
+    full_start,
     periodic_failures,
     poisson_failures,
+    slot_trace,
+    spot_trace,
+    to_slots,
 )
 
 PLOT_EXTRA = "install the plot extra: pip install 'elaswave[plot]'"
@@ -69,12 +75,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=1000, help="training steps to simulate")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", type=Path, help="CSV of time_ms,add|remove|slow,nodeN[,FACTOR]")
+    src.add_argument(
+        "--trace",
+        type=Path,
+        help="published spot trace, CSV of time_ms,add|remove|slow,NODE[,FACTOR]: the "
+        "cluster starts empty; the job starts once it has a node for every node slot, "
+        "later arrivals wait as spares for a removed node's slot",
+    )
     src.add_argument("--mtbf-hours", type=float, help="per-device MTBF: Poisson node removals")
     src.add_argument("--every-s", type=float, help="remove a node every this many seconds")
+    src.add_argument(
+        "--spot-hours",
+        type=float,
+        help="a generated spot cluster this many hours long: preemption bursts, "
+        "replacements minutes later, less capacity in the afternoon",
+    )
     p.add_argument("--count", type=int, default=1, help="removals for --every-s (default 1)")
     p.add_argument("--repair-s", type=float, help="with --mtbf-hours: a node returns after this")
-    p.add_argument("--seed", type=int, default=0, help="seed of --mtbf-hours")
+    p.add_argument(
+        "--spot-nodes",
+        type=int,
+        help="with --spot-hours: nodes the spot cluster targets (default: the job's "
+        "nodes plus 10%%, at least one spare)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of --mtbf-hours and --spot-hours")
     p.add_argument(
         "--policies",
         default=",".join(p.value for p in SimPolicy),
@@ -124,11 +148,25 @@ def job_from_args(args: argparse.Namespace) -> SimJob:
     )
 
 
-def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tuple[str, tuple]:
-    """(a description, the events) from --trace, --mtbf-hours or --every-s."""
+def spot_nodes(args: argparse.Namespace, job: SimJob) -> int:
+    """The nodes a --spot-hours cluster targets: --spot-nodes, or the job's plus 10%."""
+    if args.spot_nodes is None:
+        return job.num_nodes + max(1, math.ceil(job.num_nodes / 10))
+    if args.spot_hours is None:
+        raise ValueError("--spot-nodes: only with --spot-hours")
+    if not 1 <= args.spot_nodes <= 1_000_000:
+        raise ValueError(f"--spot-nodes {args.spot_nodes}: must be in 1..1000000")
+    return int(args.spot_nodes)
+
+
+def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tuple[str, SlotTrace]:
+    """(a description, the trace on the job's node slots) from --trace, --mtbf-hours,
+    --every-s or --spot-hours; no source: every node there throughout."""
     _positive("mtbf-hours", args.mtbf_hours)
     _positive("every-s", args.every_s)
     _positive("repair-s", args.repair_s)
+    _positive("spot-hours", args.spot_hours)
+    capacity = spot_nodes(args, job)
     if args.trace is not None:
         try:
             text = args.trace.read_text()
@@ -136,8 +174,18 @@ def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tu
             raise ValueError(f"--trace {str(args.trace)!r}: {exc.strerror or exc}") from None
         except UnicodeDecodeError:
             raise ValueError(f"--trace {str(args.trace)!r}: not a text file") from None
-        events = parse_trace(text, num_nodes=job.num_nodes, source=str(args.trace))
-        return f"trace {args.trace}", events
+        slots = slot_trace(text, num_slots=job.num_nodes, source=str(args.trace))
+        return f"trace {args.trace}, job from {slots.start_ms / 1000:.1f} s", slots
+    if args.spot_hours is not None:
+        if args.spot_hours > 10_000:
+            raise ValueError(f"--spot-hours {args.spot_hours!r}: must be at most 10000")
+        events = spot_trace(capacity=capacity, hours=args.spot_hours, seed=args.seed)
+        slots = to_slots(events, job.num_nodes, source="--spot-hours trace")
+        where = (
+            f"spot cluster of {capacity} nodes for {args.spot_hours:g} h, seed {args.seed}, "
+            f"job from {slots.start_ms / 1000:.1f} s"
+        )
+        return where, slots
     if args.mtbf_hours is not None:
         events = poisson_failures(
             num_nodes=job.num_nodes,
@@ -147,7 +195,8 @@ def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tu
             seed=args.seed,
             repair_ms=None if args.repair_s is None else args.repair_s * 1000,
         )
-        return f"per-device MTBF {args.mtbf_hours:g} h, seed {args.seed}", events
+        where = f"per-device MTBF {args.mtbf_hours:g} h, seed {args.seed}"
+        return where, to_slots(events, job.num_nodes)
     if args.every_s is not None:
         if not 0 <= args.count <= job.num_nodes - 1:
             raise ValueError(
@@ -156,28 +205,21 @@ def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tu
         events = periodic_failures(
             num_nodes=job.num_nodes, interval_ms=args.every_s * 1000, count=args.count
         )
-        return f"{args.count} removals every {args.every_s:g} s, last node first", events
-    return "no events", ()
+        where = f"{args.count} removals every {args.every_s:g} s, last node first"
+        return where, to_slots(events, job.num_nodes)
+    return "no events", to_slots(full_start(job.num_nodes), job.num_nodes)
 
 
 def device_fraction(events: Sequence[TraceEvent], num_nodes: int, end_s: float) -> float:
-    """Time-averaged fraction of the job's nodes present over [0, end_s]."""
-    if end_s <= 0:
-        return 1.0
-    present, t, area = num_nodes, 0.0, 0.0
-    for e in sorted(events, key=lambda e: e.time_ms):
-        at = min(e.time_ms / 1000, end_s)
-        area += present * (at - t)
-        t = at
-        present += {EventKind.REMOVE: -1, EventKind.ADD: 1}.get(e.kind, 0)
-    area += present * (end_s - t)
-    return area / (num_nodes * end_s)
+    """Time-averaged fraction of the job's node slots filled over [0, end_s] s after the
+    job's start, from the slot events after the start (:attr:`SlotTrace.events`)."""
+    return filled_fraction(sorted(events, key=lambda e: e.time_ms), num_nodes, end_s)
 
 
 def summarise(
     job: SimJob,
     timelines: Sequence[Timeline],
-    events: Sequence[TraceEvent],
+    trace: SlotTrace,
     *,
     description: str,
     costs: RecoveryCosts,
@@ -199,14 +241,21 @@ def summarise(
             "devices_per_node": job.devices_per_node,
             "layout": job.layout.value,
         },
-        "trace": {"source": description, "events": len(events), "csv": format_trace(events)},
+        "trace": {
+            "source": description,
+            "events": len(trace.events),
+            "start_ms": trace.start_ms,
+            "end_ms": trace.end_ms,
+            "max_spares": max((n for _, n in trace.spares), default=0),
+            "csv": format_trace(trace.published),
+        },
         "assumptions": asdict(costs),
         "baseline": {"step_s": base.step_s, "samples_per_s": base.throughput},
         "policies": {},
     }
     for tl in timelines:
         end = tl.steps[-1].end_s if tl.steps else 0.0
-        frac = device_fraction(events, job.num_nodes, end)
+        frac = device_fraction(trace.events, trace.num_slots, end)
         rel = tl.samples_per_s / base.throughput
         mttrs = [c.mttr_s for c in tl.changes if c.kind == "remove" and c.mttr_s is not None]
         out["policies"][tl.policy.value] = {
@@ -296,10 +345,10 @@ def run(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     costs = RecoveryCosts(checkpoint_every=args.checkpoint_every)
     span_ms = baseline(job).step_s * args.steps * 1000 * 1.5
-    description, events = trace_from_args(args, job, span_ms)
-    timelines = [simulate(job, p, events, steps=args.steps, costs=costs) for p in policies]
+    description, trace = trace_from_args(args, job, span_ms)
+    timelines = [simulate(job, p, trace.events, steps=args.steps, costs=costs) for p in policies]
     doc = summarise(
-        job, timelines, events, description=description, costs=costs, model_name=args.model
+        job, timelines, trace, description=description, costs=costs, model_name=args.model
     )
     try:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -8,23 +8,34 @@ import pytest
 
 from elaswave.cli.main import main
 from elaswave.cli.sim import device_fraction
-from elaswave.sim.trace import parse_trace
+from elaswave.sim.trace import format_trace, full_start, slot_trace
 from tests.png import read_png
 
 pytestmark = pytest.mark.timeout(120)
 
 SMALL = ["--model", "llama2-13b", "--pp", "6", "--dp", "4", "--micro-batch", "2",
          "--global-batch", "2048", "--steps", "30"]  # fmt: skip
+START = format_trace(full_start(12)).removeprefix("time_ms,event,node\n")  # SMALL's 12 nodes
 
 
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("0,remove,node1\n10,explode,node2\n", ":2: '10,explode,node2': unknown event 'explode'"),
-        ("100,remove,node1\n10,remove,node2\n", ":2: '10,remove,node2': time goes backwards"),
-        ("100,remove,node99\n", ":1: '100,remove,node99': unknown node 'node99'; valid: node0"),
-        ("100;remove;node1\n", ":1: '100;remove;node1': expected time_ms,add|remove,nodeN"),
-        ("5,add,node3\n", ":1: '5,add,node3': node3 is already in the job"),
+        ("0,add,node1\n10,explode,node2\n", ":2: '10,explode,node2': unknown event 'explode'"),
+        ("100,add,node1\n10,add,node2\n", ":2: '10,add,node2': time goes backwards"),
+        (
+            "100,remove,node3\n",
+            ":1: '100,remove,node3': node3 is not in the cluster: traces start from an empty "
+            "cluster; add every node first (0,add,node3)",
+        ),
+        ("100,add,node/1\n", ":1: '100,add,node/1': node id 'node/1': use letters, digits"),
+        ("100;remove;node1\n", ":1: '100;remove;node1': expected time_ms,add|remove,NODE"),
+        ("0,add,node3\n5,add,node3\n", ":2: '5,add,node3': node3 is already in the cluster"),
+        (
+            "0,add,a\n0,add,b\n9000,add,c\n",
+            "trace.csv: the trace never has 12 nodes at once for the job's 12 node slots "
+            "(at most 3, first at 9000 ms): use a smaller job (--dp/--pp/--tp)",
+        ),
     ],
 )
 def test_a_bad_trace_is_refused_naming_the_line(tmp_path, capsys, text, words):
@@ -47,6 +58,11 @@ def test_a_bad_trace_is_refused_naming_the_line(tmp_path, capsys, text, words):
         (["--tp", "3"], "tp = 3 does not divide 8 devices per node"),
         (["--trace", "/no/such.csv"], "--trace '/no/such.csv': No such file"),
         (["--every-s", "10", "--count", "12"], "--count 12: must be in 0..11"),
+        (["--spot-hours", "0"], "--spot-hours 0.0: must be a positive number"),
+        (["--spot-hours", "1e9"], "--spot-hours 1000000000.0: must be at most 10000"),
+        (["--spot-hours", "2", "--spot-nodes", "0"], "--spot-nodes 0: must be in 1..1000000"),
+        (["--spot-nodes", "20"], "--spot-nodes: only with --spot-hours"),
+        (["--spot-hours", "1", "--spot-nodes", "8"], "never has 12 nodes at once"),
     ],
 )
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
@@ -57,7 +73,7 @@ def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
 
 def test_a_run_writes_every_policy_to_json_and_a_png(tmp_path, capsys):
     trace = tmp_path / "spot.csv"
-    trace.write_text("time_ms,event,node\n200000,remove,node11\n900000,add,node11\n")
+    trace.write_text(f"time_ms,event,node\n{START}200000,remove,node11\n900000,add,node11\n")
     out = tmp_path / "out"
     assert main(["sim", "--trace", str(trace), "--out", str(out), *SMALL]) == 0
     printed = capsys.readouterr().out
@@ -78,6 +94,19 @@ def test_a_run_writes_every_policy_to_json_and_a_png(tmp_path, capsys):
 
 
 def test_device_fraction_is_the_time_average_of_nodes_present():
-    events = parse_trace("0,remove,node0\n50000,add,node0\n", num_nodes=4)
+    text = format_trace(full_start(4)) + "0,remove,node0\n50000,add,node0\n"
+    events = slot_trace(text, num_slots=4).events
     assert device_fraction(events, 4, 100.0) == pytest.approx((3 * 50 + 4 * 50) / 400)
     assert device_fraction((), 4, 100.0) == 1.0
+
+
+def test_a_spot_cluster_runs_from_its_start_with_spares(tmp_path, capsys):
+    out = tmp_path / "out"
+    flags = ["--spot-hours", "3", "--spot-nodes", "14", "--seed", "2", "--no-plot"]
+    assert main(["sim", "--out", str(out), *SMALL, *flags]) == 0
+    doc = json.loads((out / "sim.json").read_text())
+    trace = doc["trace"]
+    assert trace["source"].startswith("spot cluster of 14 nodes for 3 h, seed 2, job from ")
+    assert 0 < trace["start_ms"] <= 300_000 and trace["max_spares"] >= 1
+    assert trace["csv"].startswith("time_ms,event,node\n")
+    assert all(p["steps"] == 30 for p in doc["policies"].values())

@@ -11,9 +11,15 @@ from elaswave.model.config import PRESETS
 from elaswave.sim.mttr import RecoveryCosts
 from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
 from elaswave.sim.timeline import simulate
-from elaswave.sim.trace import parse_trace, periodic_failures
+from elaswave.sim.trace import TraceEvent, format_trace, full_start, periodic_failures, slot_trace
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def on_full_job(text: str, *, num_nodes: int) -> tuple[TraceEvent, ...]:
+    """The slot events of ``text``'s lines after every node of the job arrived at 0."""
+    return slot_trace(format_trace(full_start(num_nodes)) + text, num_slots=num_nodes).events
+
 
 JOB = SimJob(PRESETS["llama2-7b"], device("ascend-910b"), tp=4, pp=3, dp=8, micro_batch=4,
              global_batch=8192)  # fmt: skip
@@ -30,7 +36,7 @@ def test_without_events_every_step_takes_the_plans_step_time():
 def test_a_removal_loses_the_partial_step_and_is_redone_after_the_overhead():
     step = baseline(JOB).step_s
     at = 3.5 * step
-    trace = parse_trace(f"{at * 1000!r},remove,node3\n", num_nodes=12)
+    trace = on_full_job(f"{at * 1000!r},remove,node3\n", num_nodes=12)
     costs = RecoveryCosts(detect_s=1.5, comm_edit_s=0.5)
     tl = simulate(JOB, SimPolicy.ELASWAVE, trace, steps=6, costs=costs)
     (change,) = tl.changes
@@ -49,7 +55,7 @@ def test_a_removal_loses_the_partial_step_and_is_redone_after_the_overhead():
 def test_checkpoint_restart_redoes_the_steps_since_its_last_checkpoint():
     step = baseline(JOB).step_s
     at = 13.25 * step
-    trace = parse_trace(f"{at * 1000!r},remove,node3\n", num_nodes=12)
+    trace = on_full_job(f"{at * 1000!r},remove,node3\n", num_nodes=12)
     costs = RecoveryCosts(checkpoint_every=10)
     tl = simulate(JOB, SimPolicy.RESTART, trace, steps=20, costs=costs)
     (change,) = tl.changes
@@ -65,7 +71,7 @@ def test_checkpoint_restart_redoes_the_steps_since_its_last_checkpoint():
 
 def test_elaswave_keeps_more_throughput_than_torchft_through_a_trace():
     step = baseline(JOB).step_s
-    trace = parse_trace(
+    trace = on_full_job(
         f"{5 * step * 1000!r},remove,node3\n{30 * step * 1000!r},slow,node6,1.5\n",
         num_nodes=12,
     )
@@ -77,7 +83,7 @@ def test_elaswave_keeps_more_throughput_than_torchft_through_a_trace():
 
 def test_torchft_replicas_rejoin_when_their_node_returns():
     step = baseline(JOB).step_s
-    trace = parse_trace(
+    trace = on_full_job(
         f"{2 * step * 1000!r},remove,node3\n{10 * step * 1000!r},add,node3\n", num_nodes=12
     )
     tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=20)
@@ -87,7 +93,8 @@ def test_torchft_replicas_rejoin_when_their_node_returns():
 
 
 def test_a_job_that_loses_every_replica_stops_with_the_reason():
-    trace = periodic_failures(num_nodes=12, interval_ms=1000, count=4, first_ms=1)
+    published = periodic_failures(num_nodes=12, interval_ms=1000, count=4, first_ms=1)
+    trace = slot_trace(format_trace(published), num_slots=12).events
     # Nodes 11, 10, 9, 8 hold every replica of the last stage.
     tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=5)
     assert tl.stopped is not None and "nothing is left to train" in tl.stopped
@@ -99,7 +106,7 @@ def test_ten_to_the_fifth_devices_simulate_1000_steps_in_under_60_s(dp):
                  global_batch=dp * 64)  # fmt: skip
     step = baseline(job).step_s
     nodes = range(0, job.num_nodes, job.num_nodes // 10)
-    trace = parse_trace(
+    trace = on_full_job(
         "".join(f"{(k + 1) * 90 * step * 1000!r},remove,node{n}\n" for k, n in enumerate(nodes)),
         num_nodes=job.num_nodes,
     )
@@ -115,7 +122,7 @@ def test_recycle_re_routes_until_the_node_returns_and_its_processes_restart():
                  global_batch=2048, layout=Layout.REPLICA_MAJOR)  # fmt: skip
     step = baseline(j13).step_s
     back = 10 * step * 1000
-    trace = parse_trace(f"{2 * step * 1000!r},remove,node0\n{back!r},add,node0\n", num_nodes=12)
+    trace = on_full_job(f"{2 * step * 1000!r},remove,node0\n{back!r},add,node0\n", num_nodes=12)
     costs = RecoveryCosts(process_restart_s=3 * step)
     tl = simulate(j13, SimPolicy.RECYCLE, trace, steps=24, costs=costs)
     remove, add = tl.changes
@@ -130,7 +137,7 @@ def test_recycle_re_routes_until_the_node_returns_and_its_processes_restart():
 def test_recycle_stops_when_its_peers_run_out_of_memory():
     j34 = SimJob(PRESETS["llama2-34b"], device("ascend-910b"), tp=4, pp=8, dp=3, micro_batch=1,
                  global_batch=768, layout=Layout.STAGE_MAJOR)  # fmt: skip
-    trace = parse_trace("1000,remove,node0\n", num_nodes=j34.num_nodes)
+    trace = on_full_job("1000,remove,node0\n", num_nodes=j34.num_nodes)
     tl = simulate(j34, SimPolicy.RECYCLE, trace, steps=5)
     assert tl.stopped is not None and "runs out of memory on stage 0" in tl.stopped
     assert simulate(j34, SimPolicy.ELASWAVE, trace, steps=5).stopped is None

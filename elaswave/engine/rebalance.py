@@ -287,10 +287,17 @@ def _graph_and_clocks(
     moved: list[tuple[int, int, int]] = []
     pp = len(stages)
     if policy in (Policy.MIGRATE, Policy.MIGRATE_DVFS) and pp > 1:  # 2. graph
-        partition = plan_layers(layers, specs, device, num_micro_batches=num_micro_batches)
+        try:
+            partition = plan_layers(layers, specs, device, num_micro_batches=num_micro_batches)
+        except Infeasible:
+            if over:
+                raise
+            partition = None  # no partition fits: the current layers stay where they are
         # Larger micro-batches (regrouped) can leave the current layers past memory
         # (``over``): then the partition, which fits, is taken whatever it gains.
-        if over or partition.bottleneck_s < max(times) * (1.0 - min_gain):
+        if partition is not None and (
+            over or partition.bottleneck_s < max(times) * (1.0 - min_gain)
+        ):
             new_bounds = list(partition.boundaries)
             for layer in range(len(layers)):
                 src = next(p for p in range(pp) if boundaries[p] <= layer < boundaries[p + 1])
@@ -309,6 +316,8 @@ def _graph_and_clocks(
                 f"layers {[m[0] for m in moved]} move stages "
                 f"({', '.join(f'{m[0]}: {m[1]}->{m[2]}' for m in moved)}): {partition.reason}"
             )
+        elif partition is None:
+            reasons.append("no partition of the layers fits in memory: layers stay")
         else:
             reasons.append(
                 f"no partition shortens the slowest mini-step by more than {min_gain:.0%} "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.dataflow import add_ranks, resize_after_failure
+from elaswave.engine.graph import Infeasible
 from elaswave.engine.plan import Plan, snapshot_placements
 from elaswave.engine.rebalance import Policy, place_joiners, rebalance
 from elaswave.fabric.errors import Unrecoverable
@@ -85,14 +86,17 @@ def next_plan(
         policy is Policy.RESIZE and rebalancing is not None and rebalancing.slowdowns
     ):
         assert rebalancing is not None
-        decision = rebalance(
-            resized,
-            layers=rebalancing.layers,
-            device=_device(rebalancing),
-            policy=policy,
-            slowdowns=rebalancing.slowdowns,
-            power_budget=rebalancing.power_budget,
-        )
+        try:
+            decision = rebalance(
+                resized,
+                layers=rebalancing.layers,
+                device=_device(rebalancing),
+                policy=policy,
+                slowdowns=rebalancing.slowdowns,
+                power_budget=rebalancing.power_budget,
+            )
+        except Infeasible as exc:  # the survivors' memory cannot hold their layers
+            raise Unrecoverable(f"the surviving ranks run out of memory: {exc}") from None
         resized, reason = decision.plan, f"{reason}; {decision.reason}"
     if resized == plan:
         return plan, reason

@@ -1,0 +1,304 @@
+"""Ranks that change stage, and pipelines that change shape (pure).
+
+Micro-batch resizing, layer migration and clocks balance a pipeline whose stages keep
+their ranks. They cannot help when a failure empties a stage (nothing is left to hold
+its layers), nor when the survivors are fewer than the stages, and they are a poor
+answer when one stage lost most of its ranks while others kept all theirs. Then
+:func:`reshape` reassigns ranks: a survivor leaves a wide stage for an empty or narrow
+one, and when fewer ranks than stages survive, the pipeline gets fewer stages.
+
+Every candidate is priced by its simulated step (:func:`~elaswave.engine.steptime.
+plan_step_time`, after the throughput planner's rebalancing under the job's policy)
+over a horizon of steps, plus the time to move the bytes the change needs: a rank that
+takes layers it did not hold receives their parameters and its optimizer shard of them
+(:func:`receive_bytes`). The cheapest candidate is the plan. State of an emptied stage
+is assumed to survive in host snapshots placed on other stages (see
+:func:`~elaswave.engine.plan.snapshot_placements`); the caller checks that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from elaswave.comm.group import MAX_MICRO_BATCHES
+from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec
+from elaswave.engine.dataflow import split_shares
+from elaswave.engine.graph import Infeasible, plan_layers
+from elaswave.engine.plan import Plan, StagePlan
+from elaswave.engine.rebalance import Policy, rebalance
+from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.steptime import plan_step_time
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.fabric.remap import FP32_BYTES, STATE_TENSORS
+
+HORIZON_STEPS = 100
+"""Steps over which a reshape's one-off move is weighed against its faster step."""
+
+EXHAUSTIVE = 64
+"""Vectors of stage widths priced one by one when there are at most this many."""
+
+MAX_MOVES = 4
+"""Ranks moved one at a time, at most, while balancing widths (each time one of the
+widest stages gives a rank to whichever stage that prices best)."""
+
+_PARAM = float(FP32_BYTES)
+_OPTIMIZER = float(STATE_TENSORS * FP32_BYTES)
+
+
+@dataclass(frozen=True)
+class Reshaped:
+    plan: Plan
+    moved: tuple[tuple[int, int | None, int], ...]
+    """(rank, its stage before or None for a joiner, its stage after) of every rank whose
+    stage changes."""
+    step_s: float
+    """Simulated step of ``plan``."""
+    move_bytes: float
+    """Most bytes one rank receives for layers it did not hold."""
+    reason: str
+
+
+def receive_bytes(old: Plan, new: Plan, layers: Sequence[LayerCost]) -> dict[int, float]:
+    """Bytes each rank of ``new`` receives: the parameters, and its optimizer shard, of
+    every layer its new stage runs that its old stage did not (all of them for a rank
+    that was not in ``old``)."""
+    params = {c.index: c.params for c in layers}
+    held = {r: set(s.layers) for s in old.stages for r in s.ranks}
+    out = {}
+    for s in new.stages:
+        per = _PARAM + _OPTIMIZER / s.dp
+        for r in s.ranks:
+            out[r] = sum(params[i] for i in s.layers if i not in held.get(r, ())) * per
+    return out
+
+
+def _with_ranks(plan: Plan, assignment: Sequence[Sequence[int]], per_mb: int | None = None) -> Plan:
+    """``plan``'s stages (layers, clocks) with ``assignment[s]`` as stage ``s``'s ranks,
+    every stage's micro-batch shares re-split evenly over global micro-batches of
+    ``per_mb`` samples (default: the plan's)."""
+    per_mb = per_mb or plan.global_batch // plan.num_micro_batches
+    stages = tuple(
+        dataclasses.replace(s, ranks=tuple(ranks), **split_shares(per_mb, len(ranks)))
+        for s, ranks in zip(plan.stages, assignment, strict=True)
+    )
+    return dataclasses.replace(plan, num_micro_batches=plan.global_batch // per_mb, stages=stages)
+
+
+def _pipeline(
+    plan: Plan,
+    ranks: Sequence[int],
+    pp: int,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    samples: int | None = None,
+) -> Plan:
+    """A pipeline of ``pp`` stages over ``ranks`` (in order, as even in width as they
+    go), its layers partitioned by the graph planner, with the largest global
+    micro-batch (a divisor of the global batch, at most the plan's or ``samples``)
+    whose activations fit. Raises Infeasible if none fits in memory."""
+    widths = [len(ranks) // pp + (k < len(ranks) % pp) for k in range(pp)]
+    largest = max(plan.global_batch // plan.num_micro_batches, samples or 0)
+    sizes = [
+        g
+        for g in range(largest, 0, -1)
+        if plan.global_batch % g == 0 and plan.global_batch // g <= MAX_MICRO_BATCHES
+    ]
+    for per_mb in sizes:
+        count = plan.global_batch // per_mb
+        specs = [
+            StageSpec(
+                dp=w,
+                micro_batch=-(-per_mb // w),
+                mhz=device.base_mhz,
+                memory_cap_bytes=device.memory_bytes,
+            )
+            for w in widths
+        ]
+        try:
+            counts = plan_layers(layers, specs, device, num_micro_batches=count).counts
+        except Infeasible:
+            continue
+        stages, start, at = [], 0, 0
+        for k, (n, width) in enumerate(zip(counts, widths, strict=True)):
+            members = tuple(ranks[at : at + width])
+            stages.append(StagePlan(k, start, start + n, members, **split_shares(per_mb, width)))
+            start, at = start + n, at + width
+        return dataclasses.replace(plan, num_micro_batches=count, stages=tuple(stages))
+    raise Infeasible(f"no {pp}-stage pipeline of widths {widths} fits in memory")
+
+
+def reshape(
+    plan: Plan,
+    failed: Collection[int],
+    joined: Sequence[int] = (),
+    *,
+    rebalancing: Rebalancing,
+    horizon: int = HORIZON_STEPS,
+    max_stages: int | None = None,
+    samples: int | None = None,
+) -> Reshaped:
+    """The cheapest plan for ``plan`` without ``failed`` and with ``joined``, letting
+    ranks change stage and the pipeline lose stages (see the module docstring).
+
+    Candidates: the plan without stage changes (:func:`~elaswave.engine.recovery.
+    next_plan`), when every stage keeps a rank; empty stages filled from the widest
+    ones, then one rank at a time from a widest stage to whichever stage prices best
+    while that lowers the price; and, when fewer ranks than stages are left, every shorter
+    pipeline that fits in memory. Raises Unrecoverable when no rank is left or no
+    candidate fits. The result is one generation after ``plan``.
+    """
+    if rebalancing.device is None or not rebalancing.layers:
+        raise ValueError("reshape needs the cost model's layers and device")
+    device, layers = rebalancing.device, rebalancing.layers
+    failed = set(failed)
+    slow = {r: f for r, f in rebalancing.slowdowns.items() if r not in failed}
+    survivors = [[r for r in s.ranks if r not in failed] for s in plan.stages]
+    total = sum(map(len, survivors)) + len(joined)
+    if total == 0:
+        raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank is left to train")
+
+    def finish(trial: Plan) -> Plan:
+        """``trial`` rebalanced under the policy (Infeasible if it cannot fit)."""
+        if rebalancing.policy is not Policy.NONE:
+            trial = rebalance(
+                trial, layers=layers, device=device, policy=rebalancing.policy,
+                slowdowns={r: f for r, f in slow.items() if r in trial.ranks},
+                power_budget=rebalancing.power_budget,
+            ).plan  # fmt: skip
+        return dataclasses.replace(trial, generation=plan.generation + 1)
+
+    def priced(trial: Plan) -> tuple[float, float, float]:
+        """(price, simulated step, most bytes one rank receives) of ``trial``."""
+        step = plan_step_time(trial, layers, device, slowdowns=slow).step_s
+        most = max(receive_bytes(plan, trial, layers).values(), default=0.0)
+        return step * horizon + most / device.p2p_bytes_per_s, step, most
+
+    def price(trial: Plan) -> float:
+        return priced(trial)[0]
+
+    current = plan.global_batch // plan.num_micro_batches
+    sizes = [current]
+    if samples is not None and samples != current and plan.global_batch % samples == 0:
+        sizes.append(samples)  # the job's own micro-batches, if they fit again
+
+    def shaped(a: Sequence[Sequence[int]]) -> tuple[float, Plan | None]:
+        """(price, plan) of the stages' current layers over ``a`` (in the plan's or the
+        job's global micro-batches, whichever prices lower); (inf, None) when the
+        layers cannot fit in the ranks' memory."""
+        best: tuple[float, Plan | None] = (math.inf, None)
+        for per_mb in sizes:
+            try:
+                trial = finish(_with_ranks(plan, a, per_mb))
+            except Infeasible:
+                continue
+            if (trial_price := price(trial)) < best[0]:
+                best = (trial_price, trial)
+        return best
+
+    candidates: list[tuple[Plan, str]] = []
+    if all(survivors):
+        try:
+            kept, why = next_plan(plan, failed, rebalancing, joined=joined)
+            candidates.append((dataclasses.replace(kept, generation=plan.generation + 1), why))
+        except Unrecoverable:
+            pass  # the ranks as they are cannot hold their layers: some must move
+    if total >= plan.pp:
+        assignment = [list(s) for s in survivors]
+        for rank in joined:  # joiners first fill the narrowest stages
+            k = min(range(plan.pp), key=lambda p: (len(assignment[p]), p))
+            assignment[k].append(rank)
+
+        def move(a: list[list[int]], src: int, dst: int) -> list[list[int]]:
+            out = [list(x) for x in a]
+            out[dst].append(out[src].pop())
+            return out
+
+        for k in range(plan.pp):  # an emptied stage takes a rank from the best donor
+            if not assignment[k]:
+                donors = [p for p in range(plan.pp) if len(assignment[p]) > 1]
+                src = min(donors, key=lambda p: (shaped(move(assignment, p, k))[0], p))
+                assignment = move(assignment, src, k)
+        best_price, best = shaped(assignment)
+        vectors = _width_vectors(total, plan.pp)
+        if vectors is not None:  # few enough: price every vector of widths
+            for widths in vectors:
+                trial_assignment = _reassign(assignment, widths)
+                trial_price, trial = shaped(trial_assignment)
+                if trial_price < best_price:
+                    assignment, best, best_price = trial_assignment, trial, trial_price
+        for _ in range(MAX_MOVES if vectors is None else 0):  # steepest descent
+            widest = max(map(len, assignment))
+            trials = [
+                (*shaped(move(assignment, a, b)), a, b)
+                for a in range(plan.pp)
+                for b in range(plan.pp)
+                if a != b and len(assignment[a]) == widest > 1
+            ]
+            if not trials:
+                break
+            trial_price, trial, a, b = min(trials, key=lambda t: (t[0], t[2], t[3]))
+            if trial_price >= best_price:
+                break
+            assignment, best, best_price = move(assignment, a, b), trial, trial_price
+        if best is not None:
+            moves = _describe_moves(plan, best)
+            candidates.append((best, "; ".join(moves) or "ranks keep their stages"))
+    ranks = [r for s in survivors for r in s] + list(joined)
+    most_stages = max(plan.pp, max_stages or plan.pp)
+    if total >= plan.pp:  # longer pipelines, for one that lost stages before
+        others = list(range(plan.pp + 1, min(total, most_stages) + 1))
+    else:  # too few ranks for every stage: shorter ones
+        others = list(range(1, total + 1))
+    for pp in others:
+        try:
+            other = finish(_pipeline(plan, ranks, pp, layers, device, samples))
+        except Infeasible:  # its layers do not fit, even in the smallest micro-batches
+            continue
+        shape = [s.dp for s in other.stages]
+        candidates.append((other, f"{total} ranks for {plan.pp} stages: the pipeline "
+                           f"becomes {pp} stages of widths {shape}"))  # fmt: skip
+    if not candidates:
+        raise Unrecoverable(
+            f"{total} ranks left for a pipeline of {plan.pp} stages, and no pipeline of "
+            f"at most {most_stages} stages over them fits in their memory"
+        )
+    scored = [(priced(p), p, why) for p, why in candidates]
+    (_, step, most), new, why = min(scored, key=lambda c: c[0][0])
+    before = {r: s.stage for s in plan.stages for r in s.ranks}
+    moved = tuple(
+        (r, before.get(r), s.stage) for s in new.stages for r in s.ranks if before.get(r) != s.stage
+    )
+    return Reshaped(new, moved, step, most, f"{why}; simulated step {step:.3f} s")
+
+
+def _width_vectors(total: int, pp: int) -> list[tuple[int, ...]] | None:
+    """Every way to give ``pp`` stages at least one of ``total`` ranks; None past
+    :data:`EXHAUSTIVE` of them (too many to price one by one)."""
+    if math.comb(total - 1, pp - 1) > EXHAUSTIVE:
+        return None
+    return [w for w in itertools.product(range(1, total - pp + 2), repeat=pp) if sum(w) == total]
+
+
+def _reassign(assignment: Sequence[Sequence[int]], widths: Sequence[int]) -> list[list[int]]:
+    """``assignment`` changed to ``widths`` moving as few ranks as possible: each stage
+    keeps its first ranks up to its width; the others fill the stages short of theirs."""
+    keep = [list(a[:w]) for a, w in zip(assignment, widths, strict=True)]
+    spare = [r for a, w in zip(assignment, widths, strict=True) for r in a[w:]]
+    for k, w in enumerate(widths):
+        while len(keep[k]) < w:
+            keep[k].append(spare.pop())
+    return keep
+
+
+def _describe_moves(old: Plan, new: Plan) -> list[str]:
+    before = {r: s.stage for s in old.stages for r in s.ranks}
+    return [
+        f"rank {r} moves from stage {before[r]} to stage {s.stage}"
+        for s in new.stages
+        for r in s.ranks
+        if r in before and before[r] != s.stage
+    ]

@@ -1,0 +1,121 @@
+"""Ranks that change stage and pipelines that change shape: the reshape planner."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from elaswave.engine.cost import device, layer_costs
+from elaswave.engine.plan import initial_plan
+from elaswave.engine.rebalance import Policy
+from elaswave.engine.recovery import Rebalancing
+from elaswave.engine.reshape import HORIZON_STEPS, _with_ranks, receive_bytes, reshape
+from elaswave.engine.steptime import plan_step_time
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.model.config import ModelConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = ModelConfig(num_blocks=14)  # 16 layers
+LAYERS = layer_costs(MODEL, dtype_bytes=4)
+EMULATED = device("emulated")
+
+
+def _rebalancing(policy: Policy = Policy.MIGRATE) -> Rebalancing:
+    return Rebalancing(policy=policy, layers=LAYERS, device=EMULATED)
+
+
+def _plan(dp: int = 2, pp: int = 4):
+    return initial_plan(num_layers=16, dp=dp, pp=pp, global_batch=8 * dp, micro_batch=2)
+
+
+def _covers(plan) -> None:
+    assert plan.stages[0].layer_start == 0
+    for a, b in itertools.pairwise(plan.stages):
+        assert a.layer_stop == b.layer_start
+    assert plan.stages[-1].layer_stop == 16
+    assert all(s.dp >= 1 and sum(s.sizes) == plan.global_batch // plan.num_micro_batches
+               for s in plan.stages)  # fmt: skip
+
+
+def test_a_stage_lost_whole_is_refilled_from_another_stage() -> None:
+    """dp2 x pp2 losing both ranks of stage 1: a rank of stage 0 moves there and the job
+    goes on as dp1 x pp2 (the runtime acceptance's first change)."""
+    plan = _plan(dp=2, pp=2)
+    out = reshape(plan, [2, 3], rebalancing=_rebalancing())
+    _covers(out.plan)
+    assert [s.dp for s in out.plan.stages] == [1, 1]
+    assert out.moved == ((1, 0, 1),)
+    assert out.plan.generation == plan.generation + 1
+    assert out.plan.global_batch == plan.global_batch
+    assert out.move_bytes > 0
+
+
+def test_joiners_then_fill_the_emptied_stage_before_anyone_moves() -> None:
+    plan = _plan(dp=2, pp=2)
+    out = reshape(plan, [2, 3], [4], rebalancing=_rebalancing())
+    assert 4 in out.plan.stages[1].ranks
+    assert (4, None, 1) in out.moved
+
+
+def test_fewer_ranks_than_stages_shrink_the_pipeline() -> None:
+    plan = _plan(dp=1, pp=4)
+    out = reshape(plan, [1, 3], rebalancing=_rebalancing())
+    _covers(out.plan)
+    assert out.plan.pp in (1, 2)  # two one-wide stages, or one two wide: priced
+    assert sorted(out.plan.ranks) == [0, 2]
+
+
+def test_no_rank_left_is_unrecoverable() -> None:
+    with pytest.raises(Unrecoverable, match="no rank is left"):
+        reshape(_plan(dp=1, pp=2), [0, 1], rebalancing=_rebalancing())
+
+
+def test_without_an_emptied_stage_a_move_must_pay_for_itself() -> None:
+    from elaswave.engine.recovery import next_plan
+
+    plan = _plan(dp=4, pp=4)
+    out = reshape(plan, [4], rebalancing=_rebalancing())  # stage 1 is 3 wide
+    _covers(out.plan)
+    kept, _ = next_plan(plan, [4], _rebalancing())
+    step = plan_step_time(kept, LAYERS, EMULATED).step_s
+    if out.moved:
+        most = max(receive_bytes(plan, out.plan, LAYERS).values())
+        assert out.step_s * HORIZON_STEPS + most / EMULATED.p2p_bytes_per_s < step * HORIZON_STEPS
+    else:
+        assert out.step_s == pytest.approx(step)
+
+
+@pytest.mark.parametrize(
+    ("dp", "failed"), [(2, [2, 3]), (3, [3, 4, 5]), (3, [0, 3, 4, 5]), (4, [4, 5, 6, 7, 8])]
+)
+def test_reshape_is_within_five_percent_of_the_best_width_vector(dp, failed) -> None:
+    """Brute force over every vector of stage widths (each survivor kept on its stage
+    where the widths allow): the planner's price is within 5% of the cheapest."""
+    plan = _plan(dp=dp, pp=3)
+    reb = _rebalancing()
+    out = reshape(plan, failed, rebalancing=reb)
+
+    def price(p) -> float:
+        step = plan_step_time(p, LAYERS, EMULATED).step_s
+        most = max(b for r, b in receive_bytes(plan, p, LAYERS).items())
+        return step * HORIZON_STEPS + most / EMULATED.p2p_bytes_per_s
+
+    from elaswave.engine.rebalance import rebalance
+
+    survivors = [[r for r in s.ranks if r not in failed] for s in plan.stages]
+    total = sum(map(len, survivors))
+    best = float("inf")
+    for widths in itertools.product(range(1, total + 1), repeat=plan.pp):
+        if sum(widths) != total:
+            continue
+        keep = [s[:w] for s, w in zip(survivors, widths, strict=True)]
+        spare = [r for s, w in zip(survivors, widths, strict=True) for r in s[w:]]
+        assignment = [
+            k + [spare.pop() for _ in range(w - len(k))] for k, w in zip(keep, widths, strict=True)
+        ]
+        trial = _with_ranks(plan, assignment)
+        trial = rebalance(trial, layers=LAYERS, device=EMULATED, policy=reb.policy).plan
+        best = min(best, price(trial))
+    assert price(out.plan) <= best * 1.05, (price(out.plan), best)

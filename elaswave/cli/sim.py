@@ -73,7 +73,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="how TP groups fill nodes: replica-major (a replica's stages on consecutive "
         "nodes) or stage-major (a stage's replicas on consecutive nodes)",
     )
-    p.add_argument("--steps", type=int, default=1000, help="training steps to simulate")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=1000,
+        help="without --trace or --spot-hours: simulate as long as the fault-free job takes "
+        "for this many steps (default 1000); every policy runs over the same time span",
+    )
+    p.add_argument(
+        "--hours",
+        type=float,
+        help="the simulated span in hours (default: the trace's end from the job's start, "
+        "or --steps fault-free steps)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--trace",
@@ -97,6 +109,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="with --spot-hours: nodes the spot cluster targets (default: the job's "
         "nodes plus 10%%, at least one spare)",
+    )
+    p.add_argument(
+        "--spot-bursts-per-hour",
+        type=float,
+        default=0.5,
+        help="with --spot-hours: preemption bursts per hour (default 0.5)",
+    )
+    p.add_argument(
+        "--spot-burst-mean",
+        type=float,
+        help="with --spot-hours: mean nodes a burst reclaims (default 5%% of the cluster)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of --mtbf-hours and --spot-hours")
     p.add_argument(
@@ -179,7 +202,22 @@ def trace_from_args(args: argparse.Namespace, job: SimJob, span_ms: float) -> tu
     if args.spot_hours is not None:
         if args.spot_hours > 10_000:
             raise ValueError(f"--spot-hours {args.spot_hours!r}: must be at most 10000")
-        events = spot_trace(capacity=capacity, hours=args.spot_hours, seed=args.seed)
+        if not 0 <= args.spot_bursts_per_hour <= 1000:
+            raise ValueError(
+                f"--spot-bursts-per-hour {args.spot_bursts_per_hour!r}: must be in 0..1000"
+            )
+        if args.spot_burst_mean is not None and not 1 <= args.spot_burst_mean <= capacity:
+            raise ValueError(
+                f"--spot-burst-mean {args.spot_burst_mean!r}: must be in 1..{capacity} "
+                "(the spot cluster's nodes)"
+            )
+        events = spot_trace(
+            capacity=capacity,
+            hours=args.spot_hours,
+            seed=args.seed,
+            bursts_per_hour=args.spot_bursts_per_hour,
+            burst_mean=args.spot_burst_mean,
+        )
         slots = to_slots(events, job.num_nodes, source="--spot-hours trace")
         where = (
             f"spot cluster of {capacity} nodes for {args.spot_hours:g} h, seed {args.seed}, "
@@ -254,7 +292,7 @@ def summarise(
         "policies": {},
     }
     for tl in timelines:
-        end = tl.steps[-1].end_s if tl.steps else 0.0
+        end = tl.span_s if tl.span_s is not None else (tl.steps[-1].end_s if tl.steps else 0.0)
         frac = device_fraction(trace.events, trace.num_slots, end)
         rel = tl.samples_per_s / base.throughput
         mttrs = [c.mttr_s for c in tl.changes if c.kind == "remove" and c.mttr_s is not None]
@@ -266,6 +304,7 @@ def summarise(
             "steps": len(tl.steps),
             "simulated_s": end,
             "stopped": tl.stopped,
+            "waited_s": tl.waited_s,
             "median_mttr_s": statistics.median(mttrs) if mttrs else None,
             "changes": [asdict(c) for c in tl.changes],
             "timeline": [
@@ -285,14 +324,14 @@ def lines(doc: dict[str, Any]) -> list[str]:
         f"{doc['baseline']['samples_per_s']:.1f} samples/s"
     )
     out = [head, f"{'policy':<18}{'samples/s':>11}{'vs fault-free':>15}{'LSE':>7}"
-           f"{'median MTTR':>13}  stopped"]  # fmt: skip
+           f"{'median MTTR':>13}{'waited':>10}"]  # fmt: skip
     for name, p in doc["policies"].items():
         lse = p["linear_scaling_efficiency"]
         mttr = p["median_mttr_s"]
         out.append(
             f"{name:<18}{p['samples_per_s']:>11.1f}{p['vs_fault_free']:>15.3f}"
             f"{'' if lse is None else f'{lse:.3f}':>7}"
-            f"{'-' if mttr is None else f'{mttr:.1f} s':>13}  {p['stopped'] or ''}"
+            f"{'-' if mttr is None else f'{mttr:.1f} s':>13}{p['waited_s']:>9.0f}s"
         )
     return out
 
@@ -325,7 +364,7 @@ def render(doc: dict[str, Any], out: Path) -> None:
     bars = right.bar(range(len(names)), rates, color=[COLOURS[SimPolicy(n)] for n in names])
     for bar, n in zip(bars, names, strict=True):
         p = doc["policies"][n]
-        label = "stopped" if p["stopped"] else f"{p['vs_fault_free']:.2f}"
+        label = f"{p['vs_fault_free']:.2f}"
         right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                        ha="center", va="bottom", fontsize=8)  # fmt: skip
     right.axhline(doc["baseline"]["samples_per_s"], color="black", ls=":", lw=1)
@@ -337,16 +376,29 @@ def render(doc: dict[str, Any], out: Path) -> None:
         raise ValueError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
 
 
+def span_s(args: argparse.Namespace, job: SimJob, trace: SlotTrace) -> float:
+    """The stretch every policy is simulated over: --hours; else a published or
+    generated spot trace's end from the job's start; else --steps fault-free steps."""
+    if args.hours is not None:
+        return float(args.hours) * 3600
+    end_s = (trace.end_ms - trace.start_ms) / 1000
+    if (args.trace is not None or args.spot_hours is not None) and end_s > 0:
+        return end_s
+    return baseline(job).step_s * args.steps
+
+
 def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     for name in ("steps", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     job = job_from_args(args)
+    _positive("hours", args.hours)
     costs = RecoveryCosts(checkpoint_every=args.checkpoint_every)
     span_ms = baseline(job).step_s * args.steps * 1000 * 1.5
     description, trace = trace_from_args(args, job, span_ms)
-    timelines = [simulate(job, p, trace.events, steps=args.steps, costs=costs) for p in policies]
+    until = span_s(args, job, trace)
+    timelines = [simulate(job, p, trace.events, until_s=until, costs=costs) for p in policies]
     doc = summarise(
         job, timelines, trace, description=description, costs=costs, model_name=args.model
     )

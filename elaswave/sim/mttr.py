@@ -148,6 +148,29 @@ def elaswave_removal(
     )
 
 
+def elaswave_reshape(
+    old: Plan,
+    new: Plan,
+    failed: set[int],
+    move_bytes: float,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    costs: RecoveryCosts,
+) -> Overhead:
+    """Ranks change stage (:func:`elaswave.engine.reshape.reshape`): detect, edit the
+    communicator, and move, blocking, the layers each rank takes over (parameters and
+    its optimizer shard, from the surviving owners or the host snapshots placed on
+    other stages); the failed ranks' own shards come back as in any removal."""
+    restore = shard_restore_bytes(old, failed, layers)
+    parts = {"detect": costs.detect_s} if failed else {}
+    parts |= {
+        "communicator edit": costs.comm_edit_s,
+        "shard restore": restore / device.p2p_bytes_per_s,
+        "stage change": move_bytes / device.p2p_bytes_per_s,
+    }
+    return Overhead.of(parts, max(restore, move_bytes))
+
+
 def elaswave_replan(
     old: Plan,
     new: Plan,

@@ -21,8 +21,11 @@ so losing ``k`` consecutive nodes of a replica's span loses whole replicas).
   the checkpoint load and the steps redone since the last checkpoint.
 
 When the failed ranks are whole replicas, resizing or re-routing has nothing to gain over
-letting them go, and ElasWave and ReCycle answer as TorchFT does; so they do when a
-failure takes a stage's last rank and the pipeline cannot be kept.
+letting them go, and ElasWave and ReCycle answer as TorchFT does. When a failure takes a
+stage's last rank, ElasWave's ranks change stage (:func:`elaswave.engine.reshape.
+reshape`: survivors of wider stages move to it, or the pipeline gets fewer stages);
+ReCycle re-routes within a stage only, so it falls back to dropping replicas. A policy
+that cannot go on raises Unrecoverable, and the timeline waits for nodes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.reshape import reshape
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
@@ -111,6 +115,11 @@ class SimJob:
         return -(-self.num_devices // self.devices_per_node)
 
     @property
+    def samples(self) -> int:
+        """Samples in one global micro-batch of the static job."""
+        return self.micro_batch * self.dp
+
+    @property
     def power_budget(self) -> float:
         """What DVFS may draw, in ranks at the base clock: the job's launch size."""
         return float(self.pp * self.dp)
@@ -161,6 +170,10 @@ class Outcome:
     reason: str
     rerouted: frozenset[int] = frozenset()
     """ReCycle: failed ranks of ``plan`` whose micro-batches peers run."""
+    stage_moves: tuple[tuple[int, int | None, int], ...] = ()
+    """ElasWave: (rank, stage before, stage after) of ranks that change stage."""
+    move_bytes: float = 0.0
+    """ElasWave: most bytes one rank receives for the layers of its new stage."""
 
     @property
     def samples_per_step(self) -> int:
@@ -187,6 +200,10 @@ def keep_replicas(plan: Plan, keep: Sequence[int], *, generation: int) -> Plan:
 
 def _drop_replicas(plan: Plan, failed: Collection[int]) -> tuple[Plan, str]:
     """TorchFT: every replica index with a failed rank in any stage leaves all stages."""
+    if len({s.dp for s in plan.stages}) != 1:
+        raise Unrecoverable(
+            f"stages of widths {[s.dp for s in plan.stages]} hold no whole replicas to keep"
+        )
     lost = {s.ranks.index(r) for s in plan.stages for r in failed if r in s.ranks}
     keep = [i for i in range(plan.stages[0].dp) if i not in lost]
     if not keep:
@@ -238,9 +255,16 @@ def answer(
         )  # fmt: skip
         try:
             new, reason = next_plan(plan, failed, rebalancing)
-        except Unrecoverable as exc:
-            new, why = _drop_replicas(plan, failed)
-            reason = f"{exc}; falls back to dropping replicas: {why}"
+        except Unrecoverable as exc:  # a stage lost every rank: ranks change stage
+            shaped = reshape(
+                plan, failed, rebalancing=rebalancing, max_stages=job.pp, samples=job.samples
+            )
+            moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in shaped.moved)
+            reason = f"{exc}; ranks change stage ({moved}): {shaped.reason}"
+            return Outcome(
+                policy, shaped.plan, shaped.step_s, reason,
+                stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
+            )  # fmt: skip
     step = plan_step_time(new, job.layers, job.device).step_s
     return Outcome(policy, new, step, reason)
 

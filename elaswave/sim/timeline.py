@@ -10,21 +10,34 @@ time of :class:`~elaswave.sim.mttr.RecoveryCosts`), except under checkpoint-rest
 which restarts the whole job for it. MTTR of a removal runs from the event to the end
 of the redone step, as the runtime measures it; for checkpoint-restart, to the end of
 the step the failure hit.
+
+A policy that cannot go on after a removal (a stage of ReCycle's job or of a TorchFT
+replica set lost for good, fewer ranks than a restart needs, no rank left) does not
+stop: the job **waits** for nodes. ElasWave waits with its state in memory while any
+rank of its plan lives, and resumes when the returning ranks let
+:func:`~elaswave.engine.reshape.reshape` form a pipeline (ranks change stage, stages may
+merge); every other resumption is a checkpoint-restart on the ranks alive (every policy
+checkpoints every ``checkpoint_every`` steps, so steps since then are redone).
+``until_s`` ends the simulation at a time rather than a step count, so that every policy
+is measured over the same stretch of the trace.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.engine.plan import Plan
 from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.reshape import reshape
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.sim import mttr
 from elaswave.sim.mttr import Overhead, RecoveryCosts
 from elaswave.sim.policies import (
     REBALANCE,
+    Outcome,
     SimJob,
     SimPolicy,
     answer,
@@ -32,6 +45,7 @@ from elaswave.sim.policies import (
     recycle_time,
     restart_plan,
 )
+from elaswave.sim.recycle import OutOfMemory
 from elaswave.sim.trace import EventKind, TraceEvent
 
 
@@ -68,14 +82,22 @@ class Timeline:
     steps: list[StepRecord] = field(default_factory=list)
     changes: list[ChangeRecord] = field(default_factory=list)
     stopped: str | None = None
-    """Why the job could not go on, if it stopped."""
+    """Why the job could not go on, if it stopped (it waits for nodes instead, so only
+    a trace that ends while it waits leaves it unfinished: see ``waited_s``)."""
+    waited_s: float = 0.0
+    """Time spent waiting for nodes, training nothing."""
+    span_s: float | None = None
+    """The simulated stretch (``until_s``); None: up to the last step."""
 
     @property
     def samples_per_s(self) -> float:
         """Time-averaged throughput over the simulated span."""
-        if not self.steps:
+        end = (
+            self.span_s if self.span_s is not None else (self.steps[-1].end_s if self.steps else 0)
+        )
+        if not self.steps or end <= 0:
             return 0.0
-        return sum(s.samples for s in self.steps) / self.steps[-1].end_s
+        return sum(s.samples for s in self.steps if s.end_s <= end) / end
 
 
 def _restore_replicas(plan: Plan, full: Plan, alive: set[int]) -> Plan:
@@ -97,7 +119,9 @@ class _State:
     slow: dict[int, float] = field(default_factory=dict)
     alive: set[int] = field(default_factory=set)
     checkpoint: tuple[int, float] = (0, 0.0)
-    """Checkpoint-restart: (steps done, time) at the last checkpoint."""
+    """(steps done, time) at the last checkpoint."""
+    waiting: set[int] | None = None
+    """While the job waits for nodes: the ranks of ``plan`` that are gone."""
 
 
 def simulate(
@@ -105,10 +129,16 @@ def simulate(
     policy: SimPolicy,
     trace: Sequence[TraceEvent],
     *,
-    steps: int,
+    steps: int | None = None,
+    until_s: float | None = None,
     costs: RecoveryCosts | None = None,
 ) -> Timeline:
-    """Run ``steps`` training steps of ``job`` under ``trace`` with ``policy``."""
+    """Run ``job`` under ``trace`` with ``policy`` for ``steps`` training steps or until
+    ``until_s`` seconds, whichever comes first (at least one must be given)."""
+    if steps is None and until_s is None:
+        raise ValueError("give steps, until_s or both")
+    steps = steps if steps is not None else 2**62
+    until = until_s if until_s is not None else math.inf
     costs = costs or RecoveryCosts()
     full = job.plan()
     st = _State(full, alive=set(full.ranks))
@@ -125,12 +155,43 @@ def simulate(
             )
         return cache[key]
 
-    out = Timeline(policy)
+    out = Timeline(policy, span_s=until_s)
     events = _as_seen(policy, trace, costs)
     t, step, i = 0.0, 0, 0
     pending: list[ChangeRecord] = []  # removals waiting for their redone step
     redo_until = 0  # checkpoint-restart: MTTR ends when the lost steps are redone
-    while step < steps:
+    while step < steps and t < until:
+        if st.waiting is not None:  # nothing trains until nodes return
+            event = events[i] if i < len(events) else None
+            if event is None or event.time_ms / 1000 >= until:
+                out.waited_s += until - t
+                t = until
+                break
+            i += 1
+            at = max(t, event.time_ms / 1000)
+            out.waited_s += at - t
+            t = at
+            ranks = tuple(job.ranks_of_node(event.node))
+            if event.kind is EventKind.SLOW:
+                _slow(st, event, ranks)
+                continue
+            if event.kind is EventKind.REMOVE:
+                st.alive -= set(ranks)
+                st.waiting |= set(ranks) & set(st.plan.ranks)
+                continue
+            st.alive |= set(ranks)
+            resumed = _resume(job, policy, st, costs)
+            if resumed is None:
+                continue
+            rollback, record = resumed
+            if rollback:
+                done, _ = st.checkpoint
+                del out.steps[done:]
+                step = done
+                redo_until = step + 1
+            out.changes.append(replace(record, time_s=t, node=event.node, ranks=ranks))
+            t += record.overhead_s
+            continue
         dt = step_time()
         event = events[i] if i < len(events) else None
         if event is not None and event.time_ms / 1000 < t + dt:
@@ -145,9 +206,14 @@ def simulate(
                 old, lost = st.plan, at - t
                 try:
                     new = answer(policy, job, old, gone, rerouted=st.rerouted, alive=st.alive)
-                except Unrecoverable as exc:
-                    out.stopped = f"node{event.node} removed at {at:.1f} s: {exc}"
-                    break
+                except (Unrecoverable, OutOfMemory) as exc:
+                    st.waiting = set(gone) | (set(st.rerouted) - st.alive)
+                    why = f"waits for nodes: {exc}"
+                    pending.append(
+                        ChangeRecord(at, "remove", event.node, ranks, lost, 0.0, None, why)
+                    )
+                    t = at
+                    continue
                 st.plan, st.rerouted = new.plan, new.rerouted
                 if policy is SimPolicy.RESTART:
                     done, when = st.checkpoint
@@ -155,7 +221,7 @@ def simulate(
                     redo_until = step + 1
                     del out.steps[done:]
                     step = done
-                cost = _removal_cost(job, policy, old, st, set(gone), costs, step_time())
+                cost = _removal_cost(job, policy, old, st, set(gone), costs, step_time(), new)
                 pending.append(
                     ChangeRecord(
                         at,
@@ -173,11 +239,11 @@ def simulate(
                 t = at + cost.seconds
                 continue
             # Slowdowns and additions wait for the step boundary.
-            t = _finish_step(out, st, step, t, dt, costs, policy)
+            t = _finish_step(out, st, step, t, dt, costs)
             step += 1
             t = _boundary_change(job, policy, full, st, event, ranks, t, costs, out)
             continue
-        t = _finish_step(out, st, step, t, dt, costs, policy)
+        t = _finish_step(out, st, step, t, dt, costs)
         step += 1
         if step >= redo_until:
             for rec in pending:
@@ -214,19 +280,62 @@ def _as_seen(
 
 
 def _finish_step(
-    out: Timeline,
-    st: _State,
-    step: int,
-    t: float,
-    dt: float,
-    costs: RecoveryCosts,
-    policy: SimPolicy,
+    out: Timeline, st: _State, step: int, t: float, dt: float, costs: RecoveryCosts
 ) -> float:
     t += dt
     out.steps.append(StepRecord(step, t, dt, st.plan.global_batch))
-    if policy is SimPolicy.RESTART and (step + 1) % costs.checkpoint_every == 0:
+    if (step + 1) % costs.checkpoint_every == 0:
         st.checkpoint = (step + 1, t)
     return t
+
+
+def _slow(st: _State, event: TraceEvent, ranks: Sequence[int]) -> None:
+    for r in ranks:
+        if event.factor == 1.0:
+            st.slow.pop(r, None)
+        else:
+            st.slow[r] = event.factor
+
+
+def _resume(
+    job: SimJob, policy: SimPolicy, st: _State, costs: RecoveryCosts
+) -> tuple[bool, ChangeRecord] | None:
+    """The plan a waiting job resumes on now, if any: (whether it rolls back to its last
+    checkpoint, the change). ElasWave resumes from memory while a rank of its plan
+    lives; otherwise the job restarts from its checkpoint on the ranks alive."""
+    assert st.waiting is not None
+    gone = st.waiting
+    if policy.is_elaswave and set(st.plan.ranks) - gone:
+        joined = sorted(st.alive - set(st.plan.ranks))
+        rebalancing = Rebalancing(
+            policy=REBALANCE[policy], layers=job.layers, device=job.device,
+            power_budget=job.power_budget,
+        )  # fmt: skip
+        try:
+            shaped = reshape(
+                st.plan, gone, joined, rebalancing=rebalancing, max_stages=job.pp,
+                samples=job.samples,
+            )  # fmt: skip
+        except Unrecoverable:
+            return None
+        old, st.plan, st.waiting = st.plan, shaped.plan, None
+        cost = mttr.elaswave_reshape(
+            old, st.plan, gone, shaped.move_bytes, job.layers, job.device, costs
+        )
+        why = f"resumes from memory: {shaped.reason}"
+        return False, ChangeRecord(0.0, "resume", -1, (), 0.0, cost.seconds, cost.seconds, why,
+                                   cost.parts, cost.moved_bytes)  # fmt: skip
+    try:
+        new, reason = restart_plan(job, st.alive)
+    except Unrecoverable:
+        return None
+    st.plan, st.rerouted, st.waiting = new, frozenset(), None
+    cost = mttr.restart(
+        new, job.layers, job.device, costs, devices_per_node=job.devices_per_node, detect=False
+    )
+    why = f"resumes from its last checkpoint: {reason}"
+    return True, ChangeRecord(0.0, "resume", -1, (), 0.0, cost.seconds, cost.seconds, why,
+                              cost.parts, cost.moved_bytes)  # fmt: skip
 
 
 def _removal_cost(
@@ -237,7 +346,12 @@ def _removal_cost(
     gone: set[int],
     costs: RecoveryCosts,
     redo_s: float,
+    outcome: Outcome,
 ) -> Overhead:
+    if policy.is_elaswave and outcome.stage_moves:
+        return mttr.elaswave_reshape(
+            old, st.plan, gone, outcome.move_bytes, job.layers, job.device, costs
+        )
     if policy.is_elaswave:
         return mttr.elaswave_removal(
             old, st.plan, gone, job.layers, job.device, costs, redo_step_s=redo_s
@@ -269,11 +383,7 @@ def _boundary_change(
 ) -> float:
     """Apply a slowdown or an addition at a step boundary; returns the time after it."""
     if event.kind is EventKind.SLOW:
-        for r in ranks:
-            if event.factor == 1.0:
-                st.slow.pop(r, None)
-            else:
-                st.slow[r] = event.factor
+        _slow(st, event, ranks)
     else:
         st.alive |= set(ranks)
     old = st.plan
@@ -287,7 +397,15 @@ def _boundary_change(
             device=job.device,
             power_budget=job.power_budget,
         )
-        st.plan, reason = next_plan(old, [], rebalancing, joined=joined)
+        shrunk = old.pp < job.pp or old.global_batch // old.num_micro_batches < job.samples
+        if joined and shrunk:  # joiners may restore the stages and micro-batches it lost
+            shaped = reshape(
+                old, [], joined, rebalancing=rebalancing, max_stages=job.pp,
+                samples=job.samples,
+            )  # fmt: skip
+            st.plan, reason = shaped.plan, f"ranks join: {shaped.reason}"
+        else:
+            st.plan, reason = next_plan(old, [], rebalancing, joined=joined)
         if st.plan is not old:
             redo = plan_step_time(st.plan, job.layers, job.device).step_s
             cost = mttr.elaswave_replan(

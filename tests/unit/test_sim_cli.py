@@ -81,8 +81,8 @@ def test_a_run_writes_every_policy_to_json_and_a_png(tmp_path, capsys):
     assert list(doc["policies"]) == [
         "elaswave", "elaswave-migrate", "elaswave-resize", "recycle", "torchft", "restart"
     ]  # fmt: skip
-    for name, p in doc["policies"].items():
-        assert p["steps"] == 30 and name in printed
+    for name, p in doc["policies"].items():  # all over the same stretch: the trace's
+        assert p["simulated_s"] == 900 and p["steps"] >= 5 and name in printed
         removal = next(c for c in p["changes"] if c["kind"] == "remove")
         assert removal["mttr_s"] > removal["overhead_s"] > 0
     ew, ft = doc["policies"]["elaswave"], doc["policies"]["torchft"]
@@ -109,4 +109,5 @@ def test_a_spot_cluster_runs_from_its_start_with_spares(tmp_path, capsys):
     assert trace["source"].startswith("spot cluster of 14 nodes for 3 h, seed 2, job from ")
     assert 0 < trace["start_ms"] <= 300_000 and trace["max_spares"] >= 1
     assert trace["csv"].startswith("time_ms,event,node\n")
-    assert all(p["steps"] == 30 for p in doc["policies"].values())
+    span = (trace["end_ms"] - trace["start_ms"]) / 1000  # the trace from the job's start
+    assert all(p["simulated_s"] == pytest.approx(span) for p in doc["policies"].values())

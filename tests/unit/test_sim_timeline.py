@@ -92,12 +92,46 @@ def test_torchft_replicas_rejoin_when_their_node_returns():
     assert [c.kind for c in tl.changes] == ["remove", "add"]
 
 
-def test_a_job_that_loses_every_replica_stops_with_the_reason():
+def test_a_job_that_loses_every_replica_waits_for_nodes_then_restarts_from_its_checkpoint():
+    """TorchFT once every replica lost a rank: no stop; it waits with nothing to train,
+    and when a node comes back (after its processes start) it restarts from its last
+    checkpoint on the ranks alive."""
+    step = baseline(JOB).step_s
     published = periodic_failures(num_nodes=12, interval_ms=1000, count=4, first_ms=1)
-    trace = slot_trace(format_trace(published), num_slots=12).events
+    back = 20 * step * 1000
+    text = format_trace(published) + "".join(f"{back!r},add,late{k}\n" for k in range(4))
+    trace = slot_trace(text, num_slots=12).events
     # Nodes 11, 10, 9, 8 hold every replica of the last stage.
-    tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=5)
-    assert tl.stopped is not None and "nothing is left to train" in tl.stopped
+    costs = RecoveryCosts(process_restart_s=step, checkpoint_every=2)
+    tl = simulate(JOB, SimPolicy.TORCHFT, trace, steps=8, costs=costs)
+    assert tl.stopped is None and len(tl.steps) == 8
+    assert any("waits for nodes" in c.reason and "nothing is left to train" in c.reason
+               for c in tl.changes)  # fmt: skip
+    resume = [c for c in tl.changes if c.kind == "resume"]
+    assert resume and "resumes from its last checkpoint" in resume[0].reason
+    assert tl.waited_s > 0
+
+
+def test_elaswave_refills_a_stage_lost_whole_from_the_others():
+    """Every rank of a stage gone at once (stage-major: nodes 8-11 hold stage 2): ranks
+    of the other stages move there; the job never waits."""
+    step = baseline(JOB).step_s
+    lines = "".join(f"{(3.5 * step + k * 0.001) * 1000!r},remove,node{n}\n"
+                    for k, n in enumerate((8, 9, 10, 11)))  # fmt: skip
+    job = SimJob(PRESETS["llama2-7b"], device("ascend-910b"), tp=4, pp=3, dp=8,
+                 micro_batch=4, global_batch=8192, layout=Layout.STAGE_MAJOR)  # fmt: skip
+    tl = simulate(job, SimPolicy.ELASWAVE, on_full_job(lines, num_nodes=12), steps=8)
+    assert tl.waited_s == 0 and len(tl.steps) == 8
+    moved = [c for c in tl.changes if "ranks change stage" in c.reason]
+    assert moved and "stage change" in moved[0].parts
+
+
+def test_every_policy_is_measured_over_the_same_stretch():
+    step = baseline(JOB).step_s
+    trace = on_full_job(f"{3.5 * step * 1000!r},remove,node3\n", num_nodes=12)
+    for policy in SimPolicy:
+        tl = simulate(JOB, policy, trace, until_s=40 * step)
+        assert tl.span_s == 40 * step and tl.steps[-1].end_s <= 40 * step + tl.steps[-1].step_s
 
 
 @pytest.mark.parametrize("dp", [78, 781])  # about 10^4 and 10^5 devices
@@ -134,10 +168,12 @@ def test_recycle_re_routes_until_the_node_returns_and_its_processes_restart():
     assert tl.steps[-1].step_s == pytest.approx(step)
 
 
-def test_recycle_stops_when_its_peers_run_out_of_memory():
+def test_recycle_waits_for_nodes_when_its_peers_run_out_of_memory():
     j34 = SimJob(PRESETS["llama2-34b"], device("ascend-910b"), tp=4, pp=8, dp=3, micro_batch=1,
                  global_batch=768, layout=Layout.STAGE_MAJOR)  # fmt: skip
     trace = on_full_job("1000,remove,node0\n", num_nodes=j34.num_nodes)
-    tl = simulate(j34, SimPolicy.RECYCLE, trace, steps=5)
-    assert tl.stopped is not None and "runs out of memory on stage 0" in tl.stopped
-    assert simulate(j34, SimPolicy.ELASWAVE, trace, steps=5).stopped is None
+    tl = simulate(j34, SimPolicy.RECYCLE, trace, until_s=100)
+    (change,) = tl.changes
+    assert "waits for nodes" in change.reason and "runs out of memory on stage 0" in change.reason
+    assert tl.waited_s > 0
+    assert simulate(j34, SimPolicy.ELASWAVE, trace, until_s=100).waited_s == 0

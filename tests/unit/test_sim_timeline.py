@@ -177,3 +177,24 @@ def test_recycle_waits_for_nodes_when_its_peers_run_out_of_memory():
     assert "waits for nodes" in change.reason and "runs out of memory on stage 0" in change.reason
     assert tl.waited_s > 0
     assert simulate(j34, SimPolicy.ELASWAVE, trace, until_s=100).waited_s == 0
+
+
+def test_a_pipeline_shrunk_by_churn_goes_on_and_grows_back():
+    """Regression (elaswave sim --spot-hours 10.9 --spot-nodes 34 --spot-bursts-per-hour 5
+    --spot-burst-mean 3 --seed 2 on tp1 pp4 dp8): a burst left 3 ranks, the pipeline
+    shrank to 2 stages in smaller micro-batches, and the next removal crashed the
+    simulator ("no partition of 34 layers over 2 stages fits the memory caps") from the
+    throughput planner; later joiners took no samples, the micro-batches never growing
+    back. Now it waits for nodes, then grows back to 4 stages and the job's
+    micro-batches."""
+    from elaswave.sim.trace import spot_trace, to_slots
+
+    job = SimJob(PRESETS["llama2-7b"], device("h100"), tp=1, pp=4, dp=8, micro_batch=1,
+                 global_batch=512, devices_per_node=1)  # fmt: skip
+    events = spot_trace(capacity=34, hours=10.9, seed=2, bursts_per_hour=5, burst_mean=3)
+    trace = to_slots(events, job.num_nodes)
+    tl = simulate(job, SimPolicy.ELASWAVE, trace.events, until_s=2400)
+    assert any("the pipeline becomes 2 stages" in c.reason for c in tl.changes)
+    assert tl.waited_s > 0
+    last = [c for c in tl.changes if "the pipeline becomes 4 stages" in c.reason]
+    assert last, [c.reason[:80] for c in tl.changes[-12:]]

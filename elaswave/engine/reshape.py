@@ -11,9 +11,10 @@ Every candidate is priced by its simulated step (:func:`~elaswave.engine.steptim
 plan_step_time`, after the throughput planner's rebalancing under the job's policy)
 over a horizon of steps, plus the time to move the bytes the change needs: a rank that
 takes layers it did not hold receives their parameters and its optimizer shard of them
-(:func:`receive_bytes`). The cheapest candidate is the plan. State of an emptied stage
-is assumed to survive in host snapshots placed on other stages (see
-:func:`~elaswave.engine.plan.snapshot_placements`); the caller checks that.
+(:func:`receive_bytes`). The cheapest candidate is the plan. The state of an emptied
+stage is assumed to survive in host snapshots placed on other stages; the simulator
+assumes it, and the runtime does not place snapshots across stages (nor move ranks
+between stages) yet.
 """
 
 from __future__ import annotations
@@ -142,14 +143,24 @@ def reshape(
     samples: int | None = None,
 ) -> Reshaped:
     """The cheapest plan for ``plan`` without ``failed`` and with ``joined``, letting
-    ranks change stage and the pipeline lose stages (see the module docstring).
+    ranks change stage and the pipeline change its number of stages (see the module
+    docstring). The result is one generation after ``plan``.
 
-    Candidates: the plan without stage changes (:func:`~elaswave.engine.recovery.
-    next_plan`), when every stage keeps a rank; empty stages filled from the widest
-    ones, then one rank at a time from a widest stage to whichever stage prices best
-    while that lowers the price; and, when fewer ranks than stages are left, every shorter
-    pipeline that fits in memory. Raises Unrecoverable when no rank is left or no
-    candidate fits. The result is one generation after ``plan``.
+    Candidates:
+
+    * the plan without stage changes (:func:`~elaswave.engine.recovery.next_plan`),
+      when every stage keeps a rank;
+    * with at least as many ranks as stages: joiners on the narrowest stages, each
+      emptied stage filled from the donor that prices best, then every vector of stage
+      widths when there are at most :data:`EXHAUSTIVE` (each stage keeping its first
+      ranks), else up to :data:`MAX_MOVES` single moves from a widest stage while one
+      lowers the price; each in the plan's global micro-batches or ``samples`` (the
+      job's own, which a pipeline that shrank its micro-batches goes back to);
+    * with fewer ranks than stages, every shorter pipeline that fits in memory; with
+      more, every longer one up to ``max_stages`` (the job's own stage count, for a
+      pipeline that lost stages before).
+
+    Raises Unrecoverable when no rank is left or no candidate fits in memory.
     """
     if rebalancing.device is None or not rebalancing.layers:
         raise ValueError("reshape needs the cost model's layers and device")

@@ -24,6 +24,7 @@ is measured over the same stretch of the trace.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -265,14 +266,17 @@ def _as_seen(
     if policy is SimPolicy.RESTART:
         return events
     delay_ms = costs.process_restart_s * 1000
+    removals: dict[int, list[tuple[float, int]]] = {}  # node -> (time, index), in order
+    for k, e in enumerate(events):
+        if e.kind is EventKind.REMOVE:
+            removals.setdefault(e.node, []).append((e.time_ms, k))
     out = []
     for k, e in enumerate(events):
         if e.kind is EventKind.ADD:
             ready = e.time_ms + delay_ms
-            if any(
-                later.kind is EventKind.REMOVE and later.node == e.node and later.time_ms < ready
-                for later in events[k + 1 :]
-            ):
+            later = removals.get(e.node, [])
+            j = bisect.bisect_right(later, (e.time_ms, k))  # its node's next removal
+            if j < len(later) and later[j][0] < ready:
                 continue
             e = replace(e, time_ms=ready)
         out.append(e)

@@ -421,7 +421,7 @@ def advance(r: Rules, s: State, now: float, out: list[Action]) -> State:
         s = lose(r, s, {x: KILLED for x in silent}, now, out)
     elif c is not None and c.phase is Phase.APPLYING:
         if any(now >= t + r.exit_grace_s for _, t in c.exited.values()):
-            raise Stopped(_window(r, s, c))
+            raise Stopped(window(r, s, c))
         if now >= c.deadline:
             missing = sorted(c.participants - set(c.applied))
             raise Stopped(
@@ -446,7 +446,7 @@ def advance(r: Rules, s: State, now: float, out: list[Action]) -> State:
     return s
 
 
-def _window(r: Rules, s: State, c: Change) -> str:
+def window(r: Rules, s: State, c: Change) -> str:
     """Why a failure while the plan is applied stops the job."""
     gone = {x: code for x, (code, _) in c.exited.items()}
     # Those killed (or fenced) are the cause; peers that then failed on their links with

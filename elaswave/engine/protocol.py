@@ -78,6 +78,7 @@ from elaswave.engine.phases import (
     set_record,
     spawn,
     take_applied,
+    window,
 )
 from elaswave.engine.recovery import next_plan
 from elaswave.engine.stopping import Announce, on_exit, on_report, stop_phase
@@ -123,8 +124,11 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
         # A joiner lost while the plan that adds it is applied: as any participant.
     elif not s.alive & set(s.plan.ranks):  # the job is over; late joiners have no place
         if c is not None and c.phase is Phase.APPLYING and s.alive & set(c.joined):
-            # A joiner holds nothing until the plan adding it is applied: the state is gone.
-            raise Stopped(all_lost(s, c))
+            # A joiner holds nothing until the plan adding it is applied: the state is gone,
+            # lost to the faults themselves, or to members failing on their links with a
+            # lost peer while they applied it (the window a failure is not recovered in).
+            faults = all(s.codes.get(x, 0) < 0 or x in s.fenced for x in s.plan.ranks)
+            raise Stopped(all_lost(s, c) if faults else window(r, s, c))
         for rank in sorted(s.alive):
             out.append(Note("core.joiner_stopped", {"rank": rank}))
             out.append(Terminate(rank))

@@ -380,3 +380,27 @@ def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> Non
     )
     assert "rank 2" not in stop.reason.split("(joining ranks")[0]
     assert "SIGTERM" not in stop.reason
+
+
+def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_window() -> None:
+    """Found by scripts/chaos (seed 9, case 288: dp2 x pp1, rank 1 killed while the plan
+    adding rank 2 was applied; rank 0 then failed on its remap link with rank 1 and
+    exited with code 1): the stop named stage 0's ranks [0, 1] as lost, rank 0 among
+    them, though only rank 1 was a fault. That is the window a failure is not recovered
+    in, and the stop says so, naming rank 1 as the cause and rank 0 as failing after."""
+    report = ch.Report(committed_step=1, params_step=1)
+    state, actions = _drive(
+        (2, 1), ch.ScaleUp(0, 1), ch.Joining(2), *(ch.Ready(r, 0, report) for r in (0, 1))
+    )
+    (plan,) = _published(actions, RecoveryPlan)
+    _, rules = _job(2, 1)
+    for event in (ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    assert not any(isinstance(a, ch.Stop) for a in actions)
+    why = "send on group 'remap.0-1' failed: Connection reset by peer"
+    state, actions = protocol.step(rules, state, ch.Exited(0, 1, why), 1000.1)
+    (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
+    assert "rank 1 exited with signal SIGKILL" in stop.reason
+    assert "a failure in that window is not recovered" in stop.reason
+    assert "lost all its ranks" not in stop.reason

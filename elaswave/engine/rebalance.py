@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs, segment_tables
-from elaswave.engine.dataflow import add_ranks, regroup, regroupings
+from elaswave.engine.dataflow import regroup, regroupings
 from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
 from elaswave.engine.graph import Infeasible, plan_layers
 from elaswave.engine.plan import Plan, StagePlan
@@ -52,7 +52,6 @@ __all__ = [
     "Policy",
     "RebalanceDecision",
     "balanced_counts",
-    "place_joiners",
     "power",
     "rebalance",
     "split_by_speed",
@@ -537,70 +536,3 @@ def balanced_counts(
     )
     partition = plan_layers(layer_costs(model, dtype_bytes=FP32_BYTES), [spec] * pp, device)
     return partition.counts
-
-
-def place_joiners(
-    plan: Plan,
-    joined: Sequence[int],
-    *,
-    layers: Sequence[LayerCost] | None = None,
-    device: DeviceSpec | None = None,
-    policy: Policy | str = Policy.RESIZE,
-    slowdowns: Mapping[int, float] | None = None,
-) -> dict[int, int]:
-    """The stage each joining rank goes to, one rank at a time.
-
-    With a cost model: the stage whose taking it (and the rebalancing ``policy`` then
-    allows) gives the shortest simulated step (:func:`~elaswave.engine.steptime.
-    plan_step_time`, the step model the planner prices rotations with). A stage where
-    the joiner would take no samples is a candidate only when no stage is narrower (a
-    ninth replica of an eight-sample micro-batch idles, while a stage that lost ranks
-    stays the bottleneck). Steps within :data:`_TIE` of the shortest tie; a tie goes to
-    the narrowest stage, then the slowest stage before the join, then the lower stage.
-    Without a cost model: the narrowest stage, ties to the lower stage."""
-    placement: dict[int, int] = {}
-    current = plan
-    slow = dict(slowdowns or {})
-    for rank in joined:
-        if layers and device is not None:
-            stage = _best_stage(current, rank, layers, device, Policy(policy), slow)
-        else:
-            stage = min(range(current.pp), key=lambda p: (current.stages[p].dp, p))
-        placement[rank] = stage
-        current, _ = add_ranks(current, {rank: stage})
-    return placement
-
-
-_TIE = 1e-6
-"""Relative difference under which two simulated steps are the same."""
-
-
-def _best_stage(
-    plan: Plan,
-    rank: int,
-    layers: Sequence[LayerCost],
-    device: DeviceSpec,
-    policy: Policy,
-    slowdowns: Mapping[int, float],
-) -> int:
-    """The stage :func:`place_joiners` puts ``rank`` on (see there)."""
-    cap = device.memory_bytes
-    boundaries = [s.layer_start for s in plan.stages] + [plan.stages[-1].layer_stop]
-    specs = _stage_specs(plan, slowdowns, device, cap)
-    before = _times(layers, specs, device, boundaries, plan.num_micro_batches)
-    narrowest = min(s.dp for s in plan.stages)
-    priced: dict[int, float] = {}
-    for p in range(plan.pp):
-        trial, _ = add_ranks(plan, {rank: p})
-        if policy is not Policy.NONE:
-            trial = rebalance(
-                trial, layers=layers, device=device, policy=policy, slowdowns=slowdowns
-            ).plan
-        idle = not any(trial.stages[p].shares(ph)[trial.stages[p].ranks.index(rank)]
-                       for ph in range(trial.stages[p].period))  # fmt: skip
-        if idle and plan.stages[p].dp > narrowest:
-            continue
-        priced[p] = plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s
-    best = min(priced.values())
-    tied = [p for p, t in priced.items() if t <= best * (1 + _TIE)]
-    return min(tied, key=lambda p: (plan.stages[p].dp, -before[p], p))

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.dataflow import add_ranks, resize_after_failure
 from elaswave.engine.graph import Infeasible
+from elaswave.engine.joiners import place_joiners
 from elaswave.engine.plan import Plan, snapshot_placements
-from elaswave.engine.rebalance import Policy, place_joiners, rebalance
+from elaswave.engine.rebalance import Policy, rebalance
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity

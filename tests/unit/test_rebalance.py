@@ -117,7 +117,7 @@ def test_a_returning_rank_goes_to_the_stage_that_lost_one_not_to_a_full_one(poli
     """Regression (spot-trace simulation): stage 2 lost two ranks; a returning rank went
     to stage 0, already eight wide for eight-sample micro-batches, and took no samples
     (every stage tied on the slowest mini-step and the tie went to stage 0)."""
-    from elaswave.engine.rebalance import place_joiners
+    from elaswave.engine.joiners import place_joiners
     from elaswave.engine.steptime import plan_step_time
 
     job = _llama7b_pp4_dp8()
@@ -141,7 +141,7 @@ def test_joiners_never_idle_on_a_wide_stage_while_another_is_narrower():
     samples while a narrower stage exists, and its simulated step is the best among the
     stages where it would work."""
     from elaswave.engine.dataflow import add_ranks
-    from elaswave.engine.rebalance import place_joiners
+    from elaswave.engine.joiners import place_joiners
     from elaswave.engine.steptime import plan_step_time
 
     for dp, failed in [(4, [5]), (4, [1, 9]), (3, [3, 4]), (4, [12, 13])]:

@@ -128,6 +128,7 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
             # lost to the faults themselves, or to members failing on their links with a
             # lost peer while they applied it (the window a failure is not recovered in).
             faults = all(s.codes.get(x, 0) < 0 or x in s.fenced for x in s.plan.ranks)
+            c = replace(c, exited={**c.exited, e.rank: (e.code, now)})  # this exit too
             raise Stopped(all_lost(s, c) if faults else window(r, s, c))
         for rank in sorted(s.alive):
             out.append(Note("core.joiner_stopped", {"rank": rank}))

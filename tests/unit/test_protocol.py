@@ -401,6 +401,6 @@ def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_win
     why = "send on group 'remap.0-1' failed: Connection reset by peer"
     state, actions = protocol.step(rules, state, ch.Exited(0, 1, why), 1000.1)
     (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
-    assert "rank 1 exited with signal SIGKILL" in stop.reason
+    assert "rank 1 exited with signal SIGKILL; then ranks [0] stopped on errors" in stop.reason
     assert "a failure in that window is not recovered" in stop.reason
     assert "lost all its ranks" not in stop.reason

@@ -357,12 +357,8 @@ def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_stops_the_job() ->
     assert "while waiting for every rank to apply the recovery plan" in stop.reason
 
 
-def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> None:
-    """Found by scripts/chaos (seed 8, case 169: dp2 x pp1, both ranks on node 0, a
-    join, then node 0 killed while the join's plan was applied): the Core terminated
-    the joiner as a late joiner with no place and then named its SIGTERM among the
-    failures that stopped the job. The joiner holds no state until the plan is applied:
-    the stage's state is lost, and the stop says so, naming only the killed ranks."""
+def _applying_a_join() -> tuple[ch.State, ch.Rules]:
+    """dp2 x pp1 applying the committed plan that adds rank 2."""
     report = ch.Report(committed_step=1, params_step=1)
     state, actions = _drive(
         (2, 1), ch.ScaleUp(0, 1), ch.Joining(2), *(ch.Ready(r, 0, report) for r in (0, 1))
@@ -371,6 +367,17 @@ def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> Non
     _, rules = _job(2, 1)
     for event in (ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
         state, _ = protocol.step(rules, state, event, 1000.0)
+    assert state.change is not None and state.change.phase is ch.Phase.APPLYING
+    return state, rules
+
+
+def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> None:
+    """Found by scripts/chaos (seed 8, case 169: dp2 x pp1, both ranks on node 0, a
+    join, then node 0 killed while the join's plan was applied): the Core terminated
+    the joiner as a late joiner with no place and then named its SIGTERM among the
+    failures that stopped the job. The joiner holds no state until the plan is applied:
+    the stage's state is lost, and the stop says so, naming only the killed ranks."""
+    state, rules = _applying_a_join()
     state, actions = protocol.step(rules, state, ch.Exited(0, -9), 1000.0)
     assert not any(isinstance(a, ch.Terminate | ch.Stop) for a in actions)
     state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
@@ -388,14 +395,7 @@ def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_win
     exited with code 1): the stop named stage 0's ranks [0, 1] as lost, rank 0 among
     them, though only rank 1 was a fault. That is the window a failure is not recovered
     in, and the stop says so, naming rank 1 as the cause and rank 0 as failing after."""
-    report = ch.Report(committed_step=1, params_step=1)
-    state, actions = _drive(
-        (2, 1), ch.ScaleUp(0, 1), ch.Joining(2), *(ch.Ready(r, 0, report) for r in (0, 1))
-    )
-    (plan,) = _published(actions, RecoveryPlan)
-    _, rules = _job(2, 1)
-    for event in (ch.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
-        state, _ = protocol.step(rules, state, event, 1000.0)
+    state, rules = _applying_a_join()
     state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
     assert not any(isinstance(a, ch.Stop) for a in actions)
     why = "send on group 'remap.0-1' failed: Connection reset by peer"

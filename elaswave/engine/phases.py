@@ -33,7 +33,8 @@ from elaswave.engine.change import (
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.migration import NONBLOCKING, decide_migration
 from elaswave.engine.plan import plan_summary
-from elaswave.engine.recovery import Rebalancing, plan_digest, plan_fail_stop
+from elaswave.engine.recovery import Rebalancing, plan_digest
+from elaswave.engine.replan import plan_fail_stop
 from elaswave.engine.stopping import Announce, Outcome, Stopping, on_report, outcome, stop_phase
 from elaswave.fabric.errors import Unrecoverable
 
@@ -176,6 +177,12 @@ def after_stop(r: Rules, s: State, now: float, out: list[Action]) -> State:
     c = s.change
     assert c is not None
     result = outcome(c.stop)
+    if result is Outcome.NONE_LEFT and c.stop.failed and not any(c.stop.failed.values()):
+        # Every member exited with code 0: they trained the last step before they could
+        # pause (a join or a rebalance asked for too late). The job is done; the change
+        # has nothing left to change (late joiners are sent away as the job ends).
+        out.append(Note("core.change_dropped", {"generation": c.generation, "why": c.detail}))
+        return replace(s, change=None)
     if result is Outcome.NONE_LEFT:
         raise Stopped(f"{stop_text(s, c)}; no worker survives")
     if result is Outcome.STOPPED:

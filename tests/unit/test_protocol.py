@@ -404,3 +404,25 @@ def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_win
     assert "rank 1 exited with signal SIGKILL; then ranks [0] stopped on errors" in stop.reason
     assert "a failure in that window is not recovered" in stop.reason
     assert "lost all its ranks" not in stop.reason
+
+
+def test_members_that_finish_before_a_late_join_pauses_them_end_the_job_done() -> None:
+    """Found by scripts/chaos (seed 11, case 33: dp4 x pp1, 10 steps, join@8): the join
+    was asked for after the members had passed the last step's boundary; they finished
+    (code 0) instead of pausing, and the Core stopped the job as failed: "while pausing:
+    rank 0 exited with code 0; ...; no worker survives". Every step was trained: the
+    join has nothing left to join, the joiner is sent away, and the job is done."""
+    state, actions = _drive((2, 1), ch.ScaleUp(0, 1), ch.Joining(2))
+    assert state.change is not None and state.change.phase is ch.Phase.STOPPING
+    _, rules = _job(2, 1)
+    state, actions = protocol.step(rules, state, ch.Exited(0, 0), 1000.0)
+    assert not any(isinstance(a, ch.Stop) for a in actions)
+    state, actions = protocol.step(rules, state, ch.Exited(1, 0), 1000.0)
+    assert not any(isinstance(a, ch.Stop) for a in actions), actions
+    assert state.change is None and not state.stopped
+    assert ch.Terminate(2) in actions
+    # A member that failed (not finished) in the same window still stops the job.
+    state, actions = _drive((2, 1), ch.ScaleUp(0, 1), ch.Joining(2), ch.Exited(0, 0))
+    state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
+    assert "no worker survives" in stop.reason

@@ -16,7 +16,7 @@ from typing import Any
 
 from elaswave.comm.group import GroupSpec
 from elaswave.data.sampler import even_split
-from elaswave.fabric.placement import SnapshotPlacement, place_snapshots
+from elaswave.fabric.placement import SnapshotPlacement, place_snapshots_across
 from elaswave.fabric.snapshot import snapshot_link_name
 
 
@@ -198,17 +198,17 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
-def snapshot_placements(plan: Plan, ranks_per_node: int) -> dict[int, SnapshotPlacement]:
-    """Snapshot placement of every stage's DP group, by stage."""
-    return {s.stage: place_snapshots(s.ranks, ranks_per_node) for s in plan.stages}
+def snapshot_placement(plan: Plan, ranks_per_node: int) -> SnapshotPlacement:
+    """Where every rank's optimizer-shard snapshot lives: in another stage, on another
+    node (:func:`~elaswave.fabric.placement.place_snapshots_across`)."""
+    return place_snapshots_across([s.ranks for s in plan.stages], ranks_per_node)
 
 
 def snapshot_group_specs(plan: Plan, ranks_per_node: int) -> list[GroupSpec]:
     """One owner -> holder link per optimizer shard."""
     return [
         GroupSpec(snapshot_link_name(owner, holder), (owner, holder))
-        for placement in snapshot_placements(plan, ranks_per_node).values()
-        for owner, holder in sorted(placement.holder.items())
+        for owner, holder in sorted(snapshot_placement(plan, ranks_per_node).holder.items())
     ]
 
 

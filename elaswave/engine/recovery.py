@@ -1,11 +1,9 @@
-"""The fail-stop planner: a pure function of (plan, failed ranks, survivors' commits).
-
-It returns the next plan (micro-batch resizing over the survivors, then the throughput
-planner's rebalancing under the job's policy, :mod:`elaswave.engine.rebalance`), the
-step every survivor rolls back to (the oldest committed step: ranks are at most one
-step apart, and each keeps one step of history), and a reason; or raises Unrecoverable
-naming the state that is gone. Workers rerun :func:`next_plan` themselves and compare
-:func:`plan_digest` with the Core's, so a plan is never shipped, only its inputs.
+"""The next plan with every stage keeping its ranks (pure): micro-batch resizing over the
+survivors, joiners placed where they help, then the throughput planner's rebalancing
+under the job's policy (:mod:`elaswave.engine.rebalance`). A stage that loses every
+rank raises Unrecoverable here; :mod:`elaswave.engine.replan` then lets ranks change
+stage. :func:`plan_digest` names a plan: workers rerun the planner themselves and
+compare digests with the Core's, so a plan is never shipped, only its inputs.
 """
 
 from __future__ import annotations
@@ -20,19 +18,9 @@ from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.dataflow import add_ranks, resize_after_failure
 from elaswave.engine.graph import Infeasible
 from elaswave.engine.joiners import place_joiners
-from elaswave.engine.plan import Plan, snapshot_placements
+from elaswave.engine.plan import Plan
 from elaswave.engine.rebalance import Policy, rebalance
 from elaswave.fabric.errors import Unrecoverable
-from elaswave.fabric.placement import SnapshotPlacement
-from elaswave.fabric.remap import check_integrity
-
-
-@dataclass(frozen=True)
-class RecoveryDecision:
-    plan: Plan
-    failed: tuple[int, ...]
-    committed_step: int
-    reason: str
 
 
 def plan_digest(plan: Plan) -> str:
@@ -108,43 +96,3 @@ def _device(rebalancing: Rebalancing) -> DeviceSpec:
     if rebalancing.device is None or not rebalancing.layers:
         raise ValueError(f"policy {rebalancing.policy} needs the cost model's layers and device")
     return rebalancing.device
-
-
-def plan_fail_stop(
-    plan: Plan,
-    failed: Collection[int],
-    commits: Mapping[int, int],
-    *,
-    ranks_per_node: int,
-    snapshots: bool,
-    rebalancing: Rebalancing | None = None,
-    joined: Sequence[int] = (),
-) -> RecoveryDecision:
-    failed = set(failed)
-    survivors = set(plan.ranks) - failed
-    missing = survivors - set(commits)
-    if missing:
-        raise ValueError(f"no committed step reported by surviving ranks {sorted(missing)}")
-    steps = {commits[r] for r in survivors}
-    if max(steps) - min(steps) > 1:
-        raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
-    new, reason = next_plan(plan, failed, rebalancing, joined=joined)
-    placements = (
-        snapshot_placements(plan, ranks_per_node)
-        if snapshots
-        else {s.stage: SnapshotPlacement({}, node_safe=False) for s in plan.stages}
-    )
-    for stage in plan.stages:
-        if failed & set(stage.ranks):
-            check_integrity(stage.ranks, failed, placements[stage.stage])
-    committed = min(steps)
-    if new.generation == plan.generation:
-        # Nothing changes (the joiners it was for are gone, say): the members are stopped
-        # all the same and take the next generation, so that every change advances it.
-        new = dataclasses.replace(new, generation=plan.generation + 1)
-    return RecoveryDecision(
-        new,
-        tuple(sorted(failed)),
-        committed,
-        f"{reason}; every survivor resumes after step {committed}",
-    )

@@ -12,9 +12,10 @@ plan_step_time`, after the throughput planner's rebalancing under the job's poli
 over a horizon of steps, plus the time to move the bytes the change needs: a rank that
 takes layers it did not hold receives their parameters and its optimizer shard of them
 (:func:`receive_bytes`). The cheapest candidate is the plan. The state of an emptied
-stage is assumed to survive in host snapshots placed on other stages; the simulator
-assumes it, and the runtime does not place snapshots across stages (nor move ranks
-between stages) yet.
+stage survives in the host snapshots that :func:`~elaswave.engine.plan.
+snapshot_placement` keeps in other stages. The runtime applies the plans that keep the
+number of stages (:func:`elaswave.engine.replan.replan`); the simulator also prices
+shorter and longer pipelines.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from elaswave.engine.plan import Plan, snapshot_placements
+from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.fabric.remap import LayerShards, RemapPlan, plan_reshard
 
 
@@ -37,10 +37,7 @@ def plan_state_moves(
     parameter count (every layer of the model); ``snapshots``: whether failed owners'
     shards have host snapshots (placed by ``ranks_per_node``) to be rebuilt from."""
     changed = changed_stages(old, new)
-    holder_of: dict[int, int] = {}
-    if snapshots:
-        for placement in snapshot_placements(old, ranks_per_node).values():
-            holder_of.update(placement.holder)
+    holder_of = snapshot_placement(old, ranks_per_node).holder if snapshots else {}
     items = []
     for layer in sorted(numels):
         src = next(s for s in old.stages if layer in s.layers)

@@ -1,9 +1,13 @@
-"""Where each optimizer shard's host snapshot lives (paper §5.1, made node-aware).
+"""Where each optimizer shard's host snapshot lives (paper §5.1, made node- and stage-aware).
 
 The paper's ring puts shard i's snapshot on its DP neighbour, which may share a node
-with it: losing that node loses both. Here each owner's snapshot goes to the next rank
-in ring order on a *different node*; only when every replica of a stage shares one node
-does it fall back to the plain ring neighbour (and says so).
+with it: losing that node loses both. And a neighbour in the same stage is lost with
+it when the whole stage is: a stage down to one rank has no neighbour at all. Here each
+owner's snapshot goes to a rank of *another stage* on *another node*
+(:func:`place_snapshots_across`), so that losing every rank of one stage, or one node,
+loses no state; a one-stage pipeline falls back to the next rank in ring order on
+another node, and only when every rank shares one node to the plain ring neighbour (and
+says so).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class SnapshotPlacement:
     """Owner rank -> rank holding its snapshot in host memory."""
     node_safe: bool
     """True when every snapshot is on a different node from its owner."""
+    stage_safe: bool = False
+    """True when every snapshot is in a different stage from its owner's (losing a
+    whole stage then loses none of its state)."""
 
     def holds(self, rank: int) -> list[int]:
         """Owners whose snapshot ``rank`` holds."""
@@ -53,3 +60,56 @@ def place_snapshots(ranks: Sequence[int], ranks_per_node: int) -> SnapshotPlacem
         holder[owner] = elsewhere[0] if elsewhere else ring[0]
         safe &= bool(elsewhere)
     return SnapshotPlacement(holder, node_safe=safe)
+
+
+def place_snapshots_across(
+    stages: Sequence[Sequence[int]], ranks_per_node: int
+) -> SnapshotPlacement:
+    """Holder of every rank's snapshot, over a pipeline's stages (each a list of ranks).
+
+    Ranks are ringed stage-major. Preference order: (1) a uniform ring shift by the
+    smallest k that puts every holder in another stage and on another node: balanced,
+    each rank holds exactly one snapshot; (2) per owner, a rank of the best class it
+    has: in another stage and on another node, else on another node, else in another
+    stage (node-safe beats stage-safe: a node is lost more often than every rank of a
+    stage), else any; of that class, the one holding the fewest snapshots so far, ties
+    in ring order. A one-stage pipeline is :func:`place_snapshots` (no other stage
+    exists); a single rank has no holder.
+    """
+    stages = [list(ranks) for ranks in stages if ranks]
+    if len(stages) <= 1:
+        return place_snapshots(stages[0] if stages else [], ranks_per_node)
+    ranks = [r for ranks in stages for r in ranks]
+    n = len(ranks)
+    stage = {r: k for k, members in enumerate(stages) for r in members}
+    node = {r: node_of(r, ranks_per_node) for r in ranks}
+
+    def apart(o: int, h: int) -> tuple[bool, bool]:
+        return stage[o] != stage[h], node[o] != node[h]
+
+    for shift in range(1, n):
+        holder = {owner: ranks[(i + shift) % n] for i, owner in enumerate(ranks)}
+        if all(all(apart(o, h)) for o, h in holder.items()):
+            return SnapshotPlacement(holder, node_safe=True, stage_safe=True)
+    holder = {}
+    held = dict.fromkeys(ranks, 0)
+    for i, owner in enumerate(ranks):
+        ring = [ranks[(i + step) % n] for step in range(1, n)]
+        fit = ring
+        for want in ((True, True), (False, True), (True, False)):
+            ok = [
+                r
+                for r in ring
+                if all(a or not w for a, w in zip(apart(owner, r), want, strict=True))
+            ]
+            if ok:
+                fit = ok
+                break
+        # The least-loaded rank of the best class (ties in ring order): none holds many.
+        holder[owner] = min(fit, key=lambda r: held[r])
+        held[holder[owner]] += 1
+    return SnapshotPlacement(
+        holder,
+        node_safe=all(apart(o, h)[1] for o, h in holder.items()),
+        stage_safe=all(apart(o, h)[0] for o, h in holder.items()),
+    )

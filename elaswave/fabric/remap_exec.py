@@ -51,6 +51,7 @@ def execute_remap(
     new_layout: InterleavedLayout,
     device_state: ShardState | None,
     host_states: Mapping[int, ShardState],
+    host_layouts: Mapping[int, InterleavedLayout] | None = None,
     link: Callable[[int, int], P2PLink],
     generation: int,
     step: int,
@@ -59,8 +60,10 @@ def execute_remap(
 
     ``old_layout`` and ``device_state`` are this rank's committed layout and shard
     (``device_state`` None if it owned nothing); ``host_states`` maps an old owner rank
-    to the snapshot this rank holds for it (an owner in the same stage, same layout).
+    to the snapshot this rank holds for it, and ``host_layouts`` that owner's committed
+    layout (its stage may be another one; default ``old_layout``).
     """
+    host_layouts = host_layouts or {}
     out = [torch.zeros(new_layout.shard_numel) for _ in range(3)]
     sends, recvs, bytes_sent = [], [], 0
     for index, t in enumerate(plan.transfers):
@@ -68,8 +71,11 @@ def execute_remap(
             continue
         n_lo = vector_offset(new_layout, t.layer, t.lo) if t.dst == rank else -1
         if t.src == rank:
-            o_lo = vector_offset(old_layout, t.layer, t.lo)
-            state = device_state if t.kind is Source.DEVICE else host_states[t.owner]
+            if t.kind is Source.DEVICE:
+                state, layout = device_state, old_layout
+            else:
+                state, layout = host_states[t.owner], host_layouts.get(t.owner, old_layout)
+            o_lo = vector_offset(layout, t.layer, t.lo)
             assert state is not None, f"rank {rank} has no state for transfer {t}"
             piece = torch.stack(
                 [x[o_lo : o_lo + t.numel] for x in (state.master, state.exp_avg, state.exp_avg_sq)]

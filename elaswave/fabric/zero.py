@@ -165,17 +165,6 @@ class ZeroAdamW:
     def decay_mask_of(self, replica: int) -> torch.Tensor:
         return self.layout.shard_of(self._masks, replica)
 
-    def initial_state_of(self, replica: int) -> ShardState:
-        """Replica ``replica``'s shard state before any step, from this replica's params.
-
-        Valid only before the first step, while every replica holds identical parameters.
-        """
-        with torch.no_grad():
-            flats = [_flat([p.detach().float() for p in ps]) for ps in self.params]
-            master = self.layout.shard_of(flats, replica)
-            decay = self.layout.shard_of(self._masks, replica)
-        return ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
-
     def zero_grad(self) -> None:
         for ps in self.params:
             for p in ps:

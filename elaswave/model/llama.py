@@ -150,17 +150,27 @@ class HeadLayer(PipelineLayer):
         return self.lm_head(self.norm(x))
 
 
-def build_layer(cfg: ModelConfig, index: int, *, seed: int) -> PipelineLayer:
-    """Build global layer ``index`` with parameters drawn from its own (seed, index) stream."""
+def _new_layer(cfg: ModelConfig, index: int) -> PipelineLayer:
     if not 0 <= index < cfg.num_layers:
         raise ValueError(f"layer index {index} out of range [0, {cfg.num_layers})")
-    layer: PipelineLayer
     if index == 0:
-        layer = EmbeddingLayer(cfg, index)
-    elif index == cfg.num_layers - 1:
-        layer = HeadLayer(cfg, index)
-    else:
-        layer = TransformerBlock(cfg, index)
+        return EmbeddingLayer(cfg, index)
+    if index == cfg.num_layers - 1:
+        return HeadLayer(cfg, index)
+    return TransformerBlock(cfg, index)
+
+
+def layer_param_shapes(cfg: ModelConfig, index: int) -> list[torch.Size]:
+    """Shapes of global layer ``index``'s parameters in registration order (built on
+    the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        layer = _new_layer(cfg, index)
+    return [p.shape for p in layer.parameters()]
+
+
+def build_layer(cfg: ModelConfig, index: int, *, seed: int) -> PipelineLayer:
+    """Build global layer ``index`` with parameters drawn from its own (seed, index) stream."""
+    layer = _new_layer(cfg, index)
     gen = torch.Generator().manual_seed(stream_key(seed, 0x1A7E5, index) & ((1 << 63) - 1))
     with torch.no_grad():
         for name, param in layer.named_parameters():

@@ -29,7 +29,8 @@ from elaswave.bus.schema import (
     RecoveryReady,
 )
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
-from elaswave.engine.recovery import next_plan, plan_digest
+from elaswave.engine.recovery import plan_digest
+from elaswave.engine.replan import replan
 from elaswave.runtime.faults import Phase
 from elaswave.runtime.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.session import Session
@@ -109,7 +110,7 @@ def _agree(
     """
     gen = decision.generation
     while True:
-        new_plan, _ = next_plan(
+        new_plan, _ = replan(
             base, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
         )
         if plan_digest(new_plan) != decision.plan_digest:

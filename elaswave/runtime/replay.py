@@ -37,7 +37,8 @@ from elaswave.bus.schema import (
     StragglerDetected,
 )
 from elaswave.engine.plan import Plan
-from elaswave.engine.recovery import plan_digest, plan_fail_stop
+from elaswave.engine.recovery import plan_digest
+from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import EVENT_LOG, JOB
 from elaswave.runtime.config import JobConfig, JobSpec

@@ -41,18 +41,24 @@ def build_summary(
 ) -> dict[str, Any]:
     """``bus``: the Core's delivery counters; the workers' are added from their results."""
     results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
-    # A surviving last-stage rank knows the loss of every step since it started; pick
-    # the longest record. A rank that joined later starts later: the steps before it
-    # come from the StepCompleted records of the event log (the latest for each step,
-    # which is the redone one after a recovery).
-    reporter = max((r for r in results if r["loss"] is not None), key=lambda r: len(r["loss"]))
-    first, losses = reporter["first_step"], list(reporter["loss"])
+    # Last-stage ranks know the loss of each step they ran in the last stage (a rank
+    # that changed stage, or joined, knows only some steps); the steps no surviving rank
+    # ran there come from the StepCompleted records of the event log (the latest for
+    # each step, which is the redone one after a recovery).
+    by_step: dict[int, float] = {}
+    for r in results:
+        if r["loss"] is not None:
+            at = r.get("loss_steps") or range(r["first_step"], r["first_step"] + len(r["loss"]))
+            by_step.update(zip(at, r["loss"], strict=True))
     logged = _logged_steps(run_dir)
+    first, last = min(by_step), max(by_step)
     while first - 1 in logged:
         first -= 1
-        losses.insert(0, logged[first].loss)
-    reporter = {**reporter, "first_step": first, "loss": losses}
-    trained = len(reporter["loss"])  # steps this run trained (fewer when resumed)
+    missing = [s for s in range(first, last + 1) if s not in by_step and s not in logged]
+    if missing:
+        raise ValueError(f"no rank and no event log record has the loss of steps {missing}")
+    losses = [by_step[s] if s in by_step else logged[s].loss for s in range(first, last + 1)]
+    trained = len(losses)  # steps this run trained (fewer when resumed)
     # A step's time is its slowest rank's; a worker that joined mid-run records its
     # step times from its own first step on.
     slowest: dict[int, float] = {}
@@ -62,14 +68,14 @@ def build_summary(
     # Steps no surviving rank trained: the time their last stage reported.
     step_time = [
         slowest[step] if step in slowest else logged[step].step_time_s
-        for step in range(reporter["first_step"], reporter["first_step"] + trained)
+        for step in range(first, first + trained)
     ]
     params = load_params(run_dir)
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
         "global_batch": plan.global_batch,
-        "steps_completed": reporter["first_step"] + trained,
-        "loss": reporter["loss"],
+        "steps_completed": first + trained,
+        "loss": losses,
         "step_time_s": step_time,
         "samples_per_s": plan.global_batch * trained / sum(step_time),
         "param_digest": param_digest(params),
@@ -77,7 +83,7 @@ def build_summary(
         "recoveries": recoveries or [],
         "device": device,
         "timing": "emulated" if device == "emulated" else "measured",
-        "first_step": reporter["first_step"],
+        "first_step": first,
         "bus": {
             "core": bus or {},
             "workers": {

@@ -34,7 +34,7 @@ from elaswave.engine.plan import (
     Plan,
     dp_group_name,
     snapshot_group_specs,
-    snapshot_placements,
+    snapshot_placement,
 )
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
@@ -53,6 +53,7 @@ from elaswave.rundir import step_dir
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.emulation import Pacer
 from elaswave.runtime.faults import FaultInjector
+from elaswave.runtime.holders import owner_decay_mask, owner_initial_state, owner_layout
 from elaswave.runtime.inputs import NONBLOCKING
 from elaswave.runtime.migration import ShadowStep, migration_pairs
 from elaswave.runtime.pipeline import StageRunner
@@ -192,11 +193,13 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
     optimizer.state = cut(replica)
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
-    initial = {}
-    for owner in snapshot_placements(plan, t.ranks_per_node)[stage].holds(ctx.rank):
-        owner_replica = plan.stages[stage].ranks.index(owner)
-        initial[owner] = cut(owner_replica)
-        initial[owner].decay_mask = optimizer.decay_mask_of(owner_replica)
+    initial = {}  # the snapshots this rank holds (of owners in another stage) at the step
+    ckpt = step_dir(Path(t.resume_dir), t.resume_step)
+    for owner in snapshot_placement(plan, t.ranks_per_node).holds(ctx.rank):
+        layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
+        held = load_layers(ckpt, [item.layer for item in layout.layers])
+        initial[owner] = shard_of_layers(layout, owner_replica, held)
+        initial[owner].decay_mask = owner_decay_mask(ctx.cfg, plan, owner)
     keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=t.resume_step, initial=initial)
     runner = _runner(ctx, plan, comm, layers, optimizer)
     return Trainer(plan, links, optimizer, runner, layers, keepers)
@@ -218,8 +221,7 @@ def _attach_snapshots(
     """
     if not ctx.cfg.train.snapshots:
         return []
-    stage, _ = plan.locate(ctx.rank)
-    placement = snapshot_placements(plan, ctx.cfg.train.ranks_per_node)[stage]
+    placement = snapshot_placement(plan, ctx.cfg.train.ranks_per_node)
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         optimizer.snapshot = SnapshotSender(
@@ -227,8 +229,7 @@ def _attach_snapshots(
         )
     keepers = []
     for owner in placement.holds(ctx.rank):
-        replica = plan.stages[stage].ranks.index(owner)
-        state = optimizer.initial_state_of(replica) if initial is None else initial[owner]
+        state = owner_initial_state(ctx.cfg, plan, owner) if initial is None else initial[owner]
         keeper = SnapshotKeeper(
             owner=owner,
             link=comm.p2p(snapshot_link_name(owner, ctx.rank)),
@@ -251,8 +252,7 @@ def _exchange_snapshot_states(
     step: int,
 ) -> dict[int, ShardState]:
     """Owners send their full committed shard to their (new) holders."""
-    stage, _ = plan.locate(ctx.rank)
-    placement = snapshot_placements(plan, ctx.cfg.train.ranks_per_node)[stage]
+    placement = snapshot_placement(plan, ctx.cfg.train.ranks_per_node)
     tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
     pending = None
     holder = placement.holder.get(ctx.rank)
@@ -263,11 +263,11 @@ def _exchange_snapshot_states(
         pending = (group, group.isend(payload, holder, tag), payload)
     received = {}
     for owner in placement.holds(ctx.rank):
-        buf = torch.empty(3, optimizer.layout.shard_numel)
+        layout, _ = owner_layout(ctx.cfg, plan, owner)
+        buf = torch.empty(3, layout.shard_numel)
         comm.p2p(snapshot_link_name(owner, ctx.rank)).recv(buf, owner, tag)
-        replica = plan.stages[stage].ranks.index(owner)
         received[owner] = ShardState(
-            buf[0].clone(), buf[1].clone(), buf[2].clone(), optimizer.decay_mask_of(replica)
+            buf[0].clone(), buf[1].clone(), buf[2].clone(), owner_decay_mask(ctx.cfg, plan, owner)
         )
     if pending is not None:
         pending[0].wait_send(pending[1])
@@ -443,6 +443,7 @@ def reconfigure(
         new_layout=new_layout,
         device_state=old.optimizer.state if old is not None else None,
         host_states=host_states,
+        host_layouts={owner: owner_layout(ctx.cfg, base, owner)[0] for owner in host_states},
         link=lambda a, b: comm.p2p(remap_link_name(a, b)),
         generation=new_plan.generation,
         step=c,

@@ -336,6 +336,7 @@ def _train(
         "replica": replica,
         "step_time_s": [step_times[s] for s in sorted(step_times)],
         "loss": [losses[s] for s in sorted(losses)] if losses else None,
+        "loss_steps": sorted(losses),
         "traces": traces,
         "optimizer_shard_numel": trainer.optimizer.state.numel(),
         "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),

@@ -129,7 +129,8 @@ def test_shard_bounds_cover_exactly():
 
 
 def test_plan_fail_stop_rolls_back_to_oldest_commit_and_checks_integrity():
-    from elaswave.engine.recovery import next_plan, plan_digest, plan_fail_stop
+    from elaswave.engine.recovery import next_plan, plan_digest
+    from elaswave.engine.replan import plan_fail_stop
 
     plan = initial_plan(num_layers=6, dp=4, pp=2, global_batch=32, micro_batch=2)
     commits = {r: 7 for r in plan.ranks if r != 5} | {0: 8, 1: 8}
@@ -139,12 +140,13 @@ def test_plan_fail_stop_rolls_back_to_oldest_commit_and_checks_integrity():
     assert plan_digest(decision.plan) != plan_digest(plan)
     with pytest.raises(Unrecoverable, match="owner 5"):
         plan_fail_stop(plan, {5}, commits, ranks_per_node=1, snapshots=False)
-    # Rank 4 holds rank... placement is a ring shift: owner 4 -> holder 5 -> lost together.
-    with pytest.raises(Unrecoverable, match="owner 4, snapshot holder 5"):
+    # Snapshots go to the other stage by a ring shift of 4: rank 1 holds rank 5's and
+    # rank 5 holds rank 1's, so losing both loses both shards.
+    with pytest.raises(Unrecoverable, match="owner 1, snapshot holder 5"):
         plan_fail_stop(
             plan,
-            {4, 5},
-            {r: 7 for r in plan.ranks if r not in (4, 5)},
+            {1, 5},
+            {r: 7 for r in plan.ranks if r not in (1, 5)},
             ranks_per_node=1,
             snapshots=True,
         )

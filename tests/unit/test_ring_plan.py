@@ -191,9 +191,10 @@ def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
     old = plan.group_specs() + snapshot_group_specs(plan, 1)
     new = new_plan.group_specs() + snapshot_group_specs(new_plan, 1)
     builds = {r: plan_change(rank=r, current=[], pooled=[], specs=old) for r in plan.ranks}
-    # One link per pair: snap.5-6 and the ring link (5, 6) are one connection.
+    # One link per pair: a snapshot goes to the same replica one stage down, so snap.5-9
+    # and the pipeline link (5, 9) are one connection (and snap.1-5 and link.1-5).
     assert builds[5].new_links == ((1, 5), (4, 5), (5, 6), (5, 9))
-    assert {s.name for s in builds[5].pairs} == {"link.1-5", "link.5-9", "snap.5-6", "snap.4-5"}
+    assert {s.name for s in builds[5].pairs} == {"link.1-5", "link.5-9", "snap.5-9", "snap.1-5"}
     created = {}
     for r in new_plan.ranks:
         change = plan_change(
@@ -205,8 +206,8 @@ def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
         )
         assert change.groups == ()
         created[r] = change.new_links
-    # Rank 5 takes part of rank 6's samples: its ring and snapshot neighbour is now 7
-    # (one link for both), and it needs the failed rank's upstream and downstream peers.
+    # Rank 5 takes part of rank 6's samples: its ring neighbour is now 7, it needs the
+    # failed rank's upstream peer 2, and its snapshot holder is now 10.
     assert created[5] == ((2, 5), (5, 7), (5, 10))
     assert max(len(c) for c in created.values()) == 3
 

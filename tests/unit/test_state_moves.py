@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.engine.plan import snapshot_placements
+from elaswave.engine.plan import snapshot_placement
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
@@ -26,15 +26,13 @@ def _coverage(moves, layer: int) -> list[tuple[int, int, int]]:
     return sorted((t.dst, t.lo, t.hi) for t in moves.transfers if t.layer == layer)
 
 
-@pytest.mark.parametrize(("failed", "joined"), [([1], []), ([4], [6]), ([1, 4], []), ([], [6])])
+@pytest.mark.parametrize(("failed", "joined"), [([1], []), ([4], [6]), ([1, 5], []), ([], [6])])
 def test_every_new_shard_is_filled_once_from_a_live_source(failed, joined):
     old = CFG.plan()
     new, _ = next_plan(old, failed, _rebalancing(), joined=joined)
     moves = plan_state_moves(old, new, failed, numels=NUMELS, ranks_per_node=1, snapshots=True)
     assert not {t.src for t in moves.transfers} & set(failed), "a failed rank cannot send"
-    holders = {}
-    for placement in snapshot_placements(old, 1).values():
-        holders.update(placement.holder)
+    holders = snapshot_placement(old, 1).holder
     for t in moves.transfers:
         if t.owner in failed:
             assert t.kind is Source.HOST and t.src == holders[t.owner], t
@@ -51,10 +49,11 @@ def test_every_new_shard_is_filled_once_from_a_live_source(failed, joined):
             assert all(n <= share for n in per_rank.values()), (layer, per_rank, share)
 
 
-@pytest.mark.parametrize(("failed", "snapshots"), [([1], False), ([0, 2], True)])
+@pytest.mark.parametrize(("failed", "snapshots"), [([1], False), ([0, 3], True)])
 def test_a_shard_with_no_copy_left_is_named_lost(failed, snapshots):
     """Without snapshots a failed owner's shard is gone; with them, so is one whose
-    owner and holder both failed (rank 2's snapshot is on rank 0)."""
+    owner and holder both failed (snapshots go one stage down: rank 0's is on rank 3,
+    and rank 3's on rank 0)."""
     old = CFG.plan()
     new, _ = next_plan(old, failed, _rebalancing())
     with pytest.raises(Unrecoverable, match="optimizer state lost"):

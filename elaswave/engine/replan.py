@@ -1,0 +1,114 @@
+"""The plan change every runtime process computes alike (pure).
+
+:func:`replan` is the planner a running job applies: :func:`~elaswave.engine.recovery.
+next_plan` while every stage keeps a rank; when failures empty a stage, ranks change
+stage (:func:`~elaswave.engine.reshape.reshape`: a survivor of a wider stage takes the
+emptied stage's layers, rebuilt from the host snapshots that
+:func:`~elaswave.engine.plan.snapshot_placement` keeps in other stages). The pipeline
+keeps its number of stages: with fewer ranks than stages the change is Unrecoverable.
+
+:func:`plan_fail_stop` adds what a recovery needs besides the plan: the step every
+survivor rolls back to (the oldest committed step: ranks are at most one step apart,
+and each keeps one step of history), the integrity check of the failed ranks' state,
+and a reason; or it raises Unrecoverable naming the state that is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from elaswave.engine.plan import Plan, snapshot_placement
+from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.reshape import reshape
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.fabric.placement import SnapshotPlacement
+from elaswave.fabric.remap import check_integrity
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    plan: Plan
+    failed: tuple[int, ...]
+    committed_step: int
+    reason: str
+
+
+def emptied_stages(plan: Plan, failed: Collection[int]) -> list[int]:
+    """Stages of ``plan`` that ``failed`` leave without a rank."""
+    return [s.stage for s in plan.stages if not set(s.ranks) - set(failed)]
+
+
+def replan(
+    plan: Plan,
+    failed: Collection[int],
+    rebalancing: Rebalancing | None = None,
+    joined: Sequence[int] = (),
+) -> tuple[Plan, str]:
+    """The plan after ``failed`` leave and ``joined`` arrive (see the module docstring)."""
+    emptied = emptied_stages(plan, failed)
+    if not emptied or rebalancing is None or rebalancing.device is None:
+        return next_plan(plan, failed, rebalancing, joined=joined)
+    left = len(set(plan.ranks) - set(failed)) + len(joined)
+    lost = ", ".join(
+        f"stage {k} (layers {plan.stages[k].layer_start}-{plan.stages[k].layer_stop - 1}) "
+        f"lost all its ranks {list(plan.stages[k].ranks)}"
+        for k in emptied
+    )
+    if left < plan.pp:
+        raise Unrecoverable(
+            f"{lost}, and {left} ranks are left for a pipeline of {plan.pp} stages: every "
+            "stage needs a rank (the runtime does not shorten the pipeline)"
+        )
+    shaped = reshape(plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp)
+    assert shaped.plan.pp == plan.pp, "max_stages keeps the pipeline's stages"
+    return shaped.plan, f"{lost}; ranks change stage: {shaped.reason}"
+
+
+def plan_fail_stop(
+    plan: Plan,
+    failed: Collection[int],
+    commits: Mapping[int, int],
+    *,
+    ranks_per_node: int,
+    snapshots: bool,
+    rebalancing: Rebalancing | None = None,
+    joined: Sequence[int] = (),
+) -> RecoveryDecision:
+    failed = set(failed)
+    survivors = set(plan.ranks) - failed
+    missing = survivors - set(commits)
+    if missing:
+        raise ValueError(f"no committed step reported by surviving ranks {sorted(missing)}")
+    steps = {commits[r] for r in survivors}
+    if steps and max(steps) - min(steps) > 1:
+        raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
+    if snapshots:
+        new, reason = replan(plan, failed, rebalancing, joined=joined)
+        placement = snapshot_placement(plan, ranks_per_node)
+    else:  # no copy of a failed rank's state exists: an emptied stage is lost
+        new, reason = next_plan(plan, failed, rebalancing, joined=joined)
+        placement = SnapshotPlacement({}, node_safe=False)
+    lost = []
+    for stage in plan.stages:  # every stage's lost shards are named, not the first's only
+        if failed & set(stage.ranks):
+            try:
+                check_integrity(stage.ranks, failed, placement)
+            except Unrecoverable as exc:
+                lost.append(str(exc))
+    if lost:
+        raise Unrecoverable("; ".join(lost))
+    if not steps:
+        raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank of the plan survives")
+    committed = min(steps)
+    if new.generation == plan.generation:
+        # Nothing changes (the joiners it was for are gone, say): the members are stopped
+        # all the same and take the next generation, so that every change advances it.
+        new = dataclasses.replace(new, generation=plan.generation + 1)
+    return RecoveryDecision(
+        new,
+        tuple(sorted(failed)),
+        committed,
+        f"{reason}; every survivor resumes after step {committed}",
+    )

@@ -1,0 +1,61 @@
+"""What a snapshot holder knows of the owners whose shards it keeps.
+
+Snapshots live in another stage than their owner's (:func:`~elaswave.engine.plan.
+snapshot_placement`), so a holder cannot read an owner's shard layout, decay mask or
+initial state off its own optimizer: it derives them from the plan and the model
+config, as the owner does. The layout comes from the owner's stage (its layers and
+width), the decay mask from the layers' parameter shapes (built on the meta device),
+and the state before the first step from the layers' seeded initialisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elaswave.engine.plan import Plan
+from elaswave.fabric.layout import InterleavedLayout
+from elaswave.fabric.zero import ShardState
+from elaswave.model.llama import build_layer, layer_param_shapes
+from elaswave.runtime.config import JobConfig
+
+
+def owner_layout(cfg: JobConfig, plan: Plan, owner: int) -> tuple[InterleavedLayout, int]:
+    """The interleaved layout of ``owner``'s stage under ``plan``, and its replica."""
+    stage, replica = plan.locate(owner)
+    s = plan.stages[stage]
+    numels = {c.index: c.params for c in cfg.layer_costs}
+    return InterleavedLayout.build([(i, numels[i]) for i in s.layers], s.dp), replica
+
+
+def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
+    """1 where ``owner``'s shard elements take weight decay (matrices), else 0."""
+    layout, replica = owner_layout(cfg, plan, owner)
+    masks = [
+        torch.cat(
+            [
+                torch.full((shape.numel(),), 1.0 if len(shape) >= 2 else 0.0)
+                for shape in layer_param_shapes(cfg.model, item.layer)
+            ]
+        )
+        for item in layout.layers
+    ]
+    return layout.shard_of(masks, replica)
+
+
+def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int) -> ShardState:
+    """``owner``'s shard before the first step: its layers' seeded initial parameters,
+    zero moments."""
+    layout, replica = owner_layout(cfg, plan, owner)
+    with torch.no_grad():
+        flats = [
+            torch.cat(
+                [
+                    p.detach().float().reshape(-1)
+                    for p in build_layer(cfg.model, item.layer, seed=cfg.train.seed).parameters()
+                ]
+            )
+            for item in layout.layers
+        ]
+        master = layout.shard_of(flats, replica)
+    decay = owner_decay_mask(cfg, plan, owner)
+    return ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)

@@ -1,0 +1,127 @@
+"""Snapshots across stages, and ranks changing stage when a stage is lost whole
+(engine.replan): against brute force over small pipelines."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elaswave.engine.plan import initial_plan, snapshot_placement
+from elaswave.engine.recovery import Rebalancing
+from elaswave.engine.replan import plan_fail_stop, replan
+from elaswave.engine.state_moves import plan_state_moves
+from elaswave.fabric.errors import Unrecoverable
+from elaswave.fabric.placement import node_of, place_snapshots_across
+from elaswave.fabric.remap import Source
+from elaswave.runtime.config import JobConfig, TrainConfig
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(1, 4))
+def test_snapshots_go_to_another_stage_and_node_whenever_one_exists(widths, ranks_per_node):
+    """Brute force: for each owner, the best holder class any rank offers (another stage
+    and node > another node > another stage > any) is the class its holder is in."""
+    stages, start = [], 0
+    for w in widths:
+        stages.append(list(range(start, start + w)))
+        start += w
+    ranks = [r for s in stages for r in s]
+    placement = place_snapshots_across(stages, ranks_per_node)
+    if len(ranks) == 1:
+        assert placement.holder == {}
+        return
+    stage_of = {r: k for k, s in enumerate(stages) for r in s}
+
+    def grade(o: int, h: int) -> int:
+        other_stage, other_node = (
+            stage_of[o] != stage_of[h],
+            (node_of(o, ranks_per_node) != node_of(h, ranks_per_node)),
+        )
+        return 3 if other_stage and other_node else 2 if other_node else 1 if other_stage else 0
+
+    assert set(placement.holder) == set(ranks)
+    for owner, holder in placement.holder.items():
+        assert holder != owner and holder in ranks
+        best = max(grade(owner, r) for r in ranks if r != owner)
+        if len(stages) > 1:
+            assert grade(owner, holder) == best, (owner, holder, stages)
+    apart = [stage_of[o] != stage_of[h] for o, h in placement.holder.items()]
+    assert placement.stage_safe == all(apart)
+    if len(stages) > 1 and len(set(widths)) == 1 and ranks_per_node == 1:
+        # Equal widths: a uniform shift by one stage exists, each rank holds one snapshot.
+        assert sorted(placement.holder.values()) == ranks and placement.stage_safe
+
+
+CFG = JobConfig(train=TrainConfig(dp=2, pp=2, global_batch=16, micro_batch=2))
+NUMELS = {c.index: c.params for c in CFG.layer_costs}
+
+
+def _rebalancing() -> Rebalancing:
+    return Rebalancing(layers=CFG.layer_costs, device=CFG.cost_device)
+
+
+def test_a_stage_lost_whole_is_taken_over_from_a_wider_stage():
+    plan = initial_plan(num_layers=6, dp=2, pp=2, global_batch=16, micro_batch=2)
+    step1 = plan_fail_stop(plan, [2], {0: 3, 1: 3, 3: 3}, ranks_per_node=1, snapshots=True,
+                           rebalancing=_rebalancing())  # fmt: skip
+    assert [s.ranks for s in step1.plan.stages] == [(0, 1), (3,)]
+    # Rank 3's snapshot lives in stage 0: losing it empties stage 1 but loses no state.
+    holder = snapshot_placement(step1.plan, 1).holder[3]
+    assert holder in (0, 1)
+    step2 = plan_fail_stop(step1.plan, [3], {0: 5, 1: 5}, ranks_per_node=1, snapshots=True,
+                           rebalancing=_rebalancing())  # fmt: skip
+    stages = [s.ranks for s in step2.plan.stages]
+    assert sorted(stages) == [(0,), (1,)] and stages[1][0] in (0, 1), stages
+    assert [s.layers for s in step2.plan.stages] == [s.layers for s in plan.stages]
+    assert "stage 1 (layers 3-5) lost all its ranks [3]; ranks change stage" in step2.reason
+    # Every element of stage 1's layers comes from rank 3's host snapshot on its holder;
+    # stage 0's from the device of the rank that stays or the one that leaves.
+    moves = plan_state_moves(step1.plan, step2.plan, [3], numels=NUMELS, ranks_per_node=1,
+                             snapshots=True)  # fmt: skip
+    for layer in step2.plan.stages[1].layers:
+        got = [t for t in moves.transfers if t.layer == layer]
+        assert {(t.src, t.kind, t.dst) for t in got} == {(holder, Source.HOST, stages[1][0])}
+        assert sum(t.numel for t in got) == NUMELS[layer]
+    # The workers' planner (replan, from the announced inputs) agrees with the Core's.
+    assert replan(step1.plan, [3], _rebalancing())[0] == step2.plan
+
+
+def test_losing_a_stage_and_the_holders_of_its_state_is_named_lost():
+    plan = initial_plan(num_layers=6, dp=3, pp=2, global_batch=12, micro_batch=2)
+    holder = snapshot_placement(plan, 1).holder
+    failed = [3, 4, 5, holder[3]]
+    commits = {r: 3 for r in plan.ranks if r not in failed}
+    with pytest.raises(Unrecoverable, match=f"owner 3, snapshot holder {holder[3]}"):
+        plan_fail_stop(plan, failed, commits, ranks_per_node=1, snapshots=True,
+                       rebalancing=_rebalancing())  # fmt: skip
+
+
+def test_without_snapshots_a_stage_lost_whole_is_lost():
+    plan = initial_plan(num_layers=6, dp=2, pp=2, global_batch=16, micro_batch=2)
+    with pytest.raises(Unrecoverable, match=r"stage 1 \(layers 3-5\) lost all its ranks \[2, 3\]"):
+        plan_fail_stop(plan, [2, 3], {0: 3, 1: 3}, ranks_per_node=1, snapshots=False,
+                       rebalancing=_rebalancing())  # fmt: skip
+
+
+def test_fewer_ranks_than_stages_is_unrecoverable_and_says_why():
+    plan = initial_plan(num_layers=6, dp=1, pp=3, global_batch=4, micro_batch=1)
+    with pytest.raises(Unrecoverable, match="2 ranks are left for a pipeline of 3 stages"):
+        replan(plan, [1], _rebalancing())
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 2), (3, 2), (2, 3)])
+def test_every_stage_emptied_with_its_holders_alive_keeps_the_pipeline(dp, pp):
+    """Brute force over which whole stage is lost: the plan keeps every stage and its
+    layers, every survivor stays in the job, and every stage has a rank."""
+    plan = initial_plan(num_layers=6, dp=dp, pp=pp, global_batch=4 * dp, micro_batch=2)
+    for stage in plan.stages:
+        failed = set(stage.ranks)
+        new, _ = replan(plan, failed, _rebalancing())
+        assert new.pp == pp and all(s.ranks for s in new.stages)
+        assert [s.layers for s in new.stages] == [s.layers for s in plan.stages]
+        assert sorted(new.ranks) == sorted(set(plan.ranks) - failed)
+        for a, b in itertools.combinations(new.stages, 2):
+            assert not set(a.ranks) & set(b.ranks)

@@ -62,51 +62,61 @@ def place_snapshots(ranks: Sequence[int], ranks_per_node: int) -> SnapshotPlacem
     return SnapshotPlacement(holder, node_safe=safe)
 
 
+HOLDS_AT_MOST = 2
+"""Snapshots one rank holds while another rank of the owner's best class holds fewer."""
+
+
+def _weight(owner: int, holder: int) -> int:
+    """A fixed pseudo-random weight of the pair (splitmix64 of both ranks): the same in
+    every process, unlike Python's salted hash."""
+    x = (owner * 0x9E3779B97F4A7C15 + holder + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
 def place_snapshots_across(
     stages: Sequence[Sequence[int]], ranks_per_node: int
 ) -> SnapshotPlacement:
     """Holder of every rank's snapshot, over a pipeline's stages (each a list of ranks).
 
-    Ranks are ringed stage-major. Preference order: (1) a uniform ring shift by the
-    smallest k that puts every holder in another stage and on another node: balanced,
-    each rank holds exactly one snapshot; (2) per owner, a rank of the best class it
-    has: in another stage and on another node, else on another node, else in another
-    stage (node-safe beats stage-safe: a node is lost more often than every rank of a
-    stage), else any; of that class, the one holding the fewest snapshots so far, ties
-    in ring order. A one-stage pipeline is :func:`place_snapshots` (no other stage
-    exists); a single rank has no holder.
+    Each owner takes a rank of the best class it has: in another stage and on another
+    node, else on another node, else in another stage (node-safe beats stage-safe: a
+    node is lost more often than every rank of a stage), else any. Within the class,
+    rendezvous hashing picks the rank of highest :func:`_weight` that holds fewer than
+    :data:`HOLDS_AT_MOST` snapshots (owners in rank order; the highest weight of all
+    when every one holds that many). The placement is a function of the ranks alone,
+    and a change moves few snapshots: a rank that leaves moves only the ones it held
+    (and its own), a rank that joins takes only those it outweighs, so few snapshot
+    links are opened and few keepers restart. A one-stage pipeline is
+    :func:`place_snapshots` (no other stage exists); a single rank has no holder.
     """
     stages = [list(ranks) for ranks in stages if ranks]
     if len(stages) <= 1:
         return place_snapshots(stages[0] if stages else [], ranks_per_node)
-    ranks = [r for ranks in stages for r in ranks]
-    n = len(ranks)
+    ranks = sorted(r for ranks in stages for r in ranks)
     stage = {r: k for k, members in enumerate(stages) for r in members}
     node = {r: node_of(r, ranks_per_node) for r in ranks}
 
     def apart(o: int, h: int) -> tuple[bool, bool]:
         return stage[o] != stage[h], node[o] != node[h]
 
-    for shift in range(1, n):
-        holder = {owner: ranks[(i + shift) % n] for i, owner in enumerate(ranks)}
-        if all(all(apart(o, h)) for o, h in holder.items()):
-            return SnapshotPlacement(holder, node_safe=True, stage_safe=True)
-    holder = {}
+    holder: dict[int, int] = {}
     held = dict.fromkeys(ranks, 0)
-    for i, owner in enumerate(ranks):
-        ring = [ranks[(i + step) % n] for step in range(1, n)]
-        fit = ring
+    for owner in ranks:
+        others = [r for r in ranks if r != owner]
+        fit = others
         for want in ((True, True), (False, True), (True, False)):
             ok = [
                 r
-                for r in ring
+                for r in others
                 if all(a or not w for a, w in zip(apart(owner, r), want, strict=True))
             ]
             if ok:
                 fit = ok
                 break
-        # The least-loaded rank of the best class (ties in ring order): none holds many.
-        holder[owner] = min(fit, key=lambda r: held[r])
+        room = [r for r in fit if held[r] < HOLDS_AT_MOST] or fit
+        holder[owner] = max(room, key=lambda r: _weight(owner, r))
         held[holder[owner]] += 1
     return SnapshotPlacement(
         holder,

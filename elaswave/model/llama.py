@@ -8,6 +8,7 @@ stage builds them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -160,12 +161,13 @@ def _new_layer(cfg: ModelConfig, index: int) -> PipelineLayer:
     return TransformerBlock(cfg, index)
 
 
-def layer_param_shapes(cfg: ModelConfig, index: int) -> list[torch.Size]:
-    """Shapes of global layer ``index``'s parameters in registration order (built on
-    the meta device: nothing is allocated)."""
-    with torch.device("meta"):
-        layer = _new_layer(cfg, index)
-    return [p.shape for p in layer.parameters()]
+@functools.cache
+def layer_decay_flags(cfg: ModelConfig, index: int) -> tuple[tuple[int, bool], ...]:
+    """(elements, takes weight decay) of global layer ``index``'s parameters in
+    registration order: matrices decay, vectors do not. Cached per process: a snapshot
+    holder asks it for the layers of another stage at every change."""
+    layer = _new_layer(cfg, index)  # small for the built-in model; no seeded init needed
+    return tuple((p.numel(), p.dim() >= 2) for p in layer.parameters())
 
 
 def build_layer(cfg: ModelConfig, index: int, *, seed: int) -> PipelineLayer:

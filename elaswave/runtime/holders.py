@@ -4,7 +4,7 @@ Snapshots live in another stage than their owner's (:func:`~elaswave.engine.plan
 snapshot_placement`), so a holder cannot read an owner's shard layout, decay mask or
 initial state off its own optimizer: it derives them from the plan and the model
 config, as the owner does. The layout comes from the owner's stage (its layers and
-width), the decay mask from the layers' parameter shapes (built on the meta device),
+width), the decay mask from the layers' parameter shapes (cached per process),
 and the state before the first step from the layers' seeded initialisation.
 """
 
@@ -15,7 +15,7 @@ import torch
 from elaswave.engine.plan import Plan
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.zero import ShardState
-from elaswave.model.llama import build_layer, layer_param_shapes
+from elaswave.model.llama import build_layer, layer_decay_flags
 from elaswave.runtime.config import JobConfig
 
 
@@ -33,8 +33,8 @@ def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
     masks = [
         torch.cat(
             [
-                torch.full((shape.numel(),), 1.0 if len(shape) >= 2 else 0.0)
-                for shape in layer_param_shapes(cfg.model, item.layer)
+                torch.full((numel,), 1.0 if decays else 0.0)
+                for numel, decays in layer_decay_flags(cfg.model, item.layer)
             ]
         )
         for item in layout.layers

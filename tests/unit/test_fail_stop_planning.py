@@ -140,8 +140,7 @@ def test_plan_fail_stop_rolls_back_to_oldest_commit_and_checks_integrity():
     assert plan_digest(decision.plan) != plan_digest(plan)
     with pytest.raises(Unrecoverable, match="owner 5"):
         plan_fail_stop(plan, {5}, commits, ranks_per_node=1, snapshots=False)
-    # Snapshots go to the other stage by a ring shift of 4: rank 1 holds rank 5's and
-    # rank 5 holds rank 1's, so losing both loses both shards.
+    # Snapshots go to the other stage: rank 1's is on rank 5, so losing both loses it.
     with pytest.raises(Unrecoverable, match="owner 1, snapshot holder 5"):
         plan_fail_stop(
             plan,

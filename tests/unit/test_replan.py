@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop, replan
 from elaswave.engine.state_moves import plan_state_moves
 from elaswave.fabric.errors import Unrecoverable
-from elaswave.fabric.placement import node_of, place_snapshots_across
+from elaswave.fabric.placement import HOLDS_AT_MOST, node_of, place_snapshots_across
 from elaswave.fabric.remap import Source
 from elaswave.runtime.config import JobConfig, TrainConfig
 
@@ -50,9 +51,31 @@ def test_snapshots_go_to_another_stage_and_node_whenever_one_exists(widths, rank
             assert grade(owner, holder) == best, (owner, holder, stages)
     apart = [stage_of[o] != stage_of[h] for o, h in placement.holder.items()]
     assert placement.stage_safe == all(apart)
-    if len(stages) > 1 and len(set(widths)) == 1 and ranks_per_node == 1:
-        # Equal widths: a uniform shift by one stage exists, each rank holds one snapshot.
-        assert sorted(placement.holder.values()) == ranks and placement.stage_safe
+    if len(stages) > 1 and ranks_per_node == 1 and max(widths) <= sum(widths) - max(widths):
+        # Every stage has at least as many ranks outside it: none holds more than two.
+        assert max(Counter(placement.holder.values()).values()) <= HOLDS_AT_MOST
+        assert placement.stage_safe and placement.node_safe
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.integers(1, 3), st.data())
+def test_a_rank_leaving_moves_only_the_snapshots_it_held_and_at_most_two_more(
+    widths, ranks_per_node, data
+):
+    """Rendezvous placement is stable: a change opens few snapshot links and restarts
+    few keepers (the bounded load may displace up to two more, measured exhaustively
+    over 2-3 stages of 1-4 ranks)."""
+    stages, start = [], 0
+    for w in widths:
+        stages.append(list(range(start, start + w)))
+        start += w
+    gone = data.draw(st.integers(0, start - 1))
+    after = [[r for r in s if r != gone] for s in stages]
+    before = place_snapshots_across(stages, ranks_per_node).holder
+    now = place_snapshots_across(after, ranks_per_node).holder
+    moved = {o for o in before if o != gone and before[o] != now.get(o)}
+    held = {o for o, h in before.items() if h == gone}
+    assert held <= moved and len(moved - held) <= 2, (stages, gone, before, now)
 
 
 CFG = JobConfig(train=TrainConfig(dp=2, pp=2, global_batch=16, micro_batch=2))

@@ -166,11 +166,11 @@ def test_not_a_run_is_one_clear_error(tmp_path, setup, message):
 
 
 def _superseded(committed_attempt: int):
-    """Generation 1 announced for [1], superseded by [1, 5] (rank 5 died before it
+    """Generation 1 announced for [1], superseded by [1, 3] (rank 3 died before it
     acknowledged), attempt 1 committed (or, to tamper, attempt 0); then generation 2,
     planned by the Core from attempt 1, for rank 4."""
     first, _ = _announce(CFG.plan(), [1], 2)
-    widened, plan = _announce(CFG.plan(), [1, 5], 2)
+    widened, plan = _announce(CFG.plan(), [1, 3], 2)
     superseding = dataclasses.replace(widened[-1], attempt=1)
     digest = (superseding if committed_attempt else first[-1]).plan_digest
     commit = PlanCommit(sender="core", generation=1, attempt=committed_attempt, plan_digest=digest)
@@ -183,7 +183,7 @@ def test_a_superseded_plan_is_replayed_and_the_next_builds_on_the_committed_one(
     assert result.diverged is None, result.diverged
     assert [(p.generation, p.attempt) for p in result.plans] == [(1, 0), (1, 1), (2, 0)]
     proc = elaswave("replay", str(tmp_path), timeout=60)
-    assert "generation 1 (attempt 1), fail-stop of ranks [1, 5]: plan" in proc.stdout
+    assert "generation 1 (attempt 1), fail-stop of ranks [1, 3]: plan" in proc.stdout
 
 
 def test_a_commit_of_the_wrong_attempt_makes_the_next_generation_diverge(tmp_path):

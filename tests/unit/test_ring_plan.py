@@ -191,10 +191,10 @@ def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
     old = plan.group_specs() + snapshot_group_specs(plan, 1)
     new = new_plan.group_specs() + snapshot_group_specs(new_plan, 1)
     builds = {r: plan_change(rank=r, current=[], pooled=[], specs=old) for r in plan.ranks}
-    # One link per pair: a snapshot goes to the same replica one stage down, so snap.5-9
-    # and the pipeline link (5, 9) are one connection (and snap.1-5 and link.1-5).
-    assert builds[5].new_links == ((1, 5), (4, 5), (5, 6), (5, 9))
-    assert {s.name for s in builds[5].pairs} == {"link.1-5", "link.5-9", "snap.5-9", "snap.1-5"}
+    # One link per pair: ring (4, 5), (5, 6); pipeline (1, 5), (5, 9); snapshots to and
+    # from other stages (rank 5's on 13, rank 10's on 5).
+    assert builds[5].new_links == ((1, 5), (4, 5), (5, 6), (5, 9), (5, 10), (5, 13))
+    assert {s.name for s in builds[5].pairs} == {"link.1-5", "link.5-9", "snap.10-5", "snap.5-13"}
     created = {}
     for r in new_plan.ranks:
         change = plan_change(
@@ -206,10 +206,11 @@ def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
         )
         assert change.groups == ()
         created[r] = change.new_links
-    # Rank 5 takes part of rank 6's samples: its ring neighbour is now 7, it needs the
-    # failed rank's upstream peer 2, and its snapshot holder is now 10.
-    assert created[5] == ((2, 5), (5, 7), (5, 10))
-    assert max(len(c) for c in created.values()) == 3
+    # Rank 5 takes part of rank 6's samples: its ring neighbour is now 7 and it needs the
+    # failed rank's upstream peer 2; its snapshots stay where they were (rendezvous
+    # placement moves only those rank 6 held).
+    assert created[5] == ((2, 5), (5, 7))
+    assert max(len(c) for c in created.values()) == 2
 
 
 def test_partial_and_full_rebuild_as_full_groups() -> None:

@@ -98,8 +98,9 @@ def why_blocking(
 
     Non-blocking migration needs every source replica's parameters to be those of the
     committed step (a rank that failed over mid optimizer step holds newer ones:
-    ``stale``), stage memberships that only shrink (a joiner holds no parameters), and
-    only transformer blocks moving (embedding and head stay at the pipeline's ends).
+    ``stale``), stage memberships that only shrink (a joiner holds no parameters; a rank
+    that changes stage runs none of its old stage's layers), and only transformer blocks
+    moving (embedding and head stay at the pipeline's ends).
     """
     if mode not in MIGRATION_MODES:
         raise ValueError(f"unknown migration mode {mode!r}; valid: {', '.join(MIGRATION_MODES)}")
@@ -109,6 +110,10 @@ def why_blocking(
         return f"ranks {sorted(joined)} join and gather their stage's parameters"
     if stale:
         return f"ranks {sorted(stale)} hold parameters newer than the committed step"
+    before = {r: s.stage for s in old.stages for r in s.ranks}
+    moved = sorted(r for s in new.stages for r in s.ranks if before.get(r, s.stage) != s.stage)
+    if moved:  # a source of the streams would no longer run the old stage's layers
+        return f"ranks {moved} change stage and gather their new stage's parameters"
     kinds = {c.index: c.kind for c in layers}
     moves = layer_moves(old, new)
     messages = (

@@ -50,6 +50,9 @@ class Rules:
     """Whether the job can start workers (joiners)."""
     resume_hint: str = ""
     """How to resume after the job stops (names a checkpoint, or says there is none)."""
+    first_step: int = -1
+    """The step a resumed job starts after (its checkpoint's; -1: a new job): no rank
+    can roll back before it."""
     grace_s: float = 0.02
     """Exits this close together are one failure."""
     exit_grace_s: float = 0.5

@@ -215,6 +215,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
             snapshots=r.snapshots,
             rebalancing=rebalancing(r, s, survivors | set(c.joined)),
             joined=c.joined,
+            floor=s.recoveries[-1]["committed_step"] if s.recoveries else r.first_step,
         )
     except Unrecoverable as exc:
         raise Stopped(f"unrecoverable: {c.detail}; {exc}") from None

@@ -75,7 +75,20 @@ def plan_fail_stop(
     snapshots: bool,
     rebalancing: Rebalancing | None = None,
     joined: Sequence[int] = (),
+    floor: int = -1,
 ) -> RecoveryDecision:
+    """The decision for ``plan`` after ``failed`` leave and ``joined`` arrive, given each
+    survivor's committed step (``commits``). ``floor``: the step no survivor can roll
+    back before (the committed step of the change that made ``plan``, or the step a
+    resumed job started after).
+
+    Survivors roll back to the oldest committed step among them. A stage that lost every
+    rank may have stopped a step behind them (it died before its optimizer step while
+    the others finished theirs), and the loss of a step is known only to the last stage:
+    then every survivor rolls back to the oldest step all of them hold (one before the
+    newest, not before ``floor``), which the lost stage's snapshots also hold, and the
+    new pipeline redoes the step after it.
+    """
     failed = set(failed)
     survivors = set(plan.ranks) - failed
     missing = survivors - set(commits)
@@ -102,6 +115,8 @@ def plan_fail_stop(
     if not steps:
         raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank of the plan survives")
     committed = min(steps)
+    if snapshots and emptied_stages(plan, failed):
+        committed = max(max(steps) - 1, min(floor, committed))
     if new.generation == plan.generation:
         # Nothing changes (the joiners it was for are gone, say): the members are stopped
         # all the same and take the next generation, so that every change advances it.

@@ -112,4 +112,5 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         join_steps=tuple(sorted(f.step for f in faults if f.kind is FaultKind.JOIN)),
         can_spawn=can_spawn,
         resume_hint=resume,
+        first_step=t.resume_step if t.resume_step is not None else -1,
     )

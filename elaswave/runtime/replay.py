@@ -107,6 +107,11 @@ def replay_run(run_dir: Path) -> ReplayResult:
     settled: dict[int, Plan] = {initial.generation: initial}
     """generation -> the plan it settled on: the committed attempt (else the latest)."""
     attempts: dict[tuple[int, int], Plan] = {}
+    floors: dict[int, int] = {
+        initial.generation: cfg.train.resume_step if cfg.train.resume_step is not None else -1
+    }
+    """generation -> the step its settled plan's survivors cannot roll back before."""
+    announced: dict[tuple[int, int], int] = {}  # (generation, attempt) -> committed step
     committed: set[int] = set()
     ready: dict[int, dict[int, RecoveryReady]] = {}  # generation -> rank -> latest report
     cause: LogRecord | None = None
@@ -126,14 +131,16 @@ def replay_run(run_dir: Path) -> ReplayResult:
             key = (event.generation, event.attempt)
             if key in attempts:
                 settled[event.generation] = attempts[key]
+                floors[event.generation] = announced[key]
                 committed.add(event.generation)
         elif isinstance(event, RecoveryPlan) and event.sender != CORE:
             ignored.append(format_record(record))  # only the Core announces plans
         elif isinstance(event, RecoveryPlan) and (event.generation, event.attempt) not in attempts:
             base = settled.get(event.generation - 1)
             digest, problems, new_plan = _replay_one(
-                cfg, base, event, ready.get(event.generation - 1, {})
-            )
+                cfg, base, event, ready.get(event.generation - 1, {}),
+                floors.get(event.generation - 1, -1),
+            )  # fmt: skip
             out.append(
                 Replayed(
                     generation=event.generation,
@@ -151,13 +158,19 @@ def replay_run(run_dir: Path) -> ReplayResult:
             if new_plan is None:
                 break
             attempts[(event.generation, event.attempt)] = new_plan
+            announced[(event.generation, event.attempt)] = event.committed_step
             if event.generation not in committed:
                 settled[event.generation] = new_plan
+                floors[event.generation] = event.committed_step
     return ReplayResult(tuple(out), tuple(unreadable), tuple(ignored))
 
 
 def _replay_one(
-    cfg: JobConfig, plan: Plan | None, event: RecoveryPlan, reports: dict[int, RecoveryReady]
+    cfg: JobConfig,
+    plan: Plan | None,
+    event: RecoveryPlan,
+    reports: dict[int, RecoveryReady],
+    floor: int,
 ) -> tuple[str | None, tuple[str, ...], Plan | None]:
     """(replayed digest, problems, the plan to go on from: None after a divergence)."""
     if plan is None:
@@ -176,6 +189,7 @@ def _replay_one(
             snapshots=cfg.train.snapshots,
             rebalancing=announced_rebalancing(cfg, event),
             joined=event.joined,
+            floor=floor,
         )
     except (ValueError, Unrecoverable) as exc:
         return None, (f"inputs: replay cannot plan from the logged events ({exc})",), None

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elaswave.engine.migration import decide_migration, why_blocking
 from elaswave.engine.plan import initial_plan, snapshot_placement
+from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop, replan
 from elaswave.engine.state_moves import plan_state_moves
@@ -148,3 +151,39 @@ def test_every_stage_emptied_with_its_holders_alive_keeps_the_pipeline(dp, pp):
         assert sorted(new.ranks) == sorted(set(plan.ranks) - failed)
         for a, b in itertools.combinations(new.stages, 2):
             assert not set(a.ranks) & set(b.ranks)
+
+
+def test_a_stage_lost_whole_rolls_the_survivors_back_to_a_step_its_snapshots_hold():
+    """Found by scripts/chaos (seed 12 on 4a74050, cases 53 and 73: dp2 x pp4, the node
+    holding all of the last stage killed in its grad-sync or snapshot phase). The other
+    stages had committed the step; the lost stage had not (its snapshot holder never got
+    that step's gradient: the recovery failed), and only it knew the step's loss (the
+    summary missed it). The survivors now roll back to the oldest step they all hold,
+    never before the step the current plan started from, and the step is redone."""
+    plan = initial_plan(num_layers=6, dp=2, pp=4, global_batch=8, micro_batch=2)
+    decide = partial(plan_fail_stop, plan, [6, 7], ranks_per_node=1, snapshots=True,
+                     rebalancing=_rebalancing())  # fmt: skip
+    assert decide({r: 2 for r in range(6)}).committed_step == 1
+    assert decide({0: 2, 1: 2, 2: 3, 3: 3, 4: 3, 5: 3}).committed_step == 2
+    assert decide({r: 2 for r in range(6)}, floor=2).committed_step == 2
+    # A stage that keeps a rank rolls back to the oldest survivor's step, as ever.
+    kept = plan_fail_stop(plan, [7], {r: 2 for r in range(7)}, ranks_per_node=1,
+                          snapshots=True, rebalancing=_rebalancing())  # fmt: skip
+    assert kept.committed_step == 2
+
+
+def test_layers_move_blocking_when_ranks_change_stage():
+    """Found by scripts/chaos (seed 12 on 4a74050, case 78: dp3 x pp2 under migrate+dvfs,
+    the node holding all of stage 1 killed): the plan moved two stage-0 ranks to stage 1
+    and layer 2 with them, non-blocking, streamed from sources that no longer ran stage
+    0; the run ended 3% off its fault-free twin. A change that moves ranks between
+    stages now migrates blocking (parameters gathered from the moved optimizer state)."""
+    plan = initial_plan(num_layers=6, dp=3, pp=2, global_batch=12, micro_batch=2)
+    migrate = Rebalancing(policy=Policy.MIGRATE, layers=CFG.layer_costs, device=CFG.cost_device)
+    new, _ = replan(plan, [3, 4, 5], migrate)
+    assert {r for s in new.stages[1:] for r in s.ranks} <= {0, 1, 2}
+    mode = decide_migration("nonblocking", plan, new, stale=(), joined=(),
+                            layers=CFG.layer_costs, device=CFG.cost_device)  # fmt: skip
+    if mode["layers"]:
+        assert mode["mode"] == "blocking" and "change stage" in str(mode["why"]), mode
+    assert why_blocking("nonblocking", plan, new, layers=CFG.layer_costs) is not None

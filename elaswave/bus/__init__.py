@@ -7,6 +7,7 @@ Synchronous code embeds the bus through :class:`elaswave.runtime.session.Session
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient, BusError, RawMessage
+from elaswave.bus.codec import decode, encode, with_seq
 from elaswave.bus.eventlog import EventLogWriter, LogRecord, format_record, read_event_log
 from elaswave.bus.schema import (
     EVENT_TYPES,
@@ -30,9 +31,6 @@ from elaswave.bus.schema import (
     Topic,
     WorkerFinished,
     WorkerStarted,
-    decode,
-    encode,
-    with_seq,
 )
 
 __all__ = [

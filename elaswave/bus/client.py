@@ -8,7 +8,7 @@ carrying a random nonce every ``hello_interval`` seconds until the broker echoes
 to the client's own SUB socket. Once it has, this client's messages reach the broker and
 the broker's messages reach this client.
 
-Receiving never raises for bad input. A message that fails :func:`~elaswave.bus.schema.decode`
+Receiving never raises for bad input. A message that fails :func:`~elaswave.bus.codec.decode`
 is logged once as a warning, counted in :attr:`BusClient.rejected` and skipped by
 :meth:`BusClient.recv`; :meth:`BusClient.recv_raw` returns it with its error so that a
 caller that logs every message (the core's event log) sees it too.
@@ -42,19 +42,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from elaswave.bus.codec import decode, encode
 from elaswave.bus.keys import BusKeys, use_curve
 from elaswave.bus.logservice import Fetcher
 from elaswave.bus.reliable import RELIABLE_TOPICS, BusFaults, FaultyLink, SentHistory, SeqTracker
-from elaswave.bus.schema import (
-    Beacon,
-    Event,
-    Hello,
-    ResendRequest,
-    SchemaError,
-    Topic,
-    decode,
-    encode,
-)
+from elaswave.bus.schema import Beacon, Event, Hello, ResendRequest, SchemaError, Topic
 
 logger = structlog.get_logger(__name__)
 

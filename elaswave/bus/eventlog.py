@@ -36,7 +36,8 @@ from typing import Any, Self
 import msgpack
 import structlog
 
-from elaswave.bus.schema import Event, SchemaError, decode
+from elaswave.bus.codec import decode
+from elaswave.bus.schema import Event, SchemaError
 
 logger = structlog.get_logger(__name__)
 

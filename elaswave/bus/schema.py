@@ -1,4 +1,5 @@
-"""Every message on the ElasWave bus: topics, event kinds, event schemas and the wire codec.
+"""Every message on the ElasWave bus: topics, event kinds and event schemas (the wire codec
+is :mod:`elaswave.bus.codec`).
 
 This is the only module that defines event schemas. An event is a frozen, keyword-only
 dataclass deriving from :class:`Event`; each class names its :class:`EventKind` and the
@@ -15,8 +16,9 @@ Schemas evolve like protobuf: new fields are appended *with defaults*, never ret
 removed; a receiver ignores fields it does not know and refuses a ``schema_version``
 newer than :data:`SCHEMA_VERSION` (its meaning may have changed).
 
-:func:`decode` never trusts its input: every problem raises one :class:`SchemaError` whose
-message names the offending value, so that the bus can log it and skip the message.
+:func:`~elaswave.bus.codec.decode` never trusts its input: every problem raises one
+:class:`SchemaError` whose message names the offending value, so that the bus can log it
+and skip the message.
 """
 
 from __future__ import annotations
@@ -24,14 +26,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
-import msgpack
-
-from elaswave.bus.fields import FieldSpec, checker, is_int, short, type_name
+from elaswave.bus.fields import FieldSpec, checker, type_name
 
 SCHEMA_VERSION = 1
 """Version written into every event this code produces."""
@@ -41,15 +41,6 @@ SUPPORTED_SCHEMA_VERSIONS: frozenset[int] = frozenset(range(1, SCHEMA_VERSION + 
 
 KIND_KEY = "event_kind"
 """Payload key holding the :class:`EventKind` value."""
-
-MAX_PAYLOAD_BYTES = 1 << 20
-"""Largest payload frame :func:`decode` reads and :func:`encode` writes (1 MiB). Events
-carry plan inputs, never plans or tensors: the largest in practice are a few KiB."""
-
-MAX_TOPIC_BYTES = 32
-"""Largest topic frame :func:`decode` reads (topic names are a few letters)."""
-
-_NUM_FRAMES = 2
 
 
 class SchemaError(ValueError):
@@ -133,6 +124,8 @@ _REGISTRY: dict[EventKind, type[Event]] = {}
 _FIELD_SPECS: dict[EventKind, tuple[FieldSpec, ...]] = {}
 
 EVENT_TYPES: Mapping[EventKind, type[Event]] = MappingProxyType(_REGISTRY)
+FIELD_SPECS: Mapping[EventKind, tuple[FieldSpec, ...]] = MappingProxyType(_FIELD_SPECS)
+"""Each kind's fields, checked on decoding (:mod:`elaswave.bus.codec`)."""
 """Read-only map from every :class:`EventKind` to its event class."""
 
 
@@ -501,100 +494,3 @@ class PlanCommit(Event):
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)
 assert not _missing_kinds, f"event kinds without a class: {_missing_kinds}"
-
-# --------------------------------------------------------------------------- codec
-
-
-def with_seq(event: _E, seq: int) -> _E:
-    """Return a copy of ``event`` with ``seq`` replaced."""
-    return dataclasses.replace(event, seq=seq)
-
-
-def encode(event: Event) -> list[bytes]:
-    """Encode ``event`` as the two-frame multipart message ``[topic, msgpack payload]``."""
-    cls = type(event)
-    kind = getattr(cls, "KIND", None)
-    if not isinstance(kind, EventKind) or _REGISTRY.get(kind) is not cls:
-        raise TypeError(f"{cls.__name__} is not a registered event class")
-    payload: dict[str, Any] = {KIND_KEY: cls.KIND.value}
-    for spec in _FIELD_SPECS[cls.KIND]:
-        payload[spec.name] = getattr(event, spec.name)
-    body = msgpack.packb(payload, use_bin_type=True)
-    if len(body) > MAX_PAYLOAD_BYTES:  # receivers would refuse it: say so at the source
-        raise SchemaError(
-            f"{cls.KIND.value} encodes to {len(body)} bytes, over the bus limit of "
-            f"{MAX_PAYLOAD_BYTES}"
-        )
-    return [cls.TOPIC.value.encode(), body]
-
-
-def decode(frames: Sequence[bytes]) -> Event:
-    """Decode a multipart message into its event, or raise :class:`SchemaError`.
-
-    Frames past :data:`MAX_TOPIC_BYTES` and :data:`MAX_PAYLOAD_BYTES` are refused before
-    anything is unpacked. Unknown extra payload fields are ignored (forward-compatible
-    additions); ``float`` fields accept integers.
-    """
-    if len(frames) != _NUM_FRAMES:
-        raise SchemaError(
-            f"expected {_NUM_FRAMES} frames [topic, payload], got {len(frames)} frame(s)"
-        )
-    topic_frame, body = bytes(frames[0]), bytes(frames[1])
-    if len(topic_frame) > MAX_TOPIC_BYTES:
-        raise SchemaError(
-            f"topic frame of {len(topic_frame)} bytes: topics are at most {MAX_TOPIC_BYTES}"
-        )
-    if len(body) > MAX_PAYLOAD_BYTES:
-        raise SchemaError(
-            f"payload of {len(body)} bytes exceeds the bus limit of {MAX_PAYLOAD_BYTES} bytes"
-        )
-    try:
-        payload = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on bad input
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise SchemaError(f"undecodable msgpack payload ({detail}): {short(body)}") from None
-    if not isinstance(payload, dict):
-        raise SchemaError(f"payload must be a map, got {type(payload).__name__} {short(payload)}")
-
-    version = payload.get("schema_version", dataclasses.MISSING)
-    if version is dataclasses.MISSING:
-        raise SchemaError("payload has no 'schema_version' field")
-    if not is_int(version) or version not in SUPPORTED_SCHEMA_VERSIONS:
-        supported = sorted(SUPPORTED_SCHEMA_VERSIONS)
-        newer = is_int(version) and version > SCHEMA_VERSION
-        hint = " (it is newer: upgrade this process to read it)" if newer else ""
-        raise SchemaError(
-            f"unsupported schema_version {short(version)}{hint}; supported: {supported}"
-        )
-
-    if KIND_KEY not in payload:
-        raise SchemaError(f"payload has no {KIND_KEY!r} field")
-    raw_kind = payload[KIND_KEY]
-    try:
-        kind = EventKind(raw_kind)
-    except (ValueError, TypeError):
-        valid = ", ".join(k.value for k in EventKind)
-        raise SchemaError(f"unknown event kind {short(raw_kind)}; valid kinds: {valid}") from None
-    cls = _REGISTRY[kind]
-
-    if topic_frame != cls.TOPIC.value.encode():
-        raise SchemaError(
-            f"topic frame {short(topic_frame)} does not match kind {kind.value!r}, "
-            f"which is published on topic {cls.TOPIC.value!r}"
-        )
-
-    kwargs: dict[str, Any] = {}
-    for spec in _FIELD_SPECS[kind]:
-        if spec.name not in payload:
-            if spec.required:
-                raise SchemaError(f"{kind.value}: missing required field {spec.name!r}")
-            continue
-        value = payload[spec.name]
-        try:
-            kwargs[spec.name] = spec.check(value)
-        except TypeError:
-            raise SchemaError(
-                f"{kind.value}: field {spec.name!r} expected {spec.type_name}, "
-                f"got {type(value).__name__} {short(value)}"
-            ) from None
-    return cls(**kwargs)

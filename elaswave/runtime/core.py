@@ -24,6 +24,7 @@ import structlog
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
+from elaswave.bus.codec import decode
 from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.keys import BusKeys
 from elaswave.bus.logservice import LogIndex, LogService
@@ -46,7 +47,6 @@ from elaswave.bus.schema import (
     StepTiming,
     WorkerFinished,
     WorkerStarted,
-    decode,
 )
 from elaswave.rundir import EVENT_LOG
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from elaswave.bus.schema import StepCompleted, encode
+from elaswave.bus.codec import encode
+from elaswave.bus.schema import StepCompleted
 from elaswave.runtime.config import JobSpec
 from tests.runs import Run, background_job, check_replay, elaswave, plain_publisher
 

@@ -8,7 +8,8 @@ import sys
 import msgpack
 import pytest
 
-from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted, encode
+from elaswave.bus.codec import encode
+from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted
 from elaswave.runtime.config import JobSpec
 from tests.runs import background_job, plain_publisher
 

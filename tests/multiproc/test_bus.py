@@ -16,15 +16,8 @@ import zmq
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient, BusError, RawMessage
-from elaswave.bus.schema import (
-    Beacon,
-    Heartbeat,
-    Hello,
-    RecoveryStarted,
-    StepCompleted,
-    Topic,
-    encode,
-)
+from elaswave.bus.codec import encode
+from elaswave.bus.schema import Beacon, Heartbeat, Hello, RecoveryStarted, StepCompleted, Topic
 
 pytestmark = pytest.mark.timeout(30)
 

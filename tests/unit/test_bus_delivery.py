@@ -11,16 +11,10 @@ import zmq
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
+from elaswave.bus.codec import encode
 from elaswave.bus.logservice import Fetcher, LogIndex, LogService
 from elaswave.bus.reliable import BusFaults, SeqTracker
-from elaswave.bus.schema import (
-    FailureDetected,
-    Heartbeat,
-    RecoveryReady,
-    StepCompleted,
-    Topic,
-    encode,
-)
+from elaswave.bus.schema import FailureDetected, Heartbeat, RecoveryReady, StepCompleted, Topic
 
 
 def test_tracker_drops_duplicates_and_fills_gaps_late() -> None:

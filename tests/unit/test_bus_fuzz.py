@@ -18,18 +18,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elaswave.bus.codec import MAX_PAYLOAD_BYTES, MAX_TOPIC_BYTES, decode, encode
 from elaswave.bus.schema import (
     EVENT_TYPES,
     KIND_KEY,
-    MAX_PAYLOAD_BYTES,
-    MAX_TOPIC_BYTES,
     Event,
     RecoveryStarted,
     SchemaError,
     StepCompleted,
     Topic,
-    decode,
-    encode,
 )
 
 EXAMPLES = int(os.environ.get("ELASWAVE_FUZZ_EXAMPLES", "1000"))

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elaswave.bus import schema
+from elaswave.bus.codec import decode, encode, with_seq
 from elaswave.bus.schema import (
     EVENT_TYPES,
     KIND_KEY,
@@ -26,9 +27,6 @@ from elaswave.bus.schema import (
     StepCompleted,
     Topic,
     WorkerFinished,
-    decode,
-    encode,
-    with_seq,
 )
 
 pytestmark = pytest.mark.timeout(60)

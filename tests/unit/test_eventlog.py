@@ -9,14 +9,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from elaswave.bus.codec import encode
 from elaswave.bus.eventlog import EventLogWriter, LogRecord, format_record, read_event_log
-from elaswave.bus.schema import (
-    Heartbeat,
-    RecoveryStarted,
-    StepCompleted,
-    WorkerStarted,
-    encode,
-)
+from elaswave.bus.schema import Heartbeat, RecoveryStarted, StepCompleted, WorkerStarted
 
 pytestmark = pytest.mark.timeout(30)
 

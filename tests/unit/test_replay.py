@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from elaswave.bus.codec import encode
 from elaswave.bus.eventlog import EventLogWriter
-from elaswave.bus.schema import FailureDetected, PlanCommit, RecoveryPlan, RecoveryReady, encode
+from elaswave.bus.schema import FailureDetected, PlanCommit, RecoveryPlan, RecoveryReady
 from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop

@@ -6,6 +6,9 @@ stage (:func:`~elaswave.engine.reshape.reshape`: a survivor of a wider stage tak
 emptied stage's layers, rebuilt from the host snapshots that
 :func:`~elaswave.engine.plan.snapshot_placement` keeps in other stages). The pipeline
 keeps its number of stages: with fewer ranks than stages the change is Unrecoverable.
+Every process of the job reruns it before it acknowledges the plan, so it prices only
+the first assignment (``search=False``: the best donor for each emptied stage), not
+every vector of widths as the simulator does.
 
 :func:`plan_fail_stop` adds what a recovery needs besides the plan: the step every
 survivor rolls back to (the oldest committed step: ranks are at most one step apart,
@@ -61,9 +64,11 @@ def replan(
             f"{lost}, and {left} ranks are left for a pipeline of {plan.pp} stages: every "
             "stage needs a rank (the runtime does not shorten the pipeline)"
         )
-    shaped = reshape(plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp)
+    shaped = reshape(
+        plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
+    )
     assert shaped.plan.pp == plan.pp, "max_stages keeps the pipeline's stages"
-    return shaped.plan, f"{lost}; ranks change stage: {shaped.reason}"
+    return shaped.plan, f"{lost}; {shaped.reason}"
 
 
 def plan_fail_stop(

@@ -142,6 +142,7 @@ def reshape(
     horizon: int = HORIZON_STEPS,
     max_stages: int | None = None,
     samples: int | None = None,
+    search: bool = True,
 ) -> Reshaped:
     """The cheapest plan for ``plan`` without ``failed`` and with ``joined``, letting
     ranks change stage and the pipeline change its number of stages (see the module
@@ -160,6 +161,11 @@ def reshape(
     * with fewer ranks than stages, every shorter pipeline that fits in memory; with
       more, every longer one up to ``max_stages`` (the job's own stage count, for a
       pipeline that lost stages before).
+
+    ``search=False`` keeps the first assignment (joiners on the narrowest stages, each
+    emptied stage filled from the best donor) and prices no other vector of widths: what
+    a running job's every process can recompute within a plan's acknowledgment deadline
+    (the full search rebalances each of up to :data:`EXHAUSTIVE` candidates).
 
     Raises Unrecoverable when no rank is left or no candidate fits in memory.
     """
@@ -235,7 +241,7 @@ def reshape(
                 src = min(donors, key=lambda p: (shaped(move(assignment, p, k))[0], p))
                 assignment = move(assignment, src, k)
         best_price, best = shaped(assignment)
-        vectors = _width_vectors(total, plan.pp)
+        vectors = _width_vectors(total, plan.pp) if search else []
         if vectors is not None:  # few enough: price every vector of widths
             for widths in vectors:
                 trial_assignment = _reassign(assignment, widths)
@@ -310,7 +316,9 @@ def _describe_moves(old: Plan, new: Plan) -> list[str]:
     before = {r: s.stage for s in old.stages for r in s.ranks}
     return [
         f"rank {r} moves from stage {before[r]} to stage {s.stage}"
+        if r in before
+        else f"rank {r} joins stage {s.stage}"
         for s in new.stages
         for r in s.ranks
-        if r in before and before[r] != s.stage
+        if before.get(r) != s.stage
     ]

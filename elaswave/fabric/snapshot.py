@@ -5,7 +5,8 @@ times larger optimizer state) to its snapshot holder, whose background thread ap
 the very same AdamW update to a host copy, overlapped with the next step. Both ends run
 on background threads that block in gloo directly: the training thread only enqueues. The holder
 keeps the last two step versions, so a step abandoned by a failure can roll back to the
-committed one. Bit-for-bit equality with the owner holds because both sides run
+committed one, and every version since the step before its own committed step (see
+:func:`kept_versions`). Bit-for-bit equality with the owner holds because both sides run
 :func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
 may round differently, which the integrity check tolerates by design of the remap).
 """
@@ -16,6 +17,7 @@ import hashlib
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -40,12 +42,32 @@ def snapshot_link_name(owner: int, holder: int) -> str:
     return f"snap.{owner}-{holder}"
 
 
+def kept_versions(steps: Iterable[int], holder_step: int | None) -> list[int]:
+    """The snapshot versions (steps) a holder keeps: the two newest, and every one from
+    the step before ``holder_step`` (the holder's own committed step; None: unknown) on.
+
+    When a stage loses every rank, the survivors roll back to the step before the newest
+    any of them committed (:func:`elaswave.engine.replan.plan_fail_stop`), since the lost
+    stage may have stopped a step behind them. It may instead have run a step ahead of
+    the survivor that holds its snapshots: the two newest versions alone then miss the
+    step rolled back to (scripts/chaos --seed 14 --case 121). An owner runs at most one
+    step ahead of any other stage, so this keeps at most three versions, and three in
+    steady state: an owner's next version arrives before its holder commits that step.
+    """
+    ordered = sorted(steps)
+    cut = ordered[-2:]
+    if holder_step is not None:
+        cut = [*cut, holder_step - 1]
+    return [v for v in ordered if v >= min(cut)] if ordered else []
+
+
 @dataclass
 class SnapshotKeeper:
     """Holds one owner's shard snapshot on this rank and keeps it current.
 
     ``versions`` maps step -> state after that step's update (step -1: initial state);
-    only the two newest are kept.
+    :func:`kept_versions` says which are kept, given ``holder_step()``, the holder's own
+    committed step (None: the two newest are kept).
     """
 
     owner: int
@@ -56,6 +78,7 @@ class SnapshotKeeper:
     initial_step: int = -1
     """The step ``initial`` is the state after (-1: before any step)."""
     record_digests: bool = False
+    holder_step: Callable[[], int] | None = None
     versions: dict[int, ShardState] = field(default_factory=dict)
     digests: list[str] = field(default_factory=list)
     error: BaseException | None = None
@@ -99,7 +122,9 @@ class SnapshotKeeper:
                 return
             with self._done:
                 self.versions[step] = state
-                for old in sorted(self.versions)[:-2]:
+                own = self.holder_step() if self.holder_step is not None else None
+                kept = set(kept_versions(self.versions, own))
+                for old in [v for v in self.versions if v not in kept]:
                     del self.versions[old]
                 if self.record_digests:
                     self.digests.append(digest)

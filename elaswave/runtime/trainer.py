@@ -238,6 +238,7 @@ def _attach_snapshots(
             generation=plan.generation,
             initial_step=step,
             record_digests=ctx.cfg.train.verify_snapshots,
+            holder_step=lambda: optimizer.committed_step,
         )
         keeper.start()
         keepers.append(keeper)

@@ -365,8 +365,14 @@ STAGE_JOB = ("--device", "emulated", "--dp", "2", "--pp", "2", "--steps", "16",
              "--global-batch", "16", "--micro-batch", "2")  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def stage_ref(runs_dir) -> Run:
+    """The fault-free run of ``STAGE_JOB``."""
+    return train(runs_dir / "stage_ref", *STAGE_JOB)
+
+
 @pytest.mark.timeout(300)
-def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir):
+def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir, stage_ref):
     """dp 2 x pp 2 loses both ranks of stage 1 one after the other, then two ranks join
     (issue 20's runtime acceptance command). Stage 1's state survives in the snapshots
     held in stage 0 (snapshots go to another stage), so after the second kill a stage-0
@@ -374,7 +380,7 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir):
     the pipeline. Every step completes, the run matches the fault-free one, and replay
     reproduces every plan (``train``). The job runs 16 steps rather than the command's
     12, so that a joiner slow to start on a loaded host still joins before the end."""
-    ref = train(runs_dir / "stage_ref", *STAGE_JOB)
+    ref = stage_ref
     faults = ("kill:2@3:backward", "kill:3@5:forward", "join@7", "join@9")
     run = train(runs_dir / "stage_lost_whole", *STAGE_JOB,
                 *(x for f in faults for x in ("--fault", f)))  # fmt: skip
@@ -389,5 +395,26 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir):
     assert moved[1][0] in (0, 1), f"a stage-0 rank takes stage 1: {moved}"
     assert sorted(r for st in recs[3]["plan"]["stages"] for r in st["ranks"]) == [0, 1, 4, 5]
     diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase", ["snapshot", "optimizer"])
+def test_a_stage_lost_whole_a_step_ahead_of_its_snapshot_holders_is_taken_over(
+    runs_dir, stage_ref, phase
+):
+    """Regression (scripts/chaos --seed 14 --case 121): the node holding all of stage 1
+    dies in step 4 after stage 1 shipped that step's gradients to its holders in stage 0,
+    whose own step 4 then fails on the dead holders: the survivors have committed step 3
+    and roll back to step 2 (stage 1 might have been a step behind), but the holders kept
+    only their two newest versions, 3 and 4, and every survivor stopped. Holders now keep
+    every version from the step before their own committed step."""
+    run = train(runs_dir / f"stage_ahead_{phase}", *STAGE_JOB, "--ranks-per-node", "2",
+                "--fault", f"kill-node:1@4:{phase}")  # fmt: skip
+    assert run.summary["steps_completed"] == 16
+    (rec,) = run.summary["recoveries"]
+    assert rec["ranks"] == [2, 3] and rec["committed_step"] == 2, rec
+    diff = compare_runs(run.out, stage_ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"

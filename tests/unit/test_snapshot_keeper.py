@@ -1,0 +1,113 @@
+"""Which snapshot versions a holder keeps (fabric.snapshot): the step a stage lost whole
+is rolled back to must still be held when that stage ran a step ahead of its holder.
+
+Regression: scripts/chaos --seed 14 --case 121 (dp3 x pp2; the whole of stage 1 killed in
+step 4 after it had shipped that step's gradients; the survivors had committed step 3 and
+rolled back to step 2, which the holders had already dropped: every survivor stopped)."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elaswave.comm.group import CommError
+from elaswave.engine.plan import initial_plan
+from elaswave.engine.recovery import Rebalancing
+from elaswave.engine.replan import plan_fail_stop
+from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions
+from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
+from elaswave.runtime.config import JobConfig, TrainConfig
+
+
+def test_a_holder_keeps_the_two_newest_and_every_version_from_the_step_before_its_own():
+    assert kept_versions([], 5) == []
+    assert kept_versions([3], 5) == [3]
+    assert kept_versions([2, 3, 4], 3) == [2, 3, 4]  # the owner is a step ahead
+    assert kept_versions([2, 3, 4], 5) == [3, 4]
+    assert kept_versions([1, 2, 3, 4], 3) == [2, 3, 4]
+    assert kept_versions([-1, 0], None) == [-1, 0]
+    assert kept_versions([1, 2, 3, 4], None) == [3, 4]  # the holder's step unknown
+
+
+@given(
+    holder=st.integers(min_value=0, max_value=20),
+    behind=st.booleans(),
+    ahead=st.integers(min_value=-1, max_value=1),
+)
+def test_the_step_a_lost_stage_rolls_back_to_is_still_held(holder, behind, ahead):
+    """Survivors are at most one step apart (the holder is one of them, at ``holder``);
+    the lost owner's newest version is at most one step from the holder's. Whatever
+    step plan_fail_stop picks for a stage lost whole is among the versions kept."""
+    other = holder - 1 if behind else holder  # another survivor's committed step
+    newest = holder + ahead
+    versions = [-1]  # the initial state
+    for step in range(newest + 1):  # the keeper applies the owner's steps in order
+        versions = kept_versions([*versions, step], min(holder, step + 1))
+    pick = max(max(holder, other) - 1, min(-1, min(holder, other)))
+    assert pick in versions, (pick, versions)
+
+
+class _Owner:
+    """The owner's end of a snapshot link: gradients for the keeper, then its death."""
+
+    name = "snap.3-0"
+
+    def __init__(self) -> None:
+        self.sent: queue.Queue[torch.Tensor | None] = queue.Queue()
+
+    def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        grad = self.sent.get(timeout=10)
+        if grad is None:
+            raise CommError(self.name, "recv", "connection closed by peer")
+        tensor.copy_(grad)
+
+
+def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_back_to():
+    cfg = OptimizerConfig()
+    n = 8
+    initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
+    owner = _Owner()
+    holder_step = [-1]
+    keeper = SnapshotKeeper(
+        owner=3,
+        link=owner,  # type: ignore[arg-type]
+        cfg=cfg,
+        initial=initial,
+        holder_step=lambda: holder_step[0],
+    )
+    keeper.start()
+    grads = [torch.full((n,), 0.1 * (k + 1)) for k in range(5)]
+    expected = initial.clone_to("cpu")
+    at_step_2 = None
+    for step, grad in enumerate(grads):
+        owner.sent.put(grad)
+        keeper.wait(step, timeout_s=10)
+        adamw_update(expected, grad, step=step, cfg=cfg)
+        if step == 2:
+            at_step_2 = expected.clone_to("cpu")
+        holder_step[0] = step if step < 3 else 3  # the holder commits up to step 3 only
+    owner.sent.put(None)  # the owner dies posting step 5
+    with pytest.raises(CommError, match="connection closed"):
+        keeper.wait(5, timeout_s=10)
+    # Step 2 (one before the holder's step 3), although the owner reached step 4:
+    state = keeper.wait(2, timeout_s=10)
+    assert at_step_2 is not None and torch.equal(state.master, at_step_2.master)
+    assert torch.equal(state.exp_avg_sq, at_step_2.exp_avg_sq)
+    assert sorted(keeper.versions) == [2, 3, 4]
+    keeper.close()
+
+
+def test_the_rule_for_a_stage_lost_whole_rolls_back_to_the_step_kept():
+    """The planner's side of case 121: survivors at step 3, no earlier change."""
+    cfg = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=12, micro_batch=2))
+    plan = initial_plan(num_layers=6, dp=3, pp=2, global_batch=12, micro_batch=2)
+    reb = Rebalancing(layers=cfg.layer_costs, device=cfg.cost_device)
+    decision = plan_fail_stop(plan, [3, 4, 5], {0: 3, 1: 3, 2: 3}, ranks_per_node=3,
+                              snapshots=True, rebalancing=reb)  # fmt: skip
+    assert decision.committed_step == 2
+    assert decision.committed_step in kept_versions([2, 3, 4], 3)
+    assert decision.committed_step not in kept_versions([2, 3, 4], None)  # as before

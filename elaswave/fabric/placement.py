@@ -86,9 +86,10 @@ def place_snapshots_across(
     rendezvous hashing picks the rank of highest :func:`_weight` that holds fewer than
     :data:`HOLDS_AT_MOST` snapshots (owners in rank order; the highest weight of all
     when every one holds that many). The placement is a function of the ranks alone,
-    and a change moves few snapshots: a rank that leaves moves only the ones it held
-    (and its own), a rank that joins takes only those it outweighs, so few snapshot
-    links are opened and few keepers restart. A one-stage pipeline is
+    and a change moves few snapshots: a rank that leaves moves the ones it held, and the
+    bounded load displaces at most three more (exhaustively over 2-4 stages of 1-4 ranks:
+    tests/unit/test_replan.py); a rank that joins takes those it outweighs. So few
+    snapshot links are opened and few keepers restart. A one-stage pipeline is
     :func:`place_snapshots` (no other stage exists); a single rank has no holder.
     """
     stages = [list(ranks) for ranks in stages if ranks]

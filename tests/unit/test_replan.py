@@ -61,25 +61,32 @@ def test_snapshots_go_to_another_stage_and_node_whenever_one_exists(widths, rank
         assert placement.stage_safe and placement.node_safe
 
 
-@settings(max_examples=300)
-@given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.integers(1, 3), st.data())
-def test_a_rank_leaving_moves_only_the_snapshots_it_held_and_at_most_two_more(
-    widths, ranks_per_node, data
-):
+def test_a_rank_leaving_moves_the_snapshots_it_held_and_at_most_three_more():
     """Rendezvous placement is stable: a change opens few snapshot links and restarts
-    few keepers (the bounded load may displace up to two more, measured exhaustively
-    over 2-3 stages of 1-4 ranks)."""
-    stages, start = [], 0
-    for w in widths:
-        stages.append(list(range(start, start + w)))
-        start += w
-    gone = data.draw(st.integers(0, start - 1))
-    after = [[r for r in s if r != gone] for s in stages]
-    before = place_snapshots_across(stages, ranks_per_node).holder
-    now = place_snapshots_across(after, ranks_per_node).holder
-    moved = {o for o in before if o != gone and before[o] != now.get(o)}
-    held = {o for o, h in before.items() if h == gone}
-    assert held <= moved and len(moved - held) <= 2, (stages, gone, before, now)
+    few keepers. Exhaustively, over pipelines of 2-4 stages of 1-4 ranks each, 1-3 ranks
+    per node, and every rank leaving (9,360 cases): the snapshots the leaving rank held
+    move, and the bounded load displaces at most two more with 2-3 stages, at most three
+    with 4 stages (once: widths 1, 4, 1, 1, three ranks per node, rank 1 leaving). A
+    hypothesis test of "at most two" over 2-4 stages found that case at random in CI."""
+    extra: Counter[tuple[int, int]] = Counter()
+    for pp in (2, 3, 4):
+        for widths in itertools.product(range(1, 5), repeat=pp):
+            stages, start = [], 0
+            for w in widths:
+                stages.append(list(range(start, start + w)))
+                start += w
+            for ranks_per_node in (1, 2, 3):
+                before = place_snapshots_across(stages, ranks_per_node).holder
+                for gone in range(start):
+                    after = [[r for r in s if r != gone] for s in stages]
+                    now = place_snapshots_across(after, ranks_per_node).holder
+                    moved = {o for o in before if o != gone and before[o] != now.get(o)}
+                    held = {o for o, h in before.items() if h == gone}
+                    assert held <= moved, (stages, ranks_per_node, gone, before, now)
+                    extra[pp, len(moved - held)] += 1
+    assert sum(extra.values()) == 9360
+    assert max(n for pp, n in extra if pp <= 3) == 2
+    assert max(n for pp, n in extra if pp == 4) == 3 and extra[4, 3] == 1
 
 
 CFG = JobConfig(train=TrainConfig(dp=2, pp=2, global_batch=16, micro_batch=2))

@@ -12,14 +12,32 @@ JOB = ("--steps", str(STEPS), "--global-batch", "16", "--micro-batch", "2")
 
 
 def check_recovered(
-    run: Run, ref: Run, *, world: int, failed: list[list[int]], max_detect_s: float = 1.0
+    run: Run,
+    ref: Run,
+    *,
+    world: int,
+    failed: list[list[int]],
+    fenced: bool = False,
+    max_detect_s: float = 3.0,
 ) -> None:
+    """``run`` recovered from ``failed`` (one list of ranks per recovery) and matches
+    ``ref``. A killed process is seen by its exit, not by a timeout: unless ``fenced``
+    (a hang, seen by its missed heartbeats), no rank was fenced. ``max_detect_s`` bounds
+    the kill-to-detection time loosely (the heartbeat timeout): on a loaded host the
+    exit's report can take more than a second to reach the Core (run 126 of .ci/run on
+    21757a8, beside two busy processes: a node kill seen after 1 s), so the mechanism is
+    what is checked, not the time."""
     s = run.summary
     assert s["steps_completed"] == STEPS
     assert [r["ranks"] for r in s["recoveries"]] == failed
+    assert ("core.fencing" in run.proc.stderr) == fenced, (
+        "a rank was fenced: its failure was seen by a timeout, not by its exit"
+        if not fenced
+        else "the hung rank was not fenced"
+    )
     for rec in s["recoveries"]:
         assert rec["kind"] == "fail-stop" and rec["mttr_s"] > 0
-        assert rec["phases"]["detect"] < max_detect_s, "detection must not wait for a timeout"
+        assert rec["phases"]["detect"] < max_detect_s, rec["phases"]
         assert set(rec["phases"]) == {"detect", "plan", "ack", "comm", "remap", "resume", "redo"}
         # MTTR runs from the kill to the redone step's completion.
         phases = rec["phases"]

@@ -22,7 +22,7 @@ def check_recovered(
 ) -> None:
     """``run`` recovered from ``failed`` (one list of ranks per recovery) and matches
     ``ref``. A killed process is seen by its exit, not by a timeout: unless ``fenced``
-    (a hang, seen by its missed heartbeats), no rank was fenced. ``max_detect_s`` bounds
+    (a hang, or a rank silent at a deadline), no rank was fenced. ``max_detect_s`` bounds
     the kill-to-detection time loosely (the heartbeat timeout): on a loaded host the
     exit's report can take more than a second to reach the Core (run 126 of .ci/run on
     21757a8, beside two busy processes: a node kill seen after 1 s), so the mechanism is
@@ -30,11 +30,13 @@ def check_recovered(
     s = run.summary
     assert s["steps_completed"] == STEPS
     assert [r["ranks"] for r in s["recoveries"]] == failed
-    assert ("core.fencing" in run.proc.stderr) == fenced, (
-        "a rank was fenced: its failure was seen by a timeout, not by its exit"
-        if not fenced
-        else "the hung rank was not fenced"
-    )
+    stderr = getattr(run.proc, "stderr", None)  # None: a job run in the background
+    if stderr is not None:
+        assert ("core.fencing" in stderr) == fenced, (
+            "a rank was fenced: its failure was seen by a timeout, not by its exit"
+            if not fenced
+            else "the hung rank was not fenced"
+        )
     for rec in s["recoveries"]:
         assert rec["kind"] == "fail-stop" and rec["mttr_s"] > 0
         assert rec["phases"]["detect"] < max_detect_s, rec["phases"]

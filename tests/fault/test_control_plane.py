@@ -66,7 +66,7 @@ def test_silent_participant_is_fenced_at_the_ack_deadline(runs_dir, reference):
     run = train(runs_dir / "hang_at_plan", *DP4_PP2,
                 "--fault", "kill:1@3:backward", "--fault", "hang:6@3:plan",
                 "--heartbeat-timeout", "30", "--plan-ack-timeout", "2")  # fmt: skip
-    check_recovered(run, reference(4, 2), world=8, failed=[[1, 6]])
+    check_recovered(run, reference(4, 2), world=8, failed=[[1, 6]], fenced=True)
     (rec,) = run.summary["recoveries"]
     assert rec["superseded"] == 1
     assert 2.0 <= rec["phases"]["plan"] < 10.0, rec["phases"]  # the ack deadline, not 30 s

@@ -143,6 +143,7 @@ def reshape(
     max_stages: int | None = None,
     samples: int | None = None,
     search: bool = True,
+    shorter: bool = False,
 ) -> Reshaped:
     """The cheapest plan for ``plan`` without ``failed`` and with ``joined``, letting
     ranks change stage and the pipeline change its number of stages (see the module
@@ -160,7 +161,10 @@ def reshape(
       job's own, which a pipeline that shrank its micro-batches goes back to);
     * with fewer ranks than stages, every shorter pipeline that fits in memory; with
       more, every longer one up to ``max_stages`` (the job's own stage count, for a
-      pipeline that lost stages before).
+      pipeline that lost stages before), and with ``shorter`` every shorter one whose
+      stages the ranks fill evenly, down to the first that does not fit in memory (a
+      pipeline of fewer stages holds more of the model on each rank): 18 ranks left of
+      8 stages x 3 replicas make 6 full stages x 3 rather than 8 stages of 2 or 3.
 
     ``search=False`` keeps the first assignment (joiners on the narrowest stages, each
     emptied stage filled from the best donor) and prices no other vector of widths: what
@@ -269,12 +273,16 @@ def reshape(
     most_stages = max(plan.pp, max_stages or plan.pp)
     if total >= plan.pp:  # longer pipelines, for one that lost stages before
         others = list(range(plan.pp + 1, min(total, most_stages) + 1))
+        if shorter:  # fewer stages, every one as wide as the others
+            others += [pp for pp in range(plan.pp - 1, 0, -1) if total % pp == 0]
     else:  # too few ranks for every stage: shorter ones
         others = list(range(1, total + 1))
     for pp in others:
         try:
             other = finish(_pipeline(plan, ranks, pp, layers, device, samples))
         except Infeasible:  # its layers do not fit, even in the smallest micro-batches
+            if shorter and pp < plan.pp <= total:
+                break  # fewer stages hold more layers each: none shorter fits either
             continue
         shape = [s.dp for s in other.stages]
         candidates.append((other, f"{total} ranks for {plan.pp} stages: the pipeline "

@@ -206,7 +206,9 @@ def simulate(
                     continue  # the node held nothing this policy still used
                 old, lost = st.plan, at - t
                 try:
-                    new = answer(policy, job, old, gone, rerouted=st.rerouted, alive=st.alive)
+                    new = answer(
+                        policy, job, old, gone, rerouted=st.rerouted, alive=st.alive, shorten=False
+                    )
                 except (Unrecoverable, OutOfMemory) as exc:
                     st.waiting = set(gone) | (set(st.rerouted) - st.alive)
                     why = f"waits for nodes: {exc}"

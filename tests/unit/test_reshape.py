@@ -119,3 +119,44 @@ def test_reshape_is_within_five_percent_of_the_best_width_vector(dp, failed) -> 
         trial = rebalance(trial, layers=LAYERS, device=EMULATED, policy=reb.policy).plan
         best = min(best, price(trial))
     assert price(out.plan) <= best * 1.05, (price(out.plan), best)
+
+
+@pytest.mark.parametrize(
+    ("dp", "pp", "failed"), [(2, 4, [0, 2]), (3, 4, [0, 3, 6]), (2, 3, [0, 2])]
+)
+def test_shorter_pipelines_are_priced_only_when_asked_and_taken_only_when_cheaper(
+    dp, pp, failed
+) -> None:
+    """``shorter=True`` adds pipelines of fewer, equally wide stages to the candidates
+    (the simulator's steady plans); without it the stages are kept. Either way the plan
+    is the cheapest of the candidates it priced, which brute force re-prices here."""
+    from elaswave.engine.rebalance import rebalance
+    from elaswave.engine.reshape import _pipeline
+
+    plan = _plan(dp=dp, pp=pp)
+    reb = _rebalancing()
+    kept = reshape(plan, failed, rebalancing=reb, search=False)
+    assert kept.plan.pp == pp
+    out = reshape(plan, failed, rebalancing=reb, search=False, shorter=True)
+    _covers(out.plan)
+    assert sorted(out.plan.ranks) == sorted(set(plan.ranks) - set(failed))
+
+    def price(p) -> float:
+        step = plan_step_time(p, LAYERS, EMULATED).step_s
+        most = max(receive_bytes(plan, p, LAYERS).values())
+        return step * HORIZON_STEPS + most / EMULATED.p2p_bytes_per_s
+
+    total = len(plan.ranks) - len(failed)
+    survivors = [r for s in plan.stages for r in s.ranks if r not in failed]
+    shorter = []
+    for k in range(1, pp):
+        if total % k:
+            continue
+        short = _pipeline(plan, survivors, k, LAYERS, EMULATED)
+        shorter.append(rebalance(short, layers=LAYERS, device=EMULATED, policy=reb.policy).plan)
+    assert shorter, "the case has a shorter pipeline of equal widths to price"
+    best = min([price(kept.plan), *map(price, shorter)])
+    assert price(out.plan) == pytest.approx(best, rel=1e-9)
+    if out.plan.pp < pp:
+        assert len({s.dp for s in out.plan.stages}) == 1
+        assert "the pipeline becomes" in out.reason

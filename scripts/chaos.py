@@ -28,6 +28,8 @@ The draw
                apply fault whose recovery never happens does not fire (the JSON record
                lists which faults fired, from RUN_DIR/faults/).
     policy     --rebalance none, resize, migrate or migrate+dvfs
+    waiting    --wait-for-nodes 20 in 30% of cases (drawn last): a job left with fewer
+               ranks than stages waits for joiners (its join faults start at once)
     device     cpu (60%) or emulated (40%: there a slow fault is detected and rebalanced)
     timeouts   --heartbeat-timeout 2 (a hang is fenced after 2 s), --plan-ack-timeout 2,
                --comm-timeout 30
@@ -36,7 +38,7 @@ The twin is the same command without --fault (and with the default --rebalance a
 --ranks-per-node, which do not change a fault-free run's numerics); twins are cached
 per (dp, pp, global batch, micro batch, steps, seed, device) under OUT/seedS/twins.
 
-Outcomes (``ok``: the first three; any other is a failure, and the script exits 1)
+Outcomes (``ok``: the first four; any other is a failure, and the script exits 1)
     recovered       exit 0, every step done, per-step losses and final parameters within
                     1e-4 (relative) of the twin, ``elaswave replay`` reproduces every
                     announced plan (``replay_run(...).diverged is None``) and the plans
@@ -56,6 +58,10 @@ Outcomes (``ok``: the first three; any other is a failure, and the script exits 
                     failure in that window is not recovered: the job stops; ...)", see
                     docs/control_plane.md), every rank it names as the cause a victim.
                     No state is lost there, but the design stops (resumably) by intent
+    stopped-waited  exit 1 after a wait for joiners ran out ("...; stage S (...) lost all
+                    its ranks [R...]; waited 20 s for N more ranks to fill every stage,
+                    and none came in time (...)"), every R a victim: no state is lost,
+                    but no joiner was left to come
     mismatch        exit 0 but steps missing, or losses/parameters differ by > 1e-4
     replay-diverged replay recomputes a plan differently (or the plans do not match the
                     recoveries)
@@ -103,7 +109,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
-OK_OUTCOMES = ("recovered", "stopped-ok", "stopped-window")
+OK_OUTCOMES = ("recovered", "stopped-ok", "stopped-window", "stopped-waited")
+WAIT_S = 20.0
+"""--wait-for-nodes of the cases that wait for joiners (30% of them)."""
 FAIL_OUTCOMES = (
     "mismatch",
     "replay-diverged",
@@ -157,6 +165,7 @@ class Case:
     policy: str
     device: str
     train_seed: int = 0
+    wait_for_nodes: float = 0.0
 
     @property
     def world(self) -> int:
@@ -173,6 +182,8 @@ class Case:
     def args(self) -> list[str]:
         out = [*self.job_args(), "--ranks-per-node", str(self.ranks_per_node)]
         out += ["--rebalance", self.policy]
+        if self.wait_for_nodes:
+            out += ["--wait-for-nodes", f"{self.wait_for_nodes:g}"]
         for fault in self.faults:
             out += ["--fault", fault]
         return out
@@ -188,6 +199,7 @@ class Case:
             f"dp={self.dp}xpp={self.pp} rpn={self.ranks_per_node} gb={self.global_batch} "
             f"mb={self.micro_batch} steps={self.steps} faults=[{', '.join(self.faults)}] "
             f"policy={self.policy} device={self.device}"
+            + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
         )
 
 
@@ -265,7 +277,8 @@ def _draw(rng: random.Random, seed: int, index: int) -> Case:
         faults=tuple(faults),
         policy=rng.choice(POLICIES),
         device=device,
-    )
+        wait_for_nodes=WAIT_S if rng.random() < 0.3 else 0.0,  # drawn last: older
+    )  # campaigns draw the same cases but for it
 
 
 def _valid(case: Case) -> bool:
@@ -499,6 +512,12 @@ def judge_stop(case: Case, job: Job, hit: dict[int, str]) -> Verdict:
         if cause and not unknown(cause):
             return Verdict("stopped-window", short)
         return Verdict("unexplained-stop", short, f"ranks {unknown(cause)} were not fault victims")
+    if "to fill every stage, and none came in time" in msg:
+        stages = re.findall(r"stage \d+ \(layers [^)]*\) lost all its ranks \[([\d, ]+)\]", msg)
+        bad = unknown([r for ranks in stages for r in _ranks(ranks)])
+        if stages and not bad:
+            return Verdict("stopped-waited", short)
+        return Verdict("unexplained-stop", short, f"ranks {bad} were not fault victims")
     if re.search(r"ranks \[[\d, ]*\] did not [^;]* within [\d.]+ s", msg):
         return Verdict("unexplained-stop", short, "a wait ran out")
     if "the Core was lost" in msg:
@@ -654,8 +673,14 @@ def table(records: list[dict]) -> str:
     ]
     outcomes = outcomes or list(OK_OUTCOMES)
     rows = []
-    for kind in (*KINDS, "all cases"):
-        sel = [r for r in records if kind == "all cases" or kind in _kinds(r["faults"])]
+    for kind in (*KINDS, "waits for nodes", "all cases"):
+        sel = [
+            r
+            for r in records
+            if kind == "all cases"
+            or kind in _kinds(r["faults"])
+            or (kind == "waits for nodes" and r.get("wait_for_nodes"))
+        ]
         counts = Counter(r["outcome"] for r in sel)
         rows.append([kind, str(len(sel)), *(str(counts.get(o, 0)) for o in outcomes)])
     head = ["fault kind", "cases", *outcomes]
@@ -791,8 +816,8 @@ def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> No
         "",
         f"`scripts/chaos --cases {len(records)} --seed {args.seed}` on {args.code}: real "
         "processes, real SIGKILL/SIGSTOP, the real bus, on the 2-core host. Outcome rules: "
-        "the docstring of `scripts/chaos.py` (`recovered`, `stopped-ok` and "
-        "`stopped-window` pass; any other outcome is a failure).",
+        "the docstring of `scripts/chaos.py` (`recovered`, `stopped-ok`, `stopped-window` "
+        "and `stopped-waited` pass; any other outcome is a failure).",
         "",
         table(records),
         "",

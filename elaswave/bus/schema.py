@@ -82,6 +82,7 @@ class EventKind(enum.StrEnum):
     RESEND_REQUEST = "resend_request"
     PLAN_ACK = "plan_ack"
     PLAN_COMMIT = "plan_commit"
+    WAITING_FOR_NODES = "waiting_for_nodes"
 
 
 class RecoveryKind(enum.StrEnum):
@@ -401,6 +402,24 @@ class RecoveryPlan(Event):
     """How layers move, decided once by the Core: ``none``, ``blocking`` (gathered before
     resuming) or ``nonblocking`` (streamed during the transition step); workers follow
     it, replay checks it."""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WaitingForNodes(Event):
+    """Too few ranks are left to form a pipeline: every stopped member keeps its state in
+    memory and waits (up to ``wait_s`` seconds from ``since``) for joiners; a
+    RecoveryPlan of ``generation`` follows, or the job stops naming how to resume. Sent
+    again when a joiner arrives and more are still needed."""
+
+    KIND = EventKind.WAITING_FOR_NODES
+    TOPIC = Topic.RECOVERY
+    needed: int
+    """Ranks still missing to fill every stage."""
+    wait_s: float
+    since: float
+    """Core wall-clock time the wait began."""
+    reason: str
 
 
 @_register

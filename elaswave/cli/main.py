@@ -80,6 +80,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="seconds to wait before starting a lost Core again (default 0)",
     )
     p.add_argument(
+        "--wait-for-nodes",
+        type=float,
+        metavar="SECONDS",
+        help="when too few ranks are left to fill every pipeline stage, wait this long for "
+        "joining ranks with the state in memory before stopping (default 0: stop at once)",
+    )
+    p.add_argument(
         "--core-outage",
         type=float,
         help="seconds workers train without hearing the Core before they all pause at one "
@@ -256,6 +263,7 @@ def _train(args: argparse.Namespace) -> int:
             "plan_ack_timeout_s": args.plan_ack_timeout,
             "core_restarts": args.core_restarts,
             "core_outage_s": args.core_outage,
+            "wait_for_nodes_s": args.wait_for_nodes,
             "core_restart_delay_s": args.core_restart_delay,
             "ranks_per_node": args.ranks_per_node,
             "snapshots": args.snapshots,

@@ -60,6 +60,9 @@ class Rules:
     report to arrive before its exit stops the job."""
     migrated_wait_s: float = 2.0
     """How long a finished non-blocking migration's reports are waited for."""
+    wait_for_nodes_s: float = 0.0
+    """How long a job with too few ranks left for its stages waits for joiners, its
+    state in memory, before it stops (0: it stops at once)."""
 
 
 # ----------------------------------------------------------------------------- state
@@ -74,6 +77,8 @@ class Phase(enum.StrEnum):
     """A plan is announced; every participant acknowledges it."""
     APPLYING = "applying"
     """The plan is committed; every participant applies it."""
+    WAITING = "waiting"
+    """Too few ranks are left for the stages: the stopped members wait for joiners."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +139,10 @@ class Change:
     completed: Mapping[int, float] = field(default_factory=dict)
     """Steps completed since the plan was announced, and when (a step redone under it
     can complete before the last report of its application arrives)."""
+    needed: int = 0
+    """Waiting: ranks still missing to fill every stage."""
+    waiting_since: float = -1.0
+    """When the change began to wait for joiners (-1: it has not waited)."""
 
 
 @dataclass(frozen=True, kw_only=True)

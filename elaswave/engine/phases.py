@@ -27,7 +27,6 @@ from elaswave.engine.change import (
     Publish,
     Rules,
     SharePlan,
-    Spawn,
     State,
 )
 from elaswave.engine.dataflow import resize_after_failure
@@ -36,7 +35,8 @@ from elaswave.engine.plan import plan_summary
 from elaswave.engine.recovery import Rebalancing, plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.engine.stopping import Announce, Outcome, Stopping, on_report, outcome, stop_phase
-from elaswave.fabric.errors import Unrecoverable
+from elaswave.engine.waiting import wait_for_nodes, waited_out
+from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 
 KILLED = -int(signal.SIGKILL)
 """The exit code of a process the Core fenced."""
@@ -217,6 +217,13 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
             joined=c.joined,
             floor=s.recoveries[-1]["committed_step"] if s.recoveries else r.first_step,
         )
+    except TooFewRanks as exc:
+        if r.wait_for_nodes_s > 0:
+            return wait_for_nodes(r, s, exc, now, out)
+        raise Stopped(
+            f"unrecoverable: {c.detail}; {exc} (train with --wait-for-nodes SECONDS to wait "
+            "for joining ranks instead)"
+        ) from None
     except Unrecoverable as exc:
         raise Stopped(f"unrecoverable: {c.detail}; {exc}") from None
     attempt, redo = c.attempt + 1, decision.committed_step + 1
@@ -286,6 +293,8 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
         "migration": migration,
         "plan": plan_summary(decision.plan),
     }
+    if c.waiting_since >= 0:
+        record["waited_s"] = now - c.waiting_since
     c = replace(
         c,
         phase=Phase.AGREEING,
@@ -308,6 +317,8 @@ def lose(r: Rules, s: State, lost: Mapping[int, int], now: float, out: list[Acti
     c = s.change
     assert c is not None
     joined = tuple(x for x in c.joined if x not in lost)
+    if c.phase is Phase.WAITING:  # one more rank is missing
+        return plan_next(r, replace(s, change=replace(c, joined=joined)), now, out)
     if c.phase is not Phase.AGREEING:
         return replace(s, change=replace(c, joined=joined))
     why = describe(s, lost)
@@ -385,14 +396,6 @@ def take_applied(
     )
 
 
-def spawn(r: Rules, s: State, out: list[Action]) -> State:
-    if not r.can_spawn:
-        out.append(Note("core.join_refused", {"reason": "this job cannot start workers"}))
-        return s
-    out.append(Spawn(s.next_rank))
-    return replace(s, alive=s.alive | {s.next_rank}, next_rank=s.next_rank + 1)
-
-
 def set_record(s: State, index: int, record: dict[str, Any]) -> State:
     return replace(s, recoveries=(*s.recoveries[:index], record, *s.recoveries[index + 1 :]))
 
@@ -427,6 +430,14 @@ def advance(r: Rules, s: State, now: float, out: list[Action]) -> State:
             codes={**s.codes, **{x: KILLED for x in silent}},
         )
         s = lose(r, s, {x: KILLED for x in silent}, now, out)
+    elif c is not None and c.phase is Phase.WAITING:
+        ready = sorted(x for x in s.joiners if x in s.alive and x not in s.plan.ranks)
+        if ready:  # nodes came back: plan with them
+            out.append(SharePlan(s.plan))
+            c = replace(c, joined=(*c.joined, *ready), detail=f"{c.detail}; ranks {ready} join")
+            s = plan_next(r, replace(s, joiners=frozenset(), change=c), now, out)
+        elif now >= c.deadline:
+            raise Stopped(waited_out(r, s, c))
     elif c is not None and c.phase is Phase.APPLYING:
         if any(now >= t + r.exit_grace_s for _, t in c.exited.values()):
             raise Stopped(window(r, s, c))

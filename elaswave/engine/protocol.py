@@ -76,12 +76,12 @@ from elaswave.engine.phases import (
     plan_next,
     rebalancing,
     set_record,
-    spawn,
     take_applied,
     window,
 )
 from elaswave.engine.recovery import next_plan
 from elaswave.engine.stopping import Announce, on_exit, on_report, stop_phase
+from elaswave.engine.waiting import spawn
 
 replace = dataclasses.replace
 
@@ -152,6 +152,15 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
         return after_stop(r, s, now, out)
     if c.phase is Phase.AGREEING:
         return lose(r, s, {e.rank: e.code}, now, out) if e.rank in c.participants else s
+    if c.phase is Phase.WAITING:  # a stopped member lost while waiting: plan without it
+        if e.rank not in c.stop.members:
+            return s
+        stop = replace(
+            c.stop, members=c.stop.members - {e.rank}, failed={**c.stop.failed, e.rank: e.code}
+        )
+        why = describe(s, {e.rank: e.code})
+        c = replace(c, stop=stop, detail=f"{c.detail}; then, while waiting for nodes: {why}")
+        return plan_next(r, replace(s, change=c), now, out)
     if e.rank in c.participants and e.rank not in c.applied:  # applying
         if e.code == 0:  # it went past the change and finished
             return take_applied(r, s, e.rank, Applied(), now, out)
@@ -314,8 +323,8 @@ def _restarted(r: Rules, s: State, e: Restarted, now: float, out: list[Action]) 
             a = Announce(c.generation, tuple(sorted(c.stop.failed)), ())
             announce_failures(s, [a], out)
         return after_stop(r, s, now, out)
-    if c.phase is Phase.AGREEING:  # a new attempt supersedes whatever was announced
-        return plan_next(r, s, now, out)
+    if c.phase in (Phase.AGREEING, Phase.WAITING):  # announce again: a new attempt, or
+        return plan_next(r, s, now, out)  # the wait (its deadline kept)
     # Applying: every participant acknowledged this plan; send its commit again.
     out.append(
         Publish(

@@ -5,7 +5,9 @@ next_plan` while every stage keeps a rank; when failures empty a stage, ranks ch
 stage (:func:`~elaswave.engine.reshape.reshape`: a survivor of a wider stage takes the
 emptied stage's layers, rebuilt from the host snapshots that
 :func:`~elaswave.engine.plan.snapshot_placement` keeps in other stages). The pipeline
-keeps its number of stages: with fewer ranks than stages the change is Unrecoverable.
+keeps its number of stages: with fewer ranks than stages the change raises
+:class:`~elaswave.fabric.errors.TooFewRanks` (the job may wait for joiners), once no
+state is found lost.
 Every process of the job reruns it before it acknowledges the plan, so it prices only
 the first assignment (``search=False``: the best donor for each emptied stage), not
 every vector of widths as the simulator does.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.engine.reshape import reshape
-from elaswave.fabric.errors import Unrecoverable
+from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
 
@@ -60,9 +62,10 @@ def replan(
         for k in emptied
     )
     if left < plan.pp:
-        raise Unrecoverable(
+        raise TooFewRanks(
             f"{lost}, and {left} ranks are left for a pipeline of {plan.pp} stages: every "
-            "stage needs a rank (the runtime does not shorten the pipeline)"
+            "stage needs a rank (the runtime does not shorten the pipeline)",
+            needed=plan.pp - left,
         )
     shaped = reshape(
         plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
@@ -93,6 +96,9 @@ def plan_fail_stop(
     then every survivor rolls back to the oldest step all of them hold (one before the
     newest, not before ``floor``), which the lost stage's snapshots also hold, and the
     new pipeline redoes the step after it.
+
+    Raises Unrecoverable naming the state that is gone; TooFewRanks when none is but
+    fewer ranks than stages are left.
     """
     failed = set(failed)
     survivors = set(plan.ranks) - failed
@@ -102,8 +108,12 @@ def plan_fail_stop(
     steps = {commits[r] for r in survivors}
     if steps and max(steps) - min(steps) > 1:
         raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
+    too_few: TooFewRanks | None = None
     if snapshots:
-        new, reason = replan(plan, failed, rebalancing, joined=joined)
+        try:
+            new, reason = replan(plan, failed, rebalancing, joined=joined)
+        except TooFewRanks as exc:  # raised once no state is found lost (below)
+            too_few, new, reason = exc, plan, ""
         placement = snapshot_placement(plan, ranks_per_node)
     else:  # no copy of a failed rank's state exists: an emptied stage is lost
         new, reason = next_plan(plan, failed, rebalancing, joined=joined)
@@ -119,6 +129,8 @@ def plan_fail_stop(
         raise Unrecoverable("; ".join(lost))
     if not steps:
         raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank of the plan survives")
+    if too_few is not None:
+        raise too_few
     committed = min(steps)
     if snapshots and emptied_stages(plan, failed):
         committed = max(max(steps) - 1, min(floor, committed))

@@ -3,3 +3,12 @@
 
 class Unrecoverable(Exception):
     """The change leaves the job unable to continue; the message names what was lost."""
+
+
+class TooFewRanks(Unrecoverable):
+    """Fewer ranks are left than the pipeline has stages, though no state is lost: the
+    job may wait for ``needed`` more ranks (joiners) instead of stopping."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed

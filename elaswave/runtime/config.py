@@ -34,6 +34,8 @@ EMULATED_DEVICE = "emulated"
 """The cost model's device preset that ``--device emulated`` keeps the time of."""
 
 PARTITIONS = ("even", "balanced")
+MAX_WAIT_FOR_NODES_S = 86400
+"""The longest wait for joining ranks a job may ask for (a day)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +134,9 @@ class TrainConfig:
     core_outage_s: float = 10.0
     """Seconds workers train on without hearing from the Core; after that they all stop
     at the same step boundary and wait for it, keeping their state."""
+    wait_for_nodes_s: float = 0.0
+    """When too few ranks are left to fill every pipeline stage (no state lost), seconds
+    the job waits for joining ranks, its state in memory, before it stops (0: at once)."""
 
     def worker_command(self, rank: int) -> list[str]:
         """``worker_prefix`` for ``rank``, split into words."""
@@ -233,6 +238,11 @@ class TrainConfig:
             )
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s = {self.comm_timeout_s!r}: must be positive")
+        if not 0 <= self.wait_for_nodes_s <= MAX_WAIT_FOR_NODES_S:
+            raise ValueError(
+                f"wait_for_nodes_s = {self.wait_for_nodes_s!r}: must be from 0 to "
+                f"{MAX_WAIT_FOR_NODES_S} seconds (0: stop at once when a stage cannot be filled)"
+            )
 
     @property
     def first_step(self) -> int:

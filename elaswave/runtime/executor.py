@@ -27,6 +27,7 @@ from elaswave.bus.schema import (
     RecoveryDone,
     RecoveryPlan,
     RecoveryReady,
+    WaitingForNodes,
 )
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import plan_digest
@@ -76,9 +77,30 @@ class Mailbox:
 
 
 def _await_event(
-    inbox: Mailbox, want: Callable[[Event], bool], timeout_s: float, what: str
+    inbox: Mailbox,
+    want: Callable[[Event], bool],
+    timeout_s: float,
+    what: str,
+    *,
+    waits: int | None = None,
 ) -> Event:
-    return inbox.take(want, timeout_s, what)
+    """The first event ``want`` accepts within ``timeout_s``. ``waits``: the generation
+    whose WaitingForNodes extends the wait (the Core waits up to ``wait_s`` for joiners
+    before it plans, or stops the job)."""
+
+    def wanted(e: Event) -> bool:
+        return want(e) or (isinstance(e, WaitingForNodes) and e.generation == waits)
+
+    limit = timeout_s
+    while True:
+        event = inbox.take(wanted, limit, what)
+        if want(event) or not isinstance(event, WaitingForNodes):
+            return event
+        log.warning(
+            "recovery.waiting_for_nodes", needed=event.needed, wait_s=event.wait_s,
+            reason=event.reason,
+        )  # fmt: skip
+        limit = event.wait_s + timeout_s
 
 
 def _answers(generation: int, attempt: int) -> Callable[[Event], bool]:
@@ -134,6 +156,7 @@ def _agree(
             _answers(gen, attempt),
             timeout_s,
             f"commit of the plan of generation {gen} (attempt {attempt})",
+            waits=gen,
         )
         if isinstance(answer, PlanCommit):
             if answer.plan_digest != decision.plan_digest:
@@ -213,6 +236,7 @@ def recover(
         lambda e: isinstance(e, RecoveryPlan) and e.generation == gen + 1,
         timeout,
         f"recovery plan for generation {gen + 1}",
+        waits=gen + 1,
     )
     assert isinstance(decision, RecoveryPlan)
     return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout)

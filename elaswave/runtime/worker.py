@@ -105,6 +105,7 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
             EventKind.RECOVERY_PLAN,
             EventKind.PAUSE_REQUEST,
             EventKind.PLAN_COMMIT,
+            EventKind.WAITING_FOR_NODES,
         ],
     )
     session.start()

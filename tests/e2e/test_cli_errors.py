@@ -31,6 +31,7 @@ from tests.runs import elaswave
         (["--bus-faults", "lose=0.1"], "NAME one of drop, dup, reorder, delay, seed"),
         (["--plan-ack-timeout", "-1"], "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds"),
         (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
+        (["--wait-for-nodes", "1e6"], "wait_for_nodes_s = 1000000.0: must be from 0 to 86400"),
     ],
 )
 def test_bad_flags(tmp_path, args, message):

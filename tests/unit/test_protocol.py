@@ -3,7 +3,8 @@
 A hypothesis state machine plays the world around the pure protocol: workers that answer
 its announcements (reports, acknowledgements, RecoveryDone) through a network that
 delivers in any order, twice, or never; processes that exit with any code at any moment
-(before an acknowledgement, after it, after the commit); hangs (fenced); joiners; the
+(before an acknowledgement, after it, after the commit); hangs (fenced); joiners; jobs
+that may wait for joiners when too few ranks are left for the stages, or not; the
 fail-slow detector; steps completing; timers firing early and late; and a Core that
 dies and restarts from its persisted state (a JSON round trip of ``State``).
 
@@ -27,6 +28,7 @@ CI runs 1,000 sequences; ``scripts/model_check`` runs 20,000 (``ELASWAVE_MODEL_C
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from functools import cache
@@ -59,9 +61,10 @@ def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
 
 
 class World(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(LAYOUTS))
-    def start(self, layout: tuple[int, int]) -> None:
-        cfg, self.rules = _job(*layout)
+    @initialize(layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]))
+    def start(self, layout: tuple[int, int], wait: float) -> None:
+        cfg, rules = _job(*layout)
+        self.rules = dataclasses.replace(rules, wait_for_nodes_s=wait)
         self.state = ch.initial_state(cfg.plan())
         self.now = 1000.0
         self.procs = set(self.state.alive)
@@ -235,6 +238,10 @@ class World(RuleBasedStateMachine):
         if c is not None and c.phase in (ch.Phase.AGREEING, ch.Phase.APPLYING):
             assert c.participants <= set(s.plan.ranks) | set(c.joined)
             assert not c.participants & set(c.stop.failed)
+        if c is not None and c.phase is ch.Phase.WAITING:
+            assert self.rules.wait_for_nodes_s > 0, "waited although the job may not wait"
+            assert c.needed > 0 and not c.participants and c.stop.members
+            assert c.deadline == c.waiting_since + self.rules.wait_for_nodes_s
 
     def _pending_exits(self) -> set[int]:
         return {m.rank for m in self.pool if isinstance(m, ch.Exited)}
@@ -262,6 +269,43 @@ World.TestCase.settings = settings(
     suppress_health_check=list(HealthCheck),
 )
 test_protocol = World.TestCase
+
+
+class WaitingWorld(World):
+    """The same world on pipelines one rank wide, where a single failure leaves too few
+    ranks for the stages and the job waits for joiners (``wait_for_nodes_s``): waits
+    that end with joiners, with a member or a joiner lost meanwhile, with the Core
+    restarted, or with the wait running out."""
+
+    @initialize(layout=st.sampled_from([(1, 2), (1, 3), (2, 2)]))
+    def start_waiting(self, layout: tuple[int, int]) -> None:
+        World.start(self, layout, 20.0)
+
+    def start(self, layout: tuple[int, int], wait: float) -> None:  # type: ignore[override]
+        pass  # replaced by start_waiting
+
+    def _faults(self) -> int:
+        return getattr(self, "fault_count", 0)
+
+    # At most two faults a sequence: one leaves too few ranks, the other may strike while
+    # the job waits (a member, a joiner); more stop one-wide pipelines before they wait.
+    @precondition(lambda self: self._faults() < 2)
+    @rule(data=st.data(), code=st.sampled_from([-9, 1, 0]))
+    def process_exits(self, data: st.DataObject, code: int) -> None:
+        self.fault_count = self._faults() + 1
+        World.process_exits(self, data, code)
+
+    @precondition(lambda self: self._faults() < 2)
+    @rule(data=st.data())
+    def hangs(self, data: st.DataObject) -> None:
+        self.fault_count = self._faults() + 1
+        World.hangs(self, data)
+
+
+WaitingWorld.TestCase.settings = settings(
+    World.TestCase.settings, max_examples=max(1, EXAMPLES // 2)
+)
+test_waiting = WaitingWorld.TestCase
 
 
 def test_a_broken_commit_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -426,3 +470,63 @@ def test_members_that_finish_before_a_late_join_pauses_them_end_the_job_done() -
     state, actions = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
     (stop,) = [a for a in actions if isinstance(a, ch.Stop)]
     assert "no worker survives" in stop.reason
+
+
+def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
+    """dp 1 x pp 2 loses rank 1 (all of stage 1): with a wait, the Core announces
+    WaitingForNodes, starts the job's next scheduled joiner, and plans with it once it
+    is up; the record says how long the job waited."""
+    from elaswave.bus.schema import WaitingForNodes
+
+    cfg, rules = _job(1, 2)
+    rules = dataclasses.replace(rules, wait_for_nodes_s=30.0, join_steps=(20,))
+    state = ch.initial_state(cfg.plan())
+    report = ch.Report(committed_step=3, params_step=3)
+    state, out = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    state, more = protocol.step(rules, state, ch.Ready(0, 0, report), 1000.1)
+    out += more
+    (waiting,) = _published(out, WaitingForNodes)
+    assert (waiting.needed, waiting.generation, waiting.wait_s) == (1, 1, 30.0)
+    assert [a.rank for a in out if isinstance(a, ch.Spawn)] == [2]
+    assert state.change is not None and state.change.phase is ch.Phase.WAITING
+    state, out = protocol.step(rules, state, ch.Joining(2), 1005.0)
+    (plan,) = _published(out, RecoveryPlan)
+    assert plan.failed == [1] and plan.joined == [2] and plan.committed_step == 2
+    assert state.change is not None and state.change.record["waited_s"] == pytest.approx(4.9)
+
+
+@pytest.mark.parametrize("wait", [0.0, 5.0])
+def test_a_wait_that_runs_out_or_no_wait_stops_naming_what_to_do(wait: float) -> None:
+    cfg, rules = _job(1, 2)
+    rules = dataclasses.replace(rules, wait_for_nodes_s=wait)
+    state = ch.initial_state(cfg.plan())
+    report = ch.Report(committed_step=3, params_step=3)
+    state, _ = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    state, out = protocol.step(rules, state, ch.Ready(0, 0, report), 1000.1)
+    if wait:
+        assert not state.stopped
+        state, out = protocol.step(rules, state, ch.Tick(), 1005.2)
+    (stop,) = [a for a in out if isinstance(a, ch.Stop)]
+    if wait:
+        assert "waited 5 s for 1 more rank to fill every stage" in stop.reason
+        assert rules.resume_hint in stop.reason
+    else:
+        assert "--wait-for-nodes SECONDS" in stop.reason
+
+
+def test_a_member_lost_while_waiting_is_planned_without_and_its_lost_state_stops_the_job() -> None:
+    """dp 1 x pp 3 loses rank 2 and waits; then rank 1, which held rank 2's snapshot, is
+    lost too: the state of stage 2 is gone, and the job stops naming it."""
+    cfg, rules = _job(1, 3)
+    rules = dataclasses.replace(rules, wait_for_nodes_s=30.0)
+    state = ch.initial_state(cfg.plan())
+    report = ch.Report(committed_step=3, params_step=3)
+    state, _ = protocol.step(rules, state, ch.Exited(2, -9), 1000.0)
+    for rank in (0, 1):
+        state, _ = protocol.step(rules, state, ch.Ready(rank, 0, report), 1000.1)
+    assert state.change is not None and state.change.phase is ch.Phase.WAITING
+    assert state.change.needed == 1
+    state, out = protocol.step(rules, state, ch.Exited(1, -9), 1001.0)
+    (stop,) = [a for a in out if isinstance(a, ch.Stop)]
+    assert "while waiting for nodes: rank 1 exited with signal SIGKILL" in stop.reason
+    assert "no copy of it is left in memory" in stop.reason

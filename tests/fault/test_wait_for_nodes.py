@@ -1,0 +1,61 @@
+"""Waiting for nodes instead of stopping: a job left with fewer ranks than stages keeps
+its state in memory and waits for joiners (``--wait-for-nodes``), then goes on as if
+nothing had happened; a wait that runs out stops the job naming how to resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from elaswave.runtime.compare import compare_runs
+from tests.runs import Run, elaswave, train
+
+pytestmark = pytest.mark.timeout(300)
+
+JOB = ("--device", "emulated", "--dp", "1", "--pp", "2", "--steps", "10",
+       "--global-batch", "16", "--micro-batch", "2")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ref(runs_dir) -> Run:
+    return train(runs_dir / "wait_ref", *JOB)
+
+
+def test_a_pipeline_short_of_a_rank_waits_for_a_joiner_and_matches_the_fault_free_run(
+    runs_dir, ref
+):
+    """dp 1 x pp 2 loses rank 1 (all of stage 1) in step 3: one rank is left for two
+    stages. The job waits; the joiner it schedules (join@5, started at once while the
+    job waits) takes stage 1, rebuilt from rank 0's host snapshot of rank 1's shard, and
+    every step matches the fault-free run; replay reproduces the plan (``train``)."""
+    run = train(runs_dir / "wait_join", *JOB, "--wait-for-nodes", "60",
+                "--fault", "kill:1@3:backward", "--fault", "join@5")  # fmt: skip
+    s = run.summary
+    assert s["steps_completed"] == 10
+    (rec,) = s["recoveries"]
+    assert rec["kind"] == "fail-stop" and rec["ranks"] == [1]
+    assert [st["ranks"] for st in rec["plan"]["stages"]] == [[0], [2]]
+    assert 0 <= rec["waited_s"] < 60
+    assert "core.waiting_for_nodes" in run.proc.stderr
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
+
+
+def test_without_a_wait_the_job_stops_and_says_how_it_could_have_waited(runs_dir):
+    proc = elaswave("train", "--out", str(runs_dir / "no_wait"), *JOB,
+                    "--fault", "kill:1@3:backward", timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr.split("elaswave:")[-1]
+    assert "1 ranks are left for a pipeline of 2 stages" in proc.stderr
+    assert "--wait-for-nodes SECONDS" in proc.stderr
+
+
+def test_a_wait_that_runs_out_stops_the_job_naming_its_checkpoint(runs_dir):
+    """No joiner comes: after the wait the job stops (non-zero, no hang) and names the
+    checkpoint to resume from."""
+    out = runs_dir / "wait_out"
+    proc = elaswave("train", "--out", str(out), *JOB, "--wait-for-nodes", "2",
+                    "--checkpoint-every", "2", "--fault", "kill:1@5:backward",
+                    timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "waited 2 s for 1 more rank to fill every stage" in proc.stderr
+    assert f"--resume {out}" in proc.stderr

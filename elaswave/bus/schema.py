@@ -294,6 +294,8 @@ class RecoveryFinished(Event):
     kind: str
     ranks: list[int]
     mttr_s: float
+    joined: list[int] = dataclasses.field(default_factory=list)
+    """Ranks the change added (a join's, or joiners a waiting recovery planned with)."""
 
 
 # The fail-stop protocol. ``generation`` (base field) is the plan generation the event

@@ -390,7 +390,6 @@ def _scale(args: argparse.Namespace) -> int:
     from elaswave.bus.schema import (
         EventKind,
         RecoveryFinished,
-        RecoveryKind,
         RunFinished,
         ScaleRequest,
     )
@@ -415,9 +414,9 @@ def _scale(args: argparse.Namespace) -> int:
                 ) from None
             if isinstance(event, RunFinished):
                 raise ValueError("the job finished before the workers could join")
-            if isinstance(event, RecoveryFinished) and event.kind == RecoveryKind.JOIN:
-                joined += event.ranks
-                print(f"elaswave: ranks {event.ranks} joined at step {event.step}")
+            if isinstance(event, RecoveryFinished) and event.joined:
+                joined += event.joined
+                print(f"elaswave: ranks {event.joined} joined at step {event.step}")
     return 0
 
 

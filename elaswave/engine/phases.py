@@ -292,6 +292,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
         "superseded": attempt,
         "migration": migration,
         "plan": plan_summary(decision.plan),
+        "joined": list(c.joined),
     }
     if c.waiting_since >= 0:
         record["waited_s"] = now - c.waiting_since
@@ -529,6 +530,7 @@ def _finish(r: Rules, s: State, now: float, out: list[Action]) -> State:
                     kind=record["kind"],
                     ranks=record["ranks"],
                     mttr_s=record["mttr_s"],
+                    joined=record.get("joined", []),
                 )
             )
         )

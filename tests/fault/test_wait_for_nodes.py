@@ -4,10 +4,14 @@ nothing had happened; a wait that runs out stops the job naming how to resume.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import WaitingForNodes
 from elaswave.runtime.compare import compare_runs
-from tests.runs import Run, elaswave, train
+from tests.runs import Run, background_job, elaswave, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,3 +63,25 @@ def test_a_wait_that_runs_out_stops_the_job_naming_its_checkpoint(runs_dir):
     assert proc.returncode != 0
     assert "waited 2 s for 1 more rank to fill every stage" in proc.stderr
     assert f"--resume {out}" in proc.stderr
+
+
+def test_a_waiting_job_takes_a_worker_added_by_elaswave_scale(runs_dir, ref):
+    """No joiner is scheduled: the job waits until an operator adds one with ``elaswave
+    scale``, which reports it joined; the run then matches the fault-free one."""
+    out = runs_dir / "wait_scale"
+    with background_job(out, *JOB, "--wait-for-nodes", "120",
+                        "--fault", "kill:1@3:backward") as job:  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not any(
+            isinstance(r.event, WaitingForNodes) for r in read_event_log(out / "events.log")
+        ):
+            assert job.poll() is None and time.monotonic() < deadline, "the job never waited"
+            time.sleep(0.1)
+        scale = elaswave("scale", str(out), "--add", "1", "--timeout", "120", timeout=150)
+        assert scale.returncode == 0, scale.stderr
+        assert "ranks [2] joined at step" in scale.stdout
+        _, stderr = job.communicate(timeout=200)
+        assert job.returncode == 0, stderr
+    diff = compare_runs(out, ref.out)
+    assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"

@@ -92,6 +92,17 @@ def plain_publisher(endpoint: str) -> Iterator[zmq.Socket]:
         ctx.term()
 
 
+def await_logged(out: Path, job: subprocess.Popen, kind: type, timeout_s: float = 120) -> None:
+    """Wait until RUN_DIR/events.log holds an event of ``kind`` while ``job`` runs."""
+    from elaswave.bus.eventlog import read_event_log
+
+    deadline = time.monotonic() + timeout_s
+    while not any(isinstance(r.event, kind) for r in read_event_log(out / "events.log")):
+        assert job.poll() is None, f"the job ended before any {kind.__name__}"
+        assert time.monotonic() < deadline, f"no {kind.__name__} within {timeout_s:g} s"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def background_job(out: Path, *args: str) -> Iterator[subprocess.Popen]:
     """``elaswave train`` running in the background; yields once RUN_DIR/job.json exists.

@@ -9,14 +9,12 @@ float reduction order). Emulated-device runs train the same numbers as CPU runs.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import RecoveryFinished
 from elaswave.runtime.compare import compare_runs
-from tests.runs import background_job, elaswave, train
+from tests.runs import await_logged, background_job, elaswave, train
 
 JOB = ("--global-batch", "16", "--micro-batch", "2")
 
@@ -175,12 +173,7 @@ def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
     args = ("--device", "emulated", "--dp", "2", "--pp", "2", *steps, *JOB)
     with background_job(out, *args, "--fault", "kill:1@2:backward") as job:
         # After the failure's recovery: a join asked for earlier races the kill at step 2.
-        deadline = time.monotonic() + 120
-        while not any(
-            isinstance(r.event, RecoveryFinished) for r in read_event_log(out / "events.log")
-        ):
-            assert job.poll() is None and time.monotonic() < deadline, "no recovery"
-            time.sleep(0.1)
+        await_logged(out, job, RecoveryFinished)
         scale = elaswave("scale", str(out), "--add", "1", "--timeout", "120", timeout=150)
         assert scale.returncode == 0, scale.stderr
         assert "joined at step" in scale.stdout

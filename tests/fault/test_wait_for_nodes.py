@@ -4,14 +4,11 @@ nothing had happened; a wait that runs out stops the job naming how to resume.""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import WaitingForNodes
 from elaswave.runtime.compare import compare_runs
-from tests.runs import Run, background_job, elaswave, train
+from tests.runs import Run, await_logged, background_job, elaswave, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,12 +68,7 @@ def test_a_waiting_job_takes_a_worker_added_by_elaswave_scale(runs_dir, ref):
     out = runs_dir / "wait_scale"
     with background_job(out, *JOB, "--wait-for-nodes", "120",
                         "--fault", "kill:1@3:backward") as job:  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not any(
-            isinstance(r.event, WaitingForNodes) for r in read_event_log(out / "events.log")
-        ):
-            assert job.poll() is None and time.monotonic() < deadline, "the job never waited"
-            time.sleep(0.1)
+        await_logged(out, job, WaitingForNodes)
         scale = elaswave("scale", str(out), "--add", "1", "--timeout", "120", timeout=150)
         assert scale.returncode == 0, scale.stderr
         assert "ranks [2] joined at step" in scale.stdout

@@ -83,6 +83,8 @@ class EventKind(enum.StrEnum):
     PLAN_ACK = "plan_ack"
     PLAN_COMMIT = "plan_commit"
     WAITING_FOR_NODES = "waiting_for_nodes"
+    CHECKPOINT_REQUEST = "checkpoint_request"
+    CHECKPOINT_WRITTEN = "checkpoint_written"
 
 
 class RecoveryKind(enum.StrEnum):
@@ -422,6 +424,33 @@ class WaitingForNodes(Event):
     since: float
     """Core wall-clock time the wait began."""
     reason: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRequest(Event):
+    """A wait for joiners ran out: before the job stops, the stopped members write a
+    checkpoint of ``step`` from what they hold in memory. ``owners[i]``'s shard is
+    written by ``writers[i]``: its own state, or the host snapshot it holds of a lost
+    (or a step ahead) owner; ``--resume`` then continues the job from it."""
+
+    KIND = EventKind.CHECKPOINT_REQUEST
+    TOPIC = Topic.RECOVERY
+    step: int
+    owners: list[int]
+    writers: list[int]
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointWritten(Event):
+    """A member wrote its part of the checkpoint a CheckpointRequest asked for."""
+
+    KIND = EventKind.CHECKPOINT_WRITTEN
+    TOPIC = Topic.RECOVERY
+    rank: int
+    step: int
+    owners: list[int]
 
 
 @_register

@@ -62,7 +62,9 @@ class Rules:
     """How long a finished non-blocking migration's reports are waited for."""
     wait_for_nodes_s: float = 0.0
     """How long a job with too few ranks left for its stages waits for joiners, its
-    state in memory, before it stops (0: it stops at once)."""
+    state in memory, before it writes a checkpoint and stops (0: it stops at once)."""
+    resume_command: str = ""
+    """The flag that resumes this job from a checkpoint it writes (``--resume RUN``)."""
 
 
 # ----------------------------------------------------------------------------- state
@@ -79,6 +81,8 @@ class Phase(enum.StrEnum):
     """The plan is committed; every participant applies it."""
     WAITING = "waiting"
     """Too few ranks are left for the stages: the stopped members wait for joiners."""
+    CHECKPOINTING = "checkpointing"
+    """The wait ran out: the stopped members write a checkpoint, then the job stops."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +147,12 @@ class Change:
     """Waiting: ranks still missing to fill every stage."""
     waiting_since: float = -1.0
     """When the change began to wait for joiners (-1: it has not waited)."""
+    checkpoint_step: int = -1
+    """Checkpointing: the step written."""
+    writers: frozenset[int] = frozenset()
+    """Checkpointing: the members asked to write a part."""
+    written: frozenset[int] = frozenset()
+    """Checkpointing: the members that reported their part written."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +312,15 @@ class Migrated:
 
 
 @dataclass(frozen=True)
+class Checkpointed:
+    """A member wrote its part of the checkpoint of ``step`` (CheckpointWritten)."""
+
+    rank: int
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed (deadlines)."""
 
@@ -316,7 +335,7 @@ class Restarted:
 
 Input = (
     Exited | Silent | Joining | ScaleUp | Straggling | Ready | Acked | Done | Trained
-    | StepDone | Migrated | Tick | Restarted
+    | StepDone | Migrated | Checkpointed | Tick | Restarted
 )  # fmt: skip
 
 
@@ -374,6 +393,10 @@ class Stop:
 Action = Publish | Kill | Terminate | Spawn | SharePlan | Note | Stop
 
 
+class Stopped(Exception):
+    """The job cannot go on (internal to the transitions: becomes a :class:`Stop`)."""
+
+
 # ----------------------------------------------------------------------------- JSON
 
 
@@ -414,6 +437,8 @@ def _change_to_dict(c: Change) -> dict[str, Any]:
         plan=plan_to_dict(c.plan) if c.plan is not None else None,
         participants=sorted(c.participants),
         acked=sorted(c.acked),
+        writers=sorted(c.writers),
+        written=sorted(c.written),
         applied=_strs(c.applied, dataclasses.asdict),
         exited=_strs(c.exited, list),
         record=dict(c.record),
@@ -434,6 +459,8 @@ def _change_from_dict(d: Mapping[str, Any]) -> Change:
             "plan": plan_from_dict(d["plan"]) if d["plan"] is not None else None,
             "participants": frozenset(d["participants"]),
             "acked": frozenset(d["acked"]),
+            "writers": frozenset(d["writers"]),
+            "written": frozenset(d["written"]),
             "applied": _ints(d["applied"], lambda a: Applied(**a)),
             "exited": _ints(d["exited"], tuple),
             "completed": _ints(d["completed"]),

@@ -28,6 +28,7 @@ from elaswave.engine.change import (
     Rules,
     SharePlan,
     State,
+    Stopped,
 )
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.migration import NONBLOCKING, decide_migration
@@ -35,17 +36,17 @@ from elaswave.engine.plan import plan_summary
 from elaswave.engine.recovery import Rebalancing, plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.engine.stopping import Announce, Outcome, Stopping, on_report, outcome, stop_phase
-from elaswave.engine.waiting import wait_for_nodes, waited_out
+from elaswave.engine.waiting import (
+    begin_checkpoint,
+    checkpoint_failed,
+    wait_for_nodes,
+)
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 
 KILLED = -int(signal.SIGKILL)
 """The exit code of a process the Core fenced."""
 
 replace = dataclasses.replace
-
-
-class Stopped(Exception):
-    """The job cannot go on (internal: becomes a :class:`Stop` action)."""
 
 
 def deadline(rules: Rules, state: State) -> float | None:
@@ -438,7 +439,9 @@ def advance(r: Rules, s: State, now: float, out: list[Action]) -> State:
             c = replace(c, joined=(*c.joined, *ready), detail=f"{c.detail}; ranks {ready} join")
             s = plan_next(r, replace(s, joiners=frozenset(), change=c), now, out)
         elif now >= c.deadline:
-            raise Stopped(waited_out(r, s, c))
+            s = begin_checkpoint(r, s, now, out)
+    elif c is not None and c.phase is Phase.CHECKPOINTING and now >= c.deadline:
+        raise Stopped(checkpoint_failed(r, s, c, f"within {r.stop_timeout_s:g} s"))
     elif c is not None and c.phase is Phase.APPLYING:
         if any(now >= t + r.exit_grace_s for _, t in c.exited.values()):
             raise Stopped(window(r, s, c))

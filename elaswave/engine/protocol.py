@@ -40,6 +40,7 @@ from elaswave.engine.change import (
     Acked,
     Action,
     Applied,
+    Checkpointed,
     Done,
     Exited,
     Input,
@@ -57,13 +58,13 @@ from elaswave.engine.change import (
     State,
     StepDone,
     Stop,
+    Stopped,
     Straggling,
     Terminate,
     Tick,
     Trained,
 )
 from elaswave.engine.phases import (
-    Stopped,
     advance,
     after_stop,
     all_lost,
@@ -81,7 +82,13 @@ from elaswave.engine.phases import (
 )
 from elaswave.engine.recovery import next_plan
 from elaswave.engine.stopping import Announce, on_exit, on_report, stop_phase
-from elaswave.engine.waiting import spawn
+from elaswave.engine.waiting import (
+    checkpoint_failed,
+    checkpoint_request,
+    checkpoint_writers,
+    checkpointed,
+    spawn,
+)
 
 replace = dataclasses.replace
 
@@ -152,6 +159,10 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
         return after_stop(r, s, now, out)
     if c.phase is Phase.AGREEING:
         return lose(r, s, {e.rank: e.code}, now, out) if e.rank in c.participants else s
+    if c.phase is Phase.CHECKPOINTING:
+        if e.rank in c.writers - c.written:
+            raise Stopped(checkpoint_failed(r, s, c, describe(s, {e.rank: e.code})))
+        return s
     if c.phase is Phase.WAITING:  # a stopped member lost while waiting: plan without it
         if e.rank not in c.stop.members:
             return s
@@ -302,6 +313,18 @@ def _migrated(r: Rules, s: State, e: Migrated, now: float, out: list[Action]) ->
     return replace(s, migrated={**s.migrated, key: (e.bytes_streamed, e.waited_s)})
 
 
+def _checkpointed(r: Rules, s: State, e: Checkpointed, now: float, out: list[Action]) -> State:
+    c = s.change
+    if (
+        c is None
+        or c.phase is not Phase.CHECKPOINTING
+        or (e.generation, e.step) != (c.generation + 1, c.checkpoint_step)
+        or e.rank not in c.writers
+    ):
+        return s
+    return checkpointed(r, s, e.rank, now)
+
+
 def _tick(r: Rules, s: State, e: Tick, now: float, out: list[Action]) -> State:
     return s
 
@@ -323,6 +346,11 @@ def _restarted(r: Rules, s: State, e: Restarted, now: float, out: list[Action]) 
             a = Announce(c.generation, tuple(sorted(c.stop.failed)), ())
             announce_failures(s, [a], out)
         return after_stop(r, s, now, out)
+    if c.phase is Phase.CHECKPOINTING:  # ask again (a part is written idempotently)
+        writers = checkpoint_writers(s, c, r.ranks_per_node)
+        assert writers is not None, "the writers were found before"
+        out.append(Publish(checkpoint_request(c, writers)))
+        return replace(s, change=replace(c, deadline=now + r.stop_timeout_s))
     if c.phase in (Phase.AGREEING, Phase.WAITING):  # announce again: a new attempt, or
         return plan_next(r, s, now, out)  # the wait (its deadline kept)
     # Applying: every participant acknowledged this plan; send its commit again.
@@ -348,6 +376,7 @@ _HANDLERS: dict[type, Callable[[Rules, State, Any, float, list[Action]], State]]
     Trained: _trained,
     StepDone: _step_done,
     Migrated: _migrated,
+    Checkpointed: _checkpointed,
     Tick: _tick,
     Restarted: _restarted,
 }

@@ -129,11 +129,11 @@ def plan_fail_stop(
         raise Unrecoverable("; ".join(lost))
     if not steps:
         raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank of the plan survives")
-    if too_few is not None:
-        raise too_few
     committed = min(steps)
     if snapshots and emptied_stages(plan, failed):
         committed = max(max(steps) - 1, min(floor, committed))
+    if too_few is not None:
+        raise TooFewRanks(str(too_few), too_few.needed, committed_step=committed)
     if new.generation == plan.generation:
         # Nothing changes (the joiners it was for are gone, say): the members are stopped
         # all the same and take the next generation, so that every change advances it.

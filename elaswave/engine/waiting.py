@@ -8,9 +8,21 @@ naming how to resume. Transitions :mod:`elaswave.engine.phases` composes."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from elaswave.bus.schema import WaitingForNodes
-from elaswave.engine.change import Action, Change, Note, Phase, Publish, Rules, Spawn, State
+from elaswave.bus.schema import CheckpointRequest, WaitingForNodes
+from elaswave.engine.change import (
+    Action,
+    Change,
+    Note,
+    Phase,
+    Publish,
+    Rules,
+    Spawn,
+    State,
+    Stopped,
+)
+from elaswave.engine.plan import snapshot_placement
 from elaswave.fabric.errors import TooFewRanks
 
 replace = dataclasses.replace
@@ -29,6 +41,7 @@ def wait_for_nodes(r: Rules, s: State, exc: TooFewRanks, now: float, out: list[A
         c,
         phase=Phase.WAITING,
         needed=exc.needed,
+        checkpoint_step=exc.committed_step,
         waiting_since=since,
         deadline=since + r.wait_for_nodes_s,
         participants=frozenset(),
@@ -56,8 +69,9 @@ def wait_for_nodes(r: Rules, s: State, exc: TooFewRanks, now: float, out: list[A
     return s
 
 
-def waited_out(r: Rules, s: State, c: Change) -> str:
-    """Why the job stops when its wait for joiners ran out."""
+def waited_out(r: Rules, s: State, c: Change, then: str) -> str:
+    """Why the job stops when its wait for joiners ran out; ``then``: what became of
+    the state (how to resume)."""
     lost = "; ".join(
         f"stage {st.stage} (layers {st.layer_start}-{st.layer_stop - 1}) lost all its ranks "
         f"{list(st.ranks)}"
@@ -67,7 +81,92 @@ def waited_out(r: Rules, s: State, c: Change) -> str:
     return (
         f"{c.detail}; {lost}; waited {r.wait_for_nodes_s:g} s for {c.needed} more "
         f"rank{'s' if c.needed != 1 else ''} to fill every stage, and none came in time "
-        f"(the job stops; {r.resume_hint})"
+        f"(the job stops; {then})"
+    )
+
+
+def checkpoint_writers(s: State, c: Change, ranks_per_node: int) -> dict[int, int] | None:
+    """Who writes each shard of the plan's ranks at ``c.checkpoint_step``: the owner,
+    when it stopped at that step or the next (it keeps the shard of the step before its
+    committed one, for a one-step rollback); else the holder of its host snapshot. None
+    when a shard has no stopped writer."""
+    placement = snapshot_placement(s.plan, ranks_per_node)
+    members = c.stop.members
+    step = c.checkpoint_step
+    out = {}
+    for owner in s.plan.ranks:
+        if owner in members and s.reports[owner].committed_step in (step, step + 1):
+            out[owner] = owner
+        elif (holder := placement.holder.get(owner)) is not None and holder in members:
+            out[owner] = holder
+        else:
+            return None
+    return out
+
+
+def begin_checkpoint(r: Rules, s: State, now: float, out: list[Action]) -> State:
+    """The wait ran out: ask the stopped members to write a checkpoint of the step they
+    roll back to, from their own state and the snapshots they hold (the job stops once
+    every part is written; at once, naming the last periodic checkpoint, when no such
+    checkpoint can be written)."""
+    c = s.change
+    assert c is not None
+    writers = checkpoint_writers(s, c, r.ranks_per_node) if c.checkpoint_step >= 0 else None
+    if writers is None or not r.resume_command:
+        raise Stopped(waited_out(r, s, c, r.resume_hint))
+    c = replace(
+        c,
+        phase=Phase.CHECKPOINTING,
+        writers=frozenset(writers.values()),
+        written=frozenset(),
+        deadline=now + r.stop_timeout_s,
+    )
+    out.append(Note("core.checkpoint_requested", {"step": c.checkpoint_step}))
+    out.append(Publish(checkpoint_request(c, writers)))
+    return replace(s, change=c)
+
+
+def checkpoint_request(c: Change, writers: Mapping[int, int]) -> CheckpointRequest:
+    owners = sorted(writers)
+    return CheckpointRequest(
+        sender="core",
+        generation=c.generation + 1,
+        step=c.checkpoint_step,
+        owners=owners,
+        writers=[writers[o] for o in owners],
+    )
+
+
+def checkpointed(r: Rules, s: State, rank: int, now: float) -> State:
+    """``rank`` wrote its part; with every part written the job stops, naming the
+    checkpoint."""
+    c = s.change
+    assert c is not None
+    assert c.phase is Phase.CHECKPOINTING
+    c = replace(c, written=c.written | {rank})
+    if c.written < c.writers:
+        return replace(s, change=c)
+    raise Stopped(
+        waited_out(
+            r,
+            s,
+            c,
+            f"it wrote a checkpoint of step {c.checkpoint_step} from the state in memory, "
+            f"the lost ranks' shards from their host snapshots: resume with "
+            f"{r.resume_command}",
+        )
+    )
+
+
+def checkpoint_failed(r: Rules, s: State, c: Change, why: str) -> str:
+    """Why the job stops when a part of the checkpoint was not written."""
+    missing = sorted(c.writers - c.written)
+    return waited_out(
+        r,
+        s,
+        c,
+        f"ranks {missing} did not write their part of a checkpoint of step "
+        f"{c.checkpoint_step} ({why}); {r.resume_hint}",
     )
 
 

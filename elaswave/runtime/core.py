@@ -30,6 +30,7 @@ from elaswave.bus.keys import BusKeys
 from elaswave.bus.logservice import LogIndex, LogService
 from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import (
+    CheckpointWritten,
     Event,
     FailureDetected,
     Heartbeat,
@@ -60,7 +61,7 @@ def _for_protocol(event: Event) -> bool:
     return isinstance(
         event,
         RecoveryReady | PlanAck | RecoveryDone | MigrationDone | StepCompleted | StepTiming
-        | ScaleRequest,
+        | ScaleRequest | CheckpointWritten,
     )  # fmt: skip
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import structlog
 
 from elaswave.bus.schema import (
+    CheckpointRequest,
+    CheckpointWritten,
     Event,
     FailureDetected,
     PauseRequest,
@@ -33,6 +35,7 @@ from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import replan
 from elaswave.runtime.faults import Phase
+from elaswave.runtime.held_checkpoint import write_part
 from elaswave.runtime.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.session import Session
 from elaswave.runtime.trainer import Trainer, WorkerContext, reconfigure
@@ -83,19 +86,30 @@ def _await_event(
     what: str,
     *,
     waits: int | None = None,
+    on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
 ) -> Event:
     """The first event ``want`` accepts within ``timeout_s``. ``waits``: the generation
     whose WaitingForNodes extends the wait (the Core waits up to ``wait_s`` for joiners
-    before it plans, or stops the job)."""
+    before it plans, or writes a checkpoint and stops the job), and whose
+    CheckpointRequest ``on_checkpoint`` answers."""
 
     def wanted(e: Event) -> bool:
-        return want(e) or (isinstance(e, WaitingForNodes) and e.generation == waits)
+        return want(e) or (
+            isinstance(e, WaitingForNodes | CheckpointRequest) and e.generation == waits
+        )
 
     limit = timeout_s
     while True:
         event = inbox.take(wanted, limit, what)
-        if want(event) or not isinstance(event, WaitingForNodes):
+        if want(event):
             return event
+        if isinstance(event, CheckpointRequest):
+            log.warning("recovery.checkpoint_requested", step=event.step)
+            if on_checkpoint is not None:
+                on_checkpoint(event)
+            limit = timeout_s  # the Core stops the job once every part is written
+            continue
+        assert isinstance(event, WaitingForNodes)
         log.warning(
             "recovery.waiting_for_nodes", needed=event.needed, wait_s=event.wait_s,
             reason=event.reason,
@@ -123,6 +137,7 @@ def _agree(
     decision: RecoveryPlan,
     base: Plan,
     timeout_s: float,
+    on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
 ) -> tuple[RecoveryPlan, Plan]:
     """Check the announced plan, acknowledge it, and wait for the Core's commit.
 
@@ -157,6 +172,7 @@ def _agree(
             timeout_s,
             f"commit of the plan of generation {gen} (attempt {attempt})",
             waits=gen,
+            on_checkpoint=on_checkpoint,
         )
         if isinstance(answer, PlanCommit):
             if answer.plan_digest != decision.plan_digest:
@@ -231,15 +247,31 @@ def recover(
             params_step=-2 if (ps := trainer.optimizer.params_step) is None else ps,
         )
     )
+
+    def on_checkpoint(request: CheckpointRequest) -> None:
+        if ctx.rank not in request.writers:
+            return
+        owners = write_part(ctx, trainer, request, timeout)
+        session.publish(
+            CheckpointWritten(
+                sender=sender,
+                generation=request.generation,
+                rank=ctx.rank,
+                step=request.step,
+                owners=owners,
+            )
+        )
+
     decision = _await_event(
         inbox,
         lambda e: isinstance(e, RecoveryPlan) and e.generation == gen + 1,
         timeout,
         f"recovery plan for generation {gen + 1}",
         waits=gen + 1,
+        on_checkpoint=on_checkpoint,
     )
     assert isinstance(decision, RecoveryPlan)
-    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout)
+    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout, on_checkpoint)
 
 
 def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
@@ -265,10 +297,11 @@ def _apply(
     base: Plan,
     trainer: Trainer | None,
     timeout: float,
+    on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
 ) -> Trainer:
     """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
     generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
-    decision, new_plan = _agree(ctx, session, inbox, decision, base, timeout)
+    decision, new_plan = _agree(ctx, session, inbox, decision, base, timeout, on_checkpoint)
     if trainer is None and ctx.rank not in decision.joined:
         raise RuntimeError(
             f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"

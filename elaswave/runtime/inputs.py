@@ -114,4 +114,5 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         resume_hint=resume,
         first_step=t.resume_step if t.resume_step is not None else -1,
         wait_for_nodes_s=t.wait_for_nodes_s,
+        resume_command=f"--resume {run_dir}",
     )

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from elaswave.bus.schema import (
+    CheckpointWritten,
     Event,
     MigrationDone,
     PlanAck,
@@ -45,6 +46,8 @@ def to_input(event: Event, t: float, scales: int) -> ch.Input | None:
                 params_s=event.params_s,
             )
             return ch.Done(event.rank, event.generation, applied)
+        case CheckpointWritten():
+            return ch.Checkpointed(event.rank, event.generation, event.step)
         case MigrationDone():
             return ch.Migrated(event.rank, event.generation, event.bytes_streamed, event.waited_s)
         case StepTiming():

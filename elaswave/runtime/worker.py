@@ -106,6 +106,7 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
             EventKind.PAUSE_REQUEST,
             EventKind.PLAN_COMMIT,
             EventKind.WAITING_FOR_NODES,
+            EventKind.CHECKPOINT_REQUEST,
         ],
     )
     session.start()

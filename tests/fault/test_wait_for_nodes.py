@@ -1,13 +1,14 @@
 """Waiting for nodes instead of stopping: a job left with fewer ranks than stages keeps
 its state in memory and waits for joiners (``--wait-for-nodes``), then goes on as if
-nothing had happened; a wait that runs out stops the job naming how to resume."""
+nothing had happened; a wait that runs out writes a checkpoint from memory and stops
+the job naming how to resume."""
 
 from __future__ import annotations
 
 import pytest
 
 from elaswave.bus.schema import WaitingForNodes
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from tests.runs import Run, await_logged, background_job, elaswave, train
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,16 +51,29 @@ def test_without_a_wait_the_job_stops_and_says_how_it_could_have_waited(runs_dir
     assert "--wait-for-nodes SECONDS" in proc.stderr
 
 
-def test_a_wait_that_runs_out_stops_the_job_naming_its_checkpoint(runs_dir):
-    """No joiner comes: after the wait the job stops (non-zero, no hang) and names the
-    checkpoint to resume from."""
+def test_a_wait_that_runs_out_writes_a_checkpoint_from_memory_that_resumes_on_another_layout(
+    runs_dir, ref
+):
+    """No joiner comes, and the job never wrote a periodic checkpoint: when the wait runs
+    out, rank 0 writes its own shard at the step it rolls back to (step 3: it committed
+    step 4 and keeps the one before) and rank 1's from the host snapshot it holds; the
+    job stops (non-zero, no hang) naming the command that resumes it. Resumed as
+    dp 2 x pp 1, it ends as the fault-free run does."""
     out = runs_dir / "wait_out"
     proc = elaswave("train", "--out", str(out), *JOB, "--wait-for-nodes", "2",
-                    "--checkpoint-every", "2", "--fault", "kill:1@5:backward",
-                    timeout=120)  # fmt: skip
-    assert proc.returncode != 0
+                    "--fault", "kill:1@5:backward", timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
     assert "waited 2 s for 1 more rank to fill every stage" in proc.stderr
-    assert f"--resume {out}" in proc.stderr
+    assert "stage 1 (layers 3-5) lost all its ranks [1]" in proc.stderr
+    assert "it wrote a checkpoint of step 3 from the state in memory" in proc.stderr
+    assert f"resume with --resume {out}" in proc.stderr
+    layout = ["--dp", "2", "--pp", "1"]
+    resumed = train(runs_dir / "wait_out_resumed", "--resume", str(out), *JOB[:2], *layout,
+                    *JOB[6:])  # fmt: skip
+    s = resumed.summary
+    assert s["first_step"] == 4 and s["steps_completed"] == 10
+    assert loss_rel_diff(s["loss"], ref.summary["loss"][4:]) <= 1e-5
+    assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
 
 
 def test_a_waiting_job_takes_a_worker_added_by_elaswave_scale(runs_dir, ref):

@@ -39,7 +39,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from elaswave.bus.schema import FailureDetected, PauseRequest, PlanCommit, RecoveryPlan
+from elaswave.bus.schema import (
+    CheckpointRequest,
+    FailureDetected,
+    PauseRequest,
+    PlanCommit,
+    RecoveryPlan,
+)
 from elaswave.engine import change as ch
 from elaswave.engine import phases, protocol
 from elaswave.engine.change import Rules, state_from_dict, state_to_dict
@@ -140,6 +146,10 @@ class World(RuleBasedStateMachine):
                     self.procs.discard(rank)
                     code = phases.KILLED if isinstance(action, ch.Kill) else 0
                     self.pool.append(ch.Exited(rank, code))
+            case ch.Publish(event=CheckpointRequest() as e):
+                assert set(e.writers) <= self.state.change.stop.members  # type: ignore[union-attr]
+                for rank in sorted(set(e.writers) & self.procs):
+                    self.pool.append(ch.Checkpointed(rank, e.generation, e.step))
             case ch.Spawn(rank=rank):
                 self.procs.add(rank)
                 self.pool.append(ch.Joining(rank))
@@ -238,6 +248,8 @@ class World(RuleBasedStateMachine):
         if c is not None and c.phase in (ch.Phase.AGREEING, ch.Phase.APPLYING):
             assert c.participants <= set(s.plan.ranks) | set(c.joined)
             assert not c.participants & set(c.stop.failed)
+        if c is not None and c.phase is ch.Phase.CHECKPOINTING:
+            assert c.written <= c.writers <= c.stop.members and c.checkpoint_step >= 0
         if c is not None and c.phase is ch.Phase.WAITING:
             assert self.rules.wait_for_nodes_s > 0, "waited although the job may not wait"
             assert c.needed > 0 and not c.participants and c.stop.members
@@ -495,23 +507,44 @@ def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
     assert state.change is not None and state.change.record["waited_s"] == pytest.approx(4.9)
 
 
-@pytest.mark.parametrize("wait", [0.0, 5.0])
-def test_a_wait_that_runs_out_or_no_wait_stops_naming_what_to_do(wait: float) -> None:
+def test_without_a_wait_the_stop_names_the_flag() -> None:
     cfg, rules = _job(1, 2)
-    rules = dataclasses.replace(rules, wait_for_nodes_s=wait)
+    state = ch.initial_state(cfg.plan())
+    state, _ = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
+    report = ch.Report(committed_step=3, params_step=3)
+    state, out = protocol.step(rules, state, ch.Ready(0, 0, report), 1000.1)
+    (stop,) = [a for a in out if isinstance(a, ch.Stop)]
+    assert "--wait-for-nodes SECONDS" in stop.reason
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_a_wait_that_runs_out_asks_for_a_checkpoint_then_stops(written: bool) -> None:
+    """dp 1 x pp 2 loses rank 1 and waits 5 s for nobody: rank 0 is asked to write both
+    shards at step 2 (its own, a step behind its committed 3, and rank 1's snapshot);
+    the stop names the checkpoint once written, or the periodic one after the deadline."""
+    from elaswave.bus.schema import CheckpointRequest
+
+    cfg, rules = _job(1, 2)
+    rules = dataclasses.replace(rules, wait_for_nodes_s=5.0)
     state = ch.initial_state(cfg.plan())
     report = ch.Report(committed_step=3, params_step=3)
     state, _ = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
     state, out = protocol.step(rules, state, ch.Ready(0, 0, report), 1000.1)
-    if wait:
-        assert not state.stopped
-        state, out = protocol.step(rules, state, ch.Tick(), 1005.2)
-    (stop,) = [a for a in out if isinstance(a, ch.Stop)]
-    if wait:
+    state, out = protocol.step(rules, state, ch.Tick(), 1005.2)
+    (request,) = _published(out, CheckpointRequest)
+    assert (request.step, request.owners, request.writers) == (2, [0, 1], [0, 0])
+    assert not state.stopped
+    if written:
+        state, out = protocol.step(rules, state, ch.Checkpointed(0, 1, 2), 1005.3)
+        (stop,) = [a for a in out if isinstance(a, ch.Stop)]
         assert "waited 5 s for 1 more rank to fill every stage" in stop.reason
-        assert rules.resume_hint in stop.reason
+        assert "wrote a checkpoint of step 2" in stop.reason
+        assert stop.reason.endswith("resume with --resume /run)")
     else:
-        assert "--wait-for-nodes SECONDS" in stop.reason
+        state, out = protocol.step(rules, state, ch.Tick(), 1005.2 + rules.stop_timeout_s)
+        (stop,) = [a for a in out if isinstance(a, ch.Stop)]
+        assert "ranks [0] did not write their part of a checkpoint of step 2" in stop.reason
+        assert rules.resume_hint in stop.reason
 
 
 def test_a_member_lost_while_waiting_is_planned_without_and_its_lost_state_stops_the_job() -> None:

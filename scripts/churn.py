@@ -151,6 +151,12 @@ def markdown(rows: list[dict], costs: RecoveryCosts) -> str:
         "E/bound how close its plans come. Where bound/TorchFT is below 1.2 (or "
         "bound/ReCycle below 1.05), those ratios cannot be reached on that trace under "
         "these overheads.",
+        "",
+        "On real processes (emulated device), a dp=3 x pp=2 job under a 20-event churn "
+        "trace, with a stage lost whole and taken over by a rank of another stage: "
+        "`docs/churn_runtime.md` (`scripts/churn_runtime.py`). A rank moving stage against "
+        "checkpoint-restart: `docs/stage_move_mttr.md`. A job left with fewer ranks than "
+        "stages waits for joiners with `--wait-for-nodes` (tests/fault/test_wait_for_nodes.py).",
     ]
     return "\n".join(out) + "\n"
 

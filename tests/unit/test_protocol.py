@@ -573,3 +573,31 @@ def test_a_member_lost_while_waiting_is_planned_without_and_its_lost_state_stops
     (stop,) = [a for a in out if isinstance(a, ch.Stop)]
     assert "while waiting for nodes: rank 1 exited with signal SIGKILL" in stop.reason
     assert "no copy of it is left in memory" in stop.reason
+
+
+def test_checkpoint_writers_are_owners_at_the_step_or_the_next_else_snapshot_holders() -> None:
+    """dp 2 x pp 3 lost stage 2 whole (ranks 4, 5) with rank 3 a step behind: the
+    survivors roll back to step 2. Ranks at step 2 or 3 write their own shard; ranks 4
+    and 5 are written by the holders of their snapshots; with a holder lost too, no
+    checkpoint can be written."""
+    from elaswave.engine.plan import snapshot_placement
+    from elaswave.engine.waiting import checkpoint_writers
+
+    cfg, rules = _job(2, 3)
+    plan = cfg.plan()
+    holder = snapshot_placement(plan, rules.ranks_per_node).holder
+    commits = {0: 3, 1: 3, 2: 3, 3: 2}
+    reports = {r: ch.Report(committed_step=c, params_step=c) for r, c in commits.items()}
+    stop = ch.Stopping(generation=0, members=frozenset(commits), failed={4: -9, 5: -9},
+                       reported=frozenset(commits), announced=frozenset())  # fmt: skip
+    change = ch.Change(kind=ch.RecoveryKind.FAIL_STOP, phase=ch.Phase.WAITING, generation=0,
+                       ranks=(4, 5), detail="", stop=stop, seen_at=0.0, origin=0.0,
+                       deadline=0.0, checkpoint_step=2)  # fmt: skip
+    state = dataclasses.replace(ch.initial_state(plan), reports=reports)
+    writers = checkpoint_writers(state, change, rules.ranks_per_node)
+    assert writers == {0: 0, 1: 1, 2: 2, 3: 3, 4: holder[4], 5: holder[5]}
+    assert {holder[4], holder[5]} <= set(commits)
+    lost_holder = dataclasses.replace(
+        change, stop=dataclasses.replace(stop, members=stop.members - {holder[4]})
+    )
+    assert checkpoint_writers(state, lost_holder, rules.ranks_per_node) is None

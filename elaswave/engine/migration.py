@@ -72,9 +72,8 @@ class Transition:
 
 
 def layer_moves(old: Plan, new: Plan) -> tuple[LayerMove, ...]:
-    """Every layer whose stage differs between ``old`` and ``new``, in layer order."""
-    if old.pp != new.pp:
-        raise ValueError(f"plans have {old.pp} and {new.pp} stages: layers cannot be matched")
+    """Every layer whose stage differs between ``old`` and ``new``, in layer order (a
+    pipeline of another number of stages: every layer whose stage index differs)."""
     stage_of = [{layer: s.stage for s in p.stages for layer in s.layers} for p in (old, new)]
     if stage_of[0].keys() != stage_of[1].keys():
         raise ValueError("plans cover different layers")
@@ -106,6 +105,8 @@ def why_blocking(
         raise ValueError(f"unknown migration mode {mode!r}; valid: {', '.join(MIGRATION_MODES)}")
     if mode == "blocking":
         return "blocking migration was asked for"
+    if old.pp != new.pp:
+        return f"the pipeline goes from {old.pp} to {new.pp} stages"
     if joined:
         return f"ranks {sorted(joined)} join and gather their stage's parameters"
     if stale:

@@ -43,6 +43,9 @@ class Rebalancing:
     """What DVFS may draw, in ranks at the base clock (:func:`~elaswave.engine.rebalance.
     power`): the job's launch size, so that survivors spend what lost ranks freed. None:
     only each device's maximum clock limits DVFS."""
+    shorten: bool = False
+    """Whether fewer ranks than stages may run on a pipeline of fewer stages
+    (:func:`elaswave.engine.replan.replan`); else the job waits for joiners, or stops."""
 
 
 def next_plan(

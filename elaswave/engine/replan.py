@@ -5,9 +5,11 @@ next_plan` while every stage keeps a rank; when failures empty a stage, ranks ch
 stage (:func:`~elaswave.engine.reshape.reshape`: a survivor of a wider stage takes the
 emptied stage's layers, rebuilt from the host snapshots that
 :func:`~elaswave.engine.plan.snapshot_placement` keeps in other stages). The pipeline
-keeps its number of stages: with fewer ranks than stages the change raises
-:class:`~elaswave.fabric.errors.TooFewRanks` (the job may wait for joiners), once no
-state is found lost.
+keeps its number of stages while the ranks can fill them. With fewer ranks than stages
+it gets fewer stages (``Rebalancing.shorten``: the job does not wait for joiners; every
+shorter pipeline that fits in memory is priced), or the change raises
+:class:`~elaswave.fabric.errors.TooFewRanks` for a job that waits, once no state is
+found lost.
 Every process of the job reruns it before it acknowledges the plan, so it prices only
 the first assignment (``search=False``: the best donor for each emptied stage), not
 every vector of widths as the simulator does.
@@ -21,12 +23,14 @@ and a reason; or it raises Unrecoverable naming the state that is gone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.engine.recovery import Rebalancing, next_plan
-from elaswave.engine.reshape import reshape
+from elaswave.engine.reshape import Reshaped, reshape
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
@@ -61,17 +65,42 @@ def replan(
         f"lost all its ranks {list(plan.stages[k].ranks)}"
         for k in emptied
     )
-    if left < plan.pp:
+    if left < plan.pp and not rebalancing.shorten:
         raise TooFewRanks(
             f"{lost}, and {left} ranks are left for a pipeline of {plan.pp} stages: every "
-            "stage needs a rank (the runtime does not shorten the pipeline)",
+            "stage needs a rank (this job waits for joiners rather than shortening the "
+            "pipeline)",
             needed=plan.pp - left,
         )
-    shaped = reshape(
-        plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
+    shaped = _reshaped(
+        plan,
+        frozenset(failed),
+        tuple(joined),
+        (
+            rebalancing.policy,
+            tuple(sorted(rebalancing.slowdowns.items())),
+            tuple(rebalancing.layers),
+            rebalancing.device,
+            rebalancing.power_budget,
+            rebalancing.shorten,
+        ),
     )
-    assert shaped.plan.pp == plan.pp, "max_stages keeps the pipeline's stages"
     return shaped.plan, f"{lost}; {shaped.reason}"
+
+
+@functools.lru_cache(maxsize=256)
+def _reshaped(
+    plan: Plan, failed: frozenset[int], joined: tuple[int, ...], key: tuple[Any, ...]
+) -> Reshaped:
+    """:func:`reshape` keeping the pipeline's stages, or shorter ones, memoized: a
+    job's processes, replay and the model check ask it the same questions again, and
+    pricing shorter pipelines partitions and rebalances each candidate."""
+    policy, slowdowns, layers, device, budget, shorten = key
+    rebalancing = Rebalancing(
+        policy=policy, slowdowns=dict(slowdowns), layers=layers, device=device,
+        power_budget=budget, shorten=shorten,
+    )  # fmt: skip
+    return reshape(plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False)
 
 
 def plan_fail_stop(

@@ -14,8 +14,10 @@ takes layers it did not hold receives their parameters and its optimizer shard o
 (:func:`receive_bytes`). The cheapest candidate is the plan. The state of an emptied
 stage survives in the host snapshots that :func:`~elaswave.engine.plan.
 snapshot_placement` keeps in other stages. The runtime applies the plans that keep the
-number of stages (:func:`elaswave.engine.replan.replan`); the simulator also prices
-shorter and longer pipelines.
+number of stages, and shorter ones when fewer ranks than stages are left
+(:func:`elaswave.engine.replan.replan`); the simulator also prices longer pipelines
+(joiners restoring stages a pipeline lost) and, in steady state, shorter ones that run
+faster.
 """
 
 from __future__ import annotations

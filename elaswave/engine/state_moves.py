@@ -16,7 +16,10 @@ from elaswave.fabric.remap import LayerShards, RemapPlan, plan_reshard
 
 
 def changed_stages(old: Plan, new: Plan) -> set[int]:
-    """Stages whose members or layers differ between the plans."""
+    """Stages whose members or layers differ between the plans (all of them when the
+    pipeline changes its number of stages)."""
+    if old.pp != new.pp:
+        return set(range(max(old.pp, new.pp)))
     return {
         a.stage
         for a, b in zip(old.stages, new.stages, strict=True)

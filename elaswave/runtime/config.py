@@ -245,6 +245,12 @@ class TrainConfig:
             )
 
     @property
+    def shortens(self) -> bool:
+        """Whether fewer ranks than stages continue on a shorter pipeline (no wait asked
+        for) rather than waiting for joiners."""
+        return self.wait_for_nodes_s == 0
+
+    @property
     def first_step(self) -> int:
         return 0 if self.resume_step is None else self.resume_step + 1
 

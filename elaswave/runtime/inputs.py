@@ -38,6 +38,7 @@ def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
         layers=cfg.layer_costs,
         device=cfg.cost_device,
         power_budget=cfg.power_budget,
+        shorten=cfg.train.shortens,
     )
 
 
@@ -58,6 +59,7 @@ def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing
         slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
         layers=cfg.layer_costs,
         device=cfg.cost_device,
+        shorten=cfg.train.shortens,
         power_budget=cfg.power_budget,
     )
 

@@ -189,9 +189,8 @@ def test_two_workers_of_different_stages_killed_at_once(runs_dir, reference):
             "optimizer state lost: shard 0 of ranks [0, 1, 2, 3] (owner 0, snapshot holder 1)",
         ),
         (
-            ["--dp", "1", "--pp", "2", "--fault", "kill:1@2:backward"],
-            "stage 1 (layers 3-5) lost all its ranks [1], and 1 ranks are left for a pipeline "
-            "of 2 stages",
+            ["--dp", "1", "--pp", "2", "--no-snapshots", "--fault", "kill:1@2:backward"],
+            "stage 1 (layers 3-5) lost all its ranks [1]",
         ),
     ],
 )

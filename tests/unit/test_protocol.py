@@ -62,6 +62,13 @@ LENGTHS: list[int] = []
 LAYOUTS = [(2, 1), (2, 2), (3, 2), (1, 2), (4, 1)]
 
 
+def _waiting(rules: Rules, wait: float) -> Rules:
+    """``rules`` of a job run with ``--wait-for-nodes wait``: it waits for joiners when
+    fewer ranks than stages are left, instead of shortening the pipeline."""
+    reb = dataclasses.replace(rules.rebalancing, shorten=wait == 0)
+    return dataclasses.replace(rules, wait_for_nodes_s=wait, rebalancing=reb)
+
+
 @cache
 def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
     cfg = JobConfig(train=TrainConfig(dp=dp, pp=pp, global_batch=4 * dp, micro_batch=1, steps=40))
@@ -72,7 +79,7 @@ class World(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]))
     def start(self, layout: tuple[int, int], wait: float) -> None:
         cfg, rules = _job(*layout)
-        self.rules = dataclasses.replace(rules, wait_for_nodes_s=wait)
+        self.rules = _waiting(rules, wait)
         self.state = ch.initial_state(cfg.plan())
         self.now = 1000.0
         self.procs = set(self.state.alive)
@@ -342,9 +349,9 @@ def test_a_broken_commit_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setitem(protocol._HANDLERS, ch.Acked, broken)
     LENGTHS.clear()
-    World.TestCase.settings = settings(World.TestCase.settings, database=None)
+    CalmWorld.TestCase.settings = settings(CalmWorld.TestCase.settings, database=None)
     with pytest.raises(AssertionError, match="committed without the acknowledgements"):
-        World.TestCase("runTest").runTest()
+        CalmWorld.TestCase("runTest").runTest()
     print(f"broken commit rule caught; the shrunk sequence has {LENGTHS[-1]} events")
 
 
@@ -501,7 +508,7 @@ def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
     from elaswave.bus.schema import WaitingForNodes
 
     cfg, rules = _job(1, 2)
-    rules = dataclasses.replace(rules, wait_for_nodes_s=30.0, join_steps=(20,))
+    rules = dataclasses.replace(_waiting(rules, 30.0), join_steps=(20,))
     state = ch.initial_state(cfg.plan())
     report = ch.Report(committed_step=3, params_step=3)
     state, out = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
@@ -517,14 +524,17 @@ def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
     assert state.change is not None and state.change.record["waited_s"] == pytest.approx(4.9)
 
 
-def test_without_a_wait_the_stop_names_the_flag() -> None:
+def test_without_a_wait_fewer_ranks_than_stages_run_on_a_shorter_pipeline() -> None:
+    """The job does not wait: dp 1 x pp 2 losing rank 1 is planned as one stage."""
     cfg, rules = _job(1, 2)
     state = ch.initial_state(cfg.plan())
     state, _ = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
     report = ch.Report(committed_step=3, params_step=3)
     state, out = protocol.step(rules, state, ch.Ready(0, 0, report), 1000.1)
-    (stop,) = [a for a in out if isinstance(a, ch.Stop)]
-    assert "--wait-for-nodes SECONDS" in stop.reason
+    (plan,) = _published(out, RecoveryPlan)
+    assert plan.failed == [1] and plan.migration == "blocking"
+    assert state.change is not None and state.change.plan is not None
+    assert [s.ranks for s in state.change.plan.stages] == [(0,)]
 
 
 @pytest.mark.parametrize("written", [True, False])
@@ -535,7 +545,7 @@ def test_a_wait_that_runs_out_asks_for_a_checkpoint_then_stops(written: bool) ->
     from elaswave.bus.schema import CheckpointRequest
 
     cfg, rules = _job(1, 2)
-    rules = dataclasses.replace(rules, wait_for_nodes_s=5.0)
+    rules = _waiting(rules, 5.0)
     state = ch.initial_state(cfg.plan())
     report = ch.Report(committed_step=3, params_step=3)
     state, _ = protocol.step(rules, state, ch.Exited(1, -9), 1000.0)
@@ -561,7 +571,7 @@ def test_a_member_lost_while_waiting_is_planned_without_and_its_lost_state_stops
     """dp 1 x pp 3 loses rank 2 and waits; then rank 1, which held rank 2's snapshot, is
     lost too: the state of stage 2 is gone, and the job stops naming it."""
     cfg, rules = _job(1, 3)
-    rules = dataclasses.replace(rules, wait_for_nodes_s=30.0)
+    rules = _waiting(rules, 30.0)
     state = ch.initial_state(cfg.plan())
     report = ch.Report(committed_step=3, params_step=3)
     state, _ = protocol.step(rules, state, ch.Exited(2, -9), 1000.0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -141,10 +142,22 @@ def test_without_snapshots_a_stage_lost_whole_is_lost():
                        rebalancing=_rebalancing())  # fmt: skip
 
 
-def test_fewer_ranks_than_stages_is_unrecoverable_and_says_why():
+def test_fewer_ranks_than_stages_wait_or_shorten_the_pipeline():
+    """Without ``shorten`` (a job that waits for joiners) fewer ranks than stages raise
+    TooFewRanks, saying how many are missing; with it the survivors run every layer on
+    fewer stages (the new stages' layers partition the model, every survivor in)."""
+    from elaswave.fabric.errors import TooFewRanks
+
     plan = initial_plan(num_layers=6, dp=1, pp=3, global_batch=4, micro_batch=1)
-    with pytest.raises(Unrecoverable, match="2 ranks are left for a pipeline of 3 stages"):
+    with pytest.raises(TooFewRanks, match="2 ranks are left for a pipeline of 3 stages") as e:
         replan(plan, [1], _rebalancing())
+    assert e.value.needed == 1
+    for failed in ([0], [1], [2], [0, 2]):
+        new, why = replan(plan, failed, dataclasses.replace(_rebalancing(), shorten=True))
+        assert new.pp < 3 and "the pipeline becomes" in why
+        assert sorted(new.ranks) == sorted(set(plan.ranks) - set(failed))
+        assert [i for s in new.stages for i in s.layers] == list(range(6))
+        assert new.generation == plan.generation + 1
 
 
 @pytest.mark.parametrize(("dp", "pp"), [(2, 2), (3, 2), (2, 3)])

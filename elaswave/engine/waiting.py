@@ -2,8 +2,11 @@
 every stage but no state is lost, the stopped members keep their state in memory and
 the change waits for joiners (:class:`~elaswave.engine.change.Phase` ``WAITING``), up to
 ``Rules.wait_for_nodes_s``; joiners arriving meanwhile are planned with the survivors
-(:func:`elaswave.engine.phases.plan_next`), and a wait that runs out stops the job
-naming how to resume. Transitions :mod:`elaswave.engine.phases` composes."""
+(:func:`elaswave.engine.phases.plan_next`), and a wait that runs out asks the members
+to write a checkpoint of the step they roll back to from what they hold in memory
+(``CHECKPOINTING``), then stops the job naming how to resume. A job that does not wait
+re-pipelines onto fewer stages instead (:func:`elaswave.engine.replan.replan`).
+Transitions :mod:`elaswave.engine.phases` composes."""
 
 from __future__ import annotations
 

@@ -272,7 +272,7 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
         "--fault",
         "hang:3@3:backward",
     )
-    check_recovered(run, reference(2, 2), world=4, failed=[[3]], fenced=True, max_detect_s=2.5)
+    check_recovered(run, reference(2, 2), world=4, failed=[[3]], fenced=True)
     detect = run.summary["recoveries"][0]["phases"]["detect"]
     # Silence counts from the last heartbeat, up to one interval (0.2 s) before the hang.
     assert 0.75 <= detect < 2.5, f"a hang is seen at the heartbeat timeout, got {detect:.2f} s"
@@ -288,7 +288,7 @@ def test_a_worker_hung_before_its_first_heartbeat_is_fenced(runs_dir, reference)
     config.write_text("[train]\nheartbeat_timeout_s = 1.0\n")
     run = train(runs_dir / "hang_early", "--dp", "2", "--pp", "2", *JOB,
                 "--config", str(config), "--fault", "hang:3@0:forward")  # fmt: skip
-    check_recovered(run, reference(2, 2), world=4, failed=[[3]], fenced=True, max_detect_s=2.5)
+    check_recovered(run, reference(2, 2), world=4, failed=[[3]], fenced=True)
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
 
 

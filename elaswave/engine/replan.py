@@ -23,14 +23,12 @@ and a reason; or it raises Unrecoverable naming the state that is gone.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.engine.recovery import Rebalancing, next_plan
-from elaswave.engine.reshape import Reshaped, reshape
+from elaswave.engine.reshape import reshape
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
@@ -72,35 +70,10 @@ def replan(
             "pipeline)",
             needed=plan.pp - left,
         )
-    shaped = _reshaped(
-        plan,
-        frozenset(failed),
-        tuple(joined),
-        (
-            rebalancing.policy,
-            tuple(sorted(rebalancing.slowdowns.items())),
-            tuple(rebalancing.layers),
-            rebalancing.device,
-            rebalancing.power_budget,
-            rebalancing.shorten,
-        ),
+    shaped = reshape(
+        plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
     )
     return shaped.plan, f"{lost}; {shaped.reason}"
-
-
-@functools.lru_cache(maxsize=256)
-def _reshaped(
-    plan: Plan, failed: frozenset[int], joined: tuple[int, ...], key: tuple[Any, ...]
-) -> Reshaped:
-    """:func:`reshape` keeping the pipeline's stages, or shorter ones, memoized: a
-    job's processes, replay and the model check ask it the same questions again, and
-    pricing shorter pipelines partitions and rebalances each candidate."""
-    policy, slowdowns, layers, device, budget, shorten = key
-    rebalancing = Rebalancing(
-        policy=policy, slowdowns=dict(slowdowns), layers=layers, device=device,
-        power_budget=budget, shorten=shorten,
-    )  # fmt: skip
-    return reshape(plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False)
 
 
 def plan_fail_stop(

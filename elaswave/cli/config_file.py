@@ -67,6 +67,26 @@ def load_toml(path: Path) -> dict[str, dict[str, Any]]:
     return raw
 
 
+def _hf_base(values: dict[str, Any]) -> ModelConfig:
+    """A Hugging Face model's shape from its config.json; of the shape keys only
+    ``seq_len`` may be given (the rest are the model's)."""
+    source = values.pop("source")
+    if not isinstance(source, str):
+        raise ValueError(f"[model] source = {source!r}: expected a string such as hf:DIR")
+    own = [k for k in values if k != "seq_len"]
+    if own:
+        raise ValueError(
+            f"[model] {', '.join(own)}: a Hugging Face model ({source}) takes its shape from "
+            "its config.json; only seq_len may be set"
+        )
+    seq_len = values.get("seq_len", ModelConfig().seq_len)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"[model] seq_len = {seq_len!r}: must be a positive integer")
+    from elaswave.model.hf import hf_shape  # imports transformers: only when asked for
+
+    return hf_shape(source, seq_len=seq_len)
+
+
 def build_job(
     file_values: dict[str, dict[str, Any]] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
@@ -77,7 +97,13 @@ def build_job(
         for section, values in source.items():
             merged[section].update({k: v for k, v in values.items() if v is not None})
     model_values = dict(merged["model"])
-    base = preset(str(model_values.pop("preset"))) if "preset" in model_values else ModelConfig()
+    name = str(model_values.pop("preset")) if "preset" in model_values else None
+    if name is not None and name.startswith("hf:"):  # --model hf:DIR
+        model_values.setdefault("source", name)
+        name = None
+    base = preset(name) if name is not None else ModelConfig()
+    if model_values.get("source"):
+        base = _hf_base(model_values)
     parts: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values = model_values if section == "model" else merged[section]

@@ -57,7 +57,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, help="samples per micro-batch per replica")
     p.add_argument("--seed", type=int, help="seed of initialisation and dropout")
     p.add_argument("--device", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--model", help="model preset (tiny; llama2-* are for the simulator)")
+    p.add_argument(
+        "--model",
+        help="model preset (tiny; llama2-* are for the simulator) or hf:DIR, a Hugging Face "
+        "Llama, Mistral or Qwen2 directory (config.json, optional *.safetensors)",
+    )
     p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
     p.add_argument("--comm-timeout", type=float, help="seconds any collective may wait")

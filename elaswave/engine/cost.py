@@ -243,7 +243,7 @@ def layer_costs(
         LayerCost(
             index=index,
             kind=LayerKind.BLOCK,
-            params=2 * h + matmul // tp,
+            params=2 * h + (matmul + ((h + 2 * kv) if model.qkv_bias else 0)) // tp,
             fwd_flops_per_sample=block_fwd,
             bwd_flops_per_sample=2.0 * block_fwd,
             activation_bytes_per_sample=block_act,

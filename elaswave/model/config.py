@@ -34,6 +34,13 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
+    qkv_bias: bool = False
+    """The query, key and value projections have biases (Qwen2)."""
+    source: str = ""
+    """Where the layers come from: "" for ElasWave's built-in decoder, or
+    ``hf:DIR`` for a Hugging Face causal LM (Llama, Mistral, Qwen2) described by
+    DIR/config.json, with its weights from DIR's safetensors files when there are any
+    (:mod:`elaswave.model.hf`); the shape fields above then mirror that config."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +71,11 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout = {self.dropout!r}: must be in [0, 1)")
+        if self.source and not (self.source.startswith("hf:") and len(self.source) > 3):
+            raise ValueError(
+                f"model.source = {self.source!r}: must be empty (the built-in model) or "
+                "hf:DIR (a Hugging Face model directory)"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -132,5 +144,5 @@ def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the whole model, computed from shapes (no allocation)."""
     h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     kv = cfg.num_kv_heads * cfg.head_dim
-    block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f
+    block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f + ((h + 2 * kv) if cfg.qkv_bias else 0)
     return v * h + cfg.num_blocks * block + h + h * v

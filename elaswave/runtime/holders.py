@@ -15,7 +15,7 @@ import torch
 from elaswave.engine.plan import Plan
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.zero import ShardState
-from elaswave.model.llama import build_layer, layer_decay_flags
+from elaswave.model.protocol import pipeline_model
 from elaswave.runtime.config import JobConfig
 
 
@@ -34,7 +34,7 @@ def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
         torch.cat(
             [
                 torch.full((numel,), 1.0 if decays else 0.0)
-                for numel, decays in layer_decay_flags(cfg.model, item.layer)
+                for numel, decays in pipeline_model(cfg.model).decay_flags(item.layer)
             ]
         )
         for item in layout.layers
@@ -51,7 +51,9 @@ def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int) -> ShardState:
             torch.cat(
                 [
                     p.detach().float().reshape(-1)
-                    for p in build_layer(cfg.model, item.layer, seed=cfg.train.seed).parameters()
+                    for p in pipeline_model(cfg.model)
+                    .build_layer(item.layer, seed=cfg.train.seed)
+                    .parameters()
                 ]
             )
             for item in layout.layers

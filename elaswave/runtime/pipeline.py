@@ -27,7 +27,8 @@ from elaswave.engine.schedule import Op, one_f_one_b
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
-from elaswave.model.llama import StepContext, layer_index, per_sample_loss
+from elaswave.model.llama import StepContext, layer_index
+from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.emulation import DelayedSend, Pacer
 from elaswave.runtime.faults import Phase
@@ -230,7 +231,7 @@ class StageRunner:
             self.fault_hook(Phase.FORWARD, step)
         if self.is_last:
             _, targets = self.loader.batch(ids)
-            per_sample = per_sample_loss(x, targets.to(self.device))
+            per_sample = pipeline_model(self.model).per_sample_loss(x, targets.to(self.device))
             loss_sum += per_sample.detach().double().sum().cpu()
             out = per_sample.sum() / self.plan.global_batch
         else:

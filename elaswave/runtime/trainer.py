@@ -47,7 +47,8 @@ from elaswave.fabric.remap import (
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
 from elaswave.fabric.zero import ShardState, ZeroAdamW
-from elaswave.model.llama import build_layer, layer_index
+from elaswave.model.llama import layer_index
+from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.rundir import step_dir
 from elaswave.runtime.config import JobConfig
@@ -310,7 +311,7 @@ def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> 
     return nn.ModuleList(
         have[i]
         if i in have
-        else build_layer(ctx.cfg.model, i, seed=ctx.cfg.train.seed).to(ctx.device)
+        else pipeline_model(ctx.cfg.model).build_layer(i, seed=ctx.cfg.train.seed).to(ctx.device)
         for i in layer_ids
     )
 

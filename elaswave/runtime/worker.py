@@ -45,7 +45,8 @@ from elaswave.engine.cost import layer_costs
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.snapshot import state_digest
-from elaswave.model.llama import build_layer, layer_index
+from elaswave.model.llama import layer_index
+from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.runtime import executor
 from elaswave.runtime.agent import Agent
@@ -133,9 +134,8 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
     initial = (
         plan.stages[plan.locate(rank)[0]].layers if rank in plan.ranks else range(0)
     )  # a joining rank gets its layers with its plan
-    layers = nn.ModuleList(build_layer(cfg.model, i, seed=cfg.train.seed) for i in initial).to(
-        device
-    )
+    model = pipeline_model(cfg.model)
+    layers = nn.ModuleList(model.build_layer(i, seed=cfg.train.seed) for i in initial).to(device)
     source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     faults = validate_faults(
         cfg.train.faults,

@@ -1,0 +1,72 @@
+"""Hugging Face models trained by ElasWave: layouts against one process, and a SIGKILL
+mid-backward recovered in-process (real processes, the real CLI)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from elaswave.runtime.compare import compare_runs
+from tests.fault.recovery import JOB, check_recovered
+from tests.runs import Run, train
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             tie_word_embeddings=False)  # fmt: skip
+CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(runs_dir):
+    """Tiny model directories (config.json only: seeded initialisation) and fault-free
+    runs of them, trained once per layout."""
+    cache: dict[tuple[str, int, int], Run] = {}
+
+    def model(family: str) -> str:
+        directory = runs_dir / f"hf_{family}"
+        if not (directory / "config.json").exists():
+            CONFIGS[family](**SHAPE).save_pretrained(directory)
+        return f"hf:{directory}"
+
+    def run(family: str, dp: int, pp: int) -> Run:
+        if (family, dp, pp) not in cache:
+            cache[(family, dp, pp)] = train(
+                runs_dir / f"hf_{family}_{dp}x{pp}",
+                "--model", model(family), "--dp", str(dp), "--pp", str(pp), *JOB,
+            )  # fmt: skip
+        return cache[(family, dp, pp)]
+
+    run.model = model  # type: ignore[attr-defined]
+    return run
+
+
+def _check_layout(hf_runs, family: str, dp: int, pp: int) -> None:
+    one = hf_runs(family, 1, 1)
+    run = hf_runs(family, dp, pp)
+    diff = compare_runs(run.out, one.out)
+    assert diff.loss_rel <= 1e-5, f"losses differ from dp1 x pp1 by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-5, f"parameters differ from dp1 x pp1 by {diff.param_rel:.2e}"
+    assert run.summary["steps_completed"] == one.summary["steps_completed"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_hugging_face_model_trains_the_same_under_dp2_x_pp2_as_in_one_process(hf_runs, family):
+    _check_layout(hf_runs, family, 2, 2)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_hugging_face_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs, family):
+    _check_layout(hf_runs, family, 4, 2)
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs):
+    """Rank 1 (stage 0) is SIGKILLed in the backward of step 3; the survivors finish
+    every step in-process, match the fault-free run, and replay reproduces the plan."""
+    ref = hf_runs("llama", 2, 2)
+    run = train(runs_dir / "hf_llama_kill", "--model", hf_runs.model("llama"), "--dp", "2",
+                "--pp", "2", *JOB, "--fault", "kill:1@3:backward")  # fmt: skip
+    check_recovered(run, ref, world=4, failed=[[1]])

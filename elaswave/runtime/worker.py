@@ -8,11 +8,7 @@ thread beside it, so publishing an event never blocks a step.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
 import os
-import socket
-import time
 import traceback
 from functools import partial
 from pathlib import Path
@@ -22,33 +18,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elaswave import logs, rundir
+from elaswave import logs
 from elaswave.bus.schema import (
     Event,
     EventKind,
     FailureDetected,
-    MigrationDone,
     PauseRequest,
-    StepCompleted,
-    StepTiming,
     Topic,
     WorkerFinished,
-    WorkerStarted,
 )
-from elaswave.comm.abort import AbortSignal, StepAborted
+from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import Device, backend_for, parse_device
-from elaswave.comm.group import CommError
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.engine.cost import layer_costs
-from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.remap import FP32_BYTES
-from elaswave.fabric.snapshot import state_digest
-from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
-from elaswave.runtime import executor
 from elaswave.runtime.agent import Agent
 from elaswave.runtime.child import die_with_parent, exit_now
 from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
@@ -58,10 +45,8 @@ from elaswave.runtime.faults import FaultInjector, validate_faults
 from elaswave.runtime.frequency import EmulatedFrequency
 from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.session import Session
-from elaswave.runtime.trainer import (
-    WorkerContext,
-    initial_trainer,
-)
+from elaswave.runtime.steploop import StepLoop, run_to_the_end
+from elaswave.runtime.trainer import WorkerContext
 
 log = structlog.get_logger(__name__)
 
@@ -113,7 +98,9 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     session.start()
     agent.start()
     try:
-        _train(run_dir, rank, spec, session, abort, inbox, agent, pauses, watch, join=join)
+        ctx = _context(run_dir, rank, spec, abort)
+        loop = StepLoop(ctx, session, abort, inbox, agent, pauses, watch, join=join)
+        run_to_the_end(loop)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -181,180 +168,6 @@ def _registered_pid(store: dist.Store, rank: int) -> int | None:
     that does not exist must not hold a kill-node for the store's timeout."""
     key = f"pid/{rank}"
     return int(store.get(key)) if store.check([key]) else None
-
-
-class _PausedAtBoundary(Exception):
-    """The training loop reached the step boundary a PauseRequest asked for."""
-
-
-def _train(
-    run_dir: Path,
-    rank: int,
-    spec: JobSpec,
-    session: Session,
-    abort: AbortSignal,
-    inbox: Mailbox,
-    agent: Agent,
-    pauses: PauseBox,
-    watch: CoreWatch,
-    *,
-    join: bool = False,
-) -> None:
-    cfg = spec.config
-    sender = f"rank{rank}"
-    ctx = _context(run_dir, rank, spec, abort)
-    watch.store = ctx.store
-    if join:
-        session.publish(
-            WorkerStarted(
-                sender=sender,
-                rank=rank,
-                stage=-1,
-                replica=-1,
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                joining=True,
-            )
-        )
-        trainer = executor.join(ctx, session, inbox)
-    else:
-        trainer = initial_trainer(ctx)
-        stage, replica = trainer.plan.locate(rank)
-        session.publish(
-            WorkerStarted(
-                sender=sender,
-                rank=rank,
-                stage=stage,
-                replica=replica,
-                pid=os.getpid(),
-                host=socket.gethostname(),
-            )
-        )
-    step_times: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    traces: list[dict] = []
-    optimizer_digests: dict[int, str] = {}
-    writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
-    writes: list[concurrent.futures.Future] = []
-    step = trainer.committed_step + 1 if join else cfg.train.first_step
-    first_step = step
-    cpu_started = time.process_time()
-    while step < cfg.train.steps:
-        agent.step = step  # before looking for a pause: see on_recovery_event
-        ctx.pacer.slowdown = ctx.faults.slowdown(step)
-        if hasattr(ctx.rng, "begin_step"):
-            ctx.rng.begin_step(step)
-        pause = pauses.pending(trainer.plan.generation)
-        try:
-            if pause is not None and step > pause.after_step:
-                raise _PausedAtBoundary
-            if watch.pause_before(step):  # the Core is away: wait for it, state kept
-                watch.wait(step, abort.is_set)
-                abort.check()  # the returned Core announced a failure meanwhile
-            result = trainer.runner.run_step(step)
-        except (StepAborted, CommError, _PausedAtBoundary) as exc:
-            cause = None if isinstance(exc, _PausedAtBoundary) else exc
-            trainer = executor.recover(ctx, trainer, session, inbox, cause, pauses)
-            step = trainer.committed_step + 1
-            if hasattr(ctx.rng, "rewind"):
-                ctx.rng.rewind(step)
-            for record in (step_times, losses, optimizer_digests):
-                for later in [s for s in record if s >= step]:
-                    del record[later]
-            continue
-        step_times[step] = result.seconds
-        if (shadow := result.migration) is not None:
-            session.publish(
-                MigrationDone(
-                    sender=sender,
-                    generation=trainer.plan.generation,
-                    rank=rank,
-                    step=step,
-                    early=shadow.transition.early,
-                    bytes_streamed=shadow.bytes_streamed,
-                    waited_s=shadow.waited_s,
-                )
-            )
-        clock = ctx.pacer.clock
-        session.publish(
-            StepTiming(
-                sender=sender,
-                generation=trainer.plan.generation,
-                rank=rank,
-                step=step,
-                compute_s=clock.compute_s,
-                expected_s=clock.expected_s,
-                micro_batches=clock.micro_batches,
-                overruns=clock.overruns,
-            )
-        )
-        every = cfg.train.checkpoint_every
-        if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
-            _, replica = trainer.plan.locate(rank)
-            pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
-            writes.append(writer.submit(write_pieces, run_dir, step, rank, pieces))
-        if step < cfg.train.trace_steps and trainer.plan.generation == 0:
-            traces.append({"step": step, "actions": result.trace})
-        if cfg.train.verify_snapshots:
-            optimizer_digests[step] = state_digest(trainer.optimizer.state)
-        if result.loss_sum is not None:
-            losses[step] = result.loss_sum / trainer.plan.global_batch
-            if trainer.plan.stages[-1].ranks[0] == rank:
-                session.publish(
-                    StepCompleted(
-                        sender=sender,
-                        rank=rank,
-                        step=step,
-                        loss=losses[step],
-                        step_time_s=result.seconds,
-                        samples=trainer.plan.global_batch,
-                    )
-                )
-        step += 1
-
-    cpu_s = time.process_time() - cpu_started  # every thread: training, snapshots, bus
-    writer.shutdown(wait=True)
-    for write in writes:
-        write.result()  # surface a failed checkpoint write
-    if trainer.optimizer.snapshot is not None:
-        trainer.optimizer.snapshot.flush(cfg.train.comm_timeout_s)
-    for keeper in trainer.keepers:
-        keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
-        keeper.close()
-    stage, replica = trainer.plan.locate(rank)
-    if replica == 0:
-        path = rundir.stage_params(run_dir, stage)
-        path.parent.mkdir(exist_ok=True)
-        torch.save(
-            {
-                layer_index(layer): {n: p.detach().cpu() for n, p in layer.named_parameters()}
-                for layer in trainer.layers
-            },
-            path,
-        )
-    result_doc = {
-        "rank": rank,
-        "stage": stage,
-        "replica": replica,
-        "step_time_s": [step_times[s] for s in sorted(step_times)],
-        "loss": [losses[s] for s in sorted(losses)] if losses else None,
-        "loss_steps": sorted(losses),
-        "traces": traces,
-        "optimizer_shard_numel": trainer.optimizer.state.numel(),
-        "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),
-        "optimizer_digests": [optimizer_digests[s] for s in sorted(optimizer_digests)],
-        "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
-        "generation": trainer.plan.generation,
-        "first_step": first_step,
-        "bus": session.client.delivery(),
-        "cpu_s": cpu_s,
-        "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
-        + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
-    }
-    path = rundir.worker_result(run_dir, rank)
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(result_doc))
-    session.publish(WorkerFinished(sender=sender, rank=rank, ok=True))
 
 
 def main(argv: list[str] | None = None) -> int:

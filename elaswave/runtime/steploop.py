@@ -1,0 +1,272 @@
+"""A worker's step loop: one training step at a time, a recovery inside the step.
+
+:meth:`StepLoop.train_step` runs the next step of the job; when the step is aborted
+(a failure announced, a peer gone, a pause asked for) the recovery executor applies the
+Core's plan in this process and the loop goes on from the committed step, so a call
+returns only once a step has completed (the step after a recovery may be an earlier
+one: a roll-back redoes steps). :meth:`StepLoop.finish` waits for snapshots and
+checkpoints and writes the worker's results. The built-in loop (``elaswave train``)
+and a user's script (``elaswave run``, through :mod:`elaswave.job`) drive the same
+object.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from elaswave import rundir
+from elaswave.bus.schema import (
+    MigrationDone,
+    StepCompleted,
+    StepTiming,
+    WorkerFinished,
+    WorkerStarted,
+)
+from elaswave.comm.abort import AbortSignal, StepAborted
+from elaswave.comm.group import CommError
+from elaswave.fabric.checkpoint import shard_pieces, write_pieces
+from elaswave.fabric.snapshot import state_digest
+from elaswave.model.llama import layer_index
+from elaswave.runtime import executor
+from elaswave.runtime.agent import Agent
+from elaswave.runtime.executor import Mailbox, PauseBox
+from elaswave.runtime.outage import CoreWatch
+from elaswave.runtime.pipeline import StepResult
+from elaswave.runtime.session import Session
+from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer
+
+
+class _PausedAtBoundary(Exception):
+    """The training loop reached the step boundary a PauseRequest asked for."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One completed step, as this rank saw it."""
+
+    step: int
+    loss: float | None
+    """The global batch's mean loss (on the last stage's ranks; None elsewhere)."""
+    seconds: float
+    generation: int
+    """The plan generation the step ran under."""
+    recovered: bool
+    """A recovery happened in this call before the step completed."""
+
+
+StepHook = Callable[[StepOutcome], None]
+
+
+class StepLoop:
+    """Rank ``ctx.rank``'s training steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        session: Session,
+        abort: AbortSignal,
+        inbox: Mailbox,
+        agent: Agent,
+        pauses: PauseBox,
+        watch: CoreWatch,
+        *,
+        join: bool = False,
+    ) -> None:
+        self.ctx, self.session, self.abort, self.inbox = ctx, session, abort, inbox
+        self.agent, self.pauses, self.watch = agent, pauses, watch
+        self.cfg = ctx.cfg
+        self.rank = ctx.rank
+        self.sender = f"rank{ctx.rank}"
+        self.hooks: list[StepHook] = []
+        watch.store = ctx.store
+        self.trainer: Trainer
+        if join:
+            self._started(-1, -1, joining=True)
+            self.trainer = executor.join(ctx, session, inbox)
+        else:
+            self.trainer = initial_trainer(ctx)
+            self._started(*self.trainer.plan.locate(ctx.rank))
+        self.step_times: dict[int, float] = {}
+        self.losses: dict[int, float] = {}
+        self.traces: list[dict] = []
+        self.optimizer_digests: dict[int, str] = {}
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ckpt"
+        )
+        self._writes: list[concurrent.futures.Future] = []
+        self.step = self.trainer.committed_step + 1 if join else self.cfg.train.first_step
+        self.first_step = self.step
+        self._cpu_started = time.process_time()
+        self.finished = False
+
+    def _started(self, stage: int, replica: int, *, joining: bool = False) -> None:
+        self.session.publish(
+            WorkerStarted(
+                sender=self.sender, rank=self.rank, stage=stage, replica=replica,
+                pid=os.getpid(), host=socket.gethostname(), joining=joining,
+            )
+        )  # fmt: skip
+
+    @property
+    def done(self) -> bool:
+        """Every step of the job has completed on this rank."""
+        return self.step >= self.cfg.train.steps
+
+    @property
+    def place(self) -> tuple[int, int]:
+        """(stage, replica) of this rank under the current plan."""
+        return self.trainer.plan.locate(self.rank)
+
+    def train_step(self) -> StepOutcome:
+        """Run the next step; recover inside it if it is aborted. Raises RuntimeError
+        when the job's steps are all done."""
+        if self.done:
+            raise RuntimeError(f"all {self.cfg.train.steps} steps of the job are done")
+        ctx, trainer = self.ctx, self.trainer
+        recovered = False
+        while True:
+            step = self.step
+            self.agent.step = step  # before looking for a pause: see on_recovery_event
+            ctx.pacer.slowdown = ctx.faults.slowdown(step)
+            if hasattr(ctx.rng, "begin_step"):
+                ctx.rng.begin_step(step)
+            pause = self.pauses.pending(trainer.plan.generation)
+            try:
+                if pause is not None and step > pause.after_step:
+                    raise _PausedAtBoundary
+                if self.watch.pause_before(step):  # the Core is away: wait, state kept
+                    self.watch.wait(step, self.abort.is_set)
+                    self.abort.check()  # the returned Core announced a failure meanwhile
+                result = trainer.runner.run_step(step)
+            except (StepAborted, CommError, _PausedAtBoundary) as exc:
+                cause = None if isinstance(exc, _PausedAtBoundary) else exc
+                trainer = self.trainer = executor.recover(
+                    ctx, trainer, self.session, self.inbox, cause, self.pauses
+                )
+                self.step = trainer.committed_step + 1
+                if hasattr(ctx.rng, "rewind"):
+                    ctx.rng.rewind(self.step)
+                for record in (self.step_times, self.losses, self.optimizer_digests):
+                    for later in [s for s in record if s >= self.step]:
+                        del record[later]
+                recovered = True
+                if self.done:  # the last step turned out committed: nothing to redo
+                    last = self.step - 1
+                    generation = trainer.plan.generation
+                    return StepOutcome(last, self.losses.get(last), 0.0, generation, True)
+                continue
+            break
+        outcome = self._completed(step, result, recovered)
+        self.step = step + 1
+        for hook in self.hooks:
+            hook(outcome)
+        return outcome
+
+    def _completed(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
+        cfg, trainer = self.cfg, self.trainer
+        self.step_times[step] = result.seconds
+        if (shadow := result.migration) is not None:
+            self.session.publish(
+                MigrationDone(
+                    sender=self.sender, generation=trainer.plan.generation, rank=self.rank,
+                    step=step, early=shadow.transition.early,
+                    bytes_streamed=shadow.bytes_streamed, waited_s=shadow.waited_s,
+                )
+            )  # fmt: skip
+        clock = self.ctx.pacer.clock
+        self.session.publish(
+            StepTiming(
+                sender=self.sender, generation=trainer.plan.generation, rank=self.rank,
+                step=step, compute_s=clock.compute_s, expected_s=clock.expected_s,
+                micro_batches=clock.micro_batches, overruns=clock.overruns,
+            )
+        )  # fmt: skip
+        every = cfg.train.checkpoint_every
+        if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
+            _, replica = trainer.plan.locate(self.rank)
+            pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
+            self._writes.append(
+                self._writer.submit(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
+            )
+        if step < cfg.train.trace_steps and trainer.plan.generation == 0:
+            self.traces.append({"step": step, "actions": result.trace})
+        if cfg.train.verify_snapshots:
+            self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
+        loss = None
+        if result.loss_sum is not None:
+            loss = self.losses[step] = result.loss_sum / trainer.plan.global_batch
+            if trainer.plan.stages[-1].ranks[0] == self.rank:
+                self.session.publish(
+                    StepCompleted(
+                        sender=self.sender, rank=self.rank, step=step, loss=loss,
+                        step_time_s=result.seconds, samples=trainer.plan.global_batch,
+                    )
+                )  # fmt: skip
+        return StepOutcome(step, loss, result.seconds, trainer.plan.generation, recovered)
+
+    def finish(self) -> None:
+        """Wait for checkpoint writes, snapshots and kept snapshots; save this rank's
+        parameters (replica 0 of each stage) and results; announce the finish."""
+        if self.finished:
+            return
+        self.finished = True
+        cfg, trainer, run_dir = self.cfg, self.trainer, self.ctx.run_dir
+        cpu_s = time.process_time() - self._cpu_started  # every thread: training, bus
+        self._writer.shutdown(wait=True)
+        for write in self._writes:
+            write.result()  # surface a failed checkpoint write
+        if trainer.optimizer.snapshot is not None:
+            trainer.optimizer.snapshot.flush(cfg.train.comm_timeout_s)
+        for keeper in trainer.keepers:
+            keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
+            keeper.close()
+        stage, replica = trainer.plan.locate(self.rank)
+        if replica == 0:
+            path = rundir.stage_params(run_dir, stage)
+            path.parent.mkdir(exist_ok=True)
+            torch.save(
+                {
+                    layer_index(layer): {n: p.detach().cpu() for n, p in layer.named_parameters()}
+                    for layer in trainer.layers
+                },
+                path,
+            )
+        losses, times, digests = self.losses, self.step_times, self.optimizer_digests
+        result_doc = {
+            "rank": self.rank,
+            "stage": stage,
+            "replica": replica,
+            "step_time_s": [times[s] for s in sorted(times)],
+            "loss": [losses[s] for s in sorted(losses)] if losses else None,
+            "loss_steps": sorted(losses),
+            "traces": self.traces,
+            "optimizer_shard_numel": trainer.optimizer.state.numel(),
+            "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),
+            "optimizer_digests": [digests[s] for s in sorted(digests)],
+            "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
+            "generation": trainer.plan.generation,
+            "first_step": self.first_step,
+            "bus": self.session.client.delivery(),
+            "cpu_s": cpu_s,
+            "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
+            + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
+        }
+        path = rundir.worker_result(run_dir, self.rank)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(result_doc))
+        self.session.publish(WorkerFinished(sender=self.sender, rank=self.rank, ok=True))
+
+
+def run_to_the_end(loop: StepLoop) -> None:
+    """The built-in training loop: every step, then finish."""
+    while not loop.done:
+        loop.train_step()
+    loop.finish()

@@ -3,8 +3,9 @@
 Layers import downward only: bus -> comm -> fabric -> engine -> runtime -> cli.
 ``model`` and ``data`` are leaf packages any layer may use.
 
-The embedding API is :func:`connect` and :class:`Session`; events are in
-:mod:`elaswave.bus.schema`.
+Your script as a worker of an elastic job (``elaswave run``): :func:`job`
+(:mod:`elaswave.embedded`). Observing a job from another process: :func:`connect` and
+:class:`Session`. Events are in :mod:`elaswave.bus.schema`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from elaswave.api import connect
     from elaswave.bus.schema import EventKind
+    from elaswave.embedded import Job, job
     from elaswave.runtime.session import Session
 
 _LAZY = {
     "connect": "elaswave.api",
     "Session": "elaswave.runtime.session",
     "EventKind": "elaswave.bus.schema",
+    "job": "elaswave.embedded",
+    "Job": "elaswave.embedded",
 }
 
 
@@ -34,4 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'elaswave' has no attribute {name!r}")
 
 
-__all__ = ["EventKind", "Session", "__version__", "connect"]
+__all__ = ["EventKind", "Job", "Session", "__version__", "connect", "job"]

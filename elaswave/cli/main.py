@@ -48,6 +48,25 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="train with dp x pp local workers",
         description="Start the Core and dp x pp local workers and train.",
     )
+    _add_job_flags(p)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run your training script in every worker of an elastic job",
+        description="Start the Core and dp x pp local workers, each running SCRIPT with "
+        "ARGS (as torchrun does); inside, elaswave.job() gives the script its place and "
+        "step loop, and a recovery happens inside job.train_step(). Job flags come before "
+        "SCRIPT. The script's model (elaswave.job(model=...)) is read by running it once "
+        "up to that call, unless --model is given.",
+    )
+    _add_job_flags(p)
+    p.add_argument("script", type=Path, help="your training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML file with [model], [data], [optim], [train]")
     p.add_argument("--dp", type=int, help="data-parallel replicas per stage")
     p.add_argument("--pp", type=int, help="pipeline stages")
@@ -282,6 +301,7 @@ def _train(args: argparse.Namespace) -> int:
             "bus_keys": args.bus_keys,
             "bus_faults": args.bus_faults,
             "worker_prefix": args.worker_prefix,
+            "script": getattr(args, "script_argv", None),
         },
     }
     job = build_job(file_values, overrides)
@@ -311,6 +331,18 @@ def _train(args: argparse.Namespace) -> int:
         f"{summary['events']} events; summary: {out / SUMMARY}"
     )
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from elaswave.cli.script import describe
+
+    script = args.script.resolve()
+    if not script.is_file():
+        raise ValueError(f"script {str(args.script)!r} does not exist")
+    if args.model is None:
+        args.model = describe(script, args.script_args)
+    args.script_argv = (str(script), *args.script_args)
+    return _train(args)
 
 
 def _events(args: argparse.Namespace) -> int:
@@ -434,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_run(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
     ev.add_argument("--all", action="store_true", help="include the bus's delivery beacons")
@@ -473,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure()
     commands = {
         "train": _train,
+        "run": _run,
         "events": _events,
         "replay": _replay,
         "keys": _keys,

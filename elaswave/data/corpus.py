@@ -125,6 +125,11 @@ class SampleLoader:
         self._source = source
         self._seed = seed
 
+    def set_source(self, source: TokenSource) -> None:
+        """Read samples from ``source`` from now on (a user's dataset, before training)."""
+        self._source = source
+        self._permutation.cache_clear()
+
     @lru_cache(maxsize=4)  # noqa: B019 - a loader lives as long as its worker
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng((self._seed, epoch)).permutation(len(self._source))

@@ -119,6 +119,9 @@ class TrainConfig:
     """Faults every process injects into the bus messages it receives, for testing
     delivery: ``drop=P,dup=P,reorder=P,delay=SECONDS,seed=N`` (see
     :class:`~elaswave.bus.reliable.BusFaults`); empty: none."""
+    script: tuple[str, ...] = ()
+    """``elaswave run``: the user's script and its arguments, run in every worker in
+    place of the built-in loop (:mod:`elaswave.embedded`). Empty: ``elaswave train``."""
     worker_prefix: str = ""
     """Words run in front of every worker's command, ``{rank}`` replaced by its rank: a
     network namespace per host (``ip netns exec host{rank}``), a NUMA binding. Empty:
@@ -197,6 +200,7 @@ class TrainConfig:
         if self.rng not in RNG_KINDS:
             raise ValueError(f"rng = {self.rng!r}: valid values are {', '.join(RNG_KINDS)}")
         object.__setattr__(self, "faults", tuple(self.faults))
+        object.__setattr__(self, "script", tuple(self.script))
         validate_faults(
             self.faults,
             world_size=self.num_ranks,

@@ -6,7 +6,7 @@ Core's plan in this process and the loop goes on from the committed step, so a c
 returns only once a step has completed (the step after a recovery may be an earlier
 one: a roll-back redoes steps). :meth:`StepLoop.finish` waits for snapshots and
 checkpoints and writes the worker's results. The built-in loop (``elaswave train``)
-and a user's script (``elaswave run``, through :mod:`elaswave.job`) drive the same
+and a user's script (``elaswave run``, through :mod:`elaswave.embedded`) drive the same
 object.
 """
 

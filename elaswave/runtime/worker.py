@@ -100,7 +100,10 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     try:
         ctx = _context(run_dir, rank, spec, abort)
         loop = StepLoop(ctx, session, abort, inbox, agent, pauses, watch, join=join)
-        run_to_the_end(loop)
+        if spec.config.train.script:
+            _run_script(loop, spec.config.train.script)
+        else:
+            run_to_the_end(loop)
     except BaseException as exc:
         session.publish(
             WorkerFinished(
@@ -168,6 +171,29 @@ def _registered_pid(store: dist.Store, rank: int) -> int | None:
     that does not exist must not hold a kill-node for the store's timeout."""
     key = f"pid/{rank}"
     return int(store.get(key)) if store.check([key]) else None
+
+
+def _run_script(loop: StepLoop, script: tuple[str, ...]) -> None:
+    """Run the user's script (``elaswave run``) as this worker's training loop."""
+    import runpy
+    import sys
+
+    from elaswave import embedded
+
+    embedded.install(loop)
+    sys.argv = list(script)
+    sys.path.insert(0, str(Path(script[0]).resolve().parent))
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise RuntimeError(f"{script[0]} exited with status {exc.code}") from None
+    if not loop.done:
+        raise RuntimeError(
+            f"{script[0]} returned at step {loop.step} of {loop.cfg.train.steps}: call "
+            "job.train_step() until job.done"
+        )
+    loop.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

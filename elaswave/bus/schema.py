@@ -85,6 +85,12 @@ class EventKind(enum.StrEnum):
     WAITING_FOR_NODES = "waiting_for_nodes"
     CHECKPOINT_REQUEST = "checkpoint_request"
     CHECKPOINT_WRITTEN = "checkpoint_written"
+    NODE_JOINED = "node_joined"
+    NODE_HEARTBEAT = "node_heartbeat"
+    SPAWN_WORKER = "spawn_worker"
+    WORKER_SPAWNED = "worker_spawned"
+    WORKER_EXITED = "worker_exited"
+    SIGNAL_WORKER = "signal_worker"
 
 
 class RecoveryKind(enum.StrEnum):
@@ -540,6 +546,86 @@ class PlanCommit(Event):
     TOPIC = Topic.RECOVERY
     plan_digest: str
     attempt: int = 0
+
+
+# -- Node agents (one per host of a multi-host job; node 0's job host talks to them) --
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class NodeJoined(Event):
+    """A host's agent is up and offers ``slots`` worker processes; ``incarnation``
+    names this start of it (a host that returns comes back with a new one)."""
+
+    KIND = EventKind.NODE_JOINED
+    TOPIC = Topic.CONTROL
+    node: int
+    slots: int
+    incarnation: str
+    host: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class NodeHeartbeat(Event):
+    """Periodic liveness of a host's agent: its silence is the loss of the host."""
+
+    KIND = EventKind.NODE_HEARTBEAT
+    TOPIC = Topic.HEALTH
+    node: int
+    incarnation: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class SpawnWorker(Event):
+    """Node 0's job host asks the agent ``(node, incarnation)`` to start worker ``rank``
+    (``join``: a worker added to the running job)."""
+
+    KIND = EventKind.SPAWN_WORKER
+    TOPIC = Topic.CONTROL
+    node: int
+    incarnation: str
+    rank: int
+    join: bool = False
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpawned(Event):
+    """An agent started worker ``rank`` as process ``pid``, or could not (``error``)."""
+
+    KIND = EventKind.WORKER_SPAWNED
+    TOPIC = Topic.CONTROL
+    node: int
+    rank: int
+    pid: int = 0
+    error: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkerExited(Event):
+    """Worker ``rank`` of an agent's host exited with ``code`` (``-signal`` for a
+    signal)."""
+
+    KIND = EventKind.WORKER_EXITED
+    TOPIC = Topic.CONTROL
+    node: int
+    rank: int
+    code: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class SignalWorker(Event):
+    """Node 0's job host asks an agent to send ``signal`` to worker ``rank``."""
+
+    KIND = EventKind.SIGNAL_WORKER
+    TOPIC = Topic.CONTROL
+    node: int
+    rank: int
+    signal: int
 
 
 _missing_kinds = set(EventKind) - set(_REGISTRY)

@@ -117,6 +117,24 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default 1)")
     p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        dest="ranks_per_node",
+        help="workers per host of a multi-host job (torchrun's name for --ranks-per-node)",
+    )
+    p.add_argument("--nnodes", type=int, help="hosts of the job, one agent each (default 1)")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's node rank: 0 runs the Core and the store, others run an agent",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address and the port its store serves the other hosts on",
+    )
+    p.add_argument(
         "--no-snapshots",
         action="store_false",
         dest="snapshots",
@@ -263,6 +281,12 @@ def _train(args: argparse.Namespace) -> int:
     from elaswave.runtime.supervisor import JobFailed
     from elaswave.runtime.zygote import Zygote
 
+    if args.node_rank:  # a host other than node 0: its agent
+        return _agent(args)
+    if args.nnodes and args.nnodes > 1 and args.rdzv_endpoint and not args.bus_host:
+        from elaswave.runtime.nodeagent import parse_endpoint
+
+        args.bus_host = parse_endpoint(args.rdzv_endpoint)[0]  # where the others reach it
     file_values = load_toml(args.config) if args.config else None
     if args.resume is not None:
         file_values = _resume_values(args.resume, file_values)
@@ -302,6 +326,8 @@ def _train(args: argparse.Namespace) -> int:
             "bus_faults": args.bus_faults,
             "worker_prefix": args.worker_prefix,
             "script": getattr(args, "script_argv", None),
+            "nnodes": args.nnodes,
+            "rdzv_endpoint": args.rdzv_endpoint,
         },
     }
     job = build_job(file_values, overrides)
@@ -333,12 +359,42 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    """``--node-rank R`` (R > 0): this host's agent; the job comes from node 0."""
+    import uvloop
+
+    from elaswave.runtime.nodeagent import parse_endpoint, run_agent
+
+    if args.node_rank < 0 or (args.nnodes is not None and args.node_rank >= args.nnodes > 0):
+        limit = f"[0, {args.nnodes})" if args.nnodes else "non-negative"
+        raise ValueError(f"--node-rank {args.node_rank}: must be {limit}")
+    if not args.rdzv_endpoint:
+        raise ValueError(f"--node-rank {args.node_rank} needs --rdzv-endpoint HOST:PORT of node 0")
+    parse_endpoint(args.rdzv_endpoint)
+    slots = args.ranks_per_node or 1
+    out = args.out or Path("runs/train")
+    print(f"elaswave: node {args.node_rank} agent ({slots} workers) joining {args.rdzv_endpoint}")
+    code = uvloop.run(
+        run_agent(
+            out,
+            node=args.node_rank,
+            slots=slots,
+            endpoint=args.rdzv_endpoint,
+            keys_dir=args.bus_keys,
+        )
+    )
+    print(f"elaswave: node {args.node_rank} agent: the run {'finished' if code == 0 else 'failed'}")
+    return code
+
+
 def _run(args: argparse.Namespace) -> int:
     from elaswave.cli.script import describe
 
     script = args.script.resolve()
     if not script.is_file():
         raise ValueError(f"script {str(args.script)!r} does not exist")
+    if args.node_rank:  # an agent: the job, script included, comes from node 0
+        return _agent(args)
     if args.model is None:
         args.model = describe(script, args.script_args)
     args.script_argv = (str(script), *args.script_args)

@@ -119,6 +119,12 @@ class TrainConfig:
     """Faults every process injects into the bus messages it receives, for testing
     delivery: ``drop=P,dup=P,reorder=P,delay=SECONDS,seed=N`` (see
     :class:`~elaswave.bus.reliable.BusFaults`); empty: none."""
+    nnodes: int = 1
+    """Hosts of the job, one agent each (``--nnodes``); ``ranks_per_node`` workers per
+    host (``--nproc-per-node``). More than one needs ``rdzv_endpoint``."""
+    rdzv_endpoint: str = ""
+    """``HOST:PORT`` where node 0 serves the store the other hosts' agents meet at
+    (``--rdzv-endpoint``); HOST is node 0's address, which the bus binds on too."""
     script: tuple[str, ...] = ()
     """``elaswave run``: the user's script and its arguments, run in every worker in
     place of the built-in loop (:mod:`elaswave.embedded`). Empty: ``elaswave train``."""
@@ -175,6 +181,19 @@ class TrainConfig:
         check_bind(self.bus_host, keyed=self.bus_keys is not None)
         BusFaults.parse(self.bus_faults)
         self.worker_command(0)  # refuses a prefix that does not parse
+        if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1:
+            raise ValueError(f"nnodes = {self.nnodes!r}: must be a positive integer")
+        if self.nnodes > 1:
+            if not self.rdzv_endpoint:
+                raise ValueError(
+                    f"nnodes = {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)"
+                )
+            if self.nnodes * self.ranks_per_node != self.dp * self.pp:
+                raise ValueError(
+                    f"nnodes x nproc-per-node = {self.nnodes} x {self.ranks_per_node} = "
+                    f"{self.nnodes * self.ranks_per_node} workers, but dp x pp = "
+                    f"{self.dp} x {self.pp} = {self.dp * self.pp}"
+                )
         ack = self.plan_ack_timeout_s
         if isinstance(ack, bool) or not isinstance(ack, int | float) or not 0 < ack <= 600:
             raise ValueError(

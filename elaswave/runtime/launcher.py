@@ -35,6 +35,7 @@ from elaswave.rundir import (
     CORE_STATE,
     EVENT_LOG,
     HOST_SPEC,
+    JOB,
     LOGS,
     OUTPUTS,
     SUMMARY,
@@ -44,6 +45,8 @@ from elaswave.rundir import (
 from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.coreproc import JOB_FAILED
 from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink, LinkOp
+from elaswave.runtime.nodeagent import JOB_KEY, parse_endpoint
+from elaswave.runtime.nodes import RemoteNodes
 from elaswave.runtime.summary import build_summary, write_summary
 from elaswave.runtime.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
 from elaswave.runtime.zygote import ForkedProcess, Zygote
@@ -101,8 +104,12 @@ class JobHost:
         run_dir: Path,
         on_event: Callable[[Event], None] | None,
         zygote: Zygote | None = None,
+        store: Any = None,
     ) -> None:
         self.cfg = cfg
+        self.store = store
+        self.nodes = RemoteNodes(cfg) if cfg.train.nnodes > 1 else None
+        """The other hosts' agents (a multi-host job; :mod:`elaswave.runtime.nodes`)."""
         self.zygote = zygote
         self.run_dir = run_dir
         self.on_event = on_event
@@ -233,6 +240,10 @@ class JobHost:
         async for request in link.requests():
             op, rank = request.get("op"), request.get("rank")
             if op == LinkOp.OBSERVE:
+                if self.nodes is not None and self.store is not None:
+                    # the Core has written job.json with the bus: let the hosts meet
+                    self.store.set(JOB_KEY, (self.run_dir / JOB).read_text())
+                    await self.nodes.start(JobSpec.read(self.run_dir))
                 if self.on_event is not None and self._observer is None:
                     self._observer = asyncio.create_task(self._observe(), name="host-observer")
                     await asyncio.sleep(0.2)  # let it connect before the first event
@@ -256,7 +267,10 @@ class JobHost:
                 log.error("host.bad_core_request", request=request)
 
     async def _spawn(self, rank: int, *, join: bool) -> Any:
-        """Start worker ``rank``: forked by the zygote, or exec'd with its prefix."""
+        """Start worker ``rank``: on another host through its agent, forked by the
+        zygote, or exec'd with its prefix."""
+        if self.nodes is not None and (node := self.nodes.node_of(rank, join=join)) != 0:
+            return await self.nodes.spawn(rank, node, join=join)
         if self.zygote is None or self.cfg.train.worker_prefix:
             return await _spawn(self.cfg, self.run_dir, rank, join=join)
         argv = ["--run-dir", str(self.run_dir), "--rank", str(rank), *(["--join"] * join)]
@@ -302,6 +316,8 @@ class JobHost:
         for task in self._reapers:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, 10.0)
+        if self.nodes is not None:
+            await self.nodes.close()
         if self._observer is not None:
             await asyncio.sleep(0.2)  # the last events (RunFinished) on their way
             self._observer.cancel()
@@ -334,10 +350,13 @@ async def run_job(
     heartbeats), in this process. ``zygote``: forks the
     Core without a second start-up of Python and torch (:mod:`elaswave.runtime.zygote`).
     """
-    check_capacity(backend_for(cfg.train.device), cfg.train.num_ranks, cfg.train.device)
-    cfg.train.keys()  # a missing key stops the job here, before anything starts
-    _prepare_run_dir(run_dir, resume_dir=cfg.train.resume_dir)
-    store = serve_store(cfg.train.bus_host, timeout_s=cfg.train.comm_timeout_s)
+    t = cfg.train
+    local = t.ranks_per_node if t.nnodes > 1 else t.num_ranks
+    check_capacity(backend_for(t.device), local, t.device)
+    t.keys()  # a missing key stops the job here, before anything starts
+    _prepare_run_dir(run_dir, resume_dir=t.resume_dir)
+    port = parse_endpoint(t.rdzv_endpoint)[1] if t.nnodes > 1 else 0
+    store = serve_store(t.bus_host, port, timeout_s=t.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
     JobSpec(  # the Core completes it with the bus endpoints, as RUN_DIR/job.json
         run_id=run_id,
@@ -346,5 +365,5 @@ async def run_job(
             store_host=cfg.train.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
         ),
     ).write(run_dir, HOST_SPEC)
-    await JobHost(cfg, run_dir, on_event, zygote).run()
+    await JobHost(cfg, run_dir, on_event, zygote, store).run()
     return json.loads((run_dir / SUMMARY).read_text())

@@ -32,6 +32,28 @@ from tests.runs import elaswave
         (["--plan-ack-timeout", "-1"], "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds"),
         (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
         (["--wait-for-nodes", "1e6"], "wait_for_nodes_s = 1000000.0: must be from 0 to 86400"),
+        (["--nnodes", "2"], "nnodes = 2 needs --rdzv-endpoint HOST:PORT"),
+        (
+            [
+                "--nnodes",
+                "3",
+                "--nproc-per-node",
+                "2",
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--rdzv-endpoint",
+                "127.0.0.1:29599",
+            ],
+            "nnodes x nproc-per-node = 3 x 2 = 6 workers, but dp x pp = 2 x 2 = 4",
+        ),
+        (["--rdzv-endpoint", "nohost", "--nnodes", "2"], "--rdzv-endpoint 'nohost': expected"),
+        (["--node-rank", "1"], "--node-rank 1 needs --rdzv-endpoint HOST:PORT of node 0"),
+        (
+            ["--node-rank", "3", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29599"],
+            "--node-rank 3: must be [0, 2)",
+        ),
     ],
 )
 def test_bad_flags(tmp_path, args, message):

@@ -1,0 +1,159 @@
+"""The agent of one host (node 1, 2, ...) of a multi-host job.
+
+``elaswave run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT --nproc-per-node K``
+on a host other than node 0 runs this: it meets node 0 at the store it serves on
+HOST:PORT, takes the job's spec from it (written into this host's run directory, where
+its workers read it), joins the job's bus, announces its ``K`` slots
+(:class:`~elaswave.bus.schema.NodeJoined`) and its heartbeat, and owns the workers node
+0's job host asks it for: it starts them, signals them, and reports their exits. Its
+workers die with it (they hold ``PR_SET_PDEATHSIG``), so killing an agent is losing its
+host. It leaves when the run has finished and its workers have exited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+import structlog
+
+from elaswave import rundir
+from elaswave.bus.client import BusClient
+from elaswave.bus.keys import load_keys
+from elaswave.bus.schema import (
+    NodeHeartbeat,
+    NodeJoined,
+    RunFinished,
+    SignalWorker,
+    SpawnWorker,
+    Topic,
+    WorkerExited,
+    WorkerSpawned,
+)
+from elaswave.comm.store import connect_store
+from elaswave.runtime.config import JobSpec
+
+log = structlog.get_logger(__name__)
+
+JOB_KEY = "elaswave/job"
+"""The store key under which node 0 publishes RUN_DIR/job.json for the other hosts."""
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); ValueError naming the value."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+    return host, int(port)
+
+
+async def run_agent(
+    run_dir: Path,
+    *,
+    node: int,
+    slots: int,
+    endpoint: str,
+    keys_dir: str | None,
+    timeout_s: float = 300.0,
+) -> int:
+    """Serve as node ``node``'s agent until the run finishes; 0 when it finished well."""
+    host, port = parse_endpoint(endpoint)
+    store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
+    text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
+    spec = _take_spec(run_dir, text, node)
+    ep, t = spec.endpoints, spec.config.train
+    keys = load_keys(Path(keys_dir)) if keys_dir else t.keys()
+    incarnation = uuid.uuid4().hex[:12]
+    client = BusClient(
+        f"node{node}", ep.bus_publish, ep.bus_subscribe,
+        topics=(Topic.CONTROL, Topic.LIFECYCLE), keys=keys, log_rejected=False,
+    )  # fmt: skip
+    await client.connect()
+    procs: dict[int, asyncio.subprocess.Process] = {}
+    reapers: list[asyncio.Task[None]] = []
+
+    async def reap(rank: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        await client.publish(WorkerExited(sender=client.sender, node=node, rank=rank, code=code))
+
+    async def heartbeat() -> None:
+        while True:
+            await client.publish(
+                NodeHeartbeat(sender=client.sender, node=node, incarnation=incarnation)
+            )
+            await asyncio.sleep(t.heartbeat_interval_s)
+
+    beating = asyncio.create_task(heartbeat(), name="node-heartbeat")
+    joined = NodeJoined(
+        sender=client.sender, node=node, slots=slots, incarnation=incarnation,
+        host=socket.gethostname(),
+    )  # fmt: skip
+    await client.publish(joined)
+    log.warning("agent.joined", node=node, slots=slots, run_id=spec.run_id)
+    ok = True
+    try:
+        while True:
+            event = await client.recv()
+            match event:
+                case SpawnWorker(node=n, incarnation=inc, rank=rank, join=join) if (
+                    n == node and inc == incarnation
+                ):
+                    try:
+                        proc = await _spawn(run_dir, rank, join=join)
+                    except OSError as exc:
+                        await client.publish(WorkerSpawned(sender=client.sender, node=node,
+                                                           rank=rank, error=str(exc)))  # fmt: skip
+                        continue
+                    procs[rank] = proc
+                    reapers.append(asyncio.create_task(reap(rank, proc)))
+                    await client.publish(WorkerSpawned(sender=client.sender, node=node,
+                                                       rank=rank, pid=proc.pid))  # fmt: skip
+                case SignalWorker(node=n, rank=rank, signal=signum) if n == node:
+                    target = procs.get(rank)
+                    if target is not None and target.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            target.send_signal(signum)
+                case RunFinished(ok=finished_ok):
+                    ok = finished_ok
+                    break
+        for task in reapers:  # the workers leave on their own once the run is over
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), 30.0)
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+        await client.close()
+    return 0 if ok else 1
+
+
+def _take_spec(run_dir: Path, text: str, node: int) -> JobSpec:
+    """Write node 0's job.json into this host's run directory (where a shared run
+    directory holds it already, leave it), and read it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / rundir.LOGS).mkdir(exist_ok=True)
+    path = run_dir / rundir.JOB
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_suffix(f".{node}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return JobSpec.read(run_dir)
+
+
+async def _spawn(run_dir: Path, rank: int, *, join: bool) -> asyncio.subprocess.Process:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with rundir.rank_log(run_dir, rank).open("wb") as out:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "elaswave.runtime.worker", "--run-dir", str(run_dir),
+            "--rank", str(rank), *(["--join"] if join else []),
+            stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+        )  # fmt: skip

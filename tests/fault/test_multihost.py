@@ -6,8 +6,6 @@ coming back joins; the run matches the fault-free one and replay reproduces ever
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +18,7 @@ import pytest
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, RecoveryFinished, WorkerSpawned
 from elaswave.runtime.compare import compare_runs
+from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
 
 NET = "10.78.0"
@@ -29,40 +28,11 @@ JOB = ("--dp", "3", "--pp", "2", "--steps", "24", "--global-batch", "24", "--mic
        "--device", "emulated", "--heartbeat-timeout", "2")  # fmt: skip
 
 
-def _ip(*args: str) -> None:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
-
-
-def _teardown() -> None:
-    for i in range(HOSTS):
-        subprocess.run(["ip", "netns", "del", f"emh{i}"], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", f"emv{i}"], capture_output=True, check=False)
-    subprocess.run(["ip", "link", "del", "embr0"], capture_output=True, check=False)
-
-
 @pytest.fixture
 def hosts() -> Iterator[list[str]]:
     """Hosts emh0..emh2 at NET.10.. on bridge embr0: node 0's address first."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    _teardown()
-    try:
-        _ip("link", "add", "embr0", "type", "bridge")
-        _ip("addr", "add", f"{NET}.1/24", "dev", "embr0")
-        _ip("link", "set", "embr0", "up")
-        for i in range(HOSTS):
-            ns = f"emh{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", f"emv{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("link", "set", f"emv{i}", "master", "embr0", "up")
-            _ip("-n", ns, "addr", "add", f"{NET}.{10 + i}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield [f"{NET}.{10 + i}" for i in range(HOSTS)]
-    finally:
-        _teardown()
+    with netns.hosts("em", NET, HOSTS) as addresses:
+        yield addresses
 
 
 def _host(i: int, out: Path, keys: Path, node0: str, *extra: str) -> subprocess.Popen:

@@ -10,8 +10,6 @@ worker lives on, holding its connections, but nothing it sends arrives.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import pytest
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import FailureDetected, Heartbeat
 from elaswave.runtime.compare import compare_runs
+from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
 
 NET = "10.77.0"
@@ -29,41 +28,11 @@ HOSTS = 4
 JOB = ("--dp", "2", "--pp", "2", "--steps", "10", "--global-batch", "16", "--micro-batch", "2")
 
 
-def _ip(*args: str) -> None:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
-
-
-def _teardown() -> None:
-    for i in range(HOSTS):
-        subprocess.run(["ip", "netns", "del", f"ewh{i}"], capture_output=True, check=False)
-        # A namespace outlives its deletion while a process holds it: drop the link too.
-        subprocess.run(["ip", "link", "del", f"ewv{i}"], capture_output=True, check=False)
-    subprocess.run(["ip", "link", "del", "ewbr0"], capture_output=True, check=False)
-
-
 @pytest.fixture
 def hosts() -> Iterator[str]:
     """Hosts ewh0..ewh3 at NET.10.. on bridge ewbr0 (NET.1, where the Core binds)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    _teardown()
-    try:
-        _ip("link", "add", "ewbr0", "type", "bridge")
-        _ip("addr", "add", f"{NET}.1/24", "dev", "ewbr0")
-        _ip("link", "set", "ewbr0", "up")
-        for i in range(HOSTS):
-            ns = f"ewh{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", f"ewv{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("link", "set", f"ewv{i}", "master", "ewbr0", "up")
-            _ip("-n", ns, "addr", "add", f"{NET}.{10 + i}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with netns.hosts("ew", NET, HOSTS):
         yield f"{NET}.1"
-    finally:
-        _teardown()
 
 
 def _cut_when(out, proc: subprocess.Popen, step: int, rank: int) -> float:
@@ -76,7 +45,7 @@ def _cut_when(out, proc: subprocess.Popen, step: int, rank: int) -> float:
         assert proc.poll() is None, "the job ended before the cut"
         assert time.monotonic() < deadline, "the job never reached the cut"
         time.sleep(0.05)
-    _ip("link", "set", f"ewv{rank}", "down")
+    netns.ip("link", "set", f"ewv{rank}", "down")
     return time.time()
 
 

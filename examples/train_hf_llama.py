@@ -17,37 +17,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
+from counting import CountingCorpus
 
 import elaswave
 
 MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
 
 
-class CountingCorpus:
-    """Windows of ``seq_len + 1`` tokens counting up from a start with a stride, modulo
-    the vocabulary: learnable, and the same in every process."""
-
-    def __init__(self, size: int, seq_len: int, vocab: int) -> None:
-        rng = np.random.default_rng(1234)
-        self.starts = rng.integers(0, vocab, size)
-        self.strides = rng.integers(1, 4, size)
-        self.seq_len, self.vocab = seq_len, vocab
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        steps = np.arange(self.seq_len + 1) * self.strides[i]
-        return (self.starts[i] + steps) % self.vocab
-
-
-def main() -> None:
+def main(model: str = f"hf:{MODEL}") -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096, help="dataset size")
     args = parser.parse_args()
     job = elaswave.job(
-        model=f"hf:{MODEL}",
+        model=model,
         dataset=CountingCorpus(args.samples, seq_len=32, vocab=128),
     )
 

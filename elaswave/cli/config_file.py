@@ -76,12 +76,16 @@ def _hf_base(values: dict[str, Any]) -> ModelConfig:
     own = [k for k in values if k != "seq_len"]
     if own:
         raise ValueError(
-            f"[model] {', '.join(own)}: a Hugging Face model ({source}) takes its shape from "
-            "its config.json; only seq_len may be set"
+            f"[model] {', '.join(own)}: the model {source} takes its shape from its own "
+            "config; only seq_len may be set"
         )
     seq_len = values.get("seq_len", ModelConfig().seq_len)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"[model] seq_len = {seq_len!r}: must be a positive integer")
+    if source.startswith("megatron:"):
+        from elaswave.model.megatron import megatron_shape
+
+        return megatron_shape(source, seq_len=seq_len)
     from elaswave.model.hf import hf_shape  # imports transformers: only when asked for
 
     return hf_shape(source, seq_len=seq_len)
@@ -98,7 +102,7 @@ def build_job(
             merged[section].update({k: v for k, v in values.items() if v is not None})
     model_values = dict(merged["model"])
     name = str(model_values.pop("preset")) if "preset" in model_values else None
-    if name is not None and name.startswith("hf:"):  # --model hf:DIR
+    if name is not None and name.startswith(("hf:", "megatron:")):  # --model hf:DIR
         model_values.setdefault("source", name)
         name = None
     base = preset(name) if name is not None else ModelConfig()

@@ -40,7 +40,8 @@ class ModelConfig:
     """Where the layers come from: "" for ElasWave's built-in decoder, or
     ``hf:DIR`` for a Hugging Face causal LM (Llama, Mistral, Qwen2) described by
     DIR/config.json, with its weights from DIR's safetensors files when there are any
-    (:mod:`elaswave.model.hf`); the shape fields above then mirror that config."""
+    (:mod:`elaswave.model.hf`), or ``megatron:FILE`` for megatron-core's GPT pieces
+    (:mod:`elaswave.model.megatron`); the shape fields above then mirror that model."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,10 +72,14 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout = {self.dropout!r}: must be in [0, 1)")
-        if self.source and not (self.source.startswith("hf:") and len(self.source) > 3):
+        kinds = ("hf:", "megatron:")
+        if self.source and not any(
+            self.source.startswith(k) and len(self.source) > len(k) for k in kinds
+        ):
             raise ValueError(
-                f"model.source = {self.source!r}: must be empty (the built-in model) or "
-                "hf:DIR (a Hugging Face model directory)"
+                f"model.source = {self.source!r}: must be empty (the built-in model), "
+                "hf:DIR (a Hugging Face model directory) or megatron:FILE (a megatron-core "
+                "GPT's shape as JSON)"
             )
 
     @property

@@ -19,8 +19,8 @@ and a batch format.
   layouts are built from.
 
 :func:`pipeline_model` returns the implementation for a model config, once per process:
-ElasWave's built-in decoder (:mod:`elaswave.model.llama`) or a Hugging Face causal LM
-(:mod:`elaswave.model.hf`).
+ElasWave's built-in decoder (:mod:`elaswave.model.llama`), a Hugging Face causal LM
+(:mod:`elaswave.model.hf`) or megatron-core's GPT pieces (:mod:`elaswave.model.megatron`).
 """
 
 from __future__ import annotations
@@ -77,4 +77,8 @@ def pipeline_model(config: ModelConfig) -> PipelineModel:
         from elaswave.model.hf import HfModel  # imports transformers: only when asked for
 
         return HfModel(config)
+    if config.source.startswith("megatron:"):
+        from elaswave.model.megatron import MegatronModel  # imports megatron-core
+
+        return MegatronModel(config)
     return BuiltinModel(config)

@@ -112,7 +112,7 @@ def test_a_job_takes_the_models_shape_and_only_seq_len(tmp_path):
     assert (job.model.hidden_size, job.model.num_blocks, job.model.qkv_bias) == (32, 3, True)
     assert job.model.seq_len == 24 and job.model.source == source
     assert build_job(None, {"model": {"preset": source}}).model.source == source
-    with pytest.raises(ValueError, match=r"hidden_size: a Hugging Face model .* only seq_len"):
+    with pytest.raises(ValueError, match=r"hidden_size: the model hf:.* only seq_len"):
         build_job({"model": {"source": source, "hidden_size": 64}})
 
 

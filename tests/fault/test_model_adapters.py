@@ -1,7 +1,9 @@
-"""Hugging Face models trained by ElasWave: layouts against one process, and a SIGKILL
-mid-backward recovered in-process (real processes, the real CLI)."""
+"""Hugging Face and megatron-core models trained by ElasWave: layouts against one
+process, and a SIGKILL mid-backward recovered in-process (real processes, the real CLI)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import transformers
@@ -14,6 +16,9 @@ SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              tie_word_embeddings=False)  # fmt: skip
 CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+MEGATRON = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+            "ffn_hidden_size": 160, "vocab_size": 128}  # fmt: skip
+FAMILIES = [*sorted(CONFIGS), "megatron"]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +28,10 @@ def hf_runs(runs_dir):
     cache: dict[tuple[str, int, int], Run] = {}
 
     def model(family: str) -> str:
+        if family == "megatron":
+            path = runs_dir / "megatron_gpt.json"
+            path.write_text(json.dumps(MEGATRON))
+            return f"megatron:{path}"
         directory = runs_dir / f"hf_{family}"
         if not (directory / "config.json").exists():
             CONFIGS[family](**SHAPE).save_pretrained(directory)
@@ -50,23 +59,26 @@ def _check_layout(hf_runs, family: str, dp: int, pp: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_a_hugging_face_model_trains_the_same_under_dp2_x_pp2_as_in_one_process(hf_runs, family):
+@pytest.mark.parametrize(
+    "family", ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES[1:])]
+)  # the default suite's budget: Qwen2 and megatron by scripts/test_long
+def test_a_users_model_trains_the_same_under_dp2_x_pp2_as_in_one_process(hf_runs, family):
     _check_layout(hf_runs, family, 2, 2)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_a_hugging_face_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs, family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_users_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs, family):
     _check_layout(hf_runs, family, 4, 2)
 
 
 @pytest.mark.timeout(300)
-def test_a_hugging_face_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs):
+@pytest.mark.parametrize("family", ["llama", "megatron"])
+def test_a_users_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs, family):
     """Rank 1 (stage 0) is SIGKILLed in the backward of step 3; the survivors finish
     every step in-process, match the fault-free run, and replay reproduces the plan."""
-    ref = hf_runs("llama", 2, 2)
-    run = train(runs_dir / "hf_llama_kill", "--model", hf_runs.model("llama"), "--dp", "2",
+    ref = hf_runs(family, 2, 2)
+    run = train(runs_dir / f"{family}_kill", "--model", hf_runs.model(family), "--dp", "2",
                 "--pp", "2", *JOB, "--fault", "kill:1@3:backward")  # fmt: skip
     check_recovered(run, ref, world=4, failed=[[1]])

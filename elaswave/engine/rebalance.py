@@ -527,12 +527,20 @@ def rebalance(
 
 
 def balanced_counts(
-    model: ModelConfig, *, dp: int, pp: int, micro_batch: int, device: DeviceSpec
+    layers: ModelConfig | Sequence[LayerCost],
+    *,
+    dp: int,
+    pp: int,
+    micro_batch: int,
+    device: DeviceSpec,
 ) -> tuple[int, ...]:
     """Layers per stage of the minimax partition of a static job (an AdaPipe-like
-    balanced start, so that a later change is measured against a balanced pipeline)."""
+    balanced start, so that a later change is measured against a balanced pipeline).
+    ``layers``: their costs, or a model whose formula costs (fp32) are taken."""
     spec = StageSpec(
         dp=dp, micro_batch=micro_batch, mhz=device.base_mhz, memory_cap_bytes=device.memory_bytes
     )
-    partition = plan_layers(layer_costs(model, dtype_bytes=FP32_BYTES), [spec] * pp, device)
+    if isinstance(layers, ModelConfig):
+        layers = layer_costs(layers, dtype_bytes=FP32_BYTES)
+    partition = plan_layers(layers, [spec] * pp, device)
     return partition.counts

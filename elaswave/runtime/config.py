@@ -1,13 +1,15 @@
 """The job: everything a worker needs to join a run, as frozen dataclasses.
 
 The launcher validates a :class:`JobConfig` once, writes it to RUN_DIR/job.json, and
-every worker loads the same file, so all ranks agree on the model, data and layout.
+every worker loads the same file, so all ranks agree on the model, data and layout, and
+on the layer costs the planners price (the formulas, or a measured profile).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from elaswave.bus.keys import BusKeys, check_bind, load_keys
 from elaswave.bus.reliable import BusFaults
 from elaswave.comm.backend import parse_device
 from elaswave.data.corpus import DataConfig
-from elaswave.engine.cost import DeviceSpec, LayerCost, layer_costs
+from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, layer_costs
 from elaswave.engine.cost import device as cost_device
 from elaswave.engine.migration import MIGRATION_MODES
 from elaswave.engine.plan import Plan, initial_plan
@@ -294,16 +296,66 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: tuple[LayerCost, ...] = ()
+    """Measured layer costs (:mod:`elaswave.runtime.profile`), priced on
+    :attr:`cost_device` at its base clock, one per layer in index order; empty: the cost
+    model's formulas."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "profile", tuple(self.profile))
+        self._check_profile()
         self.plan()  # validates layout against the model and batch
+
+    def _check_profile(self) -> None:
+        if not self.profile:
+            return
+        formulas = layer_costs(self.model, dtype_bytes=FP32_BYTES)
+        if len(self.profile) != len(formulas):
+            raise ValueError(
+                f"profile has {len(self.profile)} layers; the model has {len(formulas)}: "
+                "profile this model again (--profile on)"
+            )
+        for position, (cost, formula) in enumerate(zip(self.profile, formulas, strict=True)):
+            if not isinstance(cost, LayerCost):
+                raise ValueError(f"profile[{position}] = {cost!r}: expected a LayerCost")
+            if cost.index != position:
+                raise ValueError(
+                    f"profile[{position}].index = {cost.index!r}: must be {position} "
+                    "(one entry per layer, in index order)"
+                )
+            if cost.kind != formula.kind:
+                raise ValueError(
+                    f"profile[{position}].kind = {str(cost.kind)!r}: layer {position} is "
+                    f"the model's {formula.kind}"
+                )
+            if cost.params != formula.params:
+                raise ValueError(
+                    f"profile[{position}].params = {cost.params!r}: layer {position} has "
+                    f"{formula.params} parameters"
+                )
+            for name in (
+                "fwd_flops_per_sample",
+                "bwd_flops_per_sample",
+                "activation_bytes_per_sample",
+                "output_bytes_per_sample",
+            ):
+                value = getattr(cost, name)
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+                if not (ok and math.isfinite(value) and value >= 0):
+                    raise ValueError(
+                        f"profile[{position}].{name} = {value!r}: must be a finite number >= 0"
+                    )
 
     def plan(self) -> Plan:
         t = self.train
         counts = None
         if t.partition == "balanced" and t.pp > 1:
             counts = balanced_counts(
-                self.model, dp=t.dp, pp=t.pp, micro_batch=t.micro_batch, device=self.cost_device
+                self.layer_costs,
+                dp=t.dp,
+                pp=t.pp,
+                micro_batch=t.micro_batch,
+                device=self.cost_device,
             )
         return initial_plan(
             num_layers=self.model.num_layers,
@@ -328,11 +380,16 @@ class JobConfig:
 
     @property
     def layer_costs(self) -> list[LayerCost]:
-        """The cost model's layers, fp32 as the runtime trains."""
+        """What the planners price: the measured :attr:`profile` when there is one, else
+        the cost model's formulas, fp32 as the runtime trains."""
+        if self.profile:
+            return list(self.profile)
         return layer_costs(self.model, dtype_bytes=FP32_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["profile"] = [{**c, "kind": str(c["kind"])} for c in out["profile"]]
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
@@ -341,7 +398,30 @@ class JobConfig:
             data=DataConfig(**raw.get("data", {})),
             optim=OptimizerConfig(**raw.get("optim", {})),
             train=TrainConfig(**raw.get("train", {})),
+            profile=_profile_from(raw.get("profile", [])),
         )
+
+
+def _profile_from(raw: Any) -> tuple[LayerCost, ...]:
+    """job.json's ``profile`` list as LayerCosts; ValueError naming a malformed entry."""
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"profile = {raw!r}: expected a list of layer costs")
+    names = [f.name for f in dataclasses.fields(LayerCost)]
+    out = []
+    for position, entry in enumerate(raw):
+        if not isinstance(entry, dict) or sorted(entry) != sorted(names):
+            raise ValueError(
+                f"profile[{position}] = {entry!r}: expected an object with keys {', '.join(names)}"
+            )
+        try:
+            kind = LayerKind(entry["kind"])
+        except ValueError:
+            valid = ", ".join(k.value for k in LayerKind)
+            raise ValueError(
+                f"profile[{position}].kind = {entry['kind']!r}: valid kinds are {valid}"
+            ) from None
+        out.append(LayerCost(**{**entry, "kind": kind}))
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)

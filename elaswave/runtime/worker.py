@@ -32,8 +32,6 @@ from elaswave.comm.backend import Device, backend_for, parse_device
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
-from elaswave.engine.cost import layer_costs
-from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.runtime.agent import Agent
@@ -133,7 +131,7 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         ranks_per_node=cfg.train.ranks_per_node,
         steps=cfg.train.steps,
     )
-    costs = {c.index: c for c in layer_costs(cfg.model, dtype_bytes=FP32_BYTES)}
+    costs = {c.index: c for c in cfg.layer_costs}  # the planners' costs: measured or formulas
     if parse_device(cfg.train.device) is Device.EMULATED:
         emulated = device_spec(EMULATED_DEVICE)
         clock = EmulatedFrequency(

@@ -10,6 +10,7 @@
       core_result.json       the Core's outcome
       core.pid               the running Core's process id
       summary.json           the run's summary, written when it ends
+      profile.json           the measured layer costs the job was planned with (--profile)
       logs/rankN.log         each worker's output
       logs/coreN.log         each Core incarnation's output
       workers/rankN.json     each worker's result
@@ -41,6 +42,9 @@ CORE_PID = "core.pid"
 """The running Core's process id."""
 SUMMARY = "summary.json"
 """The run's summary (losses, timings, recoveries), written when it ends."""
+PROFILE = "profile.json"
+"""The layers measured before the job started (:class:`~elaswave.runtime.profile.LayerProfile`),
+when it was profiled; job.json carries them priced for the planners."""
 REPORT = "report.png"
 """Where ``elaswave report`` draws the run by default."""
 LOGS = "logs"
@@ -51,7 +55,7 @@ CHECKPOINTS = "checkpoints"
 
 OUTPUTS = (
     WORKERS, PARAMS, LOGS, FAULTS, EVENT_LOG, SUMMARY, JOB, CORE_STATE, CORE_RESULT,
-    HOST_SPEC, CORE_PID,
+    HOST_SPEC, CORE_PID, PROFILE,
 )  # fmt: skip
 """What one run writes; a new run in the same directory clears them first (and
 :data:`CHECKPOINTS` too unless it resumes from them)."""

@@ -135,6 +135,8 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         device=t.device,
         recoveries=supervisor.recoveries,
         bus=core.client.delivery(),
+        layers=cfg.layer_costs,
+        cost_device=cfg.cost_device,
     )
     summary["core_incarnations"] = incarnation + 1
     write_summary(run_dir, summary)

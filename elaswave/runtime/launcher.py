@@ -38,6 +38,7 @@ from elaswave.rundir import (
     JOB,
     LOGS,
     OUTPUTS,
+    PROFILE,
     SUMMARY,
     core_log,
     rank_log,
@@ -47,6 +48,7 @@ from elaswave.runtime.coreproc import JOB_FAILED
 from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink, LinkOp
 from elaswave.runtime.nodeagent import JOB_KEY, parse_endpoint
 from elaswave.runtime.nodes import RemoteNodes
+from elaswave.runtime.profile import LayerProfile
 from elaswave.runtime.summary import build_summary, write_summary
 from elaswave.runtime.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
 from elaswave.runtime.zygote import ForkedProcess, Zygote
@@ -168,6 +170,8 @@ class JobHost:
             num_events=sum(1 for _ in read_event_log(self.run_dir / EVENT_LOG)),
             device=self.cfg.train.device,
             recoveries=state["recoveries"],
+            layers=self.cfg.layer_costs,
+            cost_device=self.cfg.cost_device,
         )
         write_summary(self.run_dir, summary)
 
@@ -341,6 +345,7 @@ async def run_job(
     *,
     on_event: Callable[[Event], None] | None = None,
     zygote: Zygote | None = None,
+    profile: LayerProfile | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with dp x pp local worker processes; return the summary.
 
@@ -349,12 +354,18 @@ async def run_job(
     ``on_event`` sees every lifecycle, metrics and recovery event on the bus (not the
     heartbeats), in this process. ``zygote``: forks the
     Core without a second start-up of Python and torch (:mod:`elaswave.runtime.zygote`).
+    ``profile``: the measurements ``cfg.profile`` was priced from, written to
+    RUN_DIR/profile.json.
     """
     t = cfg.train
     local = t.ranks_per_node if t.nnodes > 1 else t.num_ranks
     check_capacity(backend_for(t.device), local, t.device)
     t.keys()  # a missing key stops the job here, before anything starts
     _prepare_run_dir(run_dir, resume_dir=t.resume_dir)
+    if profile is not None:
+        if profile.costs(cfg.cost_device) != cfg.profile:
+            raise ValueError("the profile to write is not the one the job was priced with")
+        (run_dir / PROFILE).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     port = parse_endpoint(t.rdzv_endpoint)[1] if t.nnodes > 1 else 0
     store = serve_store(t.bus_host, port, timeout_s=t.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ import torch
 from elaswave import rundir
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepCompleted
+from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.plan import Plan
+from elaswave.engine.steptime import plan_step_time
 from elaswave.runtime.compare import load_params
 
 
@@ -38,8 +41,13 @@ def build_summary(
     device: str,
     recoveries: list[dict[str, Any]] | None = None,
     bus: dict[str, int] | None = None,
+    layers: Sequence[LayerCost] | None = None,
+    cost_device: DeviceSpec | None = None,
 ) -> dict[str, Any]:
-    """``bus``: the Core's delivery counters; the workers' are added from their results."""
+    """``bus``: the Core's delivery counters; the workers' are added from their results.
+    ``layers`` and ``cost_device``: what the planners price (the job's
+    :attr:`~elaswave.runtime.config.JobConfig.layer_costs` and ``cost_device``), for
+    ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without)."""
     results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
     # Last-stage ranks know the loss of each step they ran in the last stage (a rank
     # that changed stage, or joined, knows only some steps); the steps no surviving rank
@@ -71,6 +79,9 @@ def build_summary(
         for step in range(first, first + trained)
     ]
     params = load_params(run_dir)
+    predicted = None
+    if layers is not None and cost_device is not None:
+        predicted = plan_step_time(plan, layers, cost_device).step_s
     return {
         "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
         "global_batch": plan.global_batch,
@@ -84,6 +95,7 @@ def build_summary(
         "device": device,
         "timing": "emulated" if device == "emulated" else "measured",
         "first_step": first,
+        "predicted_step_s": predicted,
         "bus": {
             "core": bus or {},
             "workers": {

@@ -21,3 +21,22 @@ def test_a_joiner_step_times_count_from_its_own_first_step(tmp_path):
     plan = initial_plan(num_layers=2, dp=1, pp=2, global_batch=4, micro_batch=2)
     summary = build_summary(run_dir=tmp_path, plan=plan, steps=5, num_events=0, device="cpu")
     assert summary["step_time_s"] == [3.0, 1.0, 1.0, 2.0, 1.2]
+
+
+def test_the_summary_predicts_the_initial_plan_step_time_from_the_job_costs(tmp_path):
+    from elaswave.engine.cost import device, layer_costs
+    from elaswave.engine.steptime import plan_step_time
+    from elaswave.model.config import ModelConfig
+
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "params").mkdir()
+    torch.save({0: {"w": torch.ones(2)}}, tmp_path / "params" / "stage0.pt")
+    _worker(tmp_path, 0, 0, [1.0, 1.0], loss=[2.0, 1.0])
+    model = ModelConfig()
+    plan = initial_plan(num_layers=model.num_layers, dp=1, pp=2, global_batch=4, micro_batch=2)
+    layers, dev = layer_costs(model, dtype_bytes=4), device("emulated")
+    summary = build_summary(run_dir=tmp_path, plan=plan, steps=2, num_events=0, device="cpu",
+                            layers=layers, cost_device=dev)  # fmt: skip
+    assert summary["predicted_step_s"] == plan_step_time(plan, layers, dev).step_s > 0
+    bare = build_summary(run_dir=tmp_path, plan=plan, steps=2, num_events=0, device="cpu")
+    assert bare["predicted_step_s"] is None

@@ -7,14 +7,23 @@ exit with status 2; a job that fails at run time exits with status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elaswave import logs
 from elaswave.bus.schema import Event, StepCompleted
 from elaswave.cli import sim
 from elaswave.comm.backend import DEVICES
 from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
+
+if TYPE_CHECKING:
+    from elaswave.runtime.config import JobConfig
+    from elaswave.runtime.profile import LayerProfile
+
+PROFILE_AUTO = "auto"
+PROFILE_CHOICES = (PROFILE_AUTO, "on", "off")
 
 
 class _Progress:
@@ -172,6 +181,15 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
         "--partition",
         help="initial layers per stage: even (default) or balanced (minimax under the cost model)",
     )
+    p.add_argument(
+        "--profile",
+        default=PROFILE_AUTO,
+        metavar="{auto,on,off}",
+        help="measure every layer's forward, backward and activations before the job starts "
+        "and plan with those costs instead of the FLOP formulas (written to "
+        "RUN_DIR/profile.json); auto (default): on for a Hugging Face model, off for the "
+        "built-in one",
+    )
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps")
     p.add_argument(
         "--bus-host", help="IP address the bus binds on (default 127.0.0.1; others need keys)"
@@ -226,6 +244,7 @@ def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
     values["train"] = {
         k: v for k, v in values["train"].items() if k not in ("faults", "resume_dir", "resume_step")
     }
+    values.pop("profile", None)  # measured again, or not, as --profile says
     for section, body in (file_values or {}).items():
         values.setdefault(section, {}).update(body)
     values["train"].update({"resume_dir": str(run_dir.resolve()), "resume_step": step})
@@ -271,6 +290,25 @@ def _check_fits_in_memory(job) -> None:
             f"for dp={job.train.dp}, more than half of this machine's {have / 2**30:.0f} GiB; "
             "the llama2-* presets are for the simulator, use --model tiny here"
         )
+
+
+def _wants_profile(args: argparse.Namespace, job: JobConfig) -> bool:
+    """Whether --profile asks for measured layer costs (auto: for a Hugging Face model)."""
+    if args.profile not in PROFILE_CHOICES:
+        valid = ", ".join(PROFILE_CHOICES)
+        raise ValueError(f"--profile {args.profile!r}: valid values are {valid}")
+    return bool(job.model.source) if args.profile == PROFILE_AUTO else args.profile == "on"
+
+
+def _profile(job: JobConfig) -> tuple[JobConfig, LayerProfile]:
+    """``job`` planned with its layers' measured costs, and the measurements, taken here
+    on rank 0's device."""
+    from elaswave.comm.backend import backend_for
+    from elaswave.runtime.profile import profile_layers
+
+    profile = profile_layers(job, device=backend_for(job.train.device).device_for(0))
+    print(f"elaswave: profiled {len(profile.layers)} layers in {profile.total_s:.2f} s")
+    return dataclasses.replace(job, profile=profile.costs(job.cost_device)), profile
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -336,6 +374,7 @@ def _train(args: argparse.Namespace) -> int:
         from elaswave.data.corpus import open_source
 
         open_source(job.data, vocab_size=job.model.vocab_size, seq_len=job.model.seq_len)
+    profiling = _wants_profile(args, job)
     t = job.train
     print(
         f"elaswave: training dp={t.dp} x pp={t.pp} ({t.num_ranks} workers, device {t.device}) "
@@ -343,8 +382,11 @@ def _train(args: argparse.Namespace) -> int:
     )
     zygote = Zygote.start()  # before any thread or event loop: it forks every Core
     try:
+        profile = None
+        if profiling:  # after the zygote's fork: it stays clear of torch's threads
+            job, profile = _profile(job)
         progress = _Progress(t.steps, emulated=t.device == "emulated")
-        summary = uvloop.run(run_job(job, out, on_event=progress, zygote=zygote))
+        summary = uvloop.run(run_job(job, out, on_event=progress, zygote=zygote, profile=profile))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elaswave.engine.cost import DEVICES, device
+from elaswave.engine.cost import DEVICES, DeviceSpec, LayerCost, device
 from elaswave.model.config import PRESETS, preset
 from elaswave.sim.mttr import RecoveryCosts
 from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
@@ -67,6 +67,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8192)
     p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PATH",
+        help="a run's profile.json (elaswave train --profile on): price the layers by "
+        "their measured seconds on --device instead of the FLOP formulas; the model must "
+        "have as many layers, and --tp must be 1 (the layers were measured whole)",
+    )
     p.add_argument(
         "--layout",
         default=Layout.REPLICA_MAJOR.value,
@@ -152,15 +160,37 @@ def parse_policies(text: str) -> list[SimPolicy]:
     return list(dict.fromkeys(out))
 
 
+def profiled_layers(path: Path, spec: DeviceSpec, *, tp: int) -> tuple[LayerCost, ...]:
+    """The layers of a run's profile.json priced on ``spec`` at its base clock."""
+    from elaswave.runtime.profile import LayerProfile  # imports torch: only when asked for
+
+    if tp != 1:
+        raise ValueError(f"--profile with --tp {tp}: the profile measured whole layers; use --tp 1")
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--profile {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--profile {str(path)!r}: not JSON: {exc}") from None
+    try:
+        return LayerProfile.from_dict(raw).costs(spec)
+    except ValueError as exc:
+        raise ValueError(f"--profile {str(path)!r}: {exc}") from None
+
+
 def job_from_args(args: argparse.Namespace) -> SimJob:
     try:
         layout = Layout(args.layout)
     except ValueError:
         valid = ", ".join(v.value for v in Layout)
         raise ValueError(f"--layout {args.layout!r}: valid layouts: {valid}") from None
+    spec = device(args.device)
+    profile: tuple[LayerCost, ...] = ()
+    if getattr(args, "profile", None) is not None:
+        profile = profiled_layers(args.profile, spec, tp=args.tp)
     return SimJob(
         preset(args.model),
-        device(args.device),
+        spec,
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
@@ -168,6 +198,7 @@ def job_from_args(args: argparse.Namespace) -> SimJob:
         global_batch=args.global_batch,
         devices_per_node=args.devices_per_node,
         layout=layout,
+        profile=profile,
     )
 
 
@@ -402,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
     doc = summarise(
         job, timelines, trace, description=description, costs=costs, model_name=args.model
     )
+    doc["job"]["profile"] = None if args.profile is None else str(args.profile)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sim.json").write_text(json.dumps(doc, indent=1) + "\n")

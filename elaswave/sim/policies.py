@@ -90,8 +90,16 @@ class SimJob:
     global_batch: int
     devices_per_node: int = 8
     layout: Layout = Layout.STAGE_MAJOR
+    profile: tuple[LayerCost, ...] = ()
+    """Measured layer costs priced on ``device`` (``elaswave sim --profile``), one per
+    layer of ``model``, in place of the FLOP formulas; empty: the formulas."""
 
     def __post_init__(self) -> None:
+        if self.profile and len(self.profile) != self.model.num_layers:
+            raise ValueError(
+                f"the profile has {len(self.profile)} layers, the simulated model "
+                f"{self.model.num_layers}: simulate the model that was profiled"
+            )
         for name in ("tp", "pp", "dp", "micro_batch", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be at least 1")
@@ -126,6 +134,8 @@ class SimJob:
 
     @cached_property
     def layers(self) -> list[LayerCost]:
+        if self.profile:
+            return list(self.profile)
         return layer_costs(self.model, tp=self.tp, dtype_bytes=2)
 
     def plan(self) -> Plan:

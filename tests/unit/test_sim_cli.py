@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from elaswave.cli.main import main
 from elaswave.cli.sim import device_fraction
+from elaswave.engine.steptime import plan_step_time
+from elaswave.runtime.config import JobConfig
+from elaswave.runtime.profile import profile_layers
+from elaswave.sim.policies import SimJob
 from elaswave.sim.trace import format_trace, full_start, slot_trace
 from tests.png import read_png
 
@@ -111,3 +116,32 @@ def test_a_spot_cluster_runs_from_its_start_with_spares(tmp_path, capsys):
     assert trace["csv"].startswith("time_ms,event,node\n")
     span = (trace["end_ms"] - trace["start_ms"]) / 1000  # the trace from the job's start
     assert all(p["simulated_s"] == pytest.approx(span) for p in doc["policies"].values())
+
+
+def test_sim_prices_a_run_profile_on_its_device(tmp_path, capsys):
+    """--profile PATH: a run's measured layers, priced on --device, replace the FLOP
+    formulas; a model of another depth, or a TP split, is refused."""
+    job_cfg = JobConfig()  # the tiny built-in model
+    profile = profile_layers(job_cfg, device=torch.device("cpu"), repeats=1)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    args = ["sim", "--model", "tiny", "--device", "emulated", "--tp", "1", "--pp", "2",
+            "--dp", "2", "--micro-batch", "2", "--global-batch", "16", "--steps", "20",
+            "--devices-per-node", "1", "--no-plot", "--out", str(tmp_path / "sim")]  # fmt: skip
+    assert main([*args, "--profile", str(path)]) == 0
+    doc = json.loads((tmp_path / "sim" / "sim.json").read_text())
+    assert doc["job"]["profile"] == str(path)
+    dev = job_cfg.cost_device
+    job = SimJob(job_cfg.model, dev, tp=1, pp=2, dp=2, micro_batch=2, global_batch=16,
+                 devices_per_node=1, profile=profile.costs(dev))  # fmt: skip
+    assert doc["baseline"]["step_s"] == plan_step_time(job.plan(), job.layers, job.device).step_s
+    capsys.readouterr()
+    assert main([*args, "--profile", str(path), "--model", "llama2-7b"]) == 2
+    assert capsys.readouterr().err == (
+        "elaswave: error: the profile has 6 layers, the simulated model 34: simulate the "
+        "model that was profiled\n"
+    )
+    assert main([*args, "--profile", str(path), "--tp", "2", "--devices-per-node", "2"]) == 2
+    assert "--profile with --tp 2: the profile measured whole layers; use --tp 1" in (
+        capsys.readouterr().err
+    )

@@ -16,7 +16,7 @@ from elaswave.runtime.config import JobSpec
 from elaswave.runtime.profile import LayerProfile
 from elaswave.runtime.replay import replay_run
 from tests.fault.recovery import JOB, check_recovered
-from tests.fault.test_hf_model import SHAPE
+from tests.fault.test_model_adapters import SHAPE
 from tests.runs import Run, elaswave, train
 
 pytestmark = pytest.mark.timeout(240)

@@ -53,9 +53,11 @@ PARAMS = "params"
 FAULTS = "faults"
 CHECKPOINTS = "checkpoints"
 
+TENSORBOARD = "tensorboard"
+"""The job's TensorBoard scalars (:mod:`elaswave.runtime.tensorboard`)."""
 OUTPUTS = (
     WORKERS, PARAMS, LOGS, FAULTS, EVENT_LOG, SUMMARY, JOB, CORE_STATE, CORE_RESULT,
-    HOST_SPEC, CORE_PID, PROFILE,
+    HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD,
 )  # fmt: skip
 """What one run writes; a new run in the same directory clears them first (and
 :data:`CHECKPOINTS` too unless it resumes from them)."""

@@ -51,6 +51,7 @@ from elaswave.runtime.nodes import RemoteNodes
 from elaswave.runtime.profile import LayerProfile
 from elaswave.runtime.summary import build_summary, write_summary
 from elaswave.runtime.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
+from elaswave.runtime.tensorboard import ScalarLog
 from elaswave.runtime.zygote import ForkedProcess, Zygote
 
 log = structlog.get_logger(__name__)
@@ -376,5 +377,15 @@ async def run_job(
             store_host=cfg.train.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
         ),
     ).write(run_dir, HOST_SPEC)
-    await JobHost(cfg, run_dir, on_event, zygote, store).run()
+    scalars = ScalarLog(run_dir)  # TensorBoard, beside summary.json
+
+    def observe(event: Event) -> None:
+        scalars(event)
+        if on_event is not None:
+            on_event(event)
+
+    try:
+        await JobHost(cfg, run_dir, observe, zygote, store).run()
+    finally:
+        scalars.close()
     return json.loads((run_dir / SUMMARY).read_text())

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import WorkerStarted
@@ -67,6 +68,13 @@ def test_a_kill_is_recovered_inside_the_scripts_train_step(runs_dir, example_run
     log = (run.out / "logs" / "rank2.log").read_text()
     assert "FailureDetected [1]" in log  # the script's subscription
     assert "step 5 loss" in log and "(after a recovery)" in log  # its hook
+    # TensorBoard scalars beside summary.json, read by TensorBoard's own reader.
+    board = EventAccumulator(str(run.out / "tensorboard"))
+    board.Reload()
+    assert {e.step for e in board.Scalars("train/loss")} == set(range(STEPS))
+    assert [e.value for e in board.Scalars("plan/ranks")] == [4.0, 3.0]
+    (mttr,) = board.Scalars("recovery/mttr_s")
+    assert mttr.value == pytest.approx(s["recoveries"][0]["mttr_s"], rel=1e-6)
 
 
 def test_the_script_outside_a_job_says_how_to_start_it():

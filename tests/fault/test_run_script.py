@@ -115,3 +115,14 @@ def test_a_script_that_stops_early_fails_the_job_naming_the_step(tmp_path):
     assert proc.returncode == 1, proc.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "logs").glob("rank*.log"))
     assert "returned at step 1 of 3: call job.train_step() until job.done" in logs
+
+
+@pytest.mark.timeout(300)
+def test_the_built_in_model_example_trains_as_elaswave_train_does(runs_dir):
+    """examples/train_builtin.py (no model, no dataset: the job's) is the built-in loop."""
+    job = ("--dp", "1", "--pp", "2", "--steps", "4", "--global-batch", "8", "--micro-batch", "2")
+    script = _run(runs_dir / "run_builtin", *job, script=EXAMPLE.parent / "train_builtin.py")
+    proc = elaswave("train", "--out", str(runs_dir / "train_builtin"), *job)
+    assert proc.returncode == 0, proc.stderr
+    diff = compare_runs(script.out, runs_dir / "train_builtin")
+    assert diff.loss_rel == 0.0 and diff.param_rel == 0.0, diff

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import json
 import operator
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,15 @@ def megatron_shape(source: str, *, seq_len: int) -> ModelConfig:
         init_std=float(raw.get("init_method_std", 0.02)),
         source=source,
     )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """megatron warns, as its modules load, that Apex and Transformer Engine are missing
+    and that it falls back to torch's own kernels: expected here, not news to a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        yield
 
 
 @functools.cache
@@ -275,6 +285,10 @@ class MegatronModel:
 
     @functools.cached_property
     def transformer_config(self) -> Any:
+        with _quiet():
+            return self._transformer_config()
+
+    def _transformer_config(self) -> Any:
         from megatron.core.transformer.enums import AttnBackend
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -331,7 +345,7 @@ class MegatronModel:
         return MegatronLayer(index, layer, rotary)
 
     def build_layer(self, index: int, *, seed: int) -> PipelineLayer:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _quiet():
             torch.manual_seed(stream_key(seed, 0x3E6A, index) & ((1 << 63) - 1))
             return self._new(index)
 

@@ -74,7 +74,7 @@ def test_a_users_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "megatron"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("megatron", marks=pytest.mark.long)])
 def test_a_users_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs, family):
     """Rank 1 (stage 0) is SIGKILLed in the backward of step 3; the survivors finish
     every step in-process, match the fault-free run, and replay reproduces the plan."""

@@ -180,6 +180,7 @@ def test_recycle_waits_for_nodes_when_its_peers_run_out_of_memory():
     assert simulate(j34, SimPolicy.ELASWAVE, trace, until_s=100).waited_s == 0
 
 
+@pytest.mark.long  # 15 s of simulation: scripts/test_long
 def test_a_pipeline_shrunk_by_churn_goes_on_and_grows_back():
     """Regression (elaswave sim --spot-hours 10.9 --spot-nodes 34 --spot-bursts-per-hour 5
     --spot-burst-mean 3 --seed 2 on tp1 pp4 dp8): a burst left 3 ranks, the pipeline

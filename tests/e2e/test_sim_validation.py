@@ -63,7 +63,7 @@ def _measure(runs_dir, dp, batch, micro_batch, rebalance, block):
 
 
 LAYOUTS = [
-    (2, 16, 2, "resize", 0),  # 4 samples per micro-batch over 1 survivor
+    pytest.param(2, 16, 2, "resize", 0, marks=pytest.mark.long),  # 4 samples over 1 survivor
     (3, 12, 1, "resize", 1),  # 3 over 2 survivors: shares 2 + 1, then 1 + 2
 ]
 

@@ -140,6 +140,7 @@ def test_a_failure_just_before_a_joins_pause_is_recovered(runs_dir):
     _check_numbers(run.out, ref.out)
 
 
+@pytest.mark.long  # the default suite budget: scripts/test_long
 @pytest.mark.timeout(300)
 def test_a_run_left_to_its_joiner_records_every_step(runs_dir):
     """Both original ranks die after a third joined: the joiner's own record starts at

@@ -400,7 +400,7 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir, s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["snapshot", "optimizer"])
+@pytest.mark.parametrize("phase", [pytest.param("snapshot", marks=pytest.mark.long), "optimizer"])
 def test_a_stage_lost_whole_a_step_ahead_of_its_snapshot_holders_is_taken_over(
     runs_dir, stage_ref, phase
 ):

@@ -23,6 +23,7 @@ def ref(runs_dir) -> Run:
     return train(runs_dir / "wait_ref", *JOB)
 
 
+@pytest.mark.long  # a joiner ending a wait: the elaswave-scale case covers it by default
 def test_a_pipeline_short_of_a_rank_waits_for_a_joiner_and_matches_the_fault_free_run(
     runs_dir, ref
 ):

@@ -55,7 +55,7 @@ from elaswave.engine.recovery import plan_digest
 from elaswave.runtime.config import JobConfig, TrainConfig
 from elaswave.runtime.inputs import rules_of
 
-EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "1000"))
+EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []
 """Events of each sequence run, the last one last (for the broken-rule test)."""
 

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from elaswave.engine.stopping import Outcome, on_exit, on_report, outcome, stop_phase
 
-EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "1000"))
+EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []
 """Events of each sequence run, the last one last (for the broken-rule test)."""
 

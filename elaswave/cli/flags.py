@@ -105,6 +105,11 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
         "(compute FACTOR x slower) or join@STEP (a worker joins); PHASE: forward, "
         "backward, grad-sync, snapshot, optimizer",
     )
+    p.add_argument(
+        "--precision",
+        help="fp32 (default) or bf16: bfloat16 compute with fp32 parameters, gradient "
+        "reduction, optimizer state and snapshots",
+    )
     p.add_argument("--rng", help="dropout randomness: counter (default) or stateful")
     p.add_argument(
         "--rebalance",

@@ -201,6 +201,7 @@ def _train(args: argparse.Namespace) -> int:
             "verify_snapshots": args.verify_snapshots,
             "faults": tuple(args.faults) if args.faults else None,
             "rng": args.rng,
+            "precision": args.precision,
             "rebalance": args.rebalance,
             "migration": args.migration,
             "partition": args.partition,

@@ -40,6 +40,10 @@ MAX_WAIT_FOR_NODES_S = 86400
 """The longest wait for joining ranks a job may ask for (a day)."""
 
 
+PRECISIONS = ("fp32", "bf16")
+"""Compute precisions (:attr:`TrainConfig.precision`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Layout and schedule of a training run."""
@@ -121,6 +125,10 @@ class TrainConfig:
     """Faults every process injects into the bus messages it receives, for testing
     delivery: ``drop=P,dup=P,reorder=P,delay=SECONDS,seed=N`` (see
     :class:`~elaswave.bus.reliable.BusFaults`); empty: none."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: compute in bfloat16 (autocast) with fp32 parameters,
+    gradients (reduced in fp32), ZeRO master shards, Adam state and snapshots; activations
+    cross stages in bfloat16 (``--precision``)."""
     nnodes: int = 1
     """Hosts of the job, one agent each (``--nnodes``); ``ranks_per_node`` workers per
     host (``--nproc-per-node``). More than one needs ``rdzv_endpoint``."""
@@ -183,6 +191,10 @@ class TrainConfig:
         check_bind(self.bus_host, keyed=self.bus_keys is not None)
         BusFaults.parse(self.bus_faults)
         self.worker_command(0)  # refuses a prefix that does not parse
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision = {self.precision!r}: valid values are {', '.join(PRECISIONS)}"
+            )
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1:
             raise ValueError(f"nnodes = {self.nnodes!r}: must be a positive integer")
         if self.nnodes > 1:
@@ -381,10 +393,13 @@ class JobConfig:
     @property
     def layer_costs(self) -> list[LayerCost]:
         """What the planners price: the measured :attr:`profile` when there is one, else
-        the cost model's formulas, fp32 as the runtime trains."""
+        the cost model's formulas at the training precision (activations and what
+        crosses stages in bf16 or fp32)."""
         if self.profile:
             return list(self.profile)
-        return layer_costs(self.model, dtype_bytes=FP32_BYTES)
+        return layer_costs(
+            self.model, dtype_bytes=2 if self.train.precision == "bf16" else FP32_BYTES
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

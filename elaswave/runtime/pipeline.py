@@ -66,8 +66,13 @@ class StageRunner:
         fault_hook: Callable[[Phase, int], None] = _no_fault,
         pacer: Pacer | None = None,
         shadow: ShadowStep | None = None,
+        bf16: bool = False,
     ) -> None:
-        """``shadow``: a non-blocking layer migration that its step runs (once)."""
+        """``shadow``: a non-blocking layer migration that its step runs (once).
+        ``bf16``: compute in bfloat16 (torch autocast; parameters, gradients and the
+        optimizer stay fp32) and send activations and their gradients in bfloat16."""
+        self.bf16 = bf16
+        self.act_dtype = torch.bfloat16 if bf16 else torch.float32
         self.fault_hook = fault_hook
         self.shadow = shadow
         self.pacer = pacer
@@ -129,7 +134,10 @@ class StageRunner:
         return tuple(range(base + lo, base + hi))
 
     def _activation(self, rows: int) -> torch.Tensor:
-        return torch.empty(rows, self.model.seq_len, self.model.hidden_size, device=self.device)
+        return torch.empty(
+            rows, self.model.seq_len, self.model.hidden_size, dtype=self.act_dtype,
+            device=self.device,
+        )  # fmt: skip
 
     def _recv(self, routes: list[Route], peer_of, tag: int) -> torch.Tensor:
         parts = []
@@ -225,8 +233,11 @@ class StageRunner:
             (self.layers, self.layer_ids) if shadow is None else shadow.layers_for(mb)
         )
         started = time.perf_counter()
-        for layer in layers:
-            x = layer(x, ctx)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for layer in layers:
+                x = layer(x, ctx)
+        if not self.is_last:
+            x = x.to(self.act_dtype)  # what the next stage receives, and its gradient
         if mb == 0:
             self.fault_hook(Phase.FORWARD, step)
         if self.is_last:

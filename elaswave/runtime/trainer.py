@@ -144,6 +144,7 @@ def _runner(
         fault_hook=ctx.faults.at,
         pacer=ctx.pacer,
         shadow=shadow,
+        bf16=ctx.cfg.train.precision == "bf16",
     )
 
 

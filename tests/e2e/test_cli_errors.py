@@ -33,6 +33,7 @@ from tests.runs import elaswave
         (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
         (["--wait-for-nodes", "1e6"], "wait_for_nodes_s = 1000000.0: must be from 0 to 86400"),
         (["--nnodes", "2"], "nnodes = 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--precision", "fp16"], "precision = 'fp16': valid values are fp32, bf16"),
         (
             [
                 "--nnodes",

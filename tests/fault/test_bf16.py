@@ -11,6 +11,7 @@ from tests.runs import train
 LAYOUT = ("--dp", "2", "--pp", "2")
 
 
+@pytest.mark.long  # 100 runs of steps: scripts/test_long
 @pytest.mark.timeout(300)
 def test_fifty_bf16_steps_stay_within_two_percent_of_the_fp32_loss_curve(runs_dir):
     job = (*LAYOUT, "--steps", "50", "--global-batch", "16", "--micro-batch", "2")

@@ -64,6 +64,7 @@ def test_without_a_wait_the_survivor_runs_every_layer_and_matches_the_fault_free
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
 
 
+@pytest.mark.long  # the two-stage case covers it by default
 def test_a_three_stage_pipeline_left_with_two_ranks_is_re_pipelined(runs_dir):
     """dp 1 x pp 3 loses its middle stage: the two survivors are re-pipelined (the
     planner prices every shorter pipeline) and the run matches its fault-free twin."""

@@ -108,6 +108,8 @@ class RemoteNodes:
         Core's next joining workers."""
         self._client: BusClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._sending: set[asyncio.Task[object]] = set()
+        """Publications under way (held: the loop keeps only weak references)."""
 
     def node_of(self, rank: int, *, join: bool) -> int:
         """The host worker ``rank`` starts on (0: this one)."""
@@ -132,7 +134,9 @@ class RemoteNodes:
 
     def send(self, event: SignalWorker | SpawnWorker | ScaleRequest) -> None:
         assert self._client is not None, "the agents' bus is not connected"
-        asyncio.get_running_loop().create_task(self._client.publish(event))
+        task = asyncio.get_running_loop().create_task(self._client.publish(event))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def spawn(self, rank: int, node: int, *, join: bool) -> RemoteProcess:
         """Start worker ``rank`` on ``node`` through its agent."""

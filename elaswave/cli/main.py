@@ -1,4 +1,4 @@
-"""The ``elaswave`` command: train, read a run's event log and report, and simulate.
+"""The ``elaswave`` command: train, run your script as the workers, replay, report, simulate.
 
 User errors (flags, config files, layouts) print one line, ``elaswave: error: ...``, and
 exit with status 2; a job that fails at run time exits with status 1.

@@ -60,12 +60,12 @@ class LinkClosed(RuntimeError):
     """The other end of the link has gone."""
 
 
-class WorkerHandle:
-    """A worker process seen from the Core: what ``asyncio.subprocess.Process`` offers
-    the supervisor (``pid``, ``returncode``, ``wait``, ``kill``, ``terminate``)."""
+class ProcessHandle:
+    """A worker process owned elsewhere, with what ``asyncio.subprocess.Process`` offers
+    its user (``pid``, ``returncode``, ``wait``, ``kill``, ``terminate``); a subclass
+    says how a signal reaches it."""
 
-    def __init__(self, link: CoreLink, rank: int, pid: int, code: int | None = None) -> None:
-        self._link = link
+    def __init__(self, rank: int, pid: int, code: int | None = None) -> None:
         self.rank = rank
         self.pid = pid
         self.returncode: int | None = code
@@ -81,7 +81,10 @@ class WorkerHandle:
     def send_signal(self, signum: int) -> None:
         if self.returncode is not None:
             raise ProcessLookupError(f"rank {self.rank} (pid {self.pid}) has exited")
-        self._link.send({"op": LinkOp.SIGNAL, "rank": self.rank, "signal": int(signum)})
+        self._signal(int(signum))
+
+    def _signal(self, signum: int) -> None:
+        raise NotImplementedError
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -89,9 +92,22 @@ class WorkerHandle:
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
-    def _exit(self, code: int) -> None:
-        self.returncode = code
-        self._exited.set()
+    def exited(self, code: int) -> None:
+        """The process exited with ``code`` (the first report counts)."""
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+
+
+class WorkerHandle(ProcessHandle):
+    """A worker process seen from the Core, signalled through the host link."""
+
+    def __init__(self, link: CoreLink, rank: int, pid: int, code: int | None = None) -> None:
+        super().__init__(rank, pid, code)
+        self._link = link
+
+    def _signal(self, signum: int) -> None:
+        self._link.send({"op": LinkOp.SIGNAL, "rank": self.rank, "signal": signum})
 
 
 async def _read_lines(reader: asyncio.StreamReader) -> dict[str, Any]:
@@ -160,7 +176,7 @@ class CoreLink:
                     if (waiter := self._started.pop(rank, None)) is not None:
                         waiter.set_result(handle)
                 elif doc["op"] == LinkOp.EXITED and rank in self.workers:
-                    self.workers[rank]._exit(int(doc["code"]))
+                    self.workers[rank].exited(int(doc["code"]))
                 elif doc["op"] == LinkOp.OBSERVING:
                     self._observing.set()
                 elif doc["op"] == LinkOp.SPAWN_FAILED:

@@ -42,6 +42,7 @@ from elaswave.bus.schema import (
     WorkerSpawned,
 )
 from elaswave.runtime.config import JobConfig, JobSpec
+from elaswave.runtime.hostlink import ProcessHandle
 
 log = structlog.get_logger(__name__)
 
@@ -49,38 +50,16 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 """How long node 0 waits for a host's agent before it gives up starting the job."""
 
 
-class RemoteProcess:
-    """A worker on another host, seen as ``asyncio.subprocess.Process`` is by the job host."""
+class RemoteProcess(ProcessHandle):
+    """A worker on another host, signalled through its agent."""
 
     def __init__(self, nodes: RemoteNodes, node: int, rank: int, pid: int) -> None:
+        super().__init__(rank, pid)
         self._nodes = nodes
         self.node = node
-        self.rank = rank
-        self.pid = pid
-        self.returncode: int | None = None
-        self._exited = asyncio.Event()
 
-    async def wait(self) -> int:
-        await self._exited.wait()
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.returncode is not None:
-            raise ProcessLookupError(f"rank {self.rank} on node {self.node} has exited")
-        self._nodes.send(SignalWorker(sender="host", node=self.node, rank=self.rank,
-                                      signal=int(signum)))  # fmt: skip
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def exit(self, code: int) -> None:
-        if self.returncode is None:
-            self.returncode = code
-            self._exited.set()
+    def _signal(self, signum: int) -> None:
+        self._nodes.send(SignalWorker(sender="host", node=self.node, rank=self.rank, signal=signum))
 
 
 @dataclass
@@ -180,7 +159,7 @@ class RemoteNodes:
                 case WorkerExited(rank=rank, code=code, node=node):
                     proc = self.procs.get(rank)
                     if proc is not None and proc.node == node:
-                        proc.exit(code)
+                        proc.exited(code)
 
     def _joined(self, event: NodeJoined) -> None:
         old = self.agents.get(event.node)
@@ -203,7 +182,7 @@ class RemoteNodes:
         agent.lost = True
         log.warning("host.node_lost", node=agent.node, why=why, ranks=sorted(agent.ranks))
         for rank in agent.ranks:
-            self.procs[rank].exit(-signal.SIGKILL)
+            self.procs[rank].exited(-signal.SIGKILL)
 
     async def _watch(self) -> None:
         timeout = self.cfg.train.heartbeat_timeout_s

@@ -165,11 +165,21 @@ class HfDecoder(PipelineLayer):
         super().__init__(index)
         self.layer = layer
         self.rotary = rotary
+        self._rope: tuple[tuple, torch.Tensor, Any] | None = None
+        """Positions and rotary tables of the last micro-batch shape (they depend on
+        nothing else): computed once, not at every micro-batch."""
+
+    def _positions(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        key = (x.shape[:2], x.dtype, x.device)
+        if self._rope is None or self._rope[0] != key:
+            b, s = x.shape[:2]
+            positions = torch.arange(s, device=x.device).unsqueeze(0).expand(b, -1)
+            with torch.no_grad():
+                self._rope = (key, positions, self.rotary(x, positions))
+        return self._rope[1], self._rope[2]
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b, s = x.shape[:2]
-        positions = torch.arange(s, device=x.device).unsqueeze(0).expand(b, -1)
-        rope = self.rotary(x, positions)
+        positions, rope = self._positions(x)
         out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 

@@ -229,12 +229,20 @@ class MegatronLayer(PipelineLayer):
         super().__init__(index)
         self.layer = layer
         self.rotary = rotary
+        self._tables: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        """Rotary table and causal mask of the last sequence length: computed once."""
+
+    def _rope_and_mask(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x.shape[1]
+        if self._tables is None or self._tables[0] != (s, x.device):
+            freqs = self.rotary.get_freqs_non_repeated(s).to(x.device)
+            rope = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), 1)[None, None]
+            self._tables = ((s, x.device), rope, mask)
+        return self._tables[1], self._tables[2]
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        s = x.shape[1]
-        freqs = self.rotary.get_freqs_non_repeated(s).to(x.device)
-        rope = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), 1)[None, None]
+        rope, mask = self._rope_and_mask(x)
         out = self.layer(x.transpose(0, 1), attention_mask=mask, rotary_pos_emb=rope)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(0, 1).contiguous()

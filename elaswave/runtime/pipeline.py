@@ -85,6 +85,7 @@ class StageRunner:
         self.loader = loader
         self.rng = rng
         self.model = model
+        self.per_sample_loss = pipeline_model(model).per_sample_loss  # once, not per micro-batch
         self.device = device
         self.sampler = GlobalBatchSampler(plan.global_batch, plan.num_micro_batches)
         self.is_first = self.stage == 0
@@ -242,7 +243,7 @@ class StageRunner:
             self.fault_hook(Phase.FORWARD, step)
         if self.is_last:
             _, targets = self.loader.batch(ids)
-            per_sample = pipeline_model(self.model).per_sample_loss(x, targets.to(self.device))
+            per_sample = self.per_sample_loss(x, targets.to(self.device))
             loss_sum += per_sample.detach().double().sum().cpu()
             out = per_sample.sum() / self.plan.global_batch
         else:

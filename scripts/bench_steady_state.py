@@ -68,18 +68,10 @@ MODEL = ModelConfig(
     seq_len=128,
     dropout=0.0,
 )
-MODEL_TOML = "[model]\n" + "".join(
+MODEL_TOML = "[model]\n" + "".join(  # the fields MODEL sets, for elaswave train --config
     f"{name} = {getattr(MODEL, name)!r}\n"
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "num_blocks",
-        "num_heads",
-        "num_kv_heads",
-        "ffn_hidden_size",
-        "seq_len",
-        "dropout",
-    )
+    for name in ModelConfig.field_names()
+    if getattr(MODEL, name) != getattr(ModelConfig(), name)
 )
 LAYOUTS = {"dp2": (2, 1), "pp2": (1, 2)}
 BASELINE_NAME = {"dp2": "DDP", "pp2": "pipelining 1F1B"}

@@ -185,6 +185,8 @@ def job(*, model: str | None = None, dataset: Sequence[Any] | None = None) -> Jo
             "with `elaswave run [--dp D --pp P --steps S ...] SCRIPT [ARGS]`"
         )
     if _job is not None:
+        if dataset is not None:
+            raise RuntimeError("elaswave.job() takes the dataset on its first call only")
         return _job
     cfg = _active.cfg
     if source is not None and source != (cfg.model.source or "tiny"):

@@ -37,6 +37,7 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import PipelineLayer, StepContext
 from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
+from elaswave.model.tensor_parallel import NO_TP, TpShard, refuse_tp
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """``model_type`` values whose layers ElasWave splits and prices (Llama-style blocks)."""
@@ -277,7 +278,8 @@ class HfModel:
             return HfHead(index, self._norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps), cfg)
         return HfDecoder(index, self._layer_cls(cfg, layer_idx=index - 1), self._rotary_cls(cfg))
 
-    def build_layer(self, index: int, *, seed: int) -> PipelineLayer:
+    def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
+        refuse_tp(tp, self.config)
         layer = self._new(index)
         if self._weights:
             self._load(layer, index)
@@ -322,7 +324,8 @@ class HfModel:
                 f"{self.directory}: layer {index}'s weights do not fit: {exc}"
             ) from None
 
-    def decay_flags(self, index: int) -> tuple[tuple[int, bool], ...]:
+    def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
+        refuse_tp(TpShard(0, tp), self.config)
         if index not in self._flags:
             with torch.device("meta"):
                 layer = self._new(index)

@@ -18,6 +18,14 @@ from torch import nn
 
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import DropoutRng, stream_key
+from elaswave.model.tensor_parallel import (
+    NO_TP,
+    TpShard,
+    copy_to,
+    gather_last,
+    reduce_from,
+    shard_param,
+)
 
 
 @dataclass(frozen=True)
@@ -88,32 +96,45 @@ def layer_index(layer: nn.Module) -> int:
 
 
 class EmbeddingLayer(PipelineLayer):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TpShard = NO_TP) -> None:
         super().__init__(index)
         self.p = cfg.dropout
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp
+        rows = cfg.vocab_size // tp.size  # vocabulary-parallel: this member's ids
+        self.lo = tp.rank * rows
+        self.embed = nn.Embedding(rows, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return _dropout(self.embed(x), ctx, p=self.p, layer=self.index, site=0)
+        if not self.tp.active:
+            return _dropout(self.embed(x), ctx, p=self.p, layer=self.index, site=0)
+        local = x - self.lo
+        outside = (local < 0) | (local >= self.embed.num_embeddings)
+        rows = self.embed(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _dropout(reduce_from(rows, self.tp), ctx, p=self.p, layer=self.index, site=0)
 
 
 class TransformerBlock(PipelineLayer):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TpShard = NO_TP) -> None:
         super().__init__(index)
         self.cfg = cfg
-        h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        # Column-parallel query/key/value and gate/up, row-parallel output and down: this
+        # member runs heads [rank * H / tp, ...) and its slice of the MLP's inner width.
+        self.heads, self.kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        h, q, kv = cfg.hidden_size, self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        ffn = cfg.ffn_hidden_size // tp.size
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
-        self.wq = nn.Linear(h, h, bias=False)
+        self.wq = nn.Linear(h, q, bias=False)
         self.wk = nn.Linear(h, kv, bias=False)
         self.wv = nn.Linear(h, kv, bias=False)
-        self.wo = nn.Linear(h, h, bias=False)
+        self.wo = nn.Linear(q, h, bias=False)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.w_gate = nn.Linear(h, cfg.ffn_hidden_size, bias=False)
-        self.w_up = nn.Linear(h, cfg.ffn_hidden_size, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden_size, h, bias=False)
+        self.w_gate = nn.Linear(h, ffn, bias=False)
+        self.w_up = nn.Linear(h, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, h, bias=False)
         cos, sin = _rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -121,57 +142,75 @@ class TransformerBlock(PipelineLayer):
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, self.heads, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, cfg.head_dim).transpose(1, 2)
         q = _apply_rotary(q, self.rope_cos, self.rope_sin)
         k = _apply_rotary(k, self.rope_cos, self.rope_sin)
-        if cfg.num_kv_heads != cfg.num_heads:
-            rep = cfg.num_heads // cfg.num_kv_heads
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, cfg.hidden_size))
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.heads * cfg.head_dim))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        p = self.cfg.dropout
-        x = x + _dropout(self._attention(self.attn_norm(x)), ctx, p=p, layer=self.index, site=0)
-        y = self.mlp_norm(x)
-        mlp = self.w_down(F.silu(self.w_gate(y)) * self.w_up(y))
+        p, tp = self.cfg.dropout, self.tp
+        attn = reduce_from(self._attention(copy_to(self.attn_norm(x), tp)), tp)
+        x = x + _dropout(attn, ctx, p=p, layer=self.index, site=0)
+        y = copy_to(self.mlp_norm(x), tp)
+        mlp = reduce_from(self.w_down(F.silu(self.w_gate(y)) * self.w_up(y)), tp)
         return x + _dropout(mlp, ctx, p=p, layer=self.index, site=1)
 
 
 class HeadLayer(PipelineLayer):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TpShard = NO_TP) -> None:
         super().__init__(index)
+        self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        # Vocabulary-parallel logits, gathered whole: the loss is the same on every member.
+        return gather_last(self.lm_head(copy_to(self.norm(x), self.tp)), self.tp)
 
 
-def _new_layer(cfg: ModelConfig, index: int) -> PipelineLayer:
+def _new_layer(cfg: ModelConfig, index: int, tp: TpShard = NO_TP) -> PipelineLayer:
     if not 0 <= index < cfg.num_layers:
         raise ValueError(f"layer index {index} out of range [0, {cfg.num_layers})")
     if index == 0:
-        return EmbeddingLayer(cfg, index)
+        return EmbeddingLayer(cfg, index, tp)
     if index == cfg.num_layers - 1:
-        return HeadLayer(cfg, index)
-    return TransformerBlock(cfg, index)
+        return HeadLayer(cfg, index, tp)
+    return TransformerBlock(cfg, index, tp)
 
 
 @functools.cache
-def layer_decay_flags(cfg: ModelConfig, index: int) -> tuple[tuple[int, bool], ...]:
+def layer_decay_flags(cfg: ModelConfig, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
     """(elements, takes weight decay) of global layer ``index``'s parameters in
-    registration order: matrices decay, vectors do not. Cached per process: a snapshot
-    holder asks it for the layers of another stage at every change."""
-    layer = _new_layer(cfg, index)  # small for the built-in model; no seeded init needed
+    registration order, on one of ``tp`` tensor-parallel members: matrices decay,
+    vectors do not. Cached per process: a snapshot holder asks it for the layers of
+    another stage at every change."""
+    layer = _new_layer(cfg, index, TpShard(0, tp))  # small; no seeded init needed
     return tuple((p.numel(), p.dim() >= 2) for p in layer.parameters())
 
 
-def build_layer(cfg: ModelConfig, index: int, *, seed: int) -> PipelineLayer:
-    """Build global layer ``index`` with parameters drawn from its own (seed, index) stream."""
+def build_layer(cfg: ModelConfig, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
+    """Build global layer ``index`` with parameters drawn from its own (seed, index)
+    stream; a TP member keeps its piece of the whole layer's parameters, so they do not
+    depend on the TP degree either."""
+    whole = _whole_layer(cfg, index, seed=seed)
+    if not tp.active:
+        return whole
+    layer = _new_layer(cfg, index, tp)
+    with torch.no_grad():
+        pieces = dict(whole.named_parameters())
+        for name, param in layer.named_parameters():
+            param.copy_(shard_param(name, pieces[name], tp))
+    return layer
+
+
+def _whole_layer(cfg: ModelConfig, index: int, *, seed: int) -> PipelineLayer:
     layer = _new_layer(cfg, index)
     gen = torch.Generator().manual_seed(stream_key(seed, 0x1A7E5, index) & ((1 << 63) - 1))
     with torch.no_grad():

@@ -50,6 +50,7 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import PipelineLayer, StepContext
 from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
+from elaswave.model.tensor_parallel import NO_TP, TpShard, refuse_tp
 
 KEYS = {
     "num_layers": int,
@@ -352,12 +353,14 @@ class MegatronModel:
         )  # fmt: skip
         return MegatronLayer(index, layer, rotary)
 
-    def build_layer(self, index: int, *, seed: int) -> PipelineLayer:
+    def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
+        refuse_tp(tp, self.config)
         with torch.random.fork_rng(devices=[]), _quiet():
             torch.manual_seed(stream_key(seed, 0x3E6A, index) & ((1 << 63) - 1))
             return self._new(index)
 
-    def decay_flags(self, index: int) -> tuple[tuple[int, bool], ...]:
+    def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
+        refuse_tp(TpShard(0, tp), self.config)
         if index not in self._flags:
             layer = self.build_layer(index, seed=0)  # small pieces; megatron builds no meta
             self._flags[index] = tuple((p.numel(), p.dim() >= 2) for p in layer.parameters())

@@ -17,6 +17,9 @@ and a batch format.
   model its dimensions; ``decay_flags(i)`` lists layer ``i``'s parameters in
   registration order (elements, takes weight decay), which the optimizer's shard
   layouts are built from.
+* **Tensor parallelism** (the built-in model only): ``build_layer(i, seed=, tp=)``
+  builds member ``tp.rank``'s piece of layer ``i`` (:mod:`elaswave.model.tensor_parallel`),
+  ``decay_flags(i, tp)`` lists a piece's parameters. Other models refuse ``tp > 1``.
 
 :func:`pipeline_model` returns the implementation for a model config, once per process:
 ElasWave's built-in decoder (:mod:`elaswave.model.llama`), a Hugging Face causal LM
@@ -32,6 +35,7 @@ import torch
 
 from elaswave.model import llama
 from elaswave.model.config import ModelConfig
+from elaswave.model.tensor_parallel import NO_TP, TpShard
 
 
 class PipelineModel(Protocol):
@@ -40,9 +44,9 @@ class PipelineModel(Protocol):
     """Where dropout draws from ElasWave's counter-based streams (the same masks under
     any layout); sites not listed have none, or are refused at load."""
 
-    def build_layer(self, index: int, *, seed: int) -> llama.PipelineLayer: ...
+    def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> llama.PipelineLayer: ...
 
-    def decay_flags(self, index: int) -> tuple[tuple[int, bool], ...]: ...
+    def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]: ...
 
     def per_sample_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
@@ -59,11 +63,11 @@ class BuiltinModel:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
 
-    def build_layer(self, index: int, *, seed: int) -> llama.PipelineLayer:
-        return llama.build_layer(self.config, index, seed=seed)
+    def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> llama.PipelineLayer:
+        return llama.build_layer(self.config, index, seed=seed, tp=tp)
 
-    def decay_flags(self, index: int) -> tuple[tuple[int, bool], ...]:
-        return llama.layer_decay_flags(self.config, index)
+    def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
+        return llama.layer_decay_flags(self.config, index, tp)
 
     def per_sample_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return llama.per_sample_loss(logits, targets)

@@ -18,7 +18,13 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML file with [model], [data], [optim], [train]")
     p.add_argument("--dp", type=int, help="data-parallel replicas per stage")
     p.add_argument("--pp", type=int, help="pipeline stages")
-    p.add_argument("--world-size", type=int, help="processes to start (must equal dp x pp)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel members of every (stage, replica), one failure unit "
+        "(the built-in model; ranks ordered tp fastest, then dp, then pp)",
+    )
+    p.add_argument("--world-size", type=int, help="processes to start (must equal dp x pp x tp)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--global-batch", type=int, help="samples per step")
     p.add_argument("--micro-batch", type=int, help="samples per micro-batch per replica")

@@ -183,6 +183,7 @@ def _train(args: argparse.Namespace) -> int:
         "train": {
             "dp": args.dp,
             "pp": args.pp,
+            "tp": args.tp,
             "world_size": args.world_size,
             "steps": args.steps,
             "global_batch": args.global_batch,
@@ -224,7 +225,8 @@ def _train(args: argparse.Namespace) -> int:
     profiling = _wants_profile(args, job)
     t = job.train
     print(
-        f"elaswave: training dp={t.dp} x pp={t.pp} ({t.num_ranks} workers, device {t.device}) "
+        f"elaswave: training dp={t.dp} x pp={t.pp}{f' x tp={t.tp}' if t.tp > 1 else ''} "
+        f"({t.num_ranks} workers, device {t.device}) "
         f"for {t.steps} steps, global batch {t.global_batch}; run dir {out}"
     )
     zygote = Zygote.start()  # before any thread or event loop: it forks every Core

@@ -186,7 +186,7 @@ def check_divisible(*, num_heads: int, num_kv_heads: int, ffn: int, vocab: int, 
 
 def refuse_tp(tp: TpShard, config: Any) -> None:
     """ValueError when a model without tensor-parallel layers is asked for them."""
-    if tp.active:
+    if tp.active and config.source:
         raise ValueError(
             f"model {config.source!r} has no tensor-parallel layers: --tp {tp.size} needs "
             "ElasWave's built-in model (use --tp 1 with Hugging Face and megatron-core models)"

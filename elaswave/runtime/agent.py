@@ -15,9 +15,10 @@ from elaswave.runtime.session import Session
 
 
 class Agent:
-    def __init__(self, session: Session, rank: int, *, interval_s: float) -> None:
+    def __init__(self, session: Session, rank: int, *, interval_s: float, sender: str = "") -> None:
         self.session = session
         self.rank = rank
+        self.sender = sender or f"rank{rank}"
         self.interval_s = interval_s
         self.step = -1
         """The step being trained; set by the training loop."""
@@ -28,9 +29,8 @@ class Agent:
         self._thread.start()
 
     def _run(self) -> None:
-        sender = f"rank{self.rank}"
         while not self._stop.wait(self.interval_s):
-            self.session.publish(Heartbeat(sender=sender, rank=self.rank, step=self.step))
+            self.session.publish(Heartbeat(sender=self.sender, rank=self.rank, step=self.step))
 
     def close(self) -> None:
         self._stop.set()

@@ -30,6 +30,7 @@ from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import RNG_KINDS
+from elaswave.model.tensor_parallel import TpShard, check_divisible, refuse_tp
 from elaswave.runtime.faults import validate_faults
 
 EMULATED_DEVICE = "emulated"
@@ -52,6 +53,10 @@ class TrainConfig:
     """Data-parallel replicas per pipeline stage."""
     pp: int = 2
     """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel members of every (stage, replica): ranks are numbered as Megatron
+    does, tp fastest, then dp, then pp. The TP group is the unit the plan places and
+    the Core recovers: losing any member takes its (stage, replica) out."""
     steps: int = 20
     """Optimizer steps to train."""
     global_batch: int = 16
@@ -64,7 +69,7 @@ class TrainConfig:
     """cpu (gloo), cuda (nccl), npu (hccl via torch_npu), or emulated (gloo on CPU,
     keeping the time of the cost model's emulated accelerator)."""
     world_size: int | None = None
-    """Processes to start; must equal dp x pp when given."""
+    """Processes to start; must equal dp x pp x tp when given."""
     comm_timeout_s: float = 60.0
     """Bound on any single collective or point-to-point wait."""
     trace_steps: int = 2
@@ -178,15 +183,16 @@ class TrainConfig:
         return None if self.bus_keys is None else load_keys(Path(self.bus_keys))
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "steps", "global_batch", "micro_batch"):
+        for name in ("dp", "pp", "tp", "steps", "global_batch", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} = {value!r}: must be a positive integer")
         parse_device(self.device)
-        if self.world_size is not None and self.world_size != self.dp * self.pp:
+        if self.world_size is not None and self.world_size != self.num_ranks:
             raise ValueError(
-                f"world size {self.world_size} != dp x pp = {self.dp} x {self.pp} = "
-                f"{self.dp * self.pp}; set --world-size {self.dp * self.pp} or change --dp/--pp"
+                f"world size {self.world_size} != dp x pp x tp = {self.dp} x {self.pp} x "
+                f"{self.tp} = {self.num_ranks}; set --world-size {self.num_ranks} or change "
+                "--dp/--pp/--tp"
             )
         check_bind(self.bus_host, keyed=self.bus_keys is not None)
         BusFaults.parse(self.bus_faults)
@@ -202,11 +208,11 @@ class TrainConfig:
                 raise ValueError(
                     f"nnodes = {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)"
                 )
-            if self.nnodes * self.ranks_per_node != self.dp * self.pp:
+            if self.nnodes * self.ranks_per_node != self.num_ranks:
                 raise ValueError(
                     f"nnodes x nproc-per-node = {self.nnodes} x {self.ranks_per_node} = "
-                    f"{self.nnodes * self.ranks_per_node} workers, but dp x pp = "
-                    f"{self.dp} x {self.pp} = {self.dp * self.pp}"
+                    f"{self.nnodes * self.ranks_per_node} workers, but dp x pp x tp = "
+                    f"{self.dp} x {self.pp} x {self.tp} = {self.num_ranks}"
                 )
         ack = self.plan_ack_timeout_s
         if isinstance(ack, bool) or not isinstance(ack, int | float) or not 0 < ack <= 600:
@@ -230,6 +236,7 @@ class TrainConfig:
             )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node = {self.ranks_per_node!r}: must be at least 1")
+        self._check_tp()
         if self.rng not in RNG_KINDS:
             raise ValueError(f"rng = {self.rng!r}: valid values are {', '.join(RNG_KINDS)}")
         object.__setattr__(self, "faults", tuple(self.faults))
@@ -281,6 +288,48 @@ class TrainConfig:
                 f"{MAX_WAIT_FOR_NODES_S} seconds (0: stop at once when a stage cannot be filled)"
             )
 
+    def _check_tp(self) -> None:
+        """What tensor parallelism does not combine with (yet), named."""
+        rpn, tp = self.ranks_per_node, self.tp
+        if tp == 1:
+            return
+        if rpn % tp and tp % rpn:
+            raise ValueError(
+                f"tp = {tp} with {rpn} ranks per node: a TP group must fill whole nodes or "
+                f"fit in one (ranks per node a multiple or a divisor of {tp})"
+            )
+        unsupported = {
+            "--nnodes > 1": self.nnodes > 1,
+            "--checkpoint-every": self.checkpoint_every > 0,
+            "--resume": self.resume_dir is not None,
+            "--wait-for-nodes": self.wait_for_nodes_s > 0,
+        }
+        for flag, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"tp = {tp} does not combine with {flag} in this version: use --tp 1, "
+                    f"or leave {flag.split()[0]} out"
+                )
+
+    @property
+    def units(self) -> int:
+        """(stage, replica) places at the start: TP groups, the plan's ranks."""
+        return self.dp * self.pp
+
+    @property
+    def units_per_node(self) -> int:
+        """TP groups per node (1 when a group spans nodes): what the plan's snapshot
+        placement counts in."""
+        return max(1, self.ranks_per_node // self.tp)
+
+    def physical(self, unit: int, member: int = 0) -> int:
+        """The process rank of TP member ``member`` of plan rank ``unit``."""
+        return unit * self.tp + member
+
+    def unit_of(self, rank: int) -> tuple[int, int]:
+        """(plan rank, TP member) of process rank ``rank``."""
+        return divmod(rank, self.tp)
+
     @property
     def shortens(self) -> bool:
         """Whether fewer ranks than stages continue on a shorter pipeline (no wait asked
@@ -299,7 +348,8 @@ class TrainConfig:
 
     @property
     def num_ranks(self) -> int:
-        return self.dp * self.pp
+        """Worker processes at the start: dp x pp x tp."""
+        return self.dp * self.pp * self.tp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,12 +366,24 @@ class JobConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile", tuple(self.profile))
         self._check_profile()
+        if self.train.tp > 1:
+            m = self.model
+            refuse_tp(TpShard(0, self.train.tp), m)
+            check_divisible(
+                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, ffn=m.ffn_hidden_size,
+                vocab=m.vocab_size, tp=self.train.tp,
+            )  # fmt: skip
+            if self.profile:
+                raise ValueError(
+                    f"tp = {self.train.tp} with a measured profile: profiling measures whole "
+                    "layers; use --profile off with --tp"
+                )
         self.plan()  # validates layout against the model and batch
 
     def _check_profile(self) -> None:
         if not self.profile:
             return
-        formulas = layer_costs(self.model, dtype_bytes=FP32_BYTES)
+        formulas = layer_costs(self.model, tp=self.train.tp, dtype_bytes=FP32_BYTES)
         if len(self.profile) != len(formulas):
             raise ValueError(
                 f"profile has {len(self.profile)} layers; the model has {len(formulas)}: "
@@ -386,8 +448,8 @@ class JobConfig:
 
     @property
     def power_budget(self) -> float:
-        """What DVFS may draw, in ranks at the base clock: the launch size (dp x pp), so
-        that survivors up-clock only with the power lost ranks freed."""
+        """What DVFS may draw, in plan ranks (TP groups) at the base clock: the launch
+        size (dp x pp), so that survivors up-clock only with the power lost ranks freed."""
         return float(self.train.dp * self.train.pp)
 
     @property
@@ -398,7 +460,9 @@ class JobConfig:
         if self.profile:
             return list(self.profile)
         return layer_costs(
-            self.model, dtype_bytes=2 if self.train.precision == "bf16" else FP32_BYTES
+            self.model,
+            tp=self.train.tp,
+            dtype_bytes=2 if self.train.precision == "bf16" else FP32_BYTES,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -115,6 +115,8 @@ class Core:
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
         self.last_heartbeat: dict[int, float] = {}
+        self._beats: dict[int, dict[str, float]] = {}
+        """rank -> sender -> its latest heartbeat (a TP group's members each beat)."""
         """rank -> monotonic time its last heartbeat (or its WorkerStarted) arrived."""
         self.step_timings: list[StepTiming] = []
         """Every StepTiming, in arrival order (the fail-slow detector's input)."""
@@ -233,10 +235,16 @@ class Core:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
         self.client.resume_numbering(last)
-        now = time.monotonic()  # the supervisor times silence from now
+        self.silence_from(time.monotonic())  # the supervisor times silence from now
+        log.warning("core.restored", events=self.restored, numbering=last)
+
+    def silence_from(self, now: float) -> None:
+        """Count every worker's silence from ``now`` (a period the Core did not watch)."""
         for rank in self.last_heartbeat:
             self.last_heartbeat[rank] = now
-        log.warning("core.restored", events=self.restored, numbering=last)
+        for beats in self._beats.values():
+            for sender in beats:
+                beats[sender] = now
 
     async def listen(self) -> None:
         """Record and dispatch events until cancelled."""
@@ -266,7 +274,10 @@ class Core:
     def _dispatch(self, event: Event) -> None:
         """Update the state the supervisor reads with ``event``."""
         if isinstance(event, Heartbeat):
-            self.last_heartbeat[event.rank] = time.monotonic()
+            # A TP group beats with each member: it is as live as its most silent one.
+            beats = self._beats.setdefault(event.rank, {})
+            beats[event.sender] = time.monotonic()
+            self.last_heartbeat[event.rank] = min(beats.values())
         elif isinstance(event, WorkerStarted):
             # Its agent beats from before this on: a worker that hangs before its first
             # heartbeat is silent from here, and fenced like any other.

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from elaswave.runtime.core import Core, CorePorts
 from elaswave.runtime.hostlink import LINK_FD_ENV, CoreLink
 from elaswave.runtime.summary import build_summary, write_summary
 from elaswave.runtime.supervisor import JobFailed, Supervisor, fault_point
+from elaswave.runtime.units import group_units, spawn_unit
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +61,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
     store = connect_store(ep.store_host, ep.store_port, timeout_s=t.comm_timeout_s)
-    procs = await link.connect()
+    procs = group_units(await link.connect(), t.tp)  # by plan rank: a TP group is one
     async with Core(
         run_dir,
         host=t.bus_host,
@@ -93,7 +95,8 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                         device=t.device,
                     )
                 )
-                procs = {r: await link.spawn(r, join=False) for r in cfg.plan().ranks}
+                start = partial(link.spawn, join=False)
+                procs = {r: await spawn_unit(start, r, t.tp) for r in cfg.plan().ranks}
             else:
                 log.warning("core.restarted", incarnation=incarnation, workers=sorted(procs))
             supervisor = Supervisor(
@@ -101,7 +104,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                 run_dir,
                 core,
                 procs,
-                spawn=lambda rank: link.spawn(rank, join=True),
+                spawn=lambda rank: spawn_unit(partial(link.spawn, join=True), rank, t.tp),
                 store=store,
                 state=state,
             )
@@ -137,6 +140,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         bus=core.client.delivery(),
         layers=cfg.layer_costs,
         cost_device=cfg.cost_device,
+        tp=t.tp,
     )
     summary["core_incarnations"] = incarnation + 1
     write_summary(run_dir, summary)

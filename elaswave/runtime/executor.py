@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -38,7 +39,9 @@ from elaswave.runtime.faults import Phase
 from elaswave.runtime.held_checkpoint import write_part
 from elaswave.runtime.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.session import Session
+from elaswave.runtime.tpgroup import TP_GROUP, unit_report
 from elaswave.runtime.trainer import Trainer, WorkerContext, reconfigure
+from elaswave.runtime.units import sender_name
 
 log = structlog.get_logger(__name__)
 
@@ -156,15 +159,16 @@ def _agree(
                 f"{decision.plan_digest}: planners disagree"
             )
         ctx.faults.at(Phase.PLAN, decision.committed_step + 1)
-        session.publish(
-            PlanAck(
-                sender=f"rank{ctx.rank}",
-                generation=gen,
-                rank=ctx.rank,
-                plan_digest=decision.plan_digest,
-                attempt=decision.attempt,
+        if ctx.leader:  # for its TP group, whose members check the same plan
+            session.publish(
+                PlanAck(
+                    sender=f"rank{ctx.rank}",
+                    generation=gen,
+                    rank=ctx.rank,
+                    plan_digest=decision.plan_digest,
+                    attempt=decision.attempt,
+                )
             )
-        )
         attempt = decision.attempt
         answer = _await_event(
             inbox,
@@ -217,7 +221,8 @@ def recover(
     ``cause`` is what stopped the step (a failed wait, or the abort signal), None when
     the loop stopped at a boundary for a pause the Core requested.
     """
-    gen, sender, timeout = trainer.plan.generation, f"rank{ctx.rank}", ctx.cfg.train.comm_timeout_s
+    gen, timeout = trainer.plan.generation, ctx.cfg.train.comm_timeout_s
+    sender = sender_name(ctx.rank, ctx.member)
     announced: Event | None = pauses.pending(gen)
     if announced is None:
         try:
@@ -237,16 +242,21 @@ def recover(
         committed_step=trainer.committed_step,
         cause=str(cause),
     )
-    session.publish(
-        RecoveryReady(
-            sender=sender,
-            generation=gen,
-            rank=ctx.rank,
-            committed_step=trainer.committed_step,
-            tainted=trainer.comm.tainted(),
-            params_step=-2 if (ps := trainer.optimizer.params_step) is None else ps,
-        )
-    )
+    tainted = trainer.comm.tainted()
+    report: dict[str, Any] = {
+        "committed_step": trainer.committed_step,
+        "tainted": tainted + ([TP_GROUP] if ctx.tp is not None and ctx.tp.tainted else []),
+        "params_step": -2 if (ps := trainer.optimizer.params_step) is None else ps,
+    }
+    if ctx.tp is not None:  # the TP group reports as one (its earliest step, every taint)
+        report = unit_report(
+            ctx.store, unit=ctx.rank, member=ctx.member, size=ctx.tp.size, generation=gen,
+            report=report, timeout_s=timeout,
+        )  # fmt: skip
+        if TP_GROUP in report["tainted"]:
+            ctx.tp.rebuild(ctx.tp.generation + 1)
+    if ctx.leader:
+        session.publish(RecoveryReady(sender=sender, generation=gen, rank=ctx.rank, **report))
 
     def on_checkpoint(request: CheckpointRequest) -> None:
         if ctx.rank not in request.writers:
@@ -326,6 +336,8 @@ def _apply(
         )
     finally:
         faulthandler.cancel_dump_traceback_later()
+    if not ctx.leader:
+        return trainer
     session.publish(
         RecoveryDone(
             sender=f"rank{ctx.rank}",

@@ -16,6 +16,7 @@ from elaswave.engine.plan import Plan
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.zero import ShardState
 from elaswave.model.protocol import pipeline_model
+from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.config import JobConfig
 
 
@@ -34,7 +35,7 @@ def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
         torch.cat(
             [
                 torch.full((numel,), 1.0 if decays else 0.0)
-                for numel, decays in pipeline_model(cfg.model).decay_flags(item.layer)
+                for numel, decays in pipeline_model(cfg.model).decay_flags(item.layer, cfg.train.tp)
             ]
         )
         for item in layout.layers
@@ -42,8 +43,9 @@ def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
     return layout.shard_of(masks, replica)
 
 
-def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int) -> ShardState:
-    """``owner``'s shard before the first step: its layers' seeded initial parameters,
+def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int, *, member: int = 0) -> ShardState:
+    """``owner``'s shard before the first step: its layers' seeded initial parameters
+    (TP piece ``member``, the holder's own: it keeps the owner's shard of its plane),
     zero moments."""
     layout, replica = owner_layout(cfg, plan, owner)
     with torch.no_grad():
@@ -52,7 +54,7 @@ def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int) -> ShardState:
                 [
                     p.detach().float().reshape(-1)
                     for p in pipeline_model(cfg.model)
-                    .build_layer(item.layer, seed=cfg.train.seed)
+                    .build_layer(item.layer, seed=cfg.train.seed, tp=TpShard(member, cfg.train.tp))
                     .parameters()
                 ]
             )

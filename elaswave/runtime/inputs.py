@@ -104,7 +104,7 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
     return Rules(
         steps=t.steps,
         recovery=t.recovery,
-        ranks_per_node=t.ranks_per_node,
+        ranks_per_node=t.units_per_node,
         snapshots=t.snapshots,
         rebalancing=rebalancing_of(cfg, {}),
         migration=t.migration,

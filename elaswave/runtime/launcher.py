@@ -159,7 +159,10 @@ class JobHost:
     def _all_finished(self, state: dict[str, Any]) -> bool:
         """Every worker of the last plan exited cleanly: the training is done."""
         ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
-        return bool(ranks) and all(self.codes.get(r) == 0 for r in ranks)
+        tp = self.cfg.train.tp  # a plan rank is its TP group's processes
+        return bool(ranks) and all(
+            self.codes.get(self.cfg.train.physical(r, m)) == 0 for r in ranks for m in range(tp)
+        )
 
     def _summarise(self, state: dict[str, Any], lost: str) -> None:
         """Write the summary a Core would have, from the workers' results on disk."""
@@ -173,6 +176,7 @@ class JobHost:
             recoveries=state["recoveries"],
             layers=self.cfg.layer_costs,
             cost_device=self.cfg.cost_device,
+            tp=self.cfg.train.tp,
         )
         write_summary(self.run_dir, summary)
 

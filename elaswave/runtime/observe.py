@@ -61,13 +61,15 @@ def to_input(event: Event, t: float, scales: int) -> ch.Input | None:
     return None
 
 
-def exited(run_dir: Path, rank: int, code: int) -> ch.Exited:
+def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -> ch.Exited:
     """The exit of worker ``rank`` with ``code``: its last error, and when an injected
-    fault killed it (its own record), if it has them."""
-    why = last_error(rank_log(run_dir, rank)) if code else ""
+    fault killed it (its own record), if it has them. ``process``: the process whose
+    log and record those are (a TP group's member that exited first), else ``rank``."""
+    process = rank if process is None else process
+    why = last_error(rank_log(run_dir, process)) if code else ""
     killed_at = None
     with contextlib.suppress(OSError, ValueError, KeyError):
-        killed_at = float(json.loads(fault_record(run_dir, rank).read_text())["killed_at"])
+        killed_at = float(json.loads(fault_record(run_dir, process).read_text())["killed_at"])
     return ch.Exited(rank, code, why, killed_at)
 
 

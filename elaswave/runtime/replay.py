@@ -185,7 +185,7 @@ def _replay_one(
             plan,
             event.failed,
             commits,
-            ranks_per_node=cfg.train.ranks_per_node,
+            ranks_per_node=cfg.train.units_per_node,
             snapshots=cfg.train.snapshots,
             rebalancing=announced_rebalancing(cfg, event),
             joined=event.joined,

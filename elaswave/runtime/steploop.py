@@ -41,6 +41,7 @@ from elaswave.runtime.executor import Mailbox, PauseBox
 from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.pipeline import StepResult
 from elaswave.runtime.session import Session
+from elaswave.runtime.tpgroup import whole_param
 from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer
 
 
@@ -108,6 +109,8 @@ class StepLoop:
         self.finished = False
 
     def _started(self, stage: int, replica: int, *, joining: bool = False) -> None:
+        if not self.ctx.leader:
+            return  # member 0 speaks for the TP group
         self.session.publish(
             WorkerStarted(
                 sender=self.sender, rank=self.rank, stage=stage, replica=replica,
@@ -173,6 +176,8 @@ class StepLoop:
     def _completed(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
         cfg, trainer = self.cfg, self.trainer
         self.step_times[step] = result.seconds
+        if not self.ctx.leader:  # member 0 reports for the TP group
+            return self._outcome(step, result, recovered)
         if (shadow := result.migration) is not None:
             self.session.publish(
                 MigrationDone(
@@ -200,17 +205,23 @@ class StepLoop:
             self.traces.append({"step": step, "actions": result.trace})
         if cfg.train.verify_snapshots:
             self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
+        loss = self._outcome(step, result, recovered).loss
+        if loss is not None and trainer.plan.stages[-1].ranks[0] == self.rank:
+            self.session.publish(
+                StepCompleted(
+                    sender=self.sender, rank=self.rank, step=step, loss=loss,
+                    step_time_s=result.seconds, samples=trainer.plan.global_batch,
+                )
+            )  # fmt: skip
+        return StepOutcome(step, loss, result.seconds, trainer.plan.generation, recovered)
+
+    def _outcome(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
+        """The step as this rank saw it; its loss recorded (on the last stage)."""
+        plan = self.trainer.plan
         loss = None
         if result.loss_sum is not None:
-            loss = self.losses[step] = result.loss_sum / trainer.plan.global_batch
-            if trainer.plan.stages[-1].ranks[0] == self.rank:
-                self.session.publish(
-                    StepCompleted(
-                        sender=self.sender, rank=self.rank, step=step, loss=loss,
-                        step_time_s=result.seconds, samples=trainer.plan.global_batch,
-                    )
-                )  # fmt: skip
-        return StepOutcome(step, loss, result.seconds, trainer.plan.generation, recovered)
+            loss = self.losses[step] = result.loss_sum / plan.global_batch
+        return StepOutcome(step, loss, result.seconds, plan.generation, recovered)
 
     def finish(self) -> None:
         """Wait for checkpoint writes, snapshots and kept snapshots; save this rank's
@@ -230,15 +241,19 @@ class StepLoop:
             keeper.close()
         stage, replica = trainer.plan.locate(self.rank)
         if replica == 0:
-            path = rundir.stage_params(run_dir, stage)
-            path.parent.mkdir(exist_ok=True)
-            torch.save(
-                {
-                    layer_index(layer): {n: p.detach().cpu() for n, p in layer.named_parameters()}
-                    for layer in trainer.layers
-                },
-                path,
-            )
+            params = {
+                layer_index(layer): {
+                    n: whole_param(n, p.detach().cpu(), self.ctx.tp)
+                    for n, p in layer.named_parameters()
+                }
+                for layer in trainer.layers
+            }
+            if self.ctx.leader:
+                path = rundir.stage_params(run_dir, stage)
+                path.parent.mkdir(exist_ok=True)
+                torch.save(params, path)
+        if not self.ctx.leader:
+            return  # member 0 reports for the TP group
         losses, times, digests = self.losses, self.step_times, self.optimizer_digests
         result_doc = {
             "rank": self.rank,

@@ -43,11 +43,13 @@ def build_summary(
     bus: dict[str, int] | None = None,
     layers: Sequence[LayerCost] | None = None,
     cost_device: DeviceSpec | None = None,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """``bus``: the Core's delivery counters; the workers' are added from their results.
     ``layers`` and ``cost_device``: what the planners price (the job's
     :attr:`~elaswave.runtime.config.JobConfig.layer_costs` and ``cost_device``), for
-    ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without)."""
+    ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without).
+    ``tp``: the members of each of the plan's ranks (TP groups)."""
     results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
     # Last-stage ranks know the loss of each step they ran in the last stage (a rank
     # that changed stage, or joined, knows only some steps); the steps no surviving rank
@@ -83,7 +85,7 @@ def build_summary(
     if layers is not None and cost_device is not None:
         predicted = plan_step_time(plan, layers, cost_device).step_s
     return {
-        "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": 1},
+        "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": tp},
         "global_batch": plan.global_batch,
         "steps_completed": first + trained,
         "loss": losses,

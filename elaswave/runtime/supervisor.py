@@ -38,6 +38,7 @@ from elaswave.runtime.core import Core
 from elaswave.runtime.inputs import rules_of
 from elaswave.runtime.observe import exited, to_input
 from elaswave.runtime.slowwatch import StragglerWatch
+from elaswave.runtime.units import sender_name
 
 log = structlog.get_logger(__name__)
 
@@ -202,8 +203,11 @@ class Supervisor:
 
     async def _watch_exit(self, rank: int, proc: Any) -> None:
         code = await proc.wait()
-        self.core.client.tracker.forget(f"rank{rank}")  # no one can send its gaps again
-        await self.inputs.put(exited(self.run_dir, rank, code))
+        for member in range(self.cfg.train.tp):  # no one can send its gaps again
+            self.core.client.tracker.forget(sender_name(rank, member))
+        # A TP group's exit is explained by the member that ended it.
+        process = getattr(proc, "exited_member", None)
+        await self.inputs.put(exited(self.run_dir, rank, code, process=process))
 
     async def _watch_bus(self) -> None:
         """Feed the events the protocol takes: those read back from a predecessor's
@@ -229,8 +233,7 @@ class Supervisor:
                 # The Core itself was stalled (stopped, starved): it cannot tell a silent
                 # worker from a period it did not watch. Silence counts from now.
                 log.warning("core.stalled", seconds=round(now - last_tick, 2))
-                for rank in self.core.last_heartbeat:
-                    self.core.last_heartbeat[rank] = now
+                self.core.silence_from(now)
             last_tick = now
             for rank in sorted(self.state.alive - set(self.state.fenced)):
                 last = self.core.last_heartbeat.get(rank)

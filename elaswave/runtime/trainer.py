@@ -50,6 +50,7 @@ from elaswave.fabric.zero import ShardState, ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
+from elaswave.model.tensor_parallel import TpShard
 from elaswave.rundir import step_dir
 from elaswave.runtime.config import JobConfig
 from elaswave.runtime.emulation import Pacer
@@ -58,6 +59,7 @@ from elaswave.runtime.holders import owner_decay_mask, owner_initial_state, owne
 from elaswave.runtime.inputs import NONBLOCKING
 from elaswave.runtime.migration import ShadowStep, migration_pairs
 from elaswave.runtime.pipeline import StageRunner
+from elaswave.runtime.tpgroup import TpLink
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +81,26 @@ class WorkerContext:
     faults: FaultInjector
     pacer: Pacer
     """Keeps the modelled device's time (``--device emulated``) and fail-slow delays."""
+    member: int = 0
+    """This process's member of the rank's TP group (:mod:`elaswave.runtime.tpgroup`)."""
+    tp: TpLink | None = None
+    """The TP group (None without tensor parallelism)."""
+    plane_store: dist.Store | None = None
+    """Where this member's plane meets (its groups and links); None: ``store``."""
+
+    @property
+    def tp_shard(self) -> TpShard:
+        """The piece of every layer this process holds."""
+        return TpShard(self.member, self.cfg.train.tp, self.tp)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process speaks for its rank on the bus (TP member 0)."""
+        return self.member == 0
+
+    @property
+    def comm_store(self) -> dist.Store:
+        return self.store if self.plane_store is None else self.plane_store
 
     @property
     def numels(self) -> dict[int, int]:
@@ -120,7 +142,7 @@ class Trainer:
 def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     if not ctx.cfg.train.snapshots:
         return []
-    return snapshot_group_specs(plan, ctx.cfg.train.ranks_per_node)
+    return snapshot_group_specs(plan, ctx.cfg.train.units_per_node)
 
 
 def _runner(
@@ -172,7 +194,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     """The trainer at the start of the run, or at a checkpoint when resuming."""
     plan = ctx.cfg.plan()
     links = DynamicCommunicator(
-        ctx.store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort
+        ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort
     )
     links.build(plan.group_specs() + _snapshot_specs(ctx, plan))
     comm = links.comm
@@ -197,7 +219,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
     initial = {}  # the snapshots this rank holds (of owners in another stage) at the step
     ckpt = step_dir(Path(t.resume_dir), t.resume_step)
-    for owner in snapshot_placement(plan, t.ranks_per_node).holds(ctx.rank):
+    for owner in snapshot_placement(plan, t.units_per_node).holds(ctx.rank):
         layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
         held = load_layers(ckpt, [item.layer for item in layout.layers])
         initial[owner] = shard_of_layers(layout, owner_replica, held)
@@ -223,7 +245,7 @@ def _attach_snapshots(
     """
     if not ctx.cfg.train.snapshots:
         return []
-    placement = snapshot_placement(plan, ctx.cfg.train.ranks_per_node)
+    placement = snapshot_placement(plan, ctx.cfg.train.units_per_node)
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         optimizer.snapshot = SnapshotSender(
@@ -231,7 +253,11 @@ def _attach_snapshots(
         )
     keepers = []
     for owner in placement.holds(ctx.rank):
-        state = owner_initial_state(ctx.cfg, plan, owner) if initial is None else initial[owner]
+        state = (
+            owner_initial_state(ctx.cfg, plan, owner, member=ctx.member)
+            if initial is None
+            else initial[owner]
+        )
         keeper = SnapshotKeeper(
             owner=owner,
             link=comm.p2p(snapshot_link_name(owner, ctx.rank)),
@@ -255,7 +281,7 @@ def _exchange_snapshot_states(
     step: int,
 ) -> dict[int, ShardState]:
     """Owners send their full committed shard to their (new) holders."""
-    placement = snapshot_placement(plan, ctx.cfg.train.ranks_per_node)
+    placement = snapshot_placement(plan, ctx.cfg.train.units_per_node)
     tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
     pending = None
     holder = placement.holder.get(ctx.rank)
@@ -312,7 +338,9 @@ def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> 
     return nn.ModuleList(
         have[i]
         if i in have
-        else pipeline_model(ctx.cfg.model).build_layer(i, seed=ctx.cfg.train.seed).to(ctx.device)
+        else pipeline_model(ctx.cfg.model)
+        .build_layer(i, seed=ctx.cfg.train.seed, tp=ctx.tp_shard)
+        .to(ctx.device)
         for i in layer_ids
     )
 
@@ -364,7 +392,7 @@ def reconfigure(
         new_plan,
         failed,
         numels=ctx.numels,
-        ranks_per_node=ctx.cfg.train.ranks_per_node,
+        ranks_per_node=ctx.cfg.train.units_per_node,
         snapshots=ctx.cfg.train.snapshots,
     )
     transition = (
@@ -390,7 +418,7 @@ def reconfigure(
     specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
     if old is None:
         links = DynamicCommunicator(
-            ctx.store,
+            ctx.comm_store,
             ctx.rank,
             ctx.backend,
             timeout=ctx.timeout,

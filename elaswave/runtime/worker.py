@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import traceback
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
+from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.agent import Agent
 from elaswave.runtime.child import die_with_parent, exit_now
 from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
@@ -44,28 +46,37 @@ from elaswave.runtime.frequency import EmulatedFrequency
 from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.session import Session
 from elaswave.runtime.steploop import StepLoop, run_to_the_end
+from elaswave.runtime.tpgroup import TpLink, plane_store
 from elaswave.runtime.trainer import WorkerContext
+from elaswave.runtime.units import sender_name
 
 log = structlog.get_logger(__name__)
 
 
-def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
-    """Run rank ``rank`` of the job in ``run_dir``; ``join``: a worker added to the
-    running job, which waits for the Core's plan that gives it a place."""
+def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
+    """Run process rank ``process`` of the job in ``run_dir``; ``join``: a worker added
+    to the running job, which waits for the Core's plan that gives it a place.
+
+    With ``--tp N`` the process is member ``process % N`` of the plan's rank
+    ``process // N`` (:mod:`elaswave.runtime.tpgroup`); without, the two are the same."""
     spec = JobSpec.read(run_dir)
     ep = spec.endpoints
     torch.set_num_threads(1)
+    rank, member = spec.config.train.unit_of(process)
     structlog.contextvars.bind_contextvars(rank=rank, joined=join)
+    if spec.config.train.tp > 1:
+        structlog.contextvars.bind_contextvars(member=member)
+    sender = sender_name(rank, member)
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
-        f"rank{rank}", ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
+        sender, ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
         keys=spec.config.train.keys(), fetch_endpoint=ep.bus_fetch or None,
         faults=spec.config.train.bus_fault_spec(),
     )  # fmt: skip
     abort = AbortSignal()
     inbox = Mailbox()
     pauses = PauseBox()
-    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s)
+    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s, sender=sender)
     watch = CoreWatch(spec.config.train.core_outage_s)
     session.subscribe(watch.heard)
 
@@ -96,7 +107,7 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     session.start()
     agent.start()
     try:
-        ctx = _context(run_dir, rank, spec, abort)
+        ctx = _context(run_dir, process, spec, abort)
         loop = StepLoop(ctx, session, abort, inbox, agent, pauses, watch, join=join)
         if spec.config.train.script:
             _run_script(loop, spec.config.train.script)
@@ -105,7 +116,7 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
     except BaseException as exc:
         session.publish(
             WorkerFinished(
-                sender=f"rank{rank}", rank=rank, ok=False, reason=f"{type(exc).__name__}: {exc}"
+                sender=sender, rank=rank, ok=False, reason=f"{type(exc).__name__}: {exc}"
             )
         )
         raise
@@ -114,16 +125,28 @@ def run_worker(run_dir: Path, rank: int, *, join: bool = False) -> None:
         session.close()
 
 
-def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> WorkerContext:
+def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> WorkerContext:
     cfg, ep = spec.config, spec.endpoints
+    rank, member = cfg.train.unit_of(process)
     backend = backend_for(cfg.train.device)
-    device = backend.device_for(rank)
+    device = backend.device_for(process)
+    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
+    store.set(f"pid/{process}", str(os.getpid()))  # a kill-node fault kills node peers by pid
+    tp = None
+    if cfg.train.tp > 1:
+        tp = TpLink(
+            store, unit=rank, member=member, size=cfg.train.tp, backend=backend,
+            timeout=timedelta(seconds=cfg.train.comm_timeout_s), abort=abort,
+        )  # fmt: skip
+    shard = TpShard(member, cfg.train.tp, tp)
     plan = cfg.plan()
     initial = (
         plan.stages[plan.locate(rank)[0]].layers if rank in plan.ranks else range(0)
     )  # a joining rank gets its layers with its plan
     model = pipeline_model(cfg.model)
-    layers = nn.ModuleList(model.build_layer(i, seed=cfg.train.seed) for i in initial).to(device)
+    layers = nn.ModuleList(model.build_layer(i, seed=cfg.train.seed, tp=shard) for i in initial).to(
+        device
+    )
     source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     faults = validate_faults(
         cfg.train.faults,
@@ -140,13 +163,14 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         pacer = Pacer(emulated, costs, clock)
     else:
         pacer = Pacer(None, costs, reference=cfg.cost_device)
-    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
-    store.set(f"pid/{rank}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     return WorkerContext(
         cfg=cfg,
         rank=rank,
         run_dir=run_dir,
         store=store,
+        plane_store=plane_store(store, member, cfg.train.tp),
+        member=member,
+        tp=tp,
         backend=backend,
         device=device,
         layers=layers,
@@ -154,7 +178,7 @@ def _context(run_dir: Path, rank: int, spec: JobSpec, abort: AbortSignal) -> Wor
         rng=make_rng(cfg.train.rng, seed=cfg.train.seed, rank=rank),
         abort=abort,
         faults=FaultInjector(
-            rank,
+            process,
             cfg.train.ranks_per_node,
             faults,
             run_dir,

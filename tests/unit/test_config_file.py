@@ -34,7 +34,7 @@ def test_bad_config_files_name_the_value(tmp_path, text, message):
 
 
 def test_world_size_must_match_layout():
-    with pytest.raises(ValueError, match="world size 6 != dp x pp = 2 x 2 = 4"):
+    with pytest.raises(ValueError, match="world size 6 != dp x pp x tp = 2 x 2 x 1 = 4"):
         build_job(None, {"train": {"dp": 2, "pp": 2, "world_size": 6}})
 
 

@@ -1,0 +1,132 @@
+"""A worker's tensor-parallel group: the members of one (stage, replica).
+
+With ``--tp N`` the plan places *units* (its ranks); unit ``u`` is the N processes
+``u * N .. u * N + N - 1``, member ``t`` of which runs piece ``t`` of every layer of the
+unit's stage. Each member trains in its own *plane*: the plan's groups and links over
+the units, between the members with the same ``t`` (a store namespace per plane), so
+ZeRO shards, snapshots, live remap and layer migration work per TP piece exactly as
+they do whole. Only the layers' own collectives cross planes, over :class:`TpLink`.
+
+The unit is the failure unit: the Core loses a unit when any member exits, and its
+other members are released. Between the survivors' members, a recovery agrees through
+the store (:func:`unit_report`): every member writes its stop report, and each reads
+all of them, so the unit reports (its leader, member 0, publishes) the earliest
+committed step of any member, every group a member left tainted, and whether its
+parameters' step is known, and every member decides the same about its TP group.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elaswave.comm.abort import AbortSignal
+from elaswave.comm.backend import GroupBackend
+from elaswave.comm.communicator import Communicator
+from elaswave.comm.group import CollectiveGroup, GroupSpec
+from elaswave.model.tensor_parallel import merge_param, split_dim
+
+TP_GROUP = "tp"
+"""The name a member reports its TP group under when a collective on it was abandoned."""
+
+
+def plane_store(store: dist.Store, member: int, tp: int) -> dist.Store:
+    """The store namespace of plane ``member`` (the root store when there is no TP)."""
+    return store if tp == 1 else dist.PrefixStore(f"plane{member}/", store)
+
+
+class TpLink:
+    """Unit ``unit``'s TP group as member ``member`` sees it, across recoveries: a new
+    group (a fresh store prefix) when a collective on the old one was abandoned."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        unit: int,
+        member: int,
+        size: int,
+        backend: GroupBackend,
+        timeout: timedelta,
+        abort: AbortSignal | None,
+    ) -> None:
+        self._store = dist.PrefixStore(f"tp/u{unit}/", store)
+        self.member, self._size = member, size
+        self._backend, self._timeout, self._abort = backend, timeout, abort
+        self.generation = 0
+        self.group = self._build(0)
+
+    def _build(self, generation: int) -> CollectiveGroup:
+        comm = Communicator(
+            self._store,
+            self.member,
+            self._backend,
+            timeout=self._timeout,
+            generation=generation,
+            abort=self._abort,
+        )
+        comm.build([GroupSpec(TP_GROUP, tuple(range(self._size)))])
+        return comm.collective(TP_GROUP)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def tainted(self) -> bool:
+        return self.group.tainted
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.group.all_reduce(tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.group.all_gather(output, input)
+
+    def rebuild(self, generation: int) -> None:
+        """Every member calls it, with the same ``generation``."""
+        self.generation = generation
+        self.group = self._build(generation)
+
+
+def unit_report(
+    store: dist.Store,
+    *,
+    unit: int,
+    member: int,
+    size: int,
+    generation: int,
+    report: dict[str, Any],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Write this member's stop report for ``generation`` and return the unit's: the
+    earliest ``committed_step``, every ``tainted`` group, and ``params_step`` when all
+    members agree (-2, unknown, otherwise). TimeoutError when a member does not report
+    (it is lost: the Core releases this one too)."""
+    keys = [f"unit/{unit}/g{generation}/m{m}" for m in range(size)]
+    store.set(keys[member], json.dumps(report))
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(f"unit {unit}: a TP member did not report ({exc})") from None
+    reports = [json.loads(store.get(k)) for k in keys]
+    params = {r["params_step"] for r in reports}
+    return {
+        "committed_step": min(r["committed_step"] for r in reports),
+        "tainted": sorted({name for r in reports for name in r["tainted"]}),
+        "params_step": params.pop() if len(params) == 1 else -2,
+    }
+
+
+def whole_param(name: str, piece: torch.Tensor, tp: TpLink | None) -> torch.Tensor:
+    """Parameter ``name`` whole, joined from every member's piece (each member calls it
+    for the same parameters in the same order); ``piece`` itself without TP."""
+    if tp is None or split_dim(name) is None:
+        return piece
+    flat = piece.contiguous().view(-1)
+    out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype)
+    tp.all_gather(out, flat)
+    return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)])

@@ -1,0 +1,111 @@
+"""The Core's view of tensor-parallel groups: one failure unit per plan rank.
+
+The change protocol places and recovers plan ranks. With ``--tp N`` each is a TP group
+of N processes (:mod:`elaswave.runtime.tpgroup`); :class:`UnitHandle` shows the Core
+the group as one process: it exits when its first member exits (with that member's
+code, and that member's log and fault record to explain it), and the other members
+are then released (SIGKILL: they cannot train without their piece of every layer).
+A signal to the unit goes to every member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+
+def sender_name(rank: int, member: int = 0) -> str:
+    """A worker's name on the bus: ``rank3``, or ``rank3.1`` for TP member 1 of rank 3
+    (member 0 speaks for the unit)."""
+    return f"rank{rank}" if member == 0 else f"rank{rank}.{member}"
+
+
+class UnitHandle:
+    """Plan rank ``rank``'s TP group as one process (``pid``, ``returncode``, ``wait``,
+    ``kill``, ``terminate``, ``send_signal``, like its members' handles)."""
+
+    def __init__(self, rank: int, members: Sequence[Any], first: int) -> None:
+        """``members``: the processes of ranks ``first``, ``first + 1``, ...."""
+        self.rank = rank
+        self.members = list(members)
+        self.first = first
+        self.returncode: int | None = None
+        self.exited_member: int | None = None
+        """The process rank of the member whose exit ended the unit."""
+        self._done: asyncio.Task[int] | None = None
+
+    @property
+    def pid(self) -> int:
+        return int(self.members[0].pid)
+
+    @property
+    def processes(self) -> list[int]:
+        return [self.first + m for m in range(len(self.members))]
+
+    async def wait(self) -> int:
+        if self._done is None:
+            self._done = asyncio.ensure_future(self._first_exit())
+        return await asyncio.shield(self._done)
+
+    async def _first_exit(self) -> int:
+        waits = {asyncio.ensure_future(m.wait()): i for i, m in enumerate(self.members)}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        first = min(done, key=lambda t: waits[t])
+        code = first.result()
+        self.exited_member = self.first + waits[first]
+        for member in self.members:
+            if member.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    member.kill()  # released: its unit is gone
+        await asyncio.gather(*waits, return_exceptions=True)
+        self.returncode = code
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        alive = [m for m in self.members if m.returncode is None]
+        if not alive:
+            raise ProcessLookupError(f"every process of rank {self.rank} has exited")
+        for member in alive:
+            with contextlib.suppress(ProcessLookupError):
+                member.send_signal(signum)
+
+    def kill(self) -> None:
+        for member in self.members:
+            if member.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    member.kill()
+
+    def terminate(self) -> None:
+        for member in self.members:
+            if member.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    member.terminate()
+
+
+async def spawn_unit(spawn: Callable[[int], Awaitable[Any]], rank: int, tp: int) -> Any:
+    """Start plan rank ``rank``: its one process, or its TP group's ``tp``."""
+    if tp == 1:
+        return await spawn(rank)
+    members = [await spawn(rank * tp + m) for m in range(tp)]
+    return UnitHandle(rank, members, rank * tp)
+
+
+def group_units(procs: Mapping[int, Any], tp: int) -> dict[int, Any]:
+    """Process handles by process rank as the Core sees them: by plan rank."""
+    if tp == 1:
+        return dict(procs)
+    units: dict[int, list[tuple[int, Any]]] = {}
+    for process, proc in procs.items():
+        units.setdefault(process // tp, []).append((process, proc))
+    out = {}
+    for rank, members in units.items():
+        members.sort(key=lambda m: m[0])
+        if [p for p, _ in members] != [rank * tp + m for m in range(tp)]:
+            raise ValueError(
+                f"rank {rank}'s TP group has processes {[p for p, _ in members]}, "
+                f"expected {[rank * tp + m for m in range(tp)]}"
+            )
+        out[rank] = UnitHandle(rank, [proc for _, proc in members], rank * tp)
+    return out

@@ -1,0 +1,127 @@
+"""Tensor parallelism end to end: every layout of dp x pp x tp processes (up to 8) trains
+as dp1 x pp1 x tp1 does, and a TP group is one failure unit, recovered inside the step
+when any member is SIGKILLed, hangs, or goes down with its node; its other members are
+released and the rest continue without a restart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elaswave.runtime.compare import compare_runs
+from tests.fault.recovery import JOB, STEPS, check_recovered
+from tests.runs import Run, elaswave, train
+
+
+def _layout(dp: int, pp: int, tp: int) -> tuple[str, ...]:
+    return ("--dp", str(dp), "--pp", str(pp), "--tp", str(tp))
+
+
+@pytest.fixture(scope="module")
+def tp_reference(runs_dir) -> Run:
+    """The fault-free dp2 x pp2 x tp2 run (8 processes)."""
+    return train(runs_dir / "tp_ref_2x2x2", *_layout(2, 2, 2), *JOB)
+
+
+def _check_layout(run: Run, ref: Run, dp: int, pp: int, tp: int) -> None:
+    s = run.summary
+    assert s["layout"] == {"dp": dp, "pp": pp, "tp": tp}
+    assert s["steps_completed"] == STEPS and s["recoveries"] == []
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-5, f"{dp}x{pp}x{tp}: losses differ by {diff.loss_rel:.2e}"
+    assert diff.param_rel <= 1e-5, f"{dp}x{pp}x{tp}: parameters differ by {diff.param_rel:.2e}"
+    workers = run.workers()  # one result per TP group: member 0 reports for it
+    assert sorted(w["rank"] for w in workers) == list(range(dp * pp))
+
+
+@pytest.mark.timeout(300)
+def test_dp2_pp2_tp2_matches_one_process(reference, tp_reference):
+    _check_layout(tp_reference, reference(1, 1), 2, 2, 2)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("dp", "pp", "tp"),
+    [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 1, 4), (1, 2, 4), (4, 1, 2), (1, 4, 2)],
+)
+def test_layouts_with_tp_match_one_process(runs_dir, reference, dp, pp, tp):
+    run = train(runs_dir / f"tp_{dp}x{pp}x{tp}", *_layout(dp, pp, tp), *JOB)
+    _check_layout(run, reference(1, 1), dp, pp, tp)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_tp_member_takes_its_group_out_inside_the_step(runs_dir, tp_reference):
+    """Process 1 is TP member 1 of rank 0 (ranks: tp fastest, then dp, then pp)."""
+    run = train(runs_dir / "tp_kill", *_layout(2, 2, 2), *JOB, "--fault", "kill:1@4:backward")
+    check_recovered(run, tp_reference, world=4, failed=[[0]])
+    rec = run.summary["recoveries"][0]
+    assert rec["committed_step"] == 3 and rec["step"] == 4  # inside step 4, no restart
+    assert rec["plan"]["stages"][0]["ranks"] == [1]
+    # The killed member's record explains the exit; its partner was released, not failed.
+    assert json.loads((run.out / "faults" / "rank1.json").read_text())["killed_at"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_node_holding_one_tp_group_is_lost(runs_dir, tp_reference):
+    """Two processes per node, tp 2: node 2 is rank 2's TP group (processes 4 and 5)."""
+    run = train(
+        runs_dir / "tp_node",
+        *_layout(2, 2, 2),
+        "--ranks-per-node",
+        "2",
+        *JOB,
+        "--fault",
+        "kill-node:2@3:forward",
+    )
+    check_recovered(run, tp_reference, world=4, failed=[[2]])
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_hung_tp_member_is_fenced_with_its_group(runs_dir, tp_reference):
+    """Process 3 (rank 1, member 1) stops; its partner keeps beating, blocked in the
+    group's collectives: the Core still sees the group silent (its most silent member)."""
+    run = train(runs_dir / "tp_hang", *_layout(2, 2, 2), *JOB, "--fault", "hang:3@3:backward")
+    s = run.summary
+    assert s["steps_completed"] == STEPS
+    assert [r["ranks"] for r in s["recoveries"]] == [[1]]
+    diff = compare_runs(run.out, tp_reference.out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_tp_group_joins_after_a_loss(runs_dir, reference):
+    run = train(
+        runs_dir / "tp_join",
+        *_layout(2, 2, 2),
+        *JOB,
+        "--fault",
+        "kill:5@2:forward",
+        "--fault",
+        "join@3",
+    )
+    s = run.summary
+    assert s["steps_completed"] == STEPS
+    assert [(r["kind"], r["ranks"]) for r in s["recoveries"]] == [("fail-stop", [2]), ("join", [4])]
+    diff = compare_runs(run.out, reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--tp", "3"), "tp = 3 does not divide model.num_heads = 4"),
+        (("--tp", "0"), "tp = 0: must be a positive integer"),
+        (("--tp", "2", "--checkpoint-every", "2"), "does not combine with --checkpoint-every"),
+        (("--tp", "2", "--ranks-per-node", "3"), "a TP group must fill whole nodes"),
+        (("--tp", "2", "--world-size", "4"), "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
+    ],
+)
+def test_bad_tp_flags_get_one_clear_line(tmp_path, args, message):
+    proc = elaswave("train", "--out", str(tmp_path / "run"), "--steps", "2", *args, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -35,7 +35,10 @@ class StragglerWatch:
         """Evaluate every step newly reported by all of ``alive``; return the first
         verdict that flags or clears a rank (None when nothing changed)."""
         for timing in timings[self._seen :]:
-            self._reports[timing.step][timing.rank] = timing
+            # A TP group's members each report: the group runs at its slowest's pace.
+            known = self._reports[timing.step].get(timing.rank)
+            if known is None or _slowness(timing) >= _slowness(known):
+                self._reports[timing.step][timing.rank] = timing
         self._seen = len(timings)
         alive = set(alive)
         complete = sorted(
@@ -65,3 +68,7 @@ class StragglerWatch:
             if verdict.newly_flagged or verdict.recovered:
                 return verdict
         return None
+
+
+def _slowness(t: StepTiming) -> float:
+    return t.compute_s / t.expected_s if t.expected_s > 0 else 0.0

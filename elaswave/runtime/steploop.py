@@ -41,7 +41,7 @@ from elaswave.runtime.executor import Mailbox, PauseBox
 from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.pipeline import StepResult
 from elaswave.runtime.session import Session
-from elaswave.runtime.tpgroup import whole_param
+from elaswave.runtime.tpgroup import unit_finished, whole_param
 from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer
 
 
@@ -176,7 +176,16 @@ class StepLoop:
     def _completed(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
         cfg, trainer = self.cfg, self.trainer
         self.step_times[step] = result.seconds
-        if not self.ctx.leader:  # member 0 reports for the TP group
+        # Every TP member's timing: the group is as fast as its slowest member.
+        clock = self.ctx.pacer.clock
+        self.session.publish(
+            StepTiming(
+                sender=self.sender, generation=trainer.plan.generation, rank=self.rank,
+                step=step, compute_s=clock.compute_s, expected_s=clock.expected_s,
+                micro_batches=clock.micro_batches, overruns=clock.overruns,
+            )
+        )  # fmt: skip
+        if not self.ctx.leader:  # member 0 reports the rest for the TP group
             return self._outcome(step, result, recovered)
         if (shadow := result.migration) is not None:
             self.session.publish(
@@ -186,14 +195,6 @@ class StepLoop:
                     bytes_streamed=shadow.bytes_streamed, waited_s=shadow.waited_s,
                 )
             )  # fmt: skip
-        clock = self.ctx.pacer.clock
-        self.session.publish(
-            StepTiming(
-                sender=self.sender, generation=trainer.plan.generation, rank=self.rank,
-                step=step, compute_s=clock.compute_s, expected_s=clock.expected_s,
-                micro_batches=clock.micro_batches, overruns=clock.overruns,
-            )
-        )  # fmt: skip
         every = cfg.train.checkpoint_every
         if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
             _, replica = trainer.plan.locate(self.rank)
@@ -252,6 +253,11 @@ class StepLoop:
                 path = rundir.stage_params(run_dir, stage)
                 path.parent.mkdir(exist_ok=True)
                 torch.save(params, path)
+        if self.ctx.tp is not None:
+            # A member leaving at once could take its last sends with it, unflushed:
+            # the members leave together.
+            unit_finished(self.ctx.store, self.rank, self.ctx.member, self.ctx.tp.size,
+                          timeout_s=cfg.train.comm_timeout_s)  # fmt: skip
         if not self.ctx.leader:
             return  # member 0 reports for the TP group
         losses, times, digests = self.losses, self.step_times, self.optimizer_digests

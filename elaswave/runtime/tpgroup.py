@@ -130,3 +130,17 @@ def whole_param(name: str, piece: torch.Tensor, tp: TpLink | None) -> torch.Tens
     out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype)
     tp.all_gather(out, flat)
     return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)])
+
+
+def unit_finished(
+    store: dist.Store, unit: int, member: int, size: int, *, timeout_s: float
+) -> None:
+    """Return once every member of ``unit`` has called it: the last collectives of
+    each have arrived everywhere (gloo may still hold a finished collective's sends
+    when its caller returns; a process that exits then loses them)."""
+    keys = [f"unit/{unit}/finished/m{m}" for m in range(size)]
+    store.set(keys[member], "1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(f"unit {unit}: a TP member did not finish ({exc})") from None

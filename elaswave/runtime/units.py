@@ -2,9 +2,10 @@
 
 The change protocol places and recovers plan ranks. With ``--tp N`` each is a TP group
 of N processes (:mod:`elaswave.runtime.tpgroup`); :class:`UnitHandle` shows the Core
-the group as one process: it exits when its first member exits (with that member's
+the group as one process: it fails when its first member fails (with that member's
 code, and that member's log and fault record to explain it), and the other members
-are then released (SIGKILL: they cannot train without their piece of every layer).
+are then released (SIGKILL: they cannot train without their piece of every layer). It
+exits cleanly when every member has.
 A signal to the unit goes to every member.
 """
 
@@ -51,17 +52,24 @@ class UnitHandle:
 
     async def _first_exit(self) -> int:
         waits = {asyncio.ensure_future(m.wait()): i for i, m in enumerate(self.members)}
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        first = min(done, key=lambda t: waits[t])
-        code = first.result()
-        self.exited_member = self.first + waits[first]
-        for member in self.members:
-            if member.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    member.kill()  # released: its unit is gone
-        await asyncio.gather(*waits, return_exceptions=True)
-        self.returncode = code
-        return code
+        pending = set(waits)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = sorted((waits[t], t.result()) for t in done if t.result() != 0)
+            if failed:  # the unit is lost: release the members still running
+                member, code = failed[0]
+                self.exited_member = self.first + member
+                for proc in self.members:
+                    if proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.kill()
+                await asyncio.gather(*waits, return_exceptions=True)
+                self.returncode = code
+                return code
+        # Every member finished its work: the unit did.
+        self.exited_member = self.first
+        self.returncode = 0
+        return 0
 
     def send_signal(self, signum: int) -> None:
         alive = [m for m in self.members if m.returncode is None]

@@ -11,7 +11,7 @@ import pytest
 
 from elaswave.runtime.compare import compare_runs
 from tests.fault.recovery import JOB, STEPS, check_recovered
-from tests.runs import Run, elaswave, train
+from tests.runs import Run, check_replay, elaswave, train
 
 
 def _layout(dp: int, pp: int, tp: int) -> tuple[str, ...]:
@@ -125,3 +125,47 @@ def test_bad_tp_flags_get_one_clear_line(tmp_path, args, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_elaswave_run_with_tp_recovers_inside_the_scripts_step(runs_dir, reference):
+    """The user's loop (examples/train_builtin.py) as every member; process 3 is TP
+    member 1 of rank 1."""
+    proc = elaswave(
+        "run", "--out", str(runs_dir / "tp_script"), "--dp", "2", "--pp", "1", "--tp", "2",
+        *JOB, "--fault", "kill:3@4:backward", "examples/train_builtin.py",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    run = Run(runs_dir / "tp_script", proc)
+    check_replay(run)
+    s = run.summary
+    assert s["layout"] == {"dp": 2, "pp": 1, "tp": 2} and s["steps_completed"] == STEPS
+    assert [r["ranks"] for r in s["recoveries"]] == [[1]]
+    diff = compare_runs(run.out, reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_slow_tp_member_slows_its_group_and_is_rebalanced(runs_dir):
+    """Emulated device: process 3 (rank 1, member 1) computes 3x slower from step 2. Its
+    own timings (every member reports them) flag rank 1, whose share shrinks."""
+    run = train(
+        runs_dir / "tp_slow", "--device", "emulated", *_layout(2, 2, 2), "--steps", "12",
+        "--global-batch", "16", "--micro-batch", "2", "--fault", "slow:3=3@2",
+    )  # fmt: skip
+    (rec,) = run.summary["recoveries"]
+    assert rec["kind"] == "fail-slow" and rec["ranks"] == [1]
+    first = rec["plan"]["stages"][0]
+    assert first["ranks"] == [0, 1] and first["sizes"][1] < first["sizes"][0]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_kill_in_bf16_with_tp_matches_the_bf16_run(runs_dir):
+    bf16 = (*_layout(2, 2, 2), *JOB, "--precision", "bf16")
+    ref = train(runs_dir / "tp_bf16_ref", *bf16)
+    run = train(runs_dir / "tp_bf16_kill", *bf16, "--fault", "kill:6@3:forward")
+    assert [r["ranks"] for r in run.summary["recoveries"]] == [[3]]
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-3 and diff.param_rel <= 1e-3, diff

@@ -47,6 +47,21 @@ def test_the_first_member_exit_ends_the_unit_and_releases_the_rest() -> None:
         unit.send_signal(15)
 
 
+def test_members_that_finish_end_the_unit_cleanly_and_are_not_released() -> None:
+    async def scenario() -> tuple[int, list[_Proc]]:
+        members = [_Proc(0), _Proc(1)]
+        unit = UnitHandle(0, members, first=0)
+        waiter = asyncio.ensure_future(unit.wait())
+        members[1].exited(0)  # done first: its partner is still saving the parameters
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        members[0].exited(0)
+        return await waiter, members
+
+    code, members = asyncio.run(scenario())
+    assert code == 0 and members[0].signals == [] and members[1].signals == []
+
+
 def test_group_units_by_plan_rank_and_sender_names() -> None:
     procs = {p: _Proc(p) for p in range(6)}
     units = group_units(procs, 2)

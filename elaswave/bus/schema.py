@@ -187,6 +187,8 @@ class RunStarted(Event):
     steps: int
     global_batch: int
     device: str
+    tp: int = 1
+    """Processes per (stage, replica); ``world_size`` counts processes."""
 
 
 @_register

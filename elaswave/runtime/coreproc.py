@@ -93,6 +93,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                         steps=t.steps,
                         global_batch=t.global_batch,
                         device=t.device,
+                        tp=t.tp,
                     )
                 )
                 start = partial(link.spawn, join=False)

@@ -6,10 +6,13 @@ released and the rest continue without a restart."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from elaswave.model.config import ModelConfig
 from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.config import JobConfig, TrainConfig
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, check_replay, elaswave, train
 
@@ -110,21 +113,33 @@ def test_a_tp_group_joins_after_a_loss(runs_dir, reference):
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
+def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
+    proc = elaswave("train", "--out", str(tmp_path / "run"), "--tp", "3", timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "tp = 3 does not divide model.num_heads = 4" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("train", "message"),
     [
-        (("--tp", "3"), "tp = 3 does not divide model.num_heads = 4"),
-        (("--tp", "0"), "tp = 0: must be a positive integer"),
-        (("--tp", "2", "--checkpoint-every", "2"), "does not combine with --checkpoint-every"),
-        (("--tp", "2", "--ranks-per-node", "3"), "a TP group must fill whole nodes"),
-        (("--tp", "2", "--world-size", "4"), "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
+        ({"tp": 0}, "tp = 0: must be a positive integer"),
+        ({"tp": 2, "checkpoint_every": 2}, "does not combine with --checkpoint-every"),
+        ({"tp": 2, "wait_for_nodes_s": 5.0}, "does not combine with --wait-for-nodes"),
+        ({"tp": 2, "ranks_per_node": 3}, "a TP group must fill whole nodes"),
+        ({"tp": 2, "world_size": 4}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
+        ({"tp": 2, "nnodes": 2, "rdzv_endpoint": "h:1", "ranks_per_node": 4}, "--nnodes > 1"),
     ],
 )
-def test_bad_tp_flags_get_one_clear_line(tmp_path, args, message):
-    proc = elaswave("train", "--out", str(tmp_path / "run"), "--steps", "2", *args, timeout=60)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_what_tp_does_not_combine_with_is_named(train, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        JobConfig(train=TrainConfig(**train))
+
+
+def test_models_without_tp_layers_refuse_tp(tmp_path):
+    spec = tmp_path / "gpt.json"
+    spec.write_text("{}")
+    with pytest.raises(ValueError, match="has no tensor-parallel layers"):
+        JobConfig(model=ModelConfig(source=f"megatron:{spec}"), train=TrainConfig(tp=2))
 
 
 @pytest.mark.timeout(300)

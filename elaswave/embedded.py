@@ -101,7 +101,14 @@ class Job:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the plan: with ``--tp N``, its TP group's."""
         return self._loop.rank
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's member of its TP group (0 without ``--tp``); member 0 speaks
+        for the group, so print or save from it only."""
+        return self._loop.ctx.member
 
     @property
     def stage(self) -> int:

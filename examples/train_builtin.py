@@ -24,7 +24,7 @@ def main() -> None:
         if (job.stage, job.replica) != place:  # a layer move or a re-pipelined job
             place = (job.stage, job.replica)
             print(f"rank {job.rank} now at stage {job.stage}, replica {job.replica}", flush=True)
-        if out.loss is not None and job.replica == 0 and out.step % 5 == 4:
+        if out.loss is not None and job.replica == 0 and job.tp_rank == 0 and out.step % 5 == 4:
             print(f"step {out.step}: loss {out.loss:.4f}", flush=True)  # or evaluate, save
 
     job.on_step_end(at_step_end)

@@ -10,7 +10,10 @@ from tests.runs import elaswave
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--dp", "2", "--pp", "2", "--world-size", "6"], "world size 6 != dp x pp = 2 x 2 = 4"),
+        (
+            ["--dp", "2", "--pp", "2", "--world-size", "6"],
+            "world size 6 != dp x pp x tp = 2 x 2 x 1 = 4",
+        ),
         (["--pp", "7"], "pp = 7 stages but the model has only 6 layers"),
         (
             ["--dp", "2", "--global-batch", "10", "--micro-batch", "2"],
@@ -47,7 +50,7 @@ from tests.runs import elaswave
                 "--rdzv-endpoint",
                 "127.0.0.1:29599",
             ],
-            "nnodes x nproc-per-node = 3 x 2 = 6 workers, but dp x pp = 2 x 2 = 4",
+            "nnodes x nproc-per-node = 3 x 2 = 6 workers, but dp x pp x tp = 2 x 2 x 1 = 4",
         ),
         (["--rdzv-endpoint", "nohost", "--nnodes", "2"], "--rdzv-endpoint 'nohost': expected"),
         (["--node-rank", "1"], "--node-rank 1 needs --rdzv-endpoint HOST:PORT of node 0"),

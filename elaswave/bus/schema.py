@@ -378,6 +378,11 @@ class RecoveryReady(Event):
     params_step: int = -2
     """The step whose update this rank's parameters hold (-1: the initial ones; -2:
     unknown, e.g. a layer still streaming in)."""
+    newest_step: int = -2
+    """With tp > 1, the newest step a TP member of this rank committed when it is newer
+    than ``committed_step`` (the members' earliest): that member keeps no step before
+    ``newest_step - 1``, so neither can the rank roll back further. -2 when the members
+    agree (and without TP)."""
 
 
 @_register

@@ -93,6 +93,13 @@ class Report:
     committed_step: int
     params_step: int
     tainted: tuple[str, ...] = ()
+    newest_step: int = -2
+    """A TP member's newer committed step (see RecoveryReady.newest_step); -2: none."""
+
+    @property
+    def newest(self) -> int:
+        """The newest step any process of the rank committed."""
+        return max(self.committed_step, self.newest_step)
 
 
 @dataclass(frozen=True, kw_only=True)

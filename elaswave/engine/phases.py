@@ -212,6 +212,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
             s.plan,
             failed,
             {x: s.reports[x].committed_step for x in survivors},
+            newest={x: s.reports[x].newest for x in survivors},
             ranks_per_node=r.ranks_per_node,
             snapshots=r.snapshots,
             rebalancing=rebalancing(r, s, survivors | set(c.joined)),

@@ -86,11 +86,14 @@ def plan_fail_stop(
     rebalancing: Rebalancing | None = None,
     joined: Sequence[int] = (),
     floor: int = -1,
+    newest: Mapping[int, int] | None = None,
 ) -> RecoveryDecision:
     """The decision for ``plan`` after ``failed`` leave and ``joined`` arrive, given each
     survivor's committed step (``commits``). ``floor``: the step no survivor can roll
     back before (the committed step of the change that made ``plan``, or the step a
-    resumed job started after).
+    resumed job started after). ``newest``: a survivor's newest committed step when it
+    is newer than its ``commits`` entry (a TP group whose members stopped a step apart:
+    it holds only its ``commits`` step, the one before its newest); default ``commits``.
 
     Survivors roll back to the oldest committed step among them. A stage that lost every
     rank may have stopped a step behind them (it died before its optimizer step while
@@ -108,8 +111,11 @@ def plan_fail_stop(
     if missing:
         raise ValueError(f"no committed step reported by surviving ranks {sorted(missing)}")
     steps = {commits[r] for r in survivors}
-    if steps and max(steps) - min(steps) > 1:
-        raise Unrecoverable(f"survivors' committed steps {sorted(steps)} are more than one apart")
+    tops = {max(commits[r], (newest or {}).get(r, commits[r])) for r in survivors}
+    if steps and max(tops) - min(steps) > 1:
+        raise Unrecoverable(
+            f"survivors' committed steps {sorted(steps | tops)} are more than one apart"
+        )
     too_few: TooFewRanks | None = None
     if snapshots:
         try:
@@ -133,7 +139,7 @@ def plan_fail_stop(
         raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank of the plan survives")
     committed = min(steps)
     if snapshots and emptied_stages(plan, failed):
-        committed = max(max(steps) - 1, min(floor, committed))
+        committed = max(max(tops) - 1, min(floor, committed))
     if too_few is not None:
         raise TooFewRanks(str(too_few), too_few.needed, committed_step=committed)
     if new.generation == plan.generation:

@@ -33,6 +33,7 @@ def to_input(event: Event, t: float, scales: int) -> ch.Input | None:
                 committed_step=event.committed_step,
                 params_step=event.params_step,
                 tainted=tuple(event.tainted),
+                newest_step=event.newest_step,
             )
             return ch.Ready(event.rank, event.generation, report)
         case PlanAck():

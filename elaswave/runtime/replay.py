@@ -180,11 +180,13 @@ def _replay_one(
         ), None  # fmt: skip
     survivors = set(plan.ranks) - set(event.failed)
     commits = {r: e.committed_step for r, e in reports.items() if r in survivors}
+    newest = {r: max(e.committed_step, e.newest_step) for r, e in reports.items() if r in survivors}
     try:
         decision = plan_fail_stop(
             plan,
             event.failed,
             commits,
+            newest=newest,
             ranks_per_node=cfg.train.units_per_node,
             snapshots=cfg.train.snapshots,
             rebalancing=announced_rebalancing(cfg, event),

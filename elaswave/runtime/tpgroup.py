@@ -103,9 +103,11 @@ def unit_report(
     timeout_s: float,
 ) -> dict[str, Any]:
     """Write this member's stop report for ``generation`` and return the unit's: the
-    earliest ``committed_step``, every ``tainted`` group, and ``params_step`` when all
-    members agree (-2, unknown, otherwise). TimeoutError when a member does not report
-    (it is lost: the Core releases this one too)."""
+    earliest ``committed_step``, every ``tainted`` group, ``params_step`` when all
+    members agree (-2, unknown, otherwise), and ``newest_step``, the latest committed
+    step when members differ (-2 otherwise: a member a step ahead keeps no step before
+    its previous one, which the Core must not roll the unit back past). TimeoutError
+    when a member does not report (it is lost: the Core releases this one too)."""
     keys = [f"unit/{unit}/g{generation}/m{m}" for m in range(size)]
     store.set(keys[member], json.dumps(report))
     try:
@@ -114,10 +116,12 @@ def unit_report(
         raise TimeoutError(f"unit {unit}: a TP member did not report ({exc})") from None
     reports = [json.loads(store.get(k)) for k in keys]
     params = {r["params_step"] for r in reports}
+    commits = [r["committed_step"] for r in reports]
     return {
-        "committed_step": min(r["committed_step"] for r in reports),
+        "committed_step": min(commits),
         "tainted": sorted({name for r in reports for name in r["tainted"]}),
         "params_step": params.pop() if len(params) == 1 else -2,
+        "newest_step": max(commits) if max(commits) != min(commits) else -2,
     }
 
 

@@ -194,6 +194,32 @@ def test_a_stage_lost_whole_rolls_the_survivors_back_to_a_step_its_snapshots_hol
     assert kept.committed_step == 2
 
 
+def test_a_tp_group_whose_members_stopped_a_step_apart_is_not_rolled_back_past_either():
+    """Found by scripts/chaos --tp-weight 1 (seed 31 case 4: dp1 x pp2 x tp4, TP member 3
+    of the last stage killed in its optimizer phase; seed 99 case 1: dp1 x pp2 x tp2, a
+    member of the first stage hung while a join paused the job). Stage 0's TP group
+    reported its members' earliest committed step, 5, though one member had committed
+    6; with stage 1 lost whole every survivor was rolled back to 4, which that member no
+    longer held: the job stopped in the apply window. The group now also reports its
+    newest step, and a roll-back goes no further than the step before it."""
+    plan = initial_plan(num_layers=6, dp=1, pp=2, global_batch=2, micro_batch=1)
+    shorten = dataclasses.replace(_rebalancing(), shorten=True)  # rank 0 runs both stages
+    decide = partial(plan_fail_stop, plan, [1], ranks_per_node=1, snapshots=True,
+                     rebalancing=shorten)  # fmt: skip
+    assert decide({0: 5}).committed_step == 4  # members agree: one step back, as ever
+    assert decide({0: 5}, newest={0: 6}).committed_step == 5
+    assert decide({0: 5}, newest={0: 5}).committed_step == 4
+    # A stage that keeps a rank: the oldest step, which the group's laggard holds.
+    plan2 = initial_plan(num_layers=6, dp=2, pp=2, global_batch=4, micro_batch=1)
+    kept = plan_fail_stop(plan2, [3], {0: 5, 1: 5, 2: 5}, newest={0: 6}, ranks_per_node=1,
+                          snapshots=True, rebalancing=_rebalancing())  # fmt: skip
+    assert kept.committed_step == 5
+    # A member two steps ahead of another survivor: no step is held by all.
+    with pytest.raises(Unrecoverable, match=r"\[4, 5, 6\] are more than one apart"):
+        plan_fail_stop(plan2, [3], {0: 5, 1: 4, 2: 5}, newest={0: 6}, ranks_per_node=1,
+                       snapshots=True, rebalancing=_rebalancing())  # fmt: skip
+
+
 def test_layers_move_blocking_when_ranks_change_stage():
     """Found by scripts/chaos (seed 12 on 4a74050, case 78: dp3 x pp2 under migrate+dvfs,
     the node holding all of stage 1 killed): the plan moved two stage-0 ranks to stage 1

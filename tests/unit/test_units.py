@@ -88,7 +88,9 @@ def test_members_agree_on_the_earliest_step_and_every_taint() -> None:
 
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(member, range(2)))
-    want = {"committed_step": 6, "tainted": ["dp.s0", "tp"], "params_step": -2}
+    # Member 0 is a step ahead: the unit reports it, since that member keeps no step
+    # before 6, and the Core must not roll the unit back past it.
+    want = {"committed_step": 6, "tainted": ["dp.s0", "tp"], "params_step": -2, "newest_step": 7}
     assert got == [want, want]
     # A member that never reports: the other gives up at its deadline.
     store = connect_store("127.0.0.1", server.port)

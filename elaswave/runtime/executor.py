@@ -39,7 +39,7 @@ from elaswave.runtime.faults import Phase
 from elaswave.runtime.held_checkpoint import write_part
 from elaswave.runtime.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.session import Session
-from elaswave.runtime.tpgroup import TP_GROUP, unit_report
+from elaswave.runtime.tpgroup import TP_GROUP, unit_barrier, unit_report
 from elaswave.runtime.trainer import Trainer, WorkerContext, reconfigure
 from elaswave.runtime.units import sender_name
 
@@ -159,6 +159,11 @@ def _agree(
                 f"{decision.plan_digest}: planners disagree"
             )
         ctx.faults.at(Phase.PLAN, decision.committed_step + 1)
+        if ctx.tp is not None:  # the leader acknowledges for every member, once each has
+            unit_barrier(
+                ctx.store, f"ack/g{gen}/a{decision.attempt}", ctx.rank, ctx.member,
+                ctx.tp.size, timeout_s=timeout_s, what="check the plan",
+            )  # fmt: skip
         if ctx.leader:  # for its TP group, whose members check the same plan
             session.publish(
                 PlanAck(
@@ -336,6 +341,12 @@ def _apply(
         )
     finally:
         faulthandler.cancel_dump_traceback_later()
+    if ctx.tp is not None:  # the plan is applied when every member has applied it: a
+        # member lost before then is a failure in the apply window, as a rank is
+        unit_barrier(
+            ctx.store, f"applied/g{decision.generation}", ctx.rank, ctx.member,
+            ctx.tp.size, timeout_s=timeout, what="apply the plan",
+        )  # fmt: skip
     if not ctx.leader:
         return trainer
     session.publish(

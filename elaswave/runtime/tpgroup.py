@@ -142,9 +142,26 @@ def unit_finished(
     """Return once every member of ``unit`` has called it: the last collectives of
     each have arrived everywhere (gloo may still hold a finished collective's sends
     when its caller returns; a process that exits then loses them)."""
-    keys = [f"unit/{unit}/finished/m{m}" for m in range(size)]
+    unit_barrier(store, "finished", unit, member, size, timeout_s=timeout_s, what="finish")
+
+
+def unit_barrier(
+    store: dist.Store,
+    name: str,
+    unit: int,
+    member: int,
+    size: int,
+    *,
+    timeout_s: float,
+    what: str,
+) -> None:
+    """Return once every member of ``unit`` has reached barrier ``name``: what the
+    leader then tells the Core for the unit (a plan acknowledged, a plan applied) is
+    true of every member. TimeoutError when one does not come (it is lost, or hung:
+    the Core fences the unit)."""
+    keys = [f"unit/{unit}/{name}/m{m}" for m in range(size)]
     store.set(keys[member], "1")
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        raise TimeoutError(f"unit {unit}: a TP member did not finish ({exc})") from None
+        raise TimeoutError(f"unit {unit}: a TP member did not {what} ({exc})") from None

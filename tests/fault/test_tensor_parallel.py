@@ -205,3 +205,28 @@ def test_a_tp_group_whose_members_stopped_a_step_apart_recovers(runs_dir, refere
     assert s["steps_completed"] == STEPS
     diff = compare_runs(run.out, reference(1, 1).out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_tp_member_hung_while_applying_a_plan_is_a_failure_in_the_apply_window(runs_dir):
+    """Found by scripts/chaos --tp-weight 1 (seed 31 cases 110, 169, 285). Node 0
+    (processes 0 and 1: rank 0) is lost, and process 7 (rank 3, member 1) hangs while
+    applying the recovery plan. Rank 3's leader reported the plan applied for its group
+    before member 1 had, so the Core finished the change: the hang was a new failure
+    after it, the members connecting to process 7 failed on their links, and the job
+    stopped naming ranks no fault touched. A group now acknowledges and reports a plan
+    applied once every member has: the hang is a failure in the apply window (the
+    documented stop), rank 3 its cause."""
+    proc = elaswave(
+        "train", "--out", str(runs_dir / "tp_apply_hang"), *_layout(2, 2, 2), *JOB,
+        "--ranks-per-node", "2", "--device", "emulated", "--heartbeat-timeout", "2",
+        "--plan-ack-timeout", "2", "--fault", "kill-node:0@3:optimizer",
+        "--fault", "hang:7@3:apply",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (
+        "then, while waiting for every rank to apply the recovery plan: rank 3: no "
+        "heartbeat for" in proc.stderr
+    ), proc.stderr

@@ -754,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"chaos: running on a {args.code}", flush=True)
     else:
+        # The checks (replay, compare) import the tree's elaswave/, as the jobs do: a
+        # script's own directory, not the tree, is what Python puts on sys.path.
+        sys.path.insert(0, str(ROOT))
         args.code = f"the tree {ROOT}"
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],

@@ -2,7 +2,8 @@
 run it and its fault-free twin, and judge the outcome.
 
     scripts/chaos --cases 300 --seed 1 [--case K[,K...]] [--out /tmp/chaos]
-                  [--json FILE] [--timeout 120] [--keep]
+                  [--json FILE] [--md FILE] [--timeout 120] [--keep] [--dry-run]
+                  [--tp-weight W]
 
 (``.venv/bin/python scripts/chaos ...`` works too; add --snapshot in a tree others are
 editing: every job then runs on one copy of elaswave/ taken at the start, while the
@@ -34,9 +35,29 @@ The draw
     timeouts   --heartbeat-timeout 2 (a hang is fenced after 2 s), --plan-ack-timeout 2,
                --comm-timeout 30
 
+Tensor-parallel cases (--tp-weight W, default 0): case K first flips a coin of its own
+(``random.Random(f"chaos-tp:{S}:{K}")``, heads with probability W); on tails it is the
+case above, exactly as drawn with W = 0 (so W = 0 is every earlier campaign's draw, and
+a campaign with W = 0.5 shares its non-TP cases with one at W = 0). On heads, the same
+coin's generator draws
+    layout     --tp 2 or 4, then dp x pp with dp*pp*tp <= 8 processes (dp*pp = 1
+               included: a TP group alone), dp = 1 layouts at half weight
+    nodes      --ranks-per-node 1, 2, 4, 6 or 8 that is a divisor or a multiple of tp
+               (a TP group spans whole nodes or fits in one), at most the processes
+    faults     as above, but kill:P, hang:P and slow:P name process ranks (0 ..
+               dp*pp*tp-1: process P is TP member P % tp of plan rank P // tp) and
+               kill-node:K the processes K*rpn .. K*rpn+rpn-1; a join adds a whole TP
+               group, and joins stop at 12 processes in all (a join past that is drawn
+               again)
+    job, policy, device, timeouts as above; never --wait-for-nodes (tp > 1 refuses it)
+The plan's ranks are then units (TP groups): summary.json's recoveries and the job's
+messages name units, so the checks below map every victim process P to its unit
+P // tp, and a unit is a victim when any of its processes is.
+
 The twin is the same command without --fault (and with the default --rebalance and
---ranks-per-node, which do not change a fault-free run's numerics); twins are cached
-per (dp, pp, global batch, micro batch, steps, seed, device) under OUT/seedS/twins.
+--ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
+twins are cached per (dp, pp, tp, global batch, micro batch, steps, seed, device) under
+OUT/seedS/twins.
 
 Outcomes (``ok``: the first four; any other is a failure, and the script exits 1)
     recovered       exit 0, every step done, per-step losses and final parameters within
@@ -44,15 +65,16 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     announced plan (``replay_run(...).diverged is None``) and the plans
                     are one committed announcement per recovery (as tests/runs.py checks),
                     no worker or Core traceback, and every fail-stop recovery's ranks
-                    were fault victims (see below)
+                    were fault victims (see below; units when tp > 1)
     stopped-ok      exit 1 with one ``elaswave: job failed: ...`` line that names state
                     that really was lost, and no traceback. "Really lost" is checked
                     against the victims: the ranks with a RUN_DIR/faults/rankN.json record
-                    (SIGKILLed by kill or kill-node, or SIGSTOPped by hang, then fenced).
+                    (SIGKILLed by kill or kill-node, or SIGSTOPped by hang, then fenced;
+                    with tp > 1, N is a process and the victim is its unit N // tp).
                     Accepted messages: "stage S (...) lost all its ranks [R...]: no
                     replica holds its layers" with every R a victim; "optimizer state
                     lost: ... (owner O, snapshot holder H)" with O and H victims (H may be
-                    none); "no worker survives" with every launched rank a victim
+                    none); "no worker survives" with every launched rank (unit) a victim
     stopped-window  exit 1 with the documented stop for a failure after a plan's commit
                     ("while waiting for every rank to apply the recovery plan: ... (a
                     failure in that window is not recovered: the job stops; ...)", see
@@ -71,7 +93,8 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     failure (``core.failed``, ``core.on_event_failed``), or a message
                     "the Core failed/stopped: ..."
     collateral      the job completed, but a rank that no fault touched failed on the way
-                    (a worker.failed record, or a fail-stop recovery of a non-victim)
+                    (a worker.failed record, or a fail-stop recovery of a non-victim; a
+                    TP member whose unit is a victim may fail with its group)
     hang            the job ran past --timeout (its whole process group is then killed),
                     or left processes behind after it exited
     unexplained-stop a non-zero exit whose message names no real loss: a rank blamed that
@@ -83,7 +106,8 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     so this is a failure of the script or of validation
 
 At the end: a table of cases by fault kind (a case counts once under each kind it has;
-"in-recovery" counts plan/apply faults) and outcome, the time per case, and every
+"in-recovery" counts plan/apply faults; rows "tp 2" and "tp 4" when there are TP cases)
+and outcome, the time per case, and every
 failing case's reproduce command. Run directories of passing cases are deleted unless
 --keep; failing ones are kept.
 """
@@ -166,15 +190,27 @@ class Case:
     device: str
     train_seed: int = 0
     wait_for_nodes: float = 0.0
+    tp: int = 1
 
     @property
     def world(self) -> int:
+        """Plan ranks (units) at the start: TP groups when tp > 1."""
         return self.dp * self.pp
+
+    @property
+    def processes(self) -> int:
+        """Worker processes at the start: what kill, hang, slow and kill-node target."""
+        return self.dp * self.pp * self.tp
+
+    def unit(self, process: int) -> int:
+        """The plan rank of process ``process`` (its TP group)."""
+        return process // self.tp
 
     def job_args(self) -> list[str]:
         """The job without faults, policy or node size (what the twin shares)."""
+        tp = ["--tp", str(self.tp)] if self.tp > 1 else []
         return [
-            "--dp", str(self.dp), "--pp", str(self.pp), "--steps", str(self.steps),
+            "--dp", str(self.dp), "--pp", str(self.pp), *tp, "--steps", str(self.steps),
             "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
         ]  # fmt: skip
@@ -190,13 +226,16 @@ class Case:
 
     def twin_key(self) -> str:
         return (
-            f"dp{self.dp}_pp{self.pp}_gb{self.global_batch}_mb{self.micro_batch}"
+            f"dp{self.dp}_pp{self.pp}" + (f"_tp{self.tp}" if self.tp > 1 else "")
+            + f"_gb{self.global_batch}_mb{self.micro_batch}"
             f"_s{self.steps}_seed{self.train_seed}_{self.device}"
-        )
+        )  # fmt: skip
 
     def describe(self) -> str:
         return (
-            f"dp={self.dp}xpp={self.pp} rpn={self.ranks_per_node} gb={self.global_batch} "
+            f"dp={self.dp}xpp={self.pp}"
+            + (f"xtp={self.tp}" if self.tp > 1 else "")
+            + f" rpn={self.ranks_per_node} gb={self.global_batch} "
             f"mb={self.micro_batch} steps={self.steps} faults=[{', '.join(self.faults)}] "
             f"policy={self.policy} device={self.device}"
             + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
@@ -207,8 +246,18 @@ def _layouts() -> list[tuple[int, int]]:
     return [(dp, pp) for dp in range(1, 9) for pp in range(1, 7) if 2 <= dp * pp <= 8]
 
 
-def draw_case(seed: int, index: int) -> Case:
-    """Case ``index`` of campaign ``seed``: a function of the two only."""
+def draw_case(seed: int, index: int, tp_weight: float = 0.0) -> Case:
+    """Case ``index`` of campaign ``seed``: a function of the two (and of ``tp_weight``,
+    the chance that it is a tensor-parallel case). A case that does not draw tp is the
+    case every ``tp_weight`` draws, 0 included: the TP coin has a generator of its own."""
+    if tp_weight > 0:
+        tp_rng = random.Random(f"chaos-tp:{seed}:{index}")
+        if tp_rng.random() < tp_weight:
+            for _ in range(100):
+                case = _draw_tp(tp_rng, seed, index)
+                if _valid(case):
+                    return case
+            raise RuntimeError(f"could not draw a valid TP case {index} of seed {seed}")
     rng = random.Random(f"chaos:{seed}:{index}")
     for _ in range(100):
         case = _draw(rng, seed, index)
@@ -227,12 +276,88 @@ def _draw(rng: random.Random, seed: int, index: int) -> Case:
     mb = rng.choice([1, 2])
     nodes = -(-world // rpn)
     count = rng.choices([1, 2, 3, 4], weights=[0.3, 0.3, 0.25, 0.15])[0]
+    faults = _draw_faults(rng, count, steps, world, nodes)
+    return Case(
+        seed=seed,
+        index=index,
+        dp=dp,
+        pp=pp,
+        ranks_per_node=rpn,
+        steps=steps,
+        global_batch=2 * dp * mb,
+        micro_batch=mb,
+        faults=faults,
+        policy=rng.choice(POLICIES),
+        device=device,
+        wait_for_nodes=WAIT_S if rng.random() < 0.3 else 0.0,  # drawn last: older
+    )  # campaigns draw the same cases but for it
+
+
+TP_SIZES = (2, 4)
+"""The tensor-parallel sizes a TP case draws (the tiny model has 4 heads)."""
+TP_MAX_PROCESSES = 8
+"""dp x pp x tp of a TP case at the start."""
+TP_MAX_WITH_JOINS = 12
+"""Processes a TP case may reach with its joiners (each join adds a whole TP group)."""
+
+
+def _draw_tp(rng: random.Random, seed: int, index: int) -> Case:
+    """A tensor-parallel case: tp 2 or 4, dp x pp x tp <= 8 processes, ranks per node a
+    divisor or a multiple of tp, no wait for joiners; faults target process ranks."""
+    tp = rng.choice(TP_SIZES)
+    layouts = [
+        (dp, pp) for dp in range(1, 9) for pp in range(1, 7) if dp * pp * tp <= TP_MAX_PROCESSES
+    ]
+    dp, pp = rng.choices(layouts, weights=[1 if dp == 1 else 2 for dp, _ in layouts])[0]
+    processes = dp * pp * tp
+    rpn = rng.choice(
+        [r for r in (1, 2, 4, 6, 8) if r <= processes and (r % tp == 0 or tp % r == 0)]
+    )
+    device = rng.choices(["cpu", "emulated"], weights=[0.6, 0.4])[0]
+    steps = 10 if device == "cpu" else 8
+    mb = rng.choice([1, 2])
+    nodes = -(-processes // rpn)
+    count = rng.choices([1, 2, 3, 4], weights=[0.3, 0.3, 0.25, 0.15])[0]
+    joins = (TP_MAX_WITH_JOINS - processes) // tp
+    faults = _draw_faults(rng, count, steps, processes, nodes, max_joins=joins)
+    return Case(
+        seed=seed,
+        index=index,
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        ranks_per_node=rpn,
+        steps=steps,
+        global_batch=2 * dp * mb,
+        micro_batch=mb,
+        faults=faults,
+        policy=rng.choice(POLICIES),
+        device=device,
+    )
+
+
+def _draw_faults(
+    rng: random.Random,
+    count: int,
+    steps: int,
+    world: int,
+    nodes: int,
+    max_joins: int | None = None,
+) -> tuple[str, ...]:
+    """``count`` faults over processes ``0 .. world - 1`` on ``nodes`` nodes (at most
+    ``max_joins`` joins when given: a join drawn past it is drawn again)."""
     faults: list[str] = []
     drawn: list[tuple[str, int]] = []  # (kind, step) of each fault so far
     while len(faults) < count:
         kind = rng.choices(
             ["kill", "kill-node", "hang", "slow", "join"], weights=[35, 15, 15, 15, 20]
         )[0]
+        if (
+            kind == "join"
+            and max_joins is not None
+            and sum(k == "join" for k, _ in drawn) >= max_joins
+        ):
+            continue
         if drawn and rng.random() < 0.6:
             step = rng.choice(drawn)[1] + rng.choice([0, 0, -1, 1])
         else:
@@ -265,20 +390,7 @@ def _draw(rng: random.Random, seed: int, index: int) -> Case:
             continue
         faults.append(fault)
         drawn.append((kind, step))
-    return Case(
-        seed=seed,
-        index=index,
-        dp=dp,
-        pp=pp,
-        ranks_per_node=rpn,
-        steps=steps,
-        global_batch=2 * dp * mb,
-        micro_batch=mb,
-        faults=tuple(faults),
-        policy=rng.choice(POLICIES),
-        device=device,
-        wait_for_nodes=WAIT_S if rng.random() < 0.3 else 0.0,  # drawn last: older
-    )  # campaigns draw the same cases but for it
+    return tuple(faults)
 
 
 def _valid(case: Case) -> bool:
@@ -290,6 +402,7 @@ def _valid(case: Case) -> bool:
             train=TrainConfig(
                 dp=case.dp,
                 pp=case.pp,
+                tp=case.tp,
                 steps=case.steps,
                 global_batch=case.global_batch,
                 micro_batch=case.micro_batch,
@@ -297,6 +410,7 @@ def _valid(case: Case) -> bool:
                 ranks_per_node=case.ranks_per_node,
                 faults=case.faults,
                 rebalance=case.policy,
+                wait_for_nodes_s=case.wait_for_nodes if case.tp > 1 else 0.0,
             )
         )
     except ValueError:
@@ -405,7 +519,8 @@ class Verdict:
 
 
 def victims(run_dir: Path) -> dict[int, str]:
-    """rank -> the fault that SIGKILLed or SIGSTOPped it (RUN_DIR/faults/rankN.json)."""
+    """process rank -> the fault that SIGKILLed or SIGSTOPped it
+    (RUN_DIR/faults/rankN.json; with tp > 1, N is a process rank, not a plan rank)."""
     out = {}
     for path in sorted((run_dir / "faults").glob("rank*.json")):
         if not path.stem[4:].isdigit():
@@ -484,7 +599,14 @@ def _ranks(text: str) -> list[int]:
     return [int(r) for r in re.findall(r"\d+", text)]
 
 
-def judge_stop(case: Case, job: Job, hit: dict[int, str]) -> Verdict:
+def victim_units(case: Case, hit: dict[int, str]) -> set[int]:
+    """The plan ranks (units) among the victims: a TP group is one when any of its
+    processes is (process P is in unit P // tp)."""
+    return {case.unit(p) for p in hit}
+
+
+def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
+    """``hit``: the victim units (the job's messages name plan ranks)."""
     lines = [ln for ln in job.stderr.splitlines() if ln.startswith("elaswave: job failed: ")]
     if job.code != 1 or len(lines) != 1:
         tail = job.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
@@ -553,7 +675,7 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         return Verdict("hang", f"processes {job.leftovers} outlived the job")
     if job.code == 2:
         return Verdict("refused", job.stderr.strip()[-300:])
-    hit = victims(job.out)
+    hit = victim_units(case, victims(job.out))
     logs = scan_logs(job)
     if logs.bugs:
         return Verdict("traceback", "; ".join(logs.bugs[:3]))
@@ -574,10 +696,14 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         if verdict.ok and replay_problem:
             return Verdict("replay-diverged", replay_problem, verdict.detail)
         return verdict
-    if logs.peer_errors:
+    # A TP member that fails on its group's loss (a partner killed or stopped) goes with
+    # its unit, which was a victim: that is no collateral.
+    strays = {r: e for r, e in logs.peer_errors.items() if case.tp == 1 or case.unit(r) not in hit}
+    if strays:
+        what = "process" if case.tp > 1 else "rank"
         return Verdict(
             "collateral",
-            "; ".join(f"rank {r}: {e}" for r, e in sorted(logs.peer_errors.items())),
+            "; ".join(f"{what} {r}: {e}" for r, e in sorted(strays.items())),
         )
     summary = load_summary(job.out)
     if summary["steps_completed"] != case.steps or len(summary["loss"]) != case.steps:
@@ -627,7 +753,7 @@ def ensure_twin(case: Case, root: Path, timeout: float) -> tuple[Path | None, st
     return out, ""
 
 
-def run_case(case: Case, root: Path, timeout: float, keep: bool) -> dict:
+def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: float = 0.0) -> dict:
     out = root / f"case{case.index:04d}"
     cmd = command(out, case.args())
     job = run_job(out, case.args(), timeout)
@@ -645,12 +771,14 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool) -> dict:
         except Exception as exc:  # a run too broken to read is a finding, not a crash
             verdict = Verdict("mismatch", f"could not judge: {type(exc).__name__}: {exc}")
     fired = victims(out)
+    units = sorted(victim_units(case, fired))
     record = {
         "case": case.index,
         "seed": case.seed,
         **{k: v for k, v in asdict(case).items() if k not in ("seed", "index")},
         "faults": list(case.faults),
         "victims": {str(r): f for r, f in sorted(fired.items())},
+        **({"victim_units": units} if case.tp > 1 else {}),
         "outcome": verdict.outcome,
         "ok": verdict.ok,
         "detail": verdict.detail,
@@ -659,7 +787,9 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool) -> dict:
         "wall_s": round(job.wall_s, 2),
         "twin_s": round(twin_s, 2),
         "command": cmd,
-        "rerun": f"scripts/chaos --seed {case.seed} --case {case.index} --out {root.parent}",
+        "rerun": f"scripts/chaos --seed {case.seed} --case {case.index}"
+        + (f" --tp-weight {tp_weight:g}" if tp_weight else "")
+        + f" --out {root.parent}",
         "run_dir": str(out),
     }
     if verdict.ok and not keep:
@@ -673,13 +803,16 @@ def table(records: list[dict]) -> str:
     ]
     outcomes = outcomes or list(OK_OUTCOMES)
     rows = []
-    for kind in (*KINDS, "waits for nodes", "all cases"):
+    sizes = sorted({r.get("tp", 1) for r in records} - {1})
+    tp_rows = [f"tp {t}" for t in sizes] if sizes else []
+    for kind in (*KINDS, "waits for nodes", *tp_rows, "all cases"):
         sel = [
             r
             for r in records
             if kind == "all cases"
             or kind in _kinds(r["faults"])
             or (kind == "waits for nodes" and r.get("wait_for_nodes"))
+            or (kind.startswith("tp ") and f"tp {r.get('tp', 1)}" == kind)
         ]
         counts = Counter(r["outcome"] for r in sel)
         rows.append([kind, str(len(sel)), *(str(counts.get(o, 0)) for o in outcomes)])
@@ -722,12 +855,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep passing cases' run dirs")
     parser.add_argument("--dry-run", action="store_true", help="print the draw, run nothing")
     parser.add_argument(
+        "--tp-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a case is tensor-parallel (tp 2 or 4; default 0: the draws "
+        "of campaigns before --tp; a case that draws no tp is the same for every weight)",
+    )
+    parser.add_argument(
         "--snapshot",
         action="store_true",
         help="copy elaswave/ once at the start and run every job (and the checks) on the "
         "copy: a campaign in a tree that others edit then tests one version",
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.tp_weight <= 1:
+        parser.error(f"--tp-weight {args.tp_weight:g}: must be from 0 to 1")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -768,12 +910,12 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     started = time.monotonic()
     for index in indices:
-        case = draw_case(args.seed, index)
+        case = draw_case(args.seed, index, args.tp_weight)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
             continue
-        rec = run_case(case, root, args.timeout, args.keep)
+        rec = run_case(case, root, args.timeout, args.keep, args.tp_weight)
         records.append(rec)
         print(_case_line(case, rec), flush=True)
         if args.json:
@@ -817,7 +959,8 @@ def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> No
     lines = [
         "# Randomized fault campaign (measured)",
         "",
-        f"`scripts/chaos --cases {len(records)} --seed {args.seed}` on {args.code}: real "
+        f"`scripts/chaos --cases {len(records)} --seed {args.seed}{_tp_flag(args)}` on "
+        f"{args.code}: real "
         "processes, real SIGKILL/SIGSTOP, the real bus, on the 2-core host. Outcome rules: "
         "the docstring of `scripts/chaos.py` (`recovered`, `stopped-ok`, `stopped-window` "
         "and `stopped-waited` pass; any other outcome is a failure).",
@@ -834,9 +977,14 @@ def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> No
     args.md.write_text("\n".join(lines) + "\n")
 
 
+def _tp_flag(args: argparse.Namespace) -> str:
+    return f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
+
+
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:
     doc = {
         "seed": args.seed,
+        **({"tp_weight": args.tp_weight} if args.tp_weight else {}),
         "code": args.code,
         "cases": len(records),
         "failed": sum(1 for r in records if not r["ok"]),

@@ -67,6 +67,12 @@ class Pacer:
     """Fail-slow factor applied to compute time."""
     clock: StepClock = field(default_factory=StepClock)
     sleep: Callable[[float], None] = time.sleep
+    waited: Callable[[], float] | None = None
+    """Seconds this process has spent in its layers' own collectives so far (its TP
+    group's, :class:`~elaswave.runtime.tpgroup.TpLink`): on real devices a fail-slow
+    factor stretches the compute of a layer, not its wait for the other members (two
+    slowed members would otherwise stretch each other's waits without end)."""
+    _waited_mark: float = 0.0
 
     @property
     def emulated(self) -> bool:
@@ -92,7 +98,12 @@ class Pacer:
         measured = time.perf_counter() - started
         flops = self._flops(layer_ids, samples, backward)
         if self.model is None:
-            spent = measured * self.slowdown
+            own = measured
+            if self.waited is not None:  # the collectives' share is not this rank's compute
+                now = self.waited()
+                own = max(0.0, measured - (now - self._waited_mark))
+                self._waited_mark = now
+            spent = measured + own * (self.slowdown - 1.0)
             reference = self.reference
             expected = (
                 0.0 if reference is None else compute_time(flops, reference, reference.base_mhz)

@@ -18,6 +18,7 @@ parameters' step is known, and every member decides the same about its TP group.
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +59,7 @@ class TpLink:
         self.member, self._size = member, size
         self._backend, self._timeout, self._abort = backend, timeout, abort
         self.generation = 0
+        self.waited_s = 0.0
         self.group = self._build(0)
 
     def _build(self, generation: int) -> CollectiveGroup:
@@ -81,10 +83,23 @@ class TpLink:
         return self.group.tainted
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.group.all_reduce(tensor)
+        started = time.perf_counter()
+        try:
+            self.group.all_reduce(tensor)
+        finally:
+            self.waited_s += time.perf_counter() - started
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.group.all_gather(output, input)
+        started = time.perf_counter()
+        try:
+            self.group.all_gather(output, input)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def waited(self) -> float:
+        """Seconds spent in the group's collectives so far (the pacer's fail-slow
+        emulation stretches compute, not these waits)."""
+        return self.waited_s
 
     def rebuild(self, generation: int) -> None:
         """Every member calls it, with the same ``generation``."""

@@ -162,7 +162,9 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
         )
         pacer = Pacer(emulated, costs, clock)
     else:
-        pacer = Pacer(None, costs, reference=cfg.cost_device)
+        pacer = Pacer(
+            None, costs, reference=cfg.cost_device, waited=None if tp is None else tp.waited
+        )
     return WorkerContext(
         cfg=cfg,
         rank=rank,

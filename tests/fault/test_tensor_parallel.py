@@ -230,3 +230,20 @@ def test_a_tp_member_hung_while_applying_a_plan_is_a_failure_in_the_apply_window
         "then, while waiting for every rank to apply the recovery plan: rank 3: no "
         "heartbeat for" in proc.stderr
     ), proc.stderr
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_two_slowed_members_of_one_group_do_not_stretch_each_others_waits(runs_dir):
+    """Chaos seed 31 case 89 (cpu, tp 4): slow members 2 and 3 of rank 1 once stretched
+    each other's waits in the group's collectives from step to step until one timed
+    out; a slowdown now stretches a member's own compute only."""
+    run = train(
+        runs_dir / "tp_two_slow", "--dp", "2", "--pp", "1", "--tp", "4", "--steps", "10",
+        "--global-batch", "4", "--micro-batch", "1", "--comm-timeout", "30",
+        "--ranks-per-node", "4", "--rebalance", "none",
+        "--fault", "slow:7=4@3", "--fault", "slow:6=3@3",
+    )  # fmt: skip
+    times = run.summary["step_time_s"]
+    assert run.summary["steps_completed"] == 10
+    assert max(times[4:]) < 4 * max(times[3], 0.2), times  # no growth from step to step

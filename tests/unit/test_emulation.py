@@ -65,6 +65,22 @@ def test_real_device_only_adds_the_slowdown() -> None:
     assert len(slept) == 1 and 0.015 < slept[0] < 0.03  # waits 2 x the measured 10 ms
 
 
+def test_a_slowdown_stretches_compute_not_the_wait_for_tp_members() -> None:
+    """Chaos seed 31 case 89: two slowed members of one TP group stretched each other's
+    waits (measured time x factor) until a collective timed out."""
+    slept: list[float] = []
+    waited = [0.0]
+    pacer = Pacer(None, COSTS, reference=SPEC, sleep=slept.append, waited=lambda: waited[0])
+    pacer.slowdown = 3.0
+    started = time.perf_counter() - 0.1  # 100 ms in the layers, 80 of them in collectives
+    waited[0] = 0.08
+    pacer.compute([1], 2, started, backward=False)
+    assert len(slept) == 1 and 0.03 < slept[0] < 0.05  # 2 x the 20 ms of own compute
+    started = time.perf_counter() - 0.01  # the next layers: no collective since
+    pacer.compute([1], 2, started, backward=False)
+    assert 0.015 < slept[1] < 0.03
+
+
 def test_delayed_send_posts_after_the_delay() -> None:
     posted: list[float] = []
     started = time.perf_counter()

@@ -79,15 +79,47 @@ class GroupMember(Protocol):
         ...
 
 
+class CollectiveWork(Protocol):
+    """A collective started without waiting (``*_async``)."""
+
+    def wait(self) -> None:
+        """Wait for it, bounded by the group's timeout and abort signal as a blocking
+        collective is (:class:`CommError`, :class:`~elaswave.comm.abort.StepAborted`).
+        The output tensor holds the result only once this returns."""
+        ...
+
+
 class CollectiveGroup(GroupMember, Protocol):
     """A group that data parallelism reduces over: :class:`Group` or a
     :class:`~elaswave.comm.ring.RingGroup`. Every member runs the same collectives in
-    the same order."""
+    the same order (started, for the ``*_async`` ones: they may complete in any order).
+
+    A started collective that is never waited (its step was abandoned) leaves the group
+    ``tainted``; until then it may still write its output and read its input, so an
+    abandoned collective's tensors must not be reused."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        """:meth:`reduce_scatter` started; ``input`` is only read."""
+        ...
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        """:meth:`all_gather` started."""
+        ...
+
     def barrier(self) -> None: ...
+
+
+class Done:
+    """A collective that completed when it was started (a group of one member)."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Done()
 
 
 class P2PLink(Protocol):
@@ -121,6 +153,8 @@ class Group:
     _index: dict[int, int] = field(init=False)
     tainted: bool = field(init=False, default=False)
     """A collective on this group did not complete (see :meth:`_collective`)."""
+    _in_flight: int = field(init=False, default=0)
+    """Collectives started and not yet waited."""
 
     def __post_init__(self) -> None:
         self._index = {r: i for i, r in enumerate(self.spec.ranks)}
@@ -146,8 +180,10 @@ class Group:
         P2P traffic never taints: its tags are unique per generation and step.
         """
         self.tainted = True
+        self._in_flight += 1
         self._wait(work, op)
-        self.tainted = False
+        self._in_flight -= 1
+        self.tainted = self._in_flight > 0
 
     def _wait(self, work: dist.Work, op: str) -> None:
         try:
@@ -180,6 +216,26 @@ class Group:
             output.copy_(input)
             return
         self._collective(self.pg._allgather_base(output, input), "all_gather")
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        if self.size == 1:
+            output.copy_(input)
+            return DONE
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        return self._start(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        if self.size == 1:
+            output.copy_(input)
+            return DONE
+        return self._start(self.pg._allgather_base(output, input), "all_gather")
+
+    def _start(self, work: dist.Work, op: str) -> CollectiveWork:
+        """The group is ``tainted`` until every started collective is waited."""
+        self.tainted = True
+        self._in_flight += 1
+        return _GroupWork(self, work, op)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))
@@ -229,6 +285,20 @@ class Group:
             work.wait(DETACHED)
         except RuntimeError as exc:
             raise CommError(self.name, op, exc) from exc
+
+
+class _GroupWork:
+    def __init__(self, group: Group, work: dist.Work, op: str) -> None:
+        self.group, self.work, self.op = group, work, op
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.group._wait(self.work, self.op)  # raises: the group stays tainted
+        self.done = True
+        self.group._in_flight -= 1
+        self.group.tainted = self.group._in_flight > 0
 
 
 class TagSpace(enum.IntEnum):

@@ -15,17 +15,21 @@ not gloo's order.
 Each collective runs whole on a daemon waiter thread (one thread hand-off per
 collective, as for a gloo collective) with a practically unbounded gloo timeout, and the
 caller gives up after :attr:`RingGroup.timeout` (or when the abort signal is set) with
-:class:`CommError`; the abandoned collective posts nothing more and stays parked on its
-thread until the link's peer dies. Tags carry the ring's generation, so an abandoned send
-or receive can never match a message of a ring formed later. A process group destroyed
-under a blocked wait aborts the process, so each parked collective holds its ring and
-with it its links' groups, and retired links are kept (:attr:`LinkPool.retired`); an
-idle gloo group costs about 1 ms of CPU per second (measured here), which bounds what
-keeping them costs.
+:class:`CommError`; the abandoned collective, and any other of the ring still in flight,
+posts nothing more and stays parked on its thread until the link's peer dies.
+``reduce_scatter_async`` / ``all_gather_async`` start a collective and return at once
+(the tag counter is reserved on the caller's thread, so members agree on it whatever
+order the collectives complete in); their ``wait`` is bounded the same way. Tags carry
+the ring's generation, so an abandoned send or receive can never match a message of a
+ring formed later. A process group destroyed under a blocked wait aborts the process,
+so each parked collective holds its ring and with it its links' groups, and retired
+links are kept (:attr:`LinkPool.retired`); an idle gloo group costs about 1 ms of CPU
+per second (measured here), which bounds what keeping them costs.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 import zlib
@@ -37,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
-from elaswave.comm.group import DETACHED, CommError, GroupSpec
+from elaswave.comm.group import DETACHED, DONE, CollectiveWork, CommError, GroupSpec
 from elaswave.comm.links import Link, LinkPool, Pair, pair
 
 log = structlog.get_logger(__name__)
@@ -125,6 +129,8 @@ class RingGroup:
         self._index = spec.ranks.index(rank)
         self._key = ring_key(spec.name)
         self._counter = 0
+        self._in_flight: set[_RingWork] = set()
+        """Collectives started and not yet waited."""
         self.tainted = False
         """A collective on this ring did not complete. Its members may then disagree on
         the step counter, so the ring must be re-formed (``rebuild``), not reused; under
@@ -167,6 +173,15 @@ class RingGroup:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum ``input`` (``size`` chunks) over members; chunk ``index`` lands in ``output``."""
+        self.reduce_scatter_async(output, input).wait()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Concatenate every member's ``input`` into ``output`` in ring order."""
+        self.all_gather_async(output, input).wait()
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        """:meth:`reduce_scatter` started on a waiter thread; ``input`` is only read (the
+        partial sums travel in scratch buffers), so it may be a live gradient buffer."""
         if input.numel() != output.numel() * self.size:
             raise ValueError(
                 f"{self.name}: reduce_scatter input has {input.numel()} elements, "
@@ -174,17 +189,18 @@ class RingGroup:
             )
         if self.size == 1:
             output.copy_(input.reshape(output.shape))
-            return
-        acc = input.detach().reshape(-1).clone()
-        chunks = list(acc.split(output.numel()))
+            return DONE
+        chunks = list(input.detach().reshape(-1).split(output.numel()))
+        direct = output.is_contiguous()
+        out = output.view(-1) if direct else torch.empty(output.numel(), dtype=output.dtype)
         base = self._reserve(1)
-        self._run(
-            lambda cancel: self._reduce_scatter_chunks(chunks, base, cancel), "reduce_scatter"
+        work = self._start(
+            lambda cancel: self._reduce_scatter_into(chunks, out, base, cancel), "reduce_scatter"
         )
-        output.copy_(chunks[self._index].view(output.shape))
+        return work if direct else _CopyBack(work, output, out)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Concatenate every member's ``input`` into ``output`` in ring order."""
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
+        """:meth:`all_gather` started on a waiter thread."""
         if output.numel() != input.numel() * self.size:
             raise ValueError(
                 f"{self.name}: all_gather output has {output.numel()} elements, "
@@ -192,15 +208,16 @@ class RingGroup:
             )
         if self.size == 1:
             output.copy_(input.reshape(output.shape))
-            return
+            return DONE
         direct = output.is_contiguous()
         flat = output.view(-1) if direct else torch.empty_like(output).view(-1)
         chunks = list(flat.split(input.numel()))
         chunks[self._index].copy_(input.reshape(-1))
         base = self._reserve(1)
-        self._run(lambda cancel: self._all_gather_chunks(chunks, base, cancel), "all_gather")
-        if not direct:
-            output.copy_(flat.view(output.shape))
+        work = self._start(
+            lambda cancel: self._all_gather_chunks(chunks, base, cancel), "all_gather"
+        )
+        return work if direct else _CopyBack(work, output, flat)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over members, in place (reduce-scatter then all-gather)."""
@@ -215,7 +232,7 @@ class RingGroup:
             self._reduce_scatter_chunks(chunks, base, cancel)
             self._all_gather_chunks(chunks, base + self.size - 1, cancel)
 
-        self._run(run, "all_reduce")
+        self._start(run, "all_reduce").wait()
         if not direct:
             tensor.copy_(flat.view(tensor.shape))
 
@@ -237,6 +254,25 @@ class RingGroup:
         self._counter += phases * (self.size - 1)
         self.tainted = True
         return base
+
+    def _reduce_scatter_into(
+        self, chunks: list[torch.Tensor], out: torch.Tensor, base: int, cancel: threading.Event
+    ) -> None:
+        """Reduce-scatter without writing ``chunks``: each step's partial sum (the chunk
+        received plus this member's own) goes to one of two scratch buffers, the last
+        one to ``out``. The sums are those of :meth:`_reduce_scatter_chunks`."""
+        n = out.numel()
+        received = torch.empty(n, dtype=out.dtype)
+        sums = [torch.empty(n, dtype=out.dtype) for _ in range(min(2, self.size - 2))]
+        schedule = reduce_scatter_schedule(self._index, self.size)
+        partial = None
+        for step, (send, recv) in enumerate(schedule):
+            outgoing = chunks[send] if partial is None else partial
+            tag = ring_tag(self.generation, self._key, base + step)
+            self._step(outgoing, received, tag, cancel)
+            target = out if step == len(schedule) - 1 else sums[step % 2]
+            torch.add(chunks[recv], received, out=target)
+            partial = target
 
     def _reduce_scatter_chunks(
         self, chunks: list[torch.Tensor], base: int, cancel: threading.Event
@@ -275,29 +311,79 @@ class RingGroup:
         for work in posted:
             work.wait(DETACHED)
 
-    def _run(self, collective: Callable[[threading.Event], None], op: str) -> None:
-        """Run ``collective`` on a waiter thread; wait for it here, bounded by the timeout
-        and the abort signal. One thread hand-off per collective, whatever the ring size.
+    def _start(self, collective: Callable[[threading.Event], None], op: str) -> _RingWork:
+        """Run ``collective`` on a waiter thread (one thread hand-off per collective,
+        whatever the ring size); :meth:`_RingWork.wait` waits for it, bounded by the
+        timeout and the abort signal.
 
         A collective given up on stays parked on its thread (blocked on a dead or hung
-        peer) and posts nothing more; the ring stays ``tainted``.
+        peer) and posts nothing more, nor does any other collective of the ring still in
+        flight; the ring stays ``tainted``.
         """
         assert self.tainted, "a collective runs only after _reserve"
         if self.abort is not None:
             self.abort.check()
         cancel = threading.Event()
         future = WAITERS.submit(functools.partial(collective, cancel))
+        work = _RingWork(self, future, cancel, op)
+        self._in_flight.add(work)
+        return work
+
+    def _give_up(self) -> None:
+        for work in list(self._in_flight):
+            work.cancel.set()
+
+    def _finished(self, work: _RingWork) -> None:
+        self._in_flight.discard(work)
+        if not self._in_flight:
+            self.tainted = False
+
+
+class _RingWork:
+    """A ring collective running on a waiter thread."""
+
+    def __init__(
+        self,
+        ring: RingGroup,
+        future: concurrent.futures.Future[None],
+        cancel: threading.Event,
+        op: str,
+    ) -> None:
+        self.ring, self.future, self.cancel, self.op = ring, future, cancel, op
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        ring = self.ring
         try:
-            done, _ = await_future(future, self.timeout.total_seconds(), self.abort)
+            if self.future.done():  # no hand-off to wait for what is already there
+                done = True
+                self.future.result()
+            else:
+                done, _ = await_future(self.future, ring.timeout.total_seconds(), ring.abort)
         except StepAborted:
-            cancel.set()
+            ring._give_up()
             raise
-        except RuntimeError as exc:
-            raise CommError(self.name, op, exc) from exc
+        except (RuntimeError, _Cancelled) as exc:
+            ring._give_up()
+            raise CommError(ring.name, self.op, exc) from exc
         if not done:
-            cancel.set()
-            raise CommError(self.name, op, f"timed out after {self.timeout}")
-        self.tainted = False
+            ring._give_up()
+            raise CommError(ring.name, self.op, f"timed out after {ring.timeout}")
+        self.done = True
+        ring._finished(self)
+
+
+class _CopyBack:
+    """A started collective whose result is copied into a non-contiguous output."""
+
+    def __init__(self, work: CollectiveWork, output: torch.Tensor, flat: torch.Tensor) -> None:
+        self.work, self.output, self.flat = work, output, flat
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.output.copy_(self.flat.view(self.output.shape))
 
 
 class _Cancelled(Exception):

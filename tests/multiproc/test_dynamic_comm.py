@@ -140,6 +140,29 @@ def _compare_with_gloo(rank: int, store: dist.Store) -> dict[str, float]:
         out = torch.empty(size * 3, dtype=torch.int64)
         ring.all_gather(out.view(size, 3), torch.full((3,), rank))
         assert out.view(size, 3)[:, 0].tolist() == list(ring.spec.ranks)
+        # Started collectives, several in flight, waited in reverse: the same results
+        # as the blocking ones; a reduce-scatter's input is left as it was.
+        for group in (ring, ref):
+            inputs = [torch.randn(size * n, generator=gen) for n in (4, 1, 300)]
+            kept = [x.clone() for x in inputs]
+            outs = [torch.empty(x.numel() // size) for x in inputs]
+            shards = [torch.randn(n, generator=gen) for n in (2, 50)]
+            gathered = [torch.empty(size * y.numel()) for y in shards]
+            works = [group.reduce_scatter_async(o, x) for o, x in zip(outs, inputs, strict=True)]
+            works += [group.all_gather_async(g, y) for g, y in zip(gathered, shards, strict=True)]
+            assert group.tainted or size == 1  # until every started collective is waited
+            for work in reversed(works):
+                work.wait()
+            assert not group.tainted
+            for x, k, o in zip(inputs, kept, outs, strict=True):
+                assert torch.equal(x, k)
+                want = torch.empty_like(o)
+                group.reduce_scatter(want, k.clone())
+                assert torch.equal(o, want)
+            for g, y in zip(gathered, shards, strict=True):
+                want = torch.empty_like(g)
+                group.all_gather(want, y)
+                assert torch.equal(g, want)
         ring.barrier()
     return {"worst_abs_diff": worst}
 

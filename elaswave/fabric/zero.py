@@ -9,14 +9,18 @@ tensors so that a snapshot holder can apply the very same update to a host copy.
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from elaswave.comm.group import CollectiveGroup
+from elaswave.comm.group import CollectiveGroup, CollectiveWork
 from elaswave.fabric.layout import InterleavedLayout
 
 
@@ -66,11 +70,18 @@ class ShardState:
     def numel(self) -> int:
         return self.master.numel()
 
-    def updated_copy(self) -> ShardState:
-        """A copy to update out of place (the decay mask is constant and shared)."""
-        return ShardState(
-            self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone(), self.decay_mask
-        )
+    def updated_copy(self, into: ShardState | None = None) -> ShardState:
+        """A copy to update out of place (the decay mask is constant and shared): new
+        tensors, or ``into``'s (same shapes), overwritten."""
+        if into is None:
+            return ShardState(
+                self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone(), self.decay_mask
+            )
+        into.master.copy_(self.master)
+        into.exp_avg.copy_(self.exp_avg)
+        into.exp_avg_sq.copy_(self.exp_avg_sq)
+        into.decay_mask = self.decay_mask
+        return into
 
     def clone_to(self, device: torch.device | str) -> ShardState:
         return ShardState(
@@ -81,16 +92,44 @@ class ShardState:
         )
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+"""Devices whose torch has the one-pass AdamW kernel (``torch._fused_adamw_``)."""
+
+
 def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: OptimizerConfig) -> None:
-    """One AdamW step on a shard, in place. ``step`` is 0-based."""
+    """One AdamW step on a shard, in place. ``step`` is 0-based.
+
+    The decoupled weight decay of the elements the decay mask marks, then the Adam
+    update: torch's fused AdamW kernel (one pass over the shard) on CPU and CUDA, the
+    same arithmetic in tensor operations elsewhere. An owner and its snapshot holder
+    run this same function on the same fp32 inputs, so their shards stay bit-identical.
+    """
     t = step + 1
     lr = cfg.lr_at(step)
+    master = state.master
+    if cfg.weight_decay:
+        master.addcmul_(master, state.decay_mask, value=-lr * cfg.weight_decay)
+    if master.device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
+        torch._fused_adamw_(
+            [master],
+            [grad],
+            [state.exp_avg],
+            [state.exp_avg_sq],
+            [],
+            [torch.tensor(float(t), device=master.device)],
+            lr=lr,
+            beta1=cfg.beta1,
+            beta2=cfg.beta2,
+            weight_decay=0.0,
+            eps=cfg.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        return
     state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
     state.exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
-    denom = (state.exp_avg_sq / (1 - cfg.beta2**t)).sqrt_().add_(cfg.eps)
-    if cfg.weight_decay:
-        state.master.mul_(1 - lr * cfg.weight_decay * state.decay_mask)
-    state.master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
+    denom = (state.exp_avg_sq.sqrt() / math.sqrt(1 - cfg.beta2**t)).add_(cfg.eps)
+    master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
 
 
 class SnapshotSink(Protocol):
@@ -107,8 +146,104 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
 
+def _storage_use_count(t: torch.Tensor) -> int | None:
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError):  # not in this torch: nothing is recycled
+        return None
+
+
+_ALONE = _storage_use_count(torch.empty(1))
+"""What :func:`_storage_use_count` says of a tensor whose storage nothing else uses."""
+
+
+def _alone(t: torch.Tensor, *, like: torch.Tensor) -> bool:
+    """Whether ``t``, an attribute of an object nothing else refers to, may be
+    overwritten as a tensor like ``like``: no other reference to it (its attribute, the
+    argument and getrefcount's own are the three counted), no view of its storage."""
+    return (
+        sys.getrefcount(t) <= 3
+        and t._base is None
+        and _storage_use_count(t) == _ALONE
+        and t.shape == like.shape
+        and t.dtype == like.dtype
+        and t.device == like.device
+        and t.is_contiguous()
+    )
+
+
+class _GradBuffer:
+    """The stage's gradients in one flat buffer, layer after layer, each layer's padded
+    to D shards (``[D, shard]``, row j for replica j), the parameters' ``.grad`` views
+    into it: backward accumulates in place, and each layer's rows are ready for a
+    reduce-scatter with no copy."""
+
+    def __init__(
+        self, params: list[list[nn.Parameter]], layout: InterleavedLayout, like: torch.Tensor
+    ) -> None:
+        dp = layout.dp
+        self.flat = torch.zeros(dp * layout.shard_numel, dtype=like.dtype, device=like.device)
+        self.layers: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor | None]] = []
+        for ps, (_, lo, hi) in zip(params, layout.shard_slices(), strict=True):
+            layer = self.flat[dp * lo : dp * hi]
+            self.layers.append(layer)
+            views: list[torch.Tensor | None] = []
+            offset = 0
+            for p in ps:
+                n = p.numel()
+                ok = p.dtype == like.dtype and p.device == like.device
+                views.append(layer[offset : offset + n].view_as(p) if ok else None)
+                offset += n
+            self.views.append(views)
+
+    def install(self, params: list[list[nn.Parameter]]) -> None:
+        for ps, views in zip(params, self.views, strict=True):
+            for p, view in zip(ps, views, strict=True):
+                p.grad = view
+
+    def collect(self, index: int, params: list[nn.Parameter]) -> None:
+        """Bring layer ``index``'s gradients into the buffer where they are not there
+        already (a ``.grad`` replaced or reset since :meth:`install`)."""
+        offset = 0
+        layer = self.layers[index]
+        for p, view in zip(params, self.views[index], strict=True):
+            n = p.numel()
+            grad = p.grad
+            if grad is None:
+                layer[offset : offset + n].zero_()
+            elif grad is not view:
+                layer[offset : offset + n].copy_(grad.detach().reshape(-1))
+            offset += n
+
+
+@dataclass
+class _Reduction:
+    """The reduce-scatter of one step's gradients, layer by layer (see
+    :meth:`ZeroAdamW.overlap_reduction`)."""
+
+    out: torch.Tensor
+    """This replica's shard of the summed gradients."""
+    left: list[int]
+    """Per layer, gradients the last backward has yet to accumulate."""
+    ready: list[bool]
+    next: int
+    """The next layer to start (they start from the last layer down)."""
+    works: list[CollectiveWork] = field(default_factory=list)
+    error: BaseException | None = None
+
+
 class ZeroAdamW:
-    """The optimizer of one stage replica: owns shard ``replica`` of the stage's layers."""
+    """The optimizer of one stage replica: owns shard ``replica`` of the stage's layers.
+
+    Gradients accumulate in a flat buffer laid out for the reduce-scatter
+    (:class:`_GradBuffer`, installed by :meth:`zero_grad`). A step reduce-scatters it
+    layer by layer (started during the last backward when the runner calls
+    :meth:`overlap_reduction`), sends the shard to the snapshot holder, updates a copy
+    of the shard (the committed one stays for a roll-back) and all-gathers the updated
+    shards into the parameters. Buffers that a collective writes are reused only once it
+    has completed; an abandoned step's are dropped.
+    """
 
     def __init__(
         self,
@@ -161,42 +296,179 @@ class ZeroAdamW:
         self._masks = masks
         self.snapshot: SnapshotSink | None = None
         """Where each step's reduced gradient shard is also sent (the snapshot holder)."""
+        self._like = master  # dtype and device of the gradient buffers
+        self._grads: _GradBuffer | None = None
+        self._reduction: _Reduction | None = None
+        self._hooks: list[RemovableHandle] = []
+        self._gather: torch.Tensor | None = None
+        """The all-gather's output, kept from step to step once a gather completed."""
+        self._spare: ShardState | None = None
+        """The shard dropped by the last commit: the next update's buffers if nothing
+        else holds it."""
+        self._copy_plan = self._param_pieces()
 
     def decay_mask_of(self, replica: int) -> torch.Tensor:
         return self.layout.shard_of(self._masks, replica)
 
-    def zero_grad(self) -> None:
-        for ps in self.params:
-            for p in ps:
-                p.grad = None
+    def _param_pieces(self) -> list[tuple[int, int, int, int, int]]:
+        """(layer, parameter, start, stop, offset): elements [start, stop) of a
+        parameter's flat view sit at ``offset`` of the rank-major all-gather bucket."""
+        pieces = []
+        dp, width = self.layout.dp, self.layout.shard_numel
+        for li, (ps, shards, (_, lo, _)) in enumerate(
+            zip(self.params, self.layout.layers, self.layout.shard_slices(), strict=True)
+        ):
+            offset = 0
+            for pi, p in enumerate(ps):
+                start, stop = offset, offset + p.numel()
+                while start < stop:
+                    row, col = divmod(start, shards.shard)
+                    end = min(stop, (row + 1) * shards.shard)
+                    assert row < dp
+                    pieces.append((li, pi, start - offset, end - offset, row * width + lo + col))
+                    start = end
+                offset = stop
+        return pieces
 
-    def _grad_flats(self) -> list[torch.Tensor]:
-        return [
-            _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
-            for ps in self.params
-        ]
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffer and point every parameter's ``.grad`` into it."""
+        self._disarm()
+        self._reduction = None
+        if self._grads is None:
+            self._grads = _GradBuffer(self.params, self.layout, self._like)
+        else:
+            self._grads.flat.zero_()
+        self._grads.install(self.params)
+
+    def overlap_reduction(self) -> None:
+        """The next backward is this replica's last of the step: start each layer's
+        reduce-scatter as soon as that backward has accumulated the layer's gradients,
+        so that the reduction overlaps the rest of the backward. Layers start from the
+        last one down, whatever order their gradients complete in, so every replica
+        starts the same collectives in the same order. :meth:`step` waits for them; a
+        gradient changed after its layer started is not reduced (call this only when
+        nothing changes gradients after the backward)."""
+        if self.layout.dp == 1:
+            return  # nothing to overlap: the shard is the buffer
+        self._begin_reduction()
+        for li, ps in enumerate(self.params):
+            for p in ps:
+                if p.requires_grad:
+                    hook = functools.partial(self._accumulated, li)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _begin_reduction(self) -> _Reduction:
+        self._disarm()
+        if self._grads is None:
+            self._grads = _GradBuffer(self.params, self.layout, self._like)
+        n = len(self.params)
+        self._reduction = _Reduction(
+            out=torch.empty(self.layout.shard_numel, dtype=self._like.dtype),
+            left=[sum(p.requires_grad for p in ps) for ps in self.params],
+            ready=[False] * n,
+            next=n - 1,
+        )
+        return self._reduction
+
+    def _disarm(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _accumulated(self, index: int, _param: torch.Tensor) -> None:
+        r = self._reduction
+        if r is None:
+            return
+        r.left[index] -= 1
+        if r.left[index] == 0:
+            r.ready[index] = True
+            self._start_ready(r)
+
+    def _start_ready(self, r: _Reduction, *, all_: bool = False) -> None:
+        """Start the next layers whose gradients are complete (``all_``: every layer
+        left), in order. A failure to start is kept for :meth:`reduce_scatter_grads`."""
+        if r.error is not None:
+            return
+        while r.next >= 0 and (all_ or r.ready[r.next]):
+            index = r.next
+            r.next -= 1
+            try:
+                self._start_layer(r, index)
+            except BaseException as exc:
+                r.error = exc
+                return
+
+    def _start_layer(self, r: _Reduction, index: int) -> None:
+        assert self._grads is not None
+        _, lo, hi = self.layout.shard_slices()[index]
+        if hi == lo:
+            return
+        self._grads.collect(index, self.params[index])
+        r.works.append(self.dp_group.reduce_scatter_async(r.out[lo:hi], self._grads.layers[index]))
 
     def reduce_scatter_grads(self) -> torch.Tensor:
         """Sum every replica's gradients; return this replica's shard of the sum."""
-        bucket = self.layout.to_rank_major(self._grad_flats())
-        shard = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
-        self.dp_group.reduce_scatter(shard, bucket)
-        return shard
+        if self._grads is None:
+            self._grads = _GradBuffer(self.params, self.layout, self._like)
+        if self.layout.dp == 1:
+            grads = self._grads
+            for index, ps in enumerate(self.params):
+                grads.collect(index, ps)
+            self._grads = None  # the shard is this buffer: the next step takes a new one
+            return grads.flat
+        r = self._reduction if self._reduction is not None else self._begin_reduction()
+        try:
+            self._disarm()
+            self._start_ready(r, all_=True)
+            if r.error is not None:
+                raise r.error
+            for work in r.works:
+                work.wait()
+        finally:
+            self._reduction = None
+        return r.out
+
+    # ------------------------------------------------------------------ parameters
 
     def all_gather_params(self, shard: torch.Tensor | None = None) -> None:
         """Gather every replica's master shard (default: committed) into the parameters."""
+        committed = shard is None
         shard = self.state.master if shard is None else shard
-        bucket = torch.empty(self.layout.dp * shard.numel(), dtype=shard.dtype, device=shard.device)
-        self.dp_group.all_gather(bucket, shard)
+        if self.layout.dp == 1:
+            bucket = shard
+        else:
+            kept = self._gather
+            self._gather = None  # taken: a gather given up on may still write it
+            if kept is not None and kept.dtype == shard.dtype and kept.device == shard.device:
+                bucket = kept
+            else:
+                bucket = torch.empty(
+                    self.layout.dp * shard.numel(), dtype=shard.dtype, device=shard.device
+                )
+            self.dp_group.all_gather(bucket, shard)
         with torch.no_grad():
-            for ps, flat in zip(self.params, self.layout.from_rank_major(bucket), strict=True):
-                offset = 0
-                for p in ps:
-                    n = p.numel()
-                    p.copy_(flat[offset : offset + n].view_as(p))
-                    offset += n
-        if shard is None:
+            flats = [[p.view(-1) if p.is_contiguous() else None for p in ps] for ps in self.params]
+            for li, pi, start, stop, offset in self._copy_plan:
+                flat = flats[li][pi]
+                if flat is not None:
+                    flat[start:stop].copy_(bucket[offset : offset + stop - start])
+            if any(f is None for fs in flats for f in fs):  # the general path for the rest
+                for li, (ps, flat) in enumerate(
+                    zip(self.params, self.layout.from_rank_major(bucket.view(-1)), strict=True)
+                ):
+                    offset = 0
+                    for pi, p in enumerate(ps):
+                        if flats[li][pi] is None:
+                            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+        if self.layout.dp > 1:
+            self._gather = bucket
+        if committed:
             self.params_step = self.committed_step
+
+    # ------------------------------------------------------------------ steps
 
     def step(self, step: int, hook: Callable[[str], None] | None = None) -> None:
         """Reduce-scatter, snapshot send, out-of-place update, all-gather; then commit()."""
@@ -205,7 +477,7 @@ class ZeroAdamW:
             self.snapshot.send(grad, step)
         if hook is not None:
             hook("snapshot")
-        pending = self.state.updated_copy()
+        pending = self.state.updated_copy(into=self._take_spare())
         adamw_update(pending, grad, step=step, cfg=self.cfg)
         if hook is not None:
             hook("optimizer")
@@ -213,16 +485,31 @@ class ZeroAdamW:
         self.params_step = step
         self.pending = pending
 
+    def _take_spare(self) -> ShardState | None:
+        """The spare shard if nothing but this optimizer refers to it or its tensors."""
+        spare, self._spare = self._spare, None
+        if spare is None or _ALONE is None or sys.getrefcount(spare) > 2:
+            return None  # referred to by ``spare`` and getrefcount's argument only
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            if not _alone(getattr(spare, name), like=getattr(self.state, name)):
+                return None
+        return spare
+
     def commit(self, step: int) -> None:
         """Make ``step``'s update the committed state (every phase of the step is done)."""
         if self.pending is None or step != self.committed_step + 1:
             raise RuntimeError(f"commit of step {step} after committed step {self.committed_step}")
+        dropped = self.previous
         self.previous, self.state, self.pending = self.state, self.pending, None
         self.committed_step = step
+        self._spare = dropped
 
     def rollback(self, to_step: int) -> None:
         """Drop any uncommitted update and, if needed, the last committed step."""
         self.pending = None
+        self._disarm()
+        self._reduction = None
+        self._gather = None  # an abandoned gather may still write it
         if to_step == self.committed_step:
             return
         if to_step == self.committed_step - 1 and self.previous is not None:

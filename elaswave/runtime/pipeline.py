@@ -113,6 +113,9 @@ class StageRunner:
         self.schedule = one_f_one_b(
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )
+        self.last_backward = max(i for i, (op, _) in enumerate(self.schedule) if op is Op.BACKWARD)
+        """Index in the schedule of the step's last backward, during which the gradient
+        reduction starts (:meth:`ZeroAdamW.overlap_reduction`)."""
 
     def share(self, mb: int) -> tuple[int, int]:
         """[lo, hi) offsets of this replica's samples in global micro-batch ``mb``."""
@@ -181,11 +184,14 @@ class StageRunner:
         self.optimizer.zero_grad()
         shadow = self.shadow if self.shadow is not None and self.shadow.step == step else None
         if not self.idle:
-            for op, mb in self.schedule:
+            for index, (op, mb) in enumerate(self.schedule):
                 trace.append((op.value, mb))
                 if op is Op.FORWARD:
                     saved[mb] = self._forward(step, mb, pending, loss_sum, shadow)
                 else:
+                    if index == self.last_backward and shadow is None:
+                        # (a migration's paybacks change gradients after the backward)
+                        self.optimizer.overlap_reduction()
                     self._backward(step, mb, saved.pop(mb), pending)
                     if shadow is not None:
                         shadow.after_backward(mb)

@@ -113,6 +113,12 @@ class StageRunner:
         self.schedule = one_f_one_b(
             num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
         )
+        self.receives: list[tuple[bool, int]] = [
+            (op is Op.BACKWARD, mb)
+            for op, mb in self.schedule
+            if (op is Op.FORWARD and not self.is_first) or (op is Op.BACKWARD and not self.is_last)
+        ]
+        """(backward, micro-batch) of the step's receives, in the order they are needed."""
         self.last_backward = max(i for i, (op, _) in enumerate(self.schedule) if op is Op.BACKWARD)
         """Index in the schedule of the step's last backward, during which the gradient
         reduction starts (:meth:`ZeroAdamW.overlap_reduction`)."""
@@ -143,14 +149,20 @@ class StageRunner:
             device=self.device,
         )  # fmt: skip
 
-    def _recv(self, routes: list[Route], peer_of, tag: int) -> torch.Tensor:
+    def _post_recv(self, step: int, backward: bool, mb: int) -> list[tuple]:
+        """Post the receives of micro-batch ``mb``'s activations (``backward``: their
+        gradients), one per route in sample order; :meth:`_Receives.take` waits."""
+        if backward:
+            routes, peer_of = self.outbound(mb), (lambda r: r.dst)
+        else:
+            routes, peer_of = self.inbound(mb), (lambda r: r.src)
+        tag = self._tag(step, mb, backward)
         parts = []
         for route in sorted(routes, key=lambda r: r.lo):
             buf = self._activation(route.hi - route.lo)
-            peer = peer_of(route)
-            self.comm.p2p(link_group_name(route.src, route.dst)).recv(buf, peer, tag)
-            parts.append(buf)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+            group = self.comm.p2p(link_group_name(route.src, route.dst))
+            parts.append((group, group.irecv(buf, peer_of(route), tag), buf))
+        return parts
 
     def _send(
         self,
@@ -184,15 +196,16 @@ class StageRunner:
         self.optimizer.zero_grad()
         shadow = self.shadow if self.shadow is not None and self.shadow.step == step else None
         if not self.idle:
+            inbox = _Receives(self, step)
             for index, (op, mb) in enumerate(self.schedule):
                 trace.append((op.value, mb))
                 if op is Op.FORWARD:
-                    saved[mb] = self._forward(step, mb, pending, loss_sum, shadow)
+                    saved[mb] = self._forward(step, mb, pending, loss_sum, shadow, inbox)
                 else:
                     if index == self.last_backward and shadow is None:
                         # (a migration's paybacks change gradients after the backward)
                         self.optimizer.overlap_reduction()
-                    self._backward(step, mb, saved.pop(mb), pending)
+                    self._backward(step, mb, saved.pop(mb), pending, inbox)
                     if shadow is not None:
                         shadow.after_backward(mb)
         if shadow is not None:
@@ -225,6 +238,7 @@ class StageRunner:
         pending: list,
         loss_sum: torch.Tensor,
         shadow: ShadowStep | None,
+        inbox: _Receives,
     ):
         ids = self.sample_ids(step, mb)
         ctx = StepContext(step=step, sample_ids=ids, rng=self.rng)
@@ -233,7 +247,7 @@ class StageRunner:
             x_in = None
             x = inputs.to(self.device)
         else:
-            x_in = self._recv(self.inbound(mb), lambda r: r.src, self._tag(step, mb, False))
+            x_in = inbox.take(False, mb)
             x_in.requires_grad_()
             x = x_in
         layers, layer_ids = (
@@ -267,13 +281,13 @@ class StageRunner:
             )
         return x_in, out, layer_ids
 
-    def _backward(self, step: int, mb: int, saved, pending: list) -> None:
+    def _backward(self, step: int, mb: int, saved, pending: list, inbox: _Receives) -> None:
         x_in, out, layer_ids = saved
         if self.is_last:
             started = time.perf_counter()
             out.backward()
         else:
-            grad = self._recv(self.outbound(mb), lambda r: r.dst, self._tag(step, mb, True))
+            grad = inbox.take(True, mb)
             started = time.perf_counter()
             torch.autograd.backward(out, grad)
         if self.pacer is not None:
@@ -290,3 +304,39 @@ class StageRunner:
                 self._tag(step, mb, True),
                 pending,
             )
+
+
+class _Receives:
+    """A step's receives, each posted while the one before it is waited for, so that a
+    micro-batch's activations (or gradients) arrive while the previous micro-batch
+    computes instead of after the receiver asks for them. At most two are posted at a
+    time; a step that is abandoned leaves its posted receives unmatched (their tags
+    carry the step and the plan generation)."""
+
+    def __init__(self, runner: StageRunner, step: int) -> None:
+        self.runner = runner
+        self.step = step
+        self.posted: dict[tuple[bool, int], list[tuple]] = {}
+        self.next = 0
+        """Index in ``runner.receives`` of the next receive to post."""
+        self._post_next()
+
+    def _post_next(self) -> None:
+        order = self.runner.receives
+        if self.next < len(order):
+            key = order[self.next]
+            self.next += 1
+            self.posted[key] = self.runner._post_recv(self.step, *key)
+
+    def take(self, backward: bool, mb: int) -> torch.Tensor:
+        """Wait for micro-batch ``mb``'s activations (``backward``: their gradients),
+        after posting the next receive."""
+        key = (backward, mb)
+        while key not in self.posted and self.next < len(self.runner.receives):
+            self._post_next()
+        self._post_next()
+        parts = []
+        for group, work, buf in self.posted.pop(key):
+            group.wait_recv(work)
+            parts.append(buf)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]

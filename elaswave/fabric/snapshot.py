@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
+from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update, recyclable
 
 log = structlog.get_logger(__name__)
 
@@ -101,16 +101,20 @@ class SnapshotKeeper:
         """Receive and apply each step's gradient, the steps after ``initial_step`` in
         order; the receive for the next step is posted as soon as the last is applied."""
         step = self.initial_step
+        grad: torch.Tensor | None = None
+        spare: ShardState | None = None  # a version no longer kept: the next one's buffers
         while not self._closed:
             step += 1
             try:
                 latest = self.versions[step - 1]
-                grad = torch.empty_like(latest.master)
+                if grad is None or grad.shape != latest.master.shape:
+                    grad = torch.empty_like(latest.master)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
                 )
-                state = latest.updated_copy()
+                state = latest.updated_copy(into=spare if recyclable(spare, latest) else None)
+                spare = None
                 adamw_update(state, grad, step=step, cfg=self.cfg)
                 digest = state_digest(state) if self.record_digests else ""
             except BaseException as exc:  # surfaced to the training thread by wait()
@@ -125,7 +129,7 @@ class SnapshotKeeper:
                 own = self.holder_step() if self.holder_step is not None else None
                 kept = set(kept_versions(self.versions, own))
                 for old in [v for v in self.versions if v not in kept]:
-                    del self.versions[old]
+                    spare = self.versions.pop(old)
                 if self.record_digests:
                     self.digests.append(digest)
                 self.cpu_s = time.thread_time()

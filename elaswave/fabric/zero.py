@@ -157,6 +157,18 @@ _ALONE = _storage_use_count(torch.empty(1))
 """What :func:`_storage_use_count` says of a tensor whose storage nothing else uses."""
 
 
+def recyclable(state: ShardState | None, like: ShardState) -> bool:
+    """Whether ``state``'s tensors may be overwritten as the next update's (shaped as
+    ``like``'s): nothing refers to ``state`` but the caller's one variable, nor to its
+    tensors but ``state``, and no view shares their storage."""
+    if state is None or _ALONE is None or sys.getrefcount(state) > 3:
+        return False  # the caller's variable, the argument and getrefcount's own
+    return all(
+        _alone(getattr(state, name), like=getattr(like, name))
+        for name in ("master", "exp_avg", "exp_avg_sq")
+    )
+
+
 def _alone(t: torch.Tensor, *, like: torch.Tensor) -> bool:
     """Whether ``t``, an attribute of an object nothing else refers to, may be
     overwritten as a tensor like ``like``: no other reference to it (its attribute, the
@@ -488,12 +500,7 @@ class ZeroAdamW:
     def _take_spare(self) -> ShardState | None:
         """The spare shard if nothing but this optimizer refers to it or its tensors."""
         spare, self._spare = self._spare, None
-        if spare is None or _ALONE is None or sys.getrefcount(spare) > 2:
-            return None  # referred to by ``spare`` and getrefcount's argument only
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            if not _alone(getattr(spare, name), like=getattr(self.state, name)):
-                return None
-        return spare
+        return spare if recyclable(spare, self.state) else None
 
     def commit(self, step: int) -> None:
         """Make ``step``'s update the committed state (every phase of the step is done)."""

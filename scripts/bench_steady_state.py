@@ -196,6 +196,15 @@ def _init(rank: int, store_path: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 
 
+def _leave() -> None:
+    """Exit once both ranks have written their results, without tearing the process
+    group down: gloo's teardown under DDP's reducer sometimes aborts the process
+    ("terminate called without an active exception"), which loses a measured run."""
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def ddp_worker(rank: int, store_path: str, steps: int, result: str) -> None:
     _init(rank, store_path)
     model = nn.parallel.DistributedDataParallel(Stack(0, MODEL.num_layers))
@@ -227,7 +236,7 @@ def ddp_worker(rank: int, store_path: str, steps: int, result: str) -> None:
         times.append(time.perf_counter() - start)
     if rank == 0:
         Path(result).write_text(json.dumps({"step_time_s": times, "loss": losses}))
-    dist.destroy_process_group()
+    _leave()
 
 
 def pipe_worker(
@@ -263,7 +272,7 @@ def pipe_worker(
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     Path(f"{result}.{rank}").write_text(json.dumps({"step_time_s": times, "loss": losses}))
-    dist.destroy_process_group()
+    _leave()
 
 
 def run_baseline(work: Path, kind: str, steps: int) -> dict[str, Any]:

@@ -247,10 +247,9 @@ def recover(
         committed_step=trainer.committed_step,
         cause=str(cause),
     )
-    tainted = trainer.comm.tainted()
     report: dict[str, Any] = {
         "committed_step": trainer.committed_step,
-        "tainted": tainted + ([TP_GROUP] if ctx.tp is not None and ctx.tp.tainted else []),
+        "tainted": trainer.comm.tainted() + ([TP_GROUP] if ctx.tp and ctx.tp.tainted else []),
         "params_step": -2 if (ps := trainer.optimizer.params_step) is None else ps,
     }
     if ctx.tp is not None:  # the TP group reports as one (its earliest step, every taint)

@@ -19,6 +19,7 @@ and gives the next Core the table.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import enum
@@ -60,7 +61,7 @@ class LinkClosed(RuntimeError):
     """The other end of the link has gone."""
 
 
-class ProcessHandle:
+class ProcessHandle(abc.ABC):
     """A worker process owned elsewhere, with what ``asyncio.subprocess.Process`` offers
     its user (``pid``, ``returncode``, ``wait``, ``kill``, ``terminate``); a subclass
     says how a signal reaches it."""
@@ -83,8 +84,9 @@ class ProcessHandle:
             raise ProcessLookupError(f"rank {self.rank} (pid {self.pid}) has exited")
         self._signal(int(signum))
 
+    @abc.abstractmethod
     def _signal(self, signum: int) -> None:
-        raise NotImplementedError
+        """Deliver ``signum`` to the process (through whatever owns it)."""
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

@@ -41,7 +41,7 @@ from elaswave.runtime.executor import Mailbox, PauseBox
 from elaswave.runtime.outage import CoreWatch
 from elaswave.runtime.pipeline import StepResult
 from elaswave.runtime.session import Session
-from elaswave.runtime.tpgroup import unit_finished, whole_param
+from elaswave.runtime.tpgroup import unit_barrier, whole_param
 from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer
 
 
@@ -176,6 +176,7 @@ class StepLoop:
     def _completed(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
         cfg, trainer = self.cfg, self.trainer
         self.step_times[step] = result.seconds
+        outcome = self._outcome(step, result, recovered)
         # Every TP member's timing: the group is as fast as its slowest member.
         clock = self.ctx.pacer.clock
         self.session.publish(
@@ -186,7 +187,7 @@ class StepLoop:
             )
         )  # fmt: skip
         if not self.ctx.leader:  # member 0 reports the rest for the TP group
-            return self._outcome(step, result, recovered)
+            return outcome
         if (shadow := result.migration) is not None:
             self.session.publish(
                 MigrationDone(
@@ -206,7 +207,7 @@ class StepLoop:
             self.traces.append({"step": step, "actions": result.trace})
         if cfg.train.verify_snapshots:
             self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
-        loss = self._outcome(step, result, recovered).loss
+        loss = outcome.loss
         if loss is not None and trainer.plan.stages[-1].ranks[0] == self.rank:
             self.session.publish(
                 StepCompleted(
@@ -214,7 +215,7 @@ class StepLoop:
                     step_time_s=result.seconds, samples=trainer.plan.global_batch,
                 )
             )  # fmt: skip
-        return StepOutcome(step, loss, result.seconds, trainer.plan.generation, recovered)
+        return outcome
 
     def _outcome(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
         """The step as this rank saw it; its loss recorded (on the last stage)."""
@@ -253,11 +254,10 @@ class StepLoop:
                 path = rundir.stage_params(run_dir, stage)
                 path.parent.mkdir(exist_ok=True)
                 torch.save(params, path)
-        if self.ctx.tp is not None:
-            # A member leaving at once could take its last sends with it, unflushed:
-            # the members leave together.
-            unit_finished(self.ctx.store, self.rank, self.ctx.member, self.ctx.tp.size,
-                          timeout_s=cfg.train.comm_timeout_s)  # fmt: skip
+        if self.ctx.tp is not None:  # the members leave together (see unit_barrier)
+            unit_barrier(self.ctx.store, "finished", self.rank, self.ctx.member,
+                         self.ctx.tp.size, timeout_s=cfg.train.comm_timeout_s,
+                         what="finish")  # fmt: skip
         if not self.ctx.leader:
             return  # member 0 reports for the TP group
         losses, times, digests = self.losses, self.step_times, self.optimizer_digests

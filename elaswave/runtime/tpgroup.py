@@ -123,13 +123,10 @@ def unit_report(
     step when members differ (-2 otherwise: a member a step ahead keeps no step before
     its previous one, which the Core must not roll the unit back past). TimeoutError
     when a member does not report (it is lost: the Core releases this one too)."""
-    keys = [f"unit/{unit}/g{generation}/m{m}" for m in range(size)]
-    store.set(keys[member], json.dumps(report))
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise TimeoutError(f"unit {unit}: a TP member did not report ({exc})") from None
-    reports = [json.loads(store.get(k)) for k in keys]
+    mine = json.dumps(report)
+    met = _meet(store, f"g{generation}", unit, member, size, mine, timeout_s=timeout_s,
+                what="report")  # fmt: skip
+    reports = [json.loads(r) for r in met]
     params = {r["params_step"] for r in reports}
     commits = [r["committed_step"] for r in reports]
     return {
@@ -151,15 +148,6 @@ def whole_param(name: str, piece: torch.Tensor, tp: TpLink | None) -> torch.Tens
     return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)])
 
 
-def unit_finished(
-    store: dist.Store, unit: int, member: int, size: int, *, timeout_s: float
-) -> None:
-    """Return once every member of ``unit`` has called it: the last collectives of
-    each have arrived everywhere (gloo may still hold a finished collective's sends
-    when its caller returns; a process that exits then loses them)."""
-    unit_barrier(store, "finished", unit, member, size, timeout_s=timeout_s, what="finish")
-
-
 def unit_barrier(
     store: dist.Store,
     name: str,
@@ -172,11 +160,30 @@ def unit_barrier(
 ) -> None:
     """Return once every member of ``unit`` has reached barrier ``name``: what the
     leader then tells the Core for the unit (a plan acknowledged, a plan applied) is
-    true of every member. TimeoutError when one does not come (it is lost, or hung:
-    the Core fences the unit)."""
+    true of every member, and at the end the last collectives of each have arrived
+    everywhere (gloo may still hold a finished collective's sends when its caller
+    returns; a process that exits then loses them). TimeoutError when one does not
+    come (it is lost, or hung: the Core fences the unit)."""
+    _meet(store, name, unit, member, size, "1", timeout_s=timeout_s, what=what)
+
+
+def _meet(
+    store: dist.Store,
+    name: str,
+    unit: int,
+    member: int,
+    size: int,
+    value: str,
+    *,
+    timeout_s: float,
+    what: str,
+) -> list[str]:
+    """Put this member's ``value`` under ``name`` and return every member's, in member
+    order, once all are there."""
     keys = [f"unit/{unit}/{name}/m{m}" for m in range(size)]
-    store.set(keys[member], "1")
+    store.set(keys[member], value)
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise TimeoutError(f"unit {unit}: a TP member did not {what} ({exc})") from None
+    return [store.get(k).decode() for k in keys]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, wait_abortable
+from elaswave.comm.posted import Posted
 
 DETACHED = timedelta(days=365)
 """gloo-level timeout of a detached wait: never reached, so the wait never closes its
@@ -155,6 +156,8 @@ class Group:
     """A collective on this group did not complete (see :meth:`_collective`)."""
     _in_flight: int = field(init=False, default=0)
     """Collectives started and not yet waited."""
+    posted: Posted = field(init=False, default_factory=Posted)
+    """Sends and receives held until they complete (:mod:`elaswave.comm.posted`)."""
 
     def __post_init__(self) -> None:
         self._index = {r: i for i, r in enumerate(self.spec.ranks)}
@@ -242,7 +245,7 @@ class Group:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         try:
-            return self.pg.send([tensor], self._index[peer], tag)
+            return self.posted.hold(self.pg.send([tensor], self._index[peer], tag))
         except RuntimeError as exc:
             raise CommError(self.name, "send", exc) from exc
 
@@ -255,7 +258,7 @@ class Group:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
         try:
-            return self.pg.recv([tensor], self._index[peer], tag)
+            return self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
 
@@ -274,7 +277,7 @@ class Group:
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Receive on the calling thread; see :meth:`send_detached`."""
         try:
-            work = self.pg.recv([tensor], self._index[peer], tag)
+            work = self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
         self.wait_detached(work, "recv")

@@ -18,7 +18,7 @@ keep apart by tag (:class:`elaswave.comm.group.TagSpace`; ring tags set bit 30).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import structlog
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from elaswave.comm.abort import WAITERS, AbortSignal, await_future
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import DETACHED, CommError, GroupSpec
+from elaswave.comm.posted import Posted
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,17 @@ class Link:
     pg: dist.ProcessGroup
     generation: int
     """The change generation it was created in (part of its store prefix)."""
+    posted: Posted = field(default_factory=Posted, compare=False)
+    """Every send and receive on the link, held until it completes (a freed one that
+    had not would stall the link for good: :mod:`elaswave.comm.posted`)."""
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post a send to global rank ``peer`` (raw gloo; the caller maps errors)."""
+        return self.posted.hold(self.pg.send([tensor], self.index_of(peer), tag))
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post a receive from global rank ``peer``; see :meth:`send`."""
+        return self.posted.hold(self.pg.recv([tensor], self.index_of(peer), tag))
 
     def index_of(self, rank: int) -> int:
         return self.pair.index(rank)
@@ -178,7 +190,7 @@ class PairGroup:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         try:
-            return self.link.pg.send([tensor], self.link.index_of(peer), tag)
+            return self.link.send(tensor, peer, tag)
         except RuntimeError as exc:
             raise CommError(self.name, "send", exc) from exc
 
@@ -191,7 +203,7 @@ class PairGroup:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
         try:
-            return self.link.pg.recv([tensor], self.link.index_of(peer), tag)
+            return self.link.recv(tensor, peer, tag)
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
 
@@ -206,7 +218,7 @@ class PairGroup:
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Receive on the calling thread; see :meth:`send_detached`."""
         try:
-            work = self.link.pg.recv([tensor], self.link.index_of(peer), tag)
+            work = self.link.recv(tensor, peer, tag)
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
         self.wait_detached(work, "recv")

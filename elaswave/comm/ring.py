@@ -304,10 +304,10 @@ class RingGroup:
         posted: list[dist.Work] = []
         if send.numel():
             link, peer = self._next
-            posted.append(link.pg.send([send], peer, tag))
+            posted.append(link.posted.hold(link.pg.send([send], peer, tag)))
         if recv.numel():
             link, peer = self._prev
-            posted.append(link.pg.recv([recv], peer, tag))
+            posted.append(link.posted.hold(link.pg.recv([recv], peer, tag)))
         for work in posted:
             work.wait(DETACHED)
 

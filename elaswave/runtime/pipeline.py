@@ -311,7 +311,8 @@ class _Receives:
     micro-batch's activations (or gradients) arrive while the previous micro-batch
     computes instead of after the receiver asks for them. At most two are posted at a
     time; a step that is abandoned leaves its posted receives unmatched (their tags
-    carry the step and the plan generation)."""
+    carry the step and the plan generation), held by their links until the link goes
+    (:mod:`elaswave.comm.posted`: a freed one would stall its link)."""
 
     def __init__(self, runner: StageRunner, step: int) -> None:
         self.runner = runner

@@ -209,6 +209,31 @@ def test_a_tp_group_whose_members_stopped_a_step_apart_recovers(runs_dir, refere
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
+def test_a_loss_in_the_step_after_a_join_recovers(runs_dir):
+    """Found by scripts/chaos --tp-weight 0.5 (seed 33, case 85). dp1 x pp2 x tp4: a TP
+    group joins stage 1 after step 3, and process 6 (member 2 of rank 1) is killed in
+    step 4's backward. In plane 2, one end of the link between ranks 0 and 2 abandoned
+    the step with a pipeline receive posted, and its buffer was freed; the other end
+    then sent into it, and gloo's reader on that link stalled for good. The live remap
+    of the next plan, whose shard pieces go both ways over that link, waited until the
+    apply deadline stopped the job. Every posted send and receive is now held until it
+    completes (:mod:`elaswave.comm.posted`; failed 7 of 14 runs before)."""
+    job = ("--steps", "10", "--global-batch", "4", "--micro-batch", "2")
+    ref = train(runs_dir / "tp_join_kill_ref", *_layout(1, 2, 4), *job)
+    run = train(
+        runs_dir / "tp_join_kill", *_layout(1, 2, 4), *job, "--ranks-per-node", "2",
+        "--rebalance", "migrate+dvfs", "--fault", "join@3", "--fault", "kill:6@4:backward",
+    )  # fmt: skip
+    s = run.summary
+    assert s["steps_completed"] == 10
+    kinds = [(r["kind"], r["ranks"]) for r in s["recoveries"]]
+    assert kinds in ([("join", [2]), ("fail-stop", [1])], [("join", [1, 2])]), kinds
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
 def test_a_tp_member_hung_while_applying_a_plan_is_a_failure_in_the_apply_window(runs_dir):
     """Found by scripts/chaos --tp-weight 1 (seed 31 cases 110, 169, 285). Node 0
     (processes 0 and 1: rank 0) is lost, and process 7 (rank 3, member 1) hangs while

@@ -322,3 +322,55 @@ def test_sigkill_then_full_rebuilds_everything() -> None:
     # The global group over the 5 survivors (4 connections each), then every group.
     created = {rank: r["stats"]["links_created"] for rank, r in results.items()}
     assert created == {0: 4 + 3, 2: 4 + 2, 3: 4 + 2, 4: 4 + 2, 5: 4 + 1}
+
+
+# ------------------------------------------------------- (c) abandoned point-to-point
+
+
+def _abandon_and_talk(rank: int, store: dist.Store) -> dict[str, float]:
+    """A receive and a send posted and dropped unwaited (as an abandoned step leaves
+    them), on a pooled link and on a gloo group; the groups then carry both of those
+    messages and later ones."""
+    _barrier(store, "up", 2)
+    backend = GlooBackend()
+    dyn = DynamicCommunicator(store, rank, backend, timeout=TIMEOUT)
+    dyn.build([GroupSpec("link.0-1", (0, 1))])
+    gloo = Communicator(store, rank, backend, timeout=TIMEOUT)
+    gloo.build([GroupSpec("pg.0-1", (0, 1))])
+    got: dict[str, float] = {}
+    for group in (dyn["link.0-1"], gloo["pg.0-1"]):
+        assert isinstance(group, PairGroup | Group)
+        peer = 1 - rank
+        if rank == 0:  # posts a receive and drops it; its sender then sends
+            group.irecv(torch.empty(1000), peer, 1)
+        _barrier(store, f"{group.name}/recv-posted", 2)
+        if rank == 1:
+            group.wait_send(group.isend(torch.full((1000,), 1.0), peer, 1))
+            group.isend(torch.full((1000,), 2.0), peer, 2)  # dropped unwaited
+        _barrier(store, f"{group.name}/send-posted", 2)
+        if rank == 0:
+            buf = torch.empty(1000)
+            group.recv(buf, peer, 2)  # the dropped send is still delivered
+            got[f"{group.name}/dropped-send"] = buf[0].item()
+        out, buf = torch.full((4,), 10.0 + rank), torch.empty(4)
+        work = group.isend(out, peer, 3)
+        group.recv(buf, peer, 3)  # and the link still carries later messages
+        group.wait_send(work)
+        got[f"{group.name}/later"] = buf[0].item()
+    _barrier(store, "done", 2)
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_a_send_or_receive_dropped_unwaited_does_not_stall_its_link() -> None:
+    """gloo keeps a posted operation's buffer only through its Work: a Work freed before
+    it completed used to stall its pair for good (chaos seed 33, case 85)."""
+    job = Job(_abandon_and_talk, 2)
+    try:
+        results = job.results(2, timeout_s=45)
+    finally:
+        job.close()
+    for name in ("link.0-1", "pg.0-1"):
+        assert results[0][f"{name}/dropped-send"] == 2.0
+        assert results[0][f"{name}/later"] == 11.0
+        assert results[1][f"{name}/later"] == 10.0

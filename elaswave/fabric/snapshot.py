@@ -2,11 +2,13 @@
 
 After the reduce-scatter, each owner sends its reduced gradient shard (not the three
 times larger optimizer state) to its snapshot holder, whose background thread applies
-the very same AdamW update to a host copy, overlapped with the next step. Both ends run
-on background threads that block in gloo directly: the training thread only enqueues. The holder
-keeps the last two step versions, so a step abandoned by a failure can roll back to the
-committed one, and every version since the step before its own committed step (see
-:func:`kept_versions`). Bit-for-bit equality with the owner holds because both sides run
+the very same AdamW update to a host copy, overlapped with the next steps. Both ends run
+on background threads that block in gloo directly: the training thread only enqueues.
+The holder can give the last two step versions, so a step abandoned by a failure can
+roll back to the committed one, and every version since the step before its own
+committed step (see :func:`kept_versions`); it keeps them as one state and the
+gradients not yet applied to it (:class:`SnapshotKeeper`). Bit-for-bit equality with the
+owner holds because both sides run
 :func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
 may round differently, which the integrity check tolerates by design of the remap).
 """
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update, recyclable
+from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
 
 log = structlog.get_logger(__name__)
 
@@ -65,9 +67,15 @@ def kept_versions(steps: Iterable[int], holder_step: int | None) -> list[int]:
 class SnapshotKeeper:
     """Holds one owner's shard snapshot on this rank and keeps it current.
 
-    ``versions`` maps step -> state after that step's update (step -1: initial state);
-    :func:`kept_versions` says which are kept, given ``holder_step()``, the holder's own
-    committed step (None: the two newest are kept).
+    The versions it can give (the states after steps ``base_step`` .. ``newest``) are
+    kept as one state, ``base`` (after ``base_step``), and the gradients received since,
+    not yet applied. A gradient is applied to ``base`` in place once :func:`kept_versions`
+    (given ``holder_step()``, the holder's own committed step; None: the two newest are
+    kept) no longer keeps the version before it. So each step's update runs once, as
+    before, without the copy an out-of-place update needs: the keeper streams one AdamW
+    pass per step over its shard, where keeping each version whole took a 3-tensor copy
+    too, and holds one state and two or three gradients instead of three states.
+    :meth:`wait` and :meth:`take` apply the gradients up to the step asked for.
     """
 
     owner: int
@@ -79,9 +87,12 @@ class SnapshotKeeper:
     """The step ``initial`` is the state after (-1: before any step)."""
     record_digests: bool = False
     holder_step: Callable[[], int] | None = None
-    versions: dict[int, ShardState] = field(default_factory=dict)
-    digests: list[str] = field(default_factory=list)
     error: BaseException | None = None
+    _base: ShardState = field(init=False)
+    _base_step: int = field(init=False)
+    _grads: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
+    """Gradients of steps ``_base_step + 1`` .. ``newest``, received and not applied."""
+    _digests: list[str] = field(init=False, default_factory=list)
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
@@ -89,7 +100,18 @@ class SnapshotKeeper:
     """CPU seconds this keeper's thread has used (receiving and updating)."""
 
     def __post_init__(self) -> None:
-        self.versions[self.initial_step] = self.initial.clone_to("cpu")
+        self._base = self.initial.clone_to("cpu")
+        self._base_step = self.initial_step
+
+    @property
+    def newest(self) -> int:
+        """The newest step whose version this keeper can give."""
+        return self._base_step + len(self._grads)
+
+    def steps(self) -> list[int]:
+        """The steps whose versions this keeper can give."""
+        with self._done:
+            return list(range(self._base_step, self.newest + 1))
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -98,25 +120,18 @@ class SnapshotKeeper:
         self._thread.start()
 
     def _run(self) -> None:
-        """Receive and apply each step's gradient, the steps after ``initial_step`` in
-        order; the receive for the next step is posted as soon as the last is applied."""
+        """Receive each step's gradient, the steps after ``initial_step`` in order; the
+        receive for the next step is posted as soon as the last one is stored."""
         step = self.initial_step
-        grad: torch.Tensor | None = None
-        spare: ShardState | None = None  # a version no longer kept: the next one's buffers
+        spare: list[torch.Tensor] = []  # gradients applied: the next receives' buffers
         while not self._closed:
             step += 1
             try:
-                latest = self.versions[step - 1]
-                if grad is None or grad.shape != latest.master.shape:
-                    grad = torch.empty_like(latest.master)
+                grad = spare.pop() if spare else torch.empty_like(self._base.master)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
                 )
-                state = latest.updated_copy(into=spare if recyclable(spare, latest) else None)
-                spare = None
-                adamw_update(state, grad, step=step, cfg=self.cfg)
-                digest = state_digest(state) if self.record_digests else ""
             except BaseException as exc:  # surfaced to the training thread by wait()
                 if not self._closed:
                     log.warning("snapshot.failed", owner=self.owner, step=step, error=str(exc))
@@ -125,44 +140,93 @@ class SnapshotKeeper:
                     self._done.notify_all()
                 return
             with self._done:
-                self.versions[step] = state
+                if self._closed:  # a version was taken: it must not change
+                    return
+                self._grads[step] = grad
                 own = self.holder_step() if self.holder_step is not None else None
-                kept = set(kept_versions(self.versions, own))
-                for old in [v for v in self.versions if v not in kept]:
-                    spare = self.versions.pop(old)
-                if self.record_digests:
-                    self.digests.append(digest)
+                keep_from = min(kept_versions(range(self._base_step, step + 1), own))
+                spare += self._advance(keep_from)
                 self.cpu_s = time.thread_time()
                 self._done.notify_all()
 
-    def wait(self, step: int, timeout_s: float) -> ShardState:
-        """Block until ``step``'s snapshot is applied; raise if it never will be.
+    def _advance(self, to_step: int) -> list[torch.Tensor]:
+        """Apply the held gradients to ``base`` up to ``to_step`` (the lock held);
+        returns the gradients applied."""
+        applied = []
+        while self._base_step < to_step:
+            grad = self._grads.pop(self._base_step + 1)
+            adamw_update(self._base, grad, step=self._base_step + 1, cfg=self.cfg)
+            self._base_step += 1
+            if self.record_digests:
+                self._digests.append(state_digest(self._base))
+            applied.append(grad)
+        return applied
 
-        A version already applied is returned even if the keeper failed afterwards (its
+    def _await(self, step: int, timeout_s: float) -> None:
+        """Block until ``step``'s version can be given (the lock held); raise if never."""
+        self._done.wait_for(
+            lambda: step <= self.newest or self.error is not None or self._closed,
+            timeout=timeout_s,
+        )
+        if self._base_step <= step <= self.newest:
+            return
+        if step < self._base_step:
+            raise CommError(
+                self.link.name, "snapshot", f"step {step} no longer kept (have {self.steps()})"
+            )
+        if self.error is not None:
+            raise CommError(self.link.name, "snapshot", self.error)
+        raise CommError(
+            self.link.name,
+            "snapshot",
+            f"step {step} not applied in time (have {self.steps()})",
+        )
+
+    def wait(self, step: int, timeout_s: float) -> ShardState:
+        """A copy of ``step``'s version, once the keeper can give it; raise if it never
+        will. The keeper goes on keeping.
+
+        A version that can be given is given even if the keeper failed afterwards (its
         owner dying mid-step is exactly when the committed version is needed).
         """
         with self._done:
-            self._done.wait_for(
-                lambda: (
-                    step in self.versions or self.error is not None or max(self.versions) > step
-                ),
-                timeout=timeout_s,
-            )
-            if step in self.versions:
-                return self.versions[step]
-            if self.error is not None:
-                raise CommError(self.link.name, "snapshot", self.error)
-            raise CommError(
-                self.link.name,
-                "snapshot",
-                f"step {step} not applied in time (have {sorted(self.versions)})",
-            )
+            self._await(step, timeout_s)
+            state = self._base.clone_to("cpu")
+            for k in range(self._base_step + 1, step + 1):
+                adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
+            return state
+
+    def take(self, step: int, timeout_s: float) -> ShardState:
+        """``step``'s version itself, no copy: the keeper stops (as :meth:`close`), and
+        the versions after ``step`` are dropped. For a recovery's roll-back and the end
+        of training."""
+        with self._done:
+            self._await(step, timeout_s)
+            self._closed = True
+            self._advance(step)
+            self._grads.clear()
+            self._done.notify_all()
+            return self._base
+
+    def digests(self) -> list[str]:
+        """sha256 of each version after ``initial_step`` (``record_digests`` only),
+        versions not yet applied included (computed on a copy)."""
+        with self._done:
+            out = list(self._digests)
+            if self._grads:
+                state = self._base.clone_to("cpu")
+                for k in range(self._base_step + 1, self.newest + 1):
+                    adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
+                    out.append(state_digest(state))
+            return out
 
     def close(self) -> None:
         """Stop keeping. Returns at once: a keeper blocked on a gradient that will never
         come (its owner abandoned the step, or training ended) stays parked on its daemon
         thread."""
-        self._closed = True
+        with self._done:
+            self._closed = True
+            self._done.notify_all()
 
 
 class SnapshotSender:

@@ -10,8 +10,10 @@ tensors so that a snapshot holder can apply the very same update to a host copy.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,36 +102,81 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
     """One AdamW step on a shard, in place. ``step`` is 0-based.
 
     The decoupled weight decay of the elements the decay mask marks, then the Adam
-    update: torch's fused AdamW kernel (one pass over the shard) on CPU and CUDA, the
-    same arithmetic in tensor operations elsewhere. An owner and its snapshot holder
-    run this same function on the same fp32 inputs, so their shards stay bit-identical.
+    update: on CPU and CUDA, torch's fused AdamW kernel, one pass over the shard (two
+    calls: the runs of elements that decay, with the decay folded in, and the runs that
+    do not); the same arithmetic in tensor operations elsewhere. An owner and its
+    snapshot holder run this same function on the same fp32 inputs, so their shards stay
+    bit-identical.
     """
     t = step + 1
     lr = cfg.lr_at(step)
     master = state.master
+    if master.device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
+        decay, plain = (
+            decay_runs(state.decay_mask) if cfg.weight_decay else ([], [(0, master.numel())])
+        )
+        count = torch.tensor(float(t), device=master.device)
+        for runs, weight_decay in ((decay, cfg.weight_decay), (plain, 0.0)):
+            if not runs:
+                continue
+            params, grads, avgs, avg_sqs = (
+                [x[lo:hi] for lo, hi in runs]
+                for x in (master, grad, state.exp_avg, state.exp_avg_sq)
+            )
+            torch._fused_adamw_(
+                params,
+                grads,
+                avgs,
+                avg_sqs,
+                [],
+                [count] * len(runs),
+                lr=lr,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                weight_decay=weight_decay,
+                eps=cfg.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        return
     if cfg.weight_decay:
         master.addcmul_(master, state.decay_mask, value=-lr * cfg.weight_decay)
-    if master.device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
-        torch._fused_adamw_(
-            [master],
-            [grad],
-            [state.exp_avg],
-            [state.exp_avg_sq],
-            [],
-            [torch.tensor(float(t), device=master.device)],
-            lr=lr,
-            beta1=cfg.beta1,
-            beta2=cfg.beta2,
-            weight_decay=0.0,
-            eps=cfg.eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        return
     state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
     state.exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
     denom = (state.exp_avg_sq.sqrt() / math.sqrt(1 - cfg.beta2**t)).add_(cfg.eps)
     master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
+
+
+Runs = list[tuple[int, int]]
+_RUNS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Runs, Runs]]] = {}
+"""decay_runs' cache, by mask identity (a tensor's ``==`` is elementwise, so tensors
+cannot key a WeakKeyDictionary); an entry goes with its mask."""
+
+
+def decay_runs(mask: torch.Tensor) -> tuple[Runs, Runs]:
+    """The [lo, hi) runs of a 0/1 decay mask's ones and of its zeros, in order; computed
+    once per mask tensor (a shard's mask is constant and shared by its versions)."""
+    key = id(mask)
+    entry = _RUNS.get(key)
+    if entry is None or entry[0]() is not mask:
+        flags = mask.detach().to("cpu") != 0
+        n = flags.numel()
+        edges = [0, *(torch.nonzero(flags[1:] != flags[:-1]).flatten() + 1).tolist(), n]
+        ones: Runs = []
+        zeros: Runs = []
+        for lo, hi in itertools.pairwise(edges):
+            if hi > lo:
+                (ones if bool(flags[lo]) else zeros).append((lo, hi))
+        entry = (weakref.ref(mask, functools.partial(_forget_runs, key)), (ones, zeros))
+        _RUNS[key] = entry
+    return entry[1]
+
+
+def _forget_runs(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    """A mask died: drop its entry (not a later mask's with the same id)."""
+    entry = _RUNS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _RUNS[key]
 
 
 class SnapshotSink(Protocol):

@@ -239,8 +239,7 @@ class StepLoop:
         if trainer.optimizer.snapshot is not None:
             trainer.optimizer.snapshot.flush(cfg.train.comm_timeout_s)
         for keeper in trainer.keepers:
-            keeper.wait(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
-            keeper.close()
+            keeper.take(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
         stage, replica = trainer.plan.locate(self.rank)
         if replica == 0:
             params = {
@@ -272,7 +271,7 @@ class StepLoop:
             "optimizer_shard_numel": trainer.optimizer.state.numel(),
             "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),
             "optimizer_digests": [digests[s] for s in sorted(digests)],
-            "snapshot_digests": {str(k.owner): k.digests for k in trainer.keepers},
+            "snapshot_digests": {str(k.owner): k.digests() for k in trainer.keepers},
             "generation": trainer.plan.generation,
             "first_step": self.first_step,
             "bus": self.session.client.delivery(),

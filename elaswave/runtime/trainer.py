@@ -379,7 +379,7 @@ def reconfigure(
     if old is not None:
         # Host snapshots this rank holds for failed owners, at the committed step.
         host_states = {
-            k.owner: k.wait(c, ctx.cfg.train.comm_timeout_s)
+            k.owner: k.take(c, ctx.cfg.train.comm_timeout_s)
             for k in old.keepers
             if k.owner in failed
         }

@@ -18,8 +18,8 @@ from elaswave.comm.group import CommError
 from elaswave.engine.plan import initial_plan
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop
-from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
+from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
+from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.runtime.config import JobConfig, TrainConfig
 
 
@@ -97,7 +97,7 @@ def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_bac
     state = keeper.wait(2, timeout_s=10)
     assert at_step_2 is not None and torch.equal(state.master, at_step_2.master)
     assert torch.equal(state.exp_avg_sq, at_step_2.exp_avg_sq)
-    assert sorted(keeper.versions) == [2, 3, 4]
+    assert keeper.steps() == [2, 3, 4]
     keeper.close()
 
 
@@ -111,3 +111,75 @@ def test_the_rule_for_a_stage_lost_whole_rolls_back_to_the_step_kept():
     assert decision.committed_step == 2
     assert decision.committed_step in kept_versions([2, 3, 4], 3)
     assert decision.committed_step not in kept_versions([2, 3, 4], None)  # as before
+
+
+def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_few_gradients():
+    """The keeper applies a gradient only once the version before it is no longer kept:
+    a version it gives (a copy, by wait; the state itself, by take) and the digests it
+    records equal the owner's in-order updates, bit for bit."""
+    cfg = OptimizerConfig()
+    n = 64
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.arange(n) % 5 != 0).float()  # runs of decayed and plain elements
+    initial = ShardState(torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), mask)
+    owner = _Owner()
+    holder_step = [-1]
+    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
+                            record_digests=True, holder_step=lambda: holder_step[0])  # fmt: skip
+    keeper.start()
+    expected = initial.clone_to("cpu")
+    versions, digests = {}, []
+    for step in range(8):
+        grad = torch.randn(n, generator=gen)
+        owner.sent.put(grad)
+        adamw_update(expected, grad, step=step, cfg=cfg)
+        versions[step] = expected.clone_to("cpu")
+        digests.append(state_digest(expected))
+        got = keeper.wait(step, timeout_s=10)
+        assert torch.equal(got.master, expected.master)
+        assert torch.equal(got.exp_avg_sq, expected.exp_avg_sq)
+        assert len(keeper._grads) <= 2  # gradients wait only while their version is kept
+        holder_step[0] = step
+    assert keeper.steps() == [5, 6, 7]  # from the step before the holder's (6), on
+    early = keeper.wait(6, timeout_s=10)
+    assert torch.equal(early.master, versions[6].master)  # a copy: later steps leave it
+    assert keeper.digests() == digests
+    with pytest.raises(CommError, match="no longer kept"):
+        keeper.wait(4, timeout_s=1)
+    state = keeper.take(6, timeout_s=10)
+    assert torch.equal(state.master, versions[6].master)
+    assert keeper.steps() == [6]  # taken: the keeper stopped, the later step dropped
+    owner.sent.put(torch.randn(n, generator=gen))  # a gradient after the take: ignored
+    assert torch.equal(keeper.take(6, timeout_s=10).master, versions[6].master)
+
+
+def test_the_fused_update_with_the_decay_folded_in_matches_the_masked_arithmetic():
+    """adamw_update's fused path (decayed runs with the decay in the kernel, plain runs
+    without) against the tensor-operation path, over masks of every shape of run."""
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=0, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for mask in (
+        torch.ones(40),
+        torch.zeros(40),
+        (torch.arange(40) % 7 < 3).float(),
+        torch.tensor([0.0] * 5 + [1.0] * 30 + [0.0] * 5),
+    ):
+        ones, zeros = decay_runs(mask)
+        assert sorted(ones + zeros) == [r for r in sorted(ones + zeros) if r[1] > r[0]]
+        assert sum(hi - lo for lo, hi in ones) == int(mask.sum())
+        assert all(bool(mask[lo:hi].all()) for lo, hi in ones)
+        assert not any(bool(mask[lo:hi].any()) for lo, hi in zeros)
+        w = torch.randn(40, generator=gen)
+        fused = ShardState(w.clone(), torch.zeros(40), torch.zeros(40), mask)
+        ref_m, ref_a, ref_s = w.clone(), torch.zeros(40), torch.zeros(40)
+        for step in range(4):
+            g = torch.randn(40, generator=gen)
+            adamw_update(fused, g, step=step, cfg=cfg)
+            t, lr = step + 1, cfg.lr_at(step)
+            ref_m.mul_(1 - lr * cfg.weight_decay * mask)
+            ref_a.mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
+            ref_s.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+            denom = (ref_s.sqrt() / (1 - cfg.beta2**t) ** 0.5).add_(cfg.eps)
+            ref_m.addcdiv_(ref_a, denom, value=-lr / (1 - cfg.beta1**t))
+        torch.testing.assert_close(fused.master, ref_m, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(fused.exp_avg_sq, ref_s, rtol=1e-6, atol=1e-9)

@@ -46,7 +46,7 @@ from torch import nn
 
 from elaswave.data.corpus import DataConfig, SampleLoader, open_source
 from elaswave.data.sampler import GlobalBatchSampler
-from elaswave.fabric.zero import OptimizerConfig
+from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.protocol import pipeline_model

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.data.corpus import DataConfig
-from elaswave.fabric.zero import OptimizerConfig
+from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.model.config import ModelConfig, preset
 from elaswave.runtime.config import JobConfig, TrainConfig
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.zero import ShardState
 from elaswave.rundir import CHECKPOINTS, step_dir
 
 _STEP_DIR = re.compile(r"^step(\d+)$")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from elaswave.comm.group import P2PLink, TagSpace, p2p_tag
+from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source
-from elaswave.fabric.zero import ShardState
 
 
 def remap_link_name(a: int, b: int) -> str:

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
+from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update
+from elaswave.fabric.background import lower_priority
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +123,7 @@ class SnapshotKeeper:
     def _run(self) -> None:
         """Receive each step's gradient, the steps after ``initial_step`` in order; the
         receive for the next step is posted as soon as the last one is stored."""
+        lower_priority()  # the update runs in the time training leaves idle
         step = self.initial_step
         spare: list[torch.Tensor] = []  # gradients applied: the next receives' buffers
         while not self._closed:

@@ -26,8 +26,8 @@ from elaswave.engine.cost import device as cost_device
 from elaswave.engine.migration import MIGRATION_MODES
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import POLICIES, balanced_counts
+from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.fabric.remap import FP32_BYTES
-from elaswave.fabric.zero import OptimizerConfig
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import RNG_KINDS
 from elaswave.model.tensor_parallel import TpShard, check_divisible, refuse_tp

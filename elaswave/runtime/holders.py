@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from elaswave.engine.plan import Plan
+from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.zero import ShardState
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.config import JobConfig

@@ -37,6 +37,7 @@ from elaswave.engine.plan import (
     snapshot_placement,
 )
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
+from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import (
@@ -46,7 +47,7 @@ from elaswave.fabric.remap import (
 )
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
-from elaswave.fabric.zero import ShardState, ZeroAdamW
+from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng

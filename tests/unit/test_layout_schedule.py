@@ -4,8 +4,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elaswave.engine.schedule import Op, max_in_flight, one_f_one_b
+from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update
 
 
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=5), st.integers(1, 6))

@@ -18,8 +18,8 @@ from elaswave.comm.group import CommError
 from elaswave.engine.plan import initial_plan
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop
+from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
-from elaswave.fabric.zero import OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.runtime.config import JobConfig, TrainConfig
 
 

@@ -1,0 +1,209 @@
+"""The arithmetic of one optimizer shard: AdamW's hyper-parameters, a shard's state, the
+update itself, and when a shard's buffers may be reused.
+
+:func:`adamw_update` is pure arithmetic on flat tensors, so that an owner
+(:class:`~elaswave.fabric.zero.ZeroAdamW`) and its snapshot holder
+(:class:`~elaswave.fabric.snapshot.SnapshotKeeper`) apply the very same update.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """First-moment decay."""
+    beta2: float = 0.95
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay, applied to matrices (not to norm gains)."""
+    warmup_steps: int = 5
+    """Linear learning-rate warm-up steps."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr = {self.lr!r}: must be positive")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} = {getattr(self, name)!r}: must be in [0, 1)")
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError("optim.weight_decay must be >= 0 and optim.eps > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_steps == 0:
+            return self.lr
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
+
+
+@dataclass
+class ShardState:
+    """One rank's optimizer shard: master weights and moments, all fp32 and flat."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay_mask: torch.Tensor
+
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def updated_copy(self, into: ShardState | None = None) -> ShardState:
+        """A copy to update out of place (the decay mask is constant and shared): new
+        tensors, or ``into``'s (same shapes), overwritten."""
+        if into is None:
+            return ShardState(
+                self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone(), self.decay_mask
+            )
+        into.master.copy_(self.master)
+        into.exp_avg.copy_(self.exp_avg)
+        into.exp_avg_sq.copy_(self.exp_avg_sq)
+        into.decay_mask = self.decay_mask
+        return into
+
+    def clone_to(self, device: torch.device | str) -> ShardState:
+        return ShardState(
+            *(
+                t.detach().to(device, copy=True)
+                for t in (self.master, self.exp_avg, self.exp_avg_sq, self.decay_mask)
+            )
+        )
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+"""Devices whose torch has the one-pass AdamW kernel (``torch._fused_adamw_``)."""
+
+
+def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: OptimizerConfig) -> None:
+    """One AdamW step on a shard, in place. ``step`` is 0-based.
+
+    The decoupled weight decay of the elements the decay mask marks, then the Adam
+    update: on CPU and CUDA, torch's fused AdamW kernel, one pass over the shard (two
+    calls: the runs of elements that decay, with the decay folded in, and the runs that
+    do not); the same arithmetic in tensor operations elsewhere. An owner and its
+    snapshot holder run this same function on the same fp32 inputs, so their shards stay
+    bit-identical.
+    """
+    t = step + 1
+    lr = cfg.lr_at(step)
+    master = state.master
+    if master.device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
+        decay, plain = (
+            decay_runs(state.decay_mask) if cfg.weight_decay else ([], [(0, master.numel())])
+        )
+        count = torch.tensor(float(t), device=master.device)
+        for runs, weight_decay in ((decay, cfg.weight_decay), (plain, 0.0)):
+            if not runs:
+                continue
+            params, grads, avgs, avg_sqs = (
+                [x[lo:hi] for lo, hi in runs]
+                for x in (master, grad, state.exp_avg, state.exp_avg_sq)
+            )
+            torch._fused_adamw_(
+                params,
+                grads,
+                avgs,
+                avg_sqs,
+                [],
+                [count] * len(runs),
+                lr=lr,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                weight_decay=weight_decay,
+                eps=cfg.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        return
+    if cfg.weight_decay:
+        master.addcmul_(master, state.decay_mask, value=-lr * cfg.weight_decay)
+    state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
+    state.exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+    denom = (state.exp_avg_sq.sqrt() / math.sqrt(1 - cfg.beta2**t)).add_(cfg.eps)
+    master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
+
+
+Runs = list[tuple[int, int]]
+_RUNS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Runs, Runs]]] = {}
+"""decay_runs' cache, by mask identity (a tensor's ``==`` is elementwise, so tensors
+cannot key a WeakKeyDictionary); an entry goes with its mask."""
+
+
+def decay_runs(mask: torch.Tensor) -> tuple[Runs, Runs]:
+    """The [lo, hi) runs of a 0/1 decay mask's ones and of its zeros, in order; computed
+    once per mask tensor (a shard's mask is constant and shared by its versions)."""
+    key = id(mask)
+    entry = _RUNS.get(key)
+    if entry is None or entry[0]() is not mask:
+        flags = mask.detach().to("cpu") != 0
+        n = flags.numel()
+        edges = [0, *(torch.nonzero(flags[1:] != flags[:-1]).flatten() + 1).tolist(), n]
+        ones: Runs = []
+        zeros: Runs = []
+        for lo, hi in itertools.pairwise(edges):
+            if hi > lo:
+                (ones if bool(flags[lo]) else zeros).append((lo, hi))
+        entry = (weakref.ref(mask, functools.partial(_forget_runs, key)), (ones, zeros))
+        _RUNS[key] = entry
+    return entry[1]
+
+
+def _forget_runs(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    """A mask died: drop its entry (not a later mask's with the same id)."""
+    entry = _RUNS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _RUNS[key]
+
+
+def _storage_use_count(t: torch.Tensor) -> int | None:
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError):  # not in this torch: nothing is recycled
+        return None
+
+
+_ALONE = _storage_use_count(torch.empty(1))
+"""What :func:`_storage_use_count` says of a tensor whose storage nothing else uses."""
+
+
+def recyclable(state: ShardState | None, like: ShardState) -> bool:
+    """Whether ``state``'s tensors may be overwritten as the next update's (shaped as
+    ``like``'s): nothing refers to ``state`` but the caller's one variable, nor to its
+    tensors but ``state``, and no view shares their storage."""
+    if state is None or _ALONE is None or sys.getrefcount(state) > 3:
+        return False  # the caller's variable, the argument and getrefcount's own
+    return all(
+        _alone(getattr(state, name), like=getattr(like, name))
+        for name in ("master", "exp_avg", "exp_avg_sq")
+    )
+
+
+def _alone(t: torch.Tensor, *, like: torch.Tensor) -> bool:
+    """Whether ``t``, an attribute of an object nothing else refers to, may be
+    overwritten as a tensor like ``like``: no other reference to it (its attribute, the
+    argument and getrefcount's own are the three counted), no view of its storage."""
+    return (
+        sys.getrefcount(t) <= 3
+        and t._base is None
+        and _storage_use_count(t) == _ALONE
+        and t.shape == like.shape
+        and t.dtype == like.dtype
+        and t.device == like.device
+        and t.is_contiguous()
+    )

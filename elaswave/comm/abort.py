@@ -110,13 +110,18 @@ class Waiters:
                     self._ready.wait()
                     self._idle -= 1
                 fn, future = self._items.pop(0)
-            try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            settle(future, fn)
             del fn, future  # an idle thread must not keep the last group alive
+
+
+def settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Run ``fn`` and give ``future`` its result, or the exception it raised."""
+    try:
+        result = fn()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 WAITERS = Waiters("ew-wait")

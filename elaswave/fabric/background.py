@@ -25,6 +25,8 @@ from typing import TypeVar
 
 import structlog
 
+from elaswave.comm.abort import settle
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -80,14 +82,8 @@ class BackgroundWorker:
         lower_priority()
         while True:
             fn, future = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            if future.set_running_or_notify_cancel():
+                settle(future, fn)
             del fn, future  # nothing held between items
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update
-from elaswave.fabric.background import lower_priority
+from elaswave.fabric.background import BACKGROUND
 
 log = structlog.get_logger(__name__)
 
@@ -94,11 +94,13 @@ class SnapshotKeeper:
     _grads: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     """Gradients of steps ``_base_step + 1`` .. ``newest``, received and not applied."""
     _digests: list[str] = field(init=False, default_factory=list)
+    _spares: list[torch.Tensor] = field(init=False, default_factory=list)
+    """Gradients applied: the next receives' buffers."""
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
     cpu_s: float = 0.0
-    """CPU seconds this keeper's thread has used (receiving and updating)."""
+    """CPU seconds this keeper's updates have used (on whichever thread ran them)."""
 
     def __post_init__(self) -> None:
         self._base = self.initial.clone_to("cpu")
@@ -122,14 +124,18 @@ class SnapshotKeeper:
 
     def _run(self) -> None:
         """Receive each step's gradient, the steps after ``initial_step`` in order; the
-        receive for the next step is posted as soon as the last one is stored."""
-        lower_priority()  # the update runs in the time training leaves idle
+        receive for the next step is posted as soon as the last one is stored. The
+        updates run on the background worker (:mod:`elaswave.fabric.background`), in
+        the time training leaves idle; :meth:`catch_up` is the training thread's
+        fallback on a host too busy to leave it any."""
         step = self.initial_step
-        spare: list[torch.Tensor] = []  # gradients applied: the next receives' buffers
         while not self._closed:
             step += 1
             try:
-                grad = spare.pop() if spare else torch.empty_like(self._base.master)
+                with self._done:
+                    grad = self._spares.pop() if self._spares else None
+                if grad is None:
+                    grad = torch.empty_like(self._base.master)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
@@ -145,24 +151,45 @@ class SnapshotKeeper:
                 if self._closed:  # a version was taken: it must not change
                     return
                 self._grads[step] = grad
-                own = self.holder_step() if self.holder_step is not None else None
-                keep_from = min(kept_versions(range(self._base_step, step + 1), own))
-                spare += self._advance(keep_from)
-                self.cpu_s = time.thread_time()
                 self._done.notify_all()
+            BACKGROUND.submit(self._apply_due)
 
-    def _advance(self, to_step: int) -> list[torch.Tensor]:
-        """Apply the held gradients to ``base`` up to ``to_step`` (the lock held);
-        returns the gradients applied."""
-        applied = []
+    def _due(self) -> int:
+        """The oldest step kept now: ``base`` may be advanced to it (the lock held)."""
+        own = self.holder_step() if self.holder_step is not None else None
+        return min(kept_versions(range(self._base_step, self.newest + 1), own))
+
+    def _apply_due(self) -> None:
+        with self._done:
+            if not self._closed:
+                self._advance(self._due())
+
+    def catch_up(self, slack: int = 2) -> None:
+        """Apply the due updates on the calling thread once more than ``slack`` are due
+        (the background worker has been starved: a host with no idle time). Returns at
+        once if the worker is applying them now."""
+        if not self._done.acquire(blocking=False):
+            return
+        try:
+            due = self._due()
+            if not self._closed and due - self._base_step > slack:
+                self._advance(due)
+        finally:
+            self._done.release()
+
+    def _advance(self, to_step: int) -> None:
+        """Apply the held gradients to ``base`` up to ``to_step`` (the lock held); the
+        gradients applied become the next receives' buffers."""
+        t0 = time.thread_time()
         while self._base_step < to_step:
             grad = self._grads.pop(self._base_step + 1)
             adamw_update(self._base, grad, step=self._base_step + 1, cfg=self.cfg)
             self._base_step += 1
             if self.record_digests:
                 self._digests.append(state_digest(self._base))
-            applied.append(grad)
-        return applied
+            self._spares.append(grad)
+        self.cpu_s += time.thread_time() - t0
+        self._done.notify_all()
 
     def _await(self, step: int, timeout_s: float) -> None:
         """Block until ``step``'s version can be given (the lock held); raise if never."""

@@ -24,6 +24,10 @@ from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, rec
 from elaswave.fabric.background import BACKGROUND
 from elaswave.fabric.layout import InterleavedLayout
 
+PREPARED_WAIT_S = 0.05
+"""How long a step waits for the background copy of its committed shard once it has
+started (a copy takes milliseconds; past this the worker is starved)."""
+
 
 class SnapshotSink(Protocol):
     cpu_s: float
@@ -375,11 +379,20 @@ class ZeroAdamW:
 
     def _take_prepared(self) -> ShardState | None:
         """The prepared copy, if it is of the committed shard (a roll-back since leaves
-        it unused: its buffers are then dropped, not reused)."""
+        it unused) and done, or done within ``PREPARED_WAIT_S`` (it runs while this
+        thread waits). Otherwise the caller copies: the background worker is starved
+        (a host with no idle time), and a copy it has not started is cancelled. Buffers
+        of a copy not taken are dropped, not reused."""
         prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[0] is not self.state:
             return None
-        return prepared[1].result()
+        future = prepared[1]
+        if future.cancel():
+            return None
+        try:
+            return future.result(timeout=PREPARED_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            return None
 
     def commit(self, step: int) -> None:
         """Make ``step``'s update the committed state (every phase of the step is done)."""

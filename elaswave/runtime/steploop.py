@@ -169,6 +169,8 @@ class StepLoop:
             break
         outcome = self._completed(step, result, recovered)
         self.step = step + 1
+        for keeper in trainer.keepers:  # a host too busy to leave the keepers idle time
+            keeper.catch_up()
         for hook in self.hooks:
             hook(outcome)
         return outcome

@@ -8,6 +8,7 @@ rolled back to step 2, which the holders had already dropped: every survivor sto
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from elaswave.engine.plan import initial_plan
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, decay_runs
+from elaswave.fabric.background import BACKGROUND
 from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
 from elaswave.runtime.config import JobConfig, TrainConfig
 
@@ -183,3 +185,32 @@ def test_the_fused_update_with_the_decay_folded_in_matches_the_masked_arithmetic
             ref_m.addcdiv_(ref_a, denom, value=-lr / (1 - cfg.beta1**t))
         torch.testing.assert_close(fused.master, ref_m, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(fused.exp_avg_sq, ref_s, rtol=1e-6, atol=1e-9)
+
+
+def test_a_keeper_whose_background_updates_are_starved_is_caught_up_by_the_training_thread():
+    """On a host with no idle time the background worker may not run for a long while:
+    catch_up() (called at every step boundary) then applies the due updates itself, so
+    gradients never pile up; the versions it gives are the same."""
+    gate = threading.Event()
+    BACKGROUND.submit(gate.wait)  # the worker is busy until the gate opens
+    try:
+        cfg = OptimizerConfig()
+        n = 16
+        initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
+        owner = _Owner()
+        holder_step = [-1]
+        keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
+                                holder_step=lambda: holder_step[0])  # fmt: skip
+        keeper.start()
+        expected = initial.clone_to("cpu")
+        for step in range(6):
+            grad = torch.full((n,), 0.1 * (step + 1))
+            owner.sent.put(grad)
+            adamw_update(expected, grad, step=step, cfg=cfg)
+            keeper.wait(step, timeout_s=10)  # received (a copy is computed to give it)
+            holder_step[0] = step
+            keeper.catch_up()
+            assert len(keeper._grads) <= 3, keeper.steps()
+        assert torch.equal(keeper.take(5, timeout_s=10).master, expected.master)
+    finally:
+        gate.set()

@@ -370,6 +370,17 @@ def write_markdown(path: Path, report: dict[str, Any], argv: str) -> None:
         "anything. Raw per-pair numbers: "
         "`steady_state.json`.",
         "",
+        "Where a snapshot's cost goes on this host, and what keeps it small: each step "
+        "the owner sends its reduced gradient shard to the holder (a TCP copy on each "
+        "side) and the holder applies one AdamW pass to its copy of the owner's shard. "
+        "The holder keeps one state and the gradients since, applied in place once the "
+        "version before them is no longer needed (no copy of the state per step; "
+        "`elaswave/fabric/snapshot.py`); the weight decay runs inside the fused AdamW "
+        "kernel; and the holder's updates, like the owner's copy of its committed shard "
+        "for the next out-of-place update, run under `SCHED_IDLE` "
+        "(`elaswave/fabric/background.py`), in the time the step leaves idle (pipeline "
+        "bubbles, waits in collectives) instead of preempting training.",
+        "",
     ]
     path.write_text("\n".join(lines))
 

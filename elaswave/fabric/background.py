@@ -68,6 +68,13 @@ class BackgroundWorker:
         ] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        if hasattr(os, "register_at_fork"):  # a forked child starts its own thread
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = None
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()

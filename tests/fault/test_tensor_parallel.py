@@ -217,7 +217,7 @@ def test_a_loss_in_the_step_after_a_join_recovers(runs_dir):
     then sent into it, and gloo's reader on that link stalled for good. The live remap
     of the next plan, whose shard pieces go both ways over that link, waited until the
     apply deadline stopped the job. Every posted send and receive is now held until it
-    completes (:mod:`elaswave.comm.posted`; failed 7 of 14 runs before)."""
+    completes (:mod:`elaswave.comm.posted`; failed 8 of 15 runs before)."""
     job = ("--steps", "10", "--global-batch", "4", "--micro-batch", "2")
     ref = train(runs_dir / "tp_join_kill_ref", *_layout(1, 2, 4), *job)
     run = train(

@@ -45,3 +45,17 @@ def test_lowering_a_thread_leaves_the_others():
     thread.join()
     assert policies["lowered"] == (True, os.SCHED_IDLE)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_forked_child_runs_its_own_background_work():
+    worker = BackgroundWorker("test-fork")
+    assert worker.submit(lambda: 1).result(timeout=10) == 1  # the parent's thread runs
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here
+        try:
+            ok = worker.submit(lambda: 2).result(timeout=10) == 2
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

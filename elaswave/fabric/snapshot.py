@@ -96,6 +96,8 @@ class SnapshotKeeper:
     _digests: list[str] = field(init=False, default_factory=list)
     _spares: list[torch.Tensor] = field(init=False, default_factory=list)
     """Gradients applied: the next receives' buffers."""
+    _applying: bool = False
+    """A thread is updating ``base`` (outside the lock)."""
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
@@ -167,29 +169,53 @@ class SnapshotKeeper:
     def catch_up(self, slack: int = 2) -> None:
         """Apply the due updates on the calling thread once more than ``slack`` are due
         (the background worker has been starved: a host with no idle time). Returns at
-        once if the worker is applying them now."""
-        if not self._done.acquire(blocking=False):
-            return
-        try:
+        once if another thread is applying them now."""
+        with self._done:
             due = self._due()
             if not self._closed and due - self._base_step > slack:
                 self._advance(due)
-        finally:
-            self._done.release()
 
     def _advance(self, to_step: int) -> None:
-        """Apply the held gradients to ``base`` up to ``to_step`` (the lock held); the
-        gradients applied become the next receives' buffers."""
-        t0 = time.thread_time()
-        while self._base_step < to_step:
-            grad = self._grads.pop(self._base_step + 1)
-            adamw_update(self._base, grad, step=self._base_step + 1, cfg=self.cfg)
-            self._base_step += 1
-            if self.record_digests:
-                self._digests.append(state_digest(self._base))
-            self._spares.append(grad)
-        self.cpu_s += time.thread_time() - t0
-        self._done.notify_all()
+        """Apply the held gradients to ``base`` up to ``to_step``. Called with the lock
+        held, it releases it while an update computes, so that receiving, and the
+        training thread's :meth:`catch_up`, never wait for a starved worker; one thread
+        applies at a time (``_applying``: the others return, and readers wait for it).
+        The gradients applied become the next receives' buffers."""
+        if self._applying:
+            return
+        self._applying = True
+        try:
+            while self._base_step < to_step:
+                step = self._base_step + 1
+                grad = self._grads[step]
+                self._done.release()
+                try:
+                    t0 = time.thread_time()
+                    adamw_update(self._base, grad, step=step, cfg=self.cfg)
+                    digest = state_digest(self._base) if self.record_digests else ""
+                    self.cpu_s += time.thread_time() - t0
+                finally:
+                    self._done.acquire()
+                del self._grads[step]
+                self._base_step = step
+                if self.record_digests:
+                    self._digests.append(digest)
+                self._spares.append(grad)
+        finally:
+            self._applying = False
+            self._done.notify_all()
+
+    def _ready(self, step: int, timeout_s: float) -> None:
+        """Block until ``step``'s version can be given and no update is running (the
+        lock held); raise if it never can (an update that ran may have passed it)."""
+        self._await(step, timeout_s)
+        self._settled(timeout_s)
+        self._await(step, 0)
+
+    def _settled(self, timeout_s: float) -> None:
+        """Wait until no thread is applying an update (the lock held)."""
+        if not self._done.wait_for(lambda: not self._applying, timeout=timeout_s):
+            raise CommError(self.link.name, "snapshot", f"update not done in {timeout_s:g} s")
 
     def _await(self, step: int, timeout_s: float) -> None:
         """Block until ``step``'s version can be given (the lock held); raise if never."""
@@ -219,7 +245,7 @@ class SnapshotKeeper:
         owner dying mid-step is exactly when the committed version is needed).
         """
         with self._done:
-            self._await(step, timeout_s)
+            self._ready(step, timeout_s)
             state = self._base.clone_to("cpu")
             for k in range(self._base_step + 1, step + 1):
                 adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
@@ -230,7 +256,7 @@ class SnapshotKeeper:
         the versions after ``step`` are dropped. For a recovery's roll-back and the end
         of training."""
         with self._done:
-            self._await(step, timeout_s)
+            self._ready(step, timeout_s)
             self._closed = True
             self._advance(step)
             self._grads.clear()
@@ -241,6 +267,7 @@ class SnapshotKeeper:
         """sha256 of each version after ``initial_step`` (``record_digests`` only),
         versions not yet applied included (computed on a copy)."""
         with self._done:
+            self._settled(timeout_s=60)
             out = list(self._digests)
             if self._grads:
                 state = self._base.clone_to("cpu")

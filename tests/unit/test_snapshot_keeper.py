@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -99,7 +101,8 @@ def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_bac
     state = keeper.wait(2, timeout_s=10)
     assert at_step_2 is not None and torch.equal(state.master, at_step_2.master)
     assert torch.equal(state.exp_avg_sq, at_step_2.exp_avg_sq)
-    assert keeper.steps() == [2, 3, 4]
+    # and the versions before it are dropped (once the updates have run)
+    assert _eventually(lambda: keeper.catch_up(slack=0) or keeper.steps() == [2, 3, 4])
     keeper.close()
 
 
@@ -113,6 +116,15 @@ def test_the_rule_for_a_stage_lost_whole_rolls_back_to_the_step_kept():
     assert decision.committed_step == 2
     assert decision.committed_step in kept_versions([2, 3, 4], 3)
     assert decision.committed_step not in kept_versions([2, 3, 4], None)  # as before
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_few_gradients():
@@ -140,7 +152,9 @@ def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_fe
         got = keeper.wait(step, timeout_s=10)
         assert torch.equal(got.master, expected.master)
         assert torch.equal(got.exp_avg_sq, expected.exp_avg_sq)
-        assert len(keeper._grads) <= 2  # gradients wait only while their version is kept
+        # Gradients wait only while their version is kept: applied in the background,
+        # or by the training thread's catch-up on a host that leaves the worker no time.
+        assert _eventually(lambda: keeper.catch_up(slack=0) or len(keeper._grads) <= 2)
         holder_step[0] = step
     assert keeper.steps() == [5, 6, 7]  # from the step before the holder's (6), on
     early = keeper.wait(6, timeout_s=10)

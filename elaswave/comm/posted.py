@@ -53,14 +53,3 @@ class Posted:
                 self._works = [w for w in self._works if not w.is_completed()]
                 self._sweep_at = max(_FIRST_SWEEP, 2 * len(self._works))
         return work
-
-    def __len__(self) -> int:
-        """Operations held that had not completed at the last sweep, and those since."""
-        with self._lock:
-            return len(self._works)
-
-    def pending(self) -> int:
-        """Operations held that have not completed (a sweep now)."""
-        with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()]
-            return len(self._works)

@@ -145,8 +145,8 @@ class RingGroup:
                 raise ValueError(
                     f"ring {spec.name}: link {exc} missing from the pool; connect it first"
                 ) from None
-            self._prev = (prev_link, prev_link.index_of(prev))
-            self._next = (next_link, next_link.index_of(nxt))
+            self._prev = (prev_link, prev)
+            self._next = (next_link, nxt)
 
     @property
     def name(self) -> str:
@@ -304,10 +304,10 @@ class RingGroup:
         posted: list[dist.Work] = []
         if send.numel():
             link, peer = self._next
-            posted.append(link.posted.hold(link.pg.send([send], peer, tag)))
+            posted.append(link.send(send, peer, tag))
         if recv.numel():
             link, peer = self._prev
-            posted.append(link.posted.hold(link.pg.recv([recv], peer, tag)))
+            posted.append(link.recv(recv, peer, tag))
         for work in posted:
             work.wait(DETACHED)
 

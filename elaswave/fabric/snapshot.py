@@ -246,10 +246,7 @@ class SnapshotKeeper:
         """
         with self._done:
             self._ready(step, timeout_s)
-            state = self._base.clone_to("cpu")
-            for k in range(self._base_step + 1, step + 1):
-                adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
-            return state
+            return self._copy(step)
 
     def take(self, step: int, timeout_s: float) -> ShardState:
         """``step``'s version itself, no copy: the keeper stops (as :meth:`close`), and
@@ -270,11 +267,18 @@ class SnapshotKeeper:
             self._settled(timeout_s=60)
             out = list(self._digests)
             if self._grads:
-                state = self._base.clone_to("cpu")
-                for k in range(self._base_step + 1, self.newest + 1):
-                    adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
-                    out.append(state_digest(state))
+                self._copy(self.newest, each=lambda state: out.append(state_digest(state)))
             return out
+
+    def _copy(self, step: int, each: Callable[[ShardState], None] | None = None) -> ShardState:
+        """A copy of ``base`` brought to ``step`` through the held gradients, ``each``
+        called after every update (the lock held, no update running)."""
+        state = self._base.clone_to("cpu")
+        for k in range(self._base_step + 1, step + 1):
+            adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
+            if each is not None:
+                each(state)
+        return state
 
     def close(self) -> None:
         """Stop keeping. Returns at once: a keeper blocked on a gradient that will never

@@ -377,9 +377,8 @@ def write_markdown(path: Path, report: dict[str, Any], argv: str) -> None:
         "version before them is no longer needed (no copy of the state per step; "
         "`elaswave/fabric/snapshot.py`); the weight decay runs inside the fused AdamW "
         "kernel; and the holder's updates, like the owner's copy of its committed shard "
-        "for the next out-of-place update, run under `SCHED_IDLE` "
-        "(`elaswave/fabric/background.py`), in the time the step leaves idle (pipeline "
-        "bubbles, waits in collectives) instead of preempting training.",
+        "for the next out-of-place update, run on a background thread "
+        "(`elaswave/fabric/background.py`).",
         "",
     ]
     path.write_text("\n".join(lines))

@@ -127,9 +127,8 @@ class SnapshotKeeper:
     def _run(self) -> None:
         """Receive each step's gradient, the steps after ``initial_step`` in order; the
         receive for the next step is posted as soon as the last one is stored. The
-        updates run on the background worker (:mod:`elaswave.fabric.background`), in
-        the time training leaves idle; :meth:`catch_up` is the training thread's
-        fallback on a host too busy to leave it any."""
+        updates run on the background worker (:mod:`elaswave.fabric.background`);
+        :meth:`catch_up` is the training thread's fallback when it falls behind."""
         step = self.initial_step
         while not self._closed:
             step += 1
@@ -168,7 +167,7 @@ class SnapshotKeeper:
 
     def catch_up(self, slack: int = 2) -> None:
         """Apply the due updates on the calling thread once more than ``slack`` are due
-        (the background worker has been starved: a host with no idle time). Returns at
+        (the background worker has fallen behind). Returns at
         once if another thread is applying them now."""
         with self._done:
             due = self._due()

@@ -24,10 +24,6 @@ from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, rec
 from elaswave.fabric.background import BACKGROUND
 from elaswave.fabric.layout import InterleavedLayout
 
-PREPARED_WAIT_S = 0.05
-"""How long a step waits for the background copy of its committed shard once it has
-started (a copy takes milliseconds; past this the worker is starved)."""
-
 
 class SnapshotSink(Protocol):
     cpu_s: float
@@ -368,7 +364,7 @@ class ZeroAdamW:
     def _prepare(self) -> None:
         """Start copying the committed shard into the next update's buffers on the
         background worker (the copy needs no gradient, so it runs during the next step,
-        in the time the step leaves idle). Host shards only."""
+        overlapping the step). Host shards only."""
         if self.state.master.device.type != "cpu":
             return
         source = self.state
@@ -379,20 +375,12 @@ class ZeroAdamW:
 
     def _take_prepared(self) -> ShardState | None:
         """The prepared copy, if it is of the committed shard (a roll-back since leaves
-        it unused) and done, or done within ``PREPARED_WAIT_S`` (it runs while this
-        thread waits). Otherwise the caller copies: the background worker is starved
-        (a host with no idle time), and a copy it has not started is cancelled. Buffers
-        of a copy not taken are dropped, not reused."""
+        it unused): waited for if it has started; a copy not started is cancelled and
+        the caller copies. Buffers of a copy not taken are dropped, not reused."""
         prepared, self._prepared = self._prepared, None
-        if prepared is None or prepared[0] is not self.state:
+        if prepared is None or prepared[0] is not self.state or prepared[1].cancel():
             return None
-        future = prepared[1]
-        if future.cancel():
-            return None
-        try:
-            return future.result(timeout=PREPARED_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            return None
+        return prepared[1].result()
 
     def commit(self, step: int) -> None:
         """Make ``step``'s update the committed state (every phase of the step is done)."""

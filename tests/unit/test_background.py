@@ -1,5 +1,5 @@
 """The fabric's background worker: submitted work runs in order, off the caller's
-thread, at the lowest scheduling priority, and hands back results and errors."""
+thread, and hands back results and errors."""
 
 from __future__ import annotations
 
@@ -8,23 +8,22 @@ import threading
 
 import pytest
 
-from elaswave.fabric.background import BackgroundWorker, lower_priority
+from elaswave.fabric.background import BackgroundWorker
 
 
-def test_background_work_runs_in_order_at_the_lowest_priority_and_returns_errors():
+def test_background_work_runs_in_order_off_the_callers_thread_and_returns_errors():
     worker = BackgroundWorker("test-background")
     seen: list[int] = []
 
     def job(i: int) -> tuple[int, int, str]:
         seen.append(i)
-        return i, os.sched_getscheduler(0), threading.current_thread().name
+        return i, threading.get_ident(), threading.current_thread().name
 
     futures = [worker.submit(lambda i=i: job(i)) for i in range(5)]
     results = [f.result(timeout=10) for f in futures]
     assert seen == list(range(5))
     assert {name for _, _, name in results} == {"test-background"}
-    assert {policy for _, policy, _ in results} == {os.SCHED_IDLE}
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller keeps its own
+    assert threading.get_ident() not in {ident for _, ident, _ in results}
 
     def boom() -> None:
         raise ValueError("bad shard")
@@ -32,19 +31,6 @@ def test_background_work_runs_in_order_at_the_lowest_priority_and_returns_errors
     with pytest.raises(ValueError, match="bad shard"):
         worker.submit(boom).result(timeout=10)
     assert worker.submit(lambda: 7).result(timeout=10) == 7  # and it goes on
-
-
-def test_lowering_a_thread_leaves_the_others():
-    policies = {}
-
-    def lowered() -> None:
-        policies["lowered"] = (lower_priority(), os.sched_getscheduler(0))
-
-    thread = threading.Thread(target=lowered)
-    thread.start()
-    thread.join()
-    assert policies["lowered"] == (True, os.SCHED_IDLE)
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_a_forked_child_runs_its_own_background_work():

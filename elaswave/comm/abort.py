@@ -6,7 +6,8 @@ blocking wait runs on a waiter thread while the calling thread sleeps until eith
 wait completes or an :class:`AbortSignal` (set by the bus when the Core announces a
 failure) fires. Nothing polls: the wait's completion and the signal both wake the caller,
 so a thread blocked in a wait costs no CPU (on 2 shared cores, polling every few
-milliseconds from every waiting thread was a measurable tax on training). An abandoned
+milliseconds from every waiting thread was a measurable tax on training), beyond the
+idle work it does first. An abandoned
 wait stays parked on its thread; P2P tags carry the plan generation and step, so a stale
 receive can never match a message of the redone step.
 """
@@ -16,11 +17,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
+
+from elaswave.comm.idle import IDLE
 
 T = TypeVar("T")
 
@@ -130,18 +134,18 @@ WAITERS = Waiters("ew-wait")
 def await_future(
     future: concurrent.futures.Future[T], timeout_s: float, signal: AbortSignal | None
 ) -> tuple[bool, T | None]:
-    """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires.
+    """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires,
+    after doing the process's idle work meanwhile (:mod:`elaswave.comm.idle`).
 
     Returns ``(True, result)`` when it completed (re-raising its exception), ``(False,
     None)`` on timeout; raises :class:`StepAborted` when the signal fired first.
     """
+    deadline = time.monotonic() + timeout_s
     wake = threading.Event()
     future.add_done_callback(lambda _: wake.set())
-    if signal is None:
-        wake.wait(timeout_s)
-    else:
-        with signal.watch(wake):
-            wake.wait(timeout_s)
+    with signal.watch(wake) if signal is not None else contextlib.nullcontext():
+        IDLE.help(wake)  # the process's idle work, in what would be sleep
+        wake.wait(max(0.0, deadline - time.monotonic()))
     if future.done():
         return True, future.result()
     if signal is not None and signal.is_set():

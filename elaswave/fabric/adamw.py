@@ -13,6 +13,7 @@ import itertools
 import math
 import sys
 import weakref
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,27 @@ class ShardState:
         into.decay_mask = self.decay_mask
         return into
 
+    def copy_pieces(self, into: ShardState | None = None) -> Generator[None, None, ShardState]:
+        """:meth:`updated_copy` in spans of :data:`PIECE` elements, yielding between
+        spans; returns the copy."""
+        if into is None:
+            into = ShardState(
+                torch.empty_like(self.master),
+                torch.empty_like(self.exp_avg),
+                torch.empty_like(self.exp_avg_sq),
+                self.decay_mask,
+            )
+        n = self.master.numel()
+        for lo in range(0, n, PIECE):
+            hi = min(n, lo + PIECE)
+            into.master[lo:hi].copy_(self.master[lo:hi])
+            into.exp_avg[lo:hi].copy_(self.exp_avg[lo:hi])
+            into.exp_avg_sq[lo:hi].copy_(self.exp_avg_sq[lo:hi])
+            if hi < n:
+                yield
+        into.decay_mask = self.decay_mask
+        return into
+
     def clone_to(self, device: torch.device | str) -> ShardState:
         return ShardState(
             *(
@@ -89,31 +111,52 @@ class ShardState:
 _FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose torch has the one-pass AdamW kernel (``torch._fused_adamw_``)."""
 
+GRID = 1 << 16
+"""The fused kernel rounds a tensor's last few elements (past its vector width) apart
+from the rest, so an element's result depends on where the tensor it is updated in
+ends. :func:`adamw_update` therefore cuts its runs at every multiple of ``GRID``
+elements (a multiple of any vector width): an update done in grid-aligned spans, one at
+a time, is bit-identical to the whole update."""
 
-def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: OptimizerConfig) -> None:
-    """One AdamW step on a shard, in place. ``step`` is 0-based.
+PIECE = 16 * GRID
+"""Elements a piece of :func:`adamw_pieces` (and of :meth:`ShardState.copy_pieces`)
+updates: about a millisecond of one core."""
+
+
+def adamw_update(
+    state: ShardState,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    cfg: OptimizerConfig,
+    span: tuple[int, int] | None = None,
+) -> None:
+    """One AdamW step on a shard, in place; only on elements ``span`` = [lo, hi) if given
+    (lo and hi multiples of :data:`GRID`, or hi the shard's size). ``step`` is 0-based.
 
     The decoupled weight decay of the elements the decay mask marks, then the Adam
     update: on CPU and CUDA, torch's fused AdamW kernel, one pass over the shard (two
     calls: the runs of elements that decay, with the decay folded in, and the runs that
-    do not); the same arithmetic in tensor operations elsewhere. An owner and its
-    snapshot holder run this same function on the same fp32 inputs, so their shards stay
-    bit-identical.
+    do not, each cut on the grid); the same arithmetic in tensor operations elsewhere.
+    An owner and its snapshot holder run this same function on the same fp32 inputs,
+    whole or in spans, so their shards stay bit-identical.
     """
     t = step + 1
     lr = cfg.lr_at(step)
-    master = state.master
+    n = state.master.numel()
+    lo, hi = (0, n) if span is None else span
+    if lo % GRID or (hi % GRID and hi != n) or not 0 <= lo <= hi <= n:
+        raise ValueError(f"span {span} of a {n}-element shard is not on the {GRID} grid")
+    master, exp_avg, exp_avg_sq = state.master, state.exp_avg, state.exp_avg_sq
     if master.device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
-        decay, plain = (
-            decay_runs(state.decay_mask) if cfg.weight_decay else ([], [(0, master.numel())])
-        )
+        decay, plain = decay_runs(state.decay_mask) if cfg.weight_decay else ([], [(0, n)])
         count = torch.tensor(float(t), device=master.device)
         for runs, weight_decay in ((decay, cfg.weight_decay), (plain, 0.0)):
-            if not runs:
+            cut = _on_grid(runs, lo, hi)
+            if not cut:
                 continue
             params, grads, avgs, avg_sqs = (
-                [x[lo:hi] for lo, hi in runs]
-                for x in (master, grad, state.exp_avg, state.exp_avg_sq)
+                [x[a:b] for a, b in cut] for x in (master, grad, exp_avg, exp_avg_sq)
             )
             torch._fused_adamw_(
                 params,
@@ -121,7 +164,7 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
                 avgs,
                 avg_sqs,
                 [],
-                [count] * len(runs),
+                [count] * len(cut),
                 lr=lr,
                 beta1=cfg.beta1,
                 beta2=cfg.beta2,
@@ -131,12 +174,39 @@ def adamw_update(state: ShardState, grad: torch.Tensor, *, step: int, cfg: Optim
                 maximize=False,
             )
         return
+    master, exp_avg, exp_avg_sq, grad = (
+        x[lo:hi] for x in (master, exp_avg, exp_avg_sq, grad)
+    )  # elementwise: any span gives the same results
     if cfg.weight_decay:
-        master.addcmul_(master, state.decay_mask, value=-lr * cfg.weight_decay)
-    state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
-    state.exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
-    denom = (state.exp_avg_sq.sqrt() / math.sqrt(1 - cfg.beta2**t)).add_(cfg.eps)
-    master.addcdiv_(state.exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
+        master.addcmul_(master, state.decay_mask[lo:hi], value=-lr * cfg.weight_decay)
+    exp_avg.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
+    exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - cfg.beta2**t)).add_(cfg.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1 - cfg.beta1**t))
+
+
+def adamw_pieces(
+    state: ShardState, grad: torch.Tensor, *, step: int, cfg: OptimizerConfig
+) -> Generator[None, None, None]:
+    """:func:`adamw_update` in spans of :data:`PIECE` elements, yielding between spans
+    (the same result, bit for bit)."""
+    n = state.master.numel()
+    for lo in range(0, n, PIECE):
+        if lo:
+            yield
+        adamw_update(state, grad, step=step, cfg=cfg, span=(lo, min(n, lo + PIECE)))
+
+
+def _on_grid(runs: Runs, lo: int, hi: int) -> Runs:
+    """``runs`` clipped to [lo, hi) and cut at every multiple of :data:`GRID`."""
+    out: Runs = []
+    for a, b in runs:
+        a, b = max(a, lo), min(b, hi)
+        while a < b:
+            edge = min(b, (a // GRID + 1) * GRID)
+            out.append((a, edge))
+            a = edge
+    return out
 
 
 Runs = list[tuple[int, int]]

@@ -1,9 +1,10 @@
 """Per-step snapshots of ZeRO optimizer shards in host memory (paper §5.1).
 
 After the reduce-scatter, each owner sends its reduced gradient shard (not the three
-times larger optimizer state) to its snapshot holder, whose background thread applies
-the very same AdamW update to a host copy, overlapped with the next steps. Both ends run
-on background threads that block in gloo directly: the training thread only enqueues.
+times larger optimizer state) to its snapshot holder, which applies the very same AdamW
+update to a host copy during its next steps, a piece at a time, while its training
+thread waits for communication (:mod:`elaswave.comm.idle`). Sending and receiving run
+on threads that block in gloo directly: the training thread only enqueues.
 The holder can give the last two step versions, so a step abandoned by a failure can
 roll back to the committed one, and every version since the step before its own
 committed step (see :func:`kept_versions`); it keeps them as one state and the
@@ -19,7 +20,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -27,10 +28,16 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
-from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update
-from elaswave.fabric.background import BACKGROUND
+from elaswave.comm.idle import IDLE, IdleTask
+from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_pieces, adamw_update
 
 log = structlog.get_logger(__name__)
+
+PIECE_WAIT_S = 60.0
+"""How long a thread that needs a keeper's ``base`` waits for the piece of an update
+another thread is running (a millisecond or so; past this that thread is stuck)."""
+
+_END = object()
 
 
 def state_digest(state: ShardState) -> str:
@@ -97,7 +104,12 @@ class SnapshotKeeper:
     _spares: list[torch.Tensor] = field(init=False, default_factory=list)
     """Gradients applied: the next receives' buffers."""
     _applying: bool = False
-    """A thread is updating ``base`` (outside the lock)."""
+    """A thread is running a piece of an update of ``base`` (outside the lock)."""
+    _partial: tuple[int, Generator[None, None, None]] | None = None
+    """The update of ``base`` to step ``_base_step + 1`` under way: its pieces not run
+    yet. ``base`` is then part-updated, no step's version, until it is finished."""
+    _idle: IdleTask[None] | None = None
+    """This keeper's idle work, while queued."""
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
@@ -127,8 +139,8 @@ class SnapshotKeeper:
     def _run(self) -> None:
         """Receive each step's gradient, the steps after ``initial_step`` in order; the
         receive for the next step is posted as soon as the last one is stored. The
-        updates run on the background worker (:mod:`elaswave.fabric.background`);
-        :meth:`catch_up` is the training thread's fallback when it falls behind."""
+        updates are idle work (:mod:`elaswave.comm.idle`); :meth:`catch_up` is the
+        training thread's fallback where waits leave them behind."""
         step = self.initial_step
         while not self._closed:
             step += 1
@@ -153,66 +165,87 @@ class SnapshotKeeper:
                     return
                 self._grads[step] = grad
                 self._done.notify_all()
-            BACKGROUND.submit(self._apply_due)
+                if self._idle is None:
+                    self._idle = IDLE.submit(self._apply_due(), f"snapshot of {self.owner}")
 
     def _due(self) -> int:
         """The oldest step kept now: ``base`` may be advanced to it (the lock held)."""
         own = self.holder_step() if self.holder_step is not None else None
         return min(kept_versions(range(self._base_step, self.newest + 1), own))
 
-    def _apply_due(self) -> None:
-        with self._done:
-            if not self._closed:
-                self._advance(self._due())
+    def _apply_due(self) -> Generator[None, None, None]:
+        """The due updates, a piece at a time (this keeper's idle work). Ends when none
+        is due, or when another thread is running a piece (which then goes on)."""
+        while True:
+            with self._done:
+                if self._closed or self._applying or not self._piece(self._due()):
+                    self._idle = None
+                    return
+            yield
 
     def catch_up(self, slack: int = 2) -> None:
         """Apply the due updates on the calling thread once more than ``slack`` are due
-        (the background worker has fallen behind). Returns at
-        once if another thread is applying them now."""
+        (the waits for communication have not done them)."""
         with self._done:
             due = self._due()
             if not self._closed and due - self._base_step > slack:
                 self._advance(due)
 
     def _advance(self, to_step: int) -> None:
-        """Apply the held gradients to ``base`` up to ``to_step``. Called with the lock
-        held, it releases it while an update computes, so that receiving, and the
-        training thread's :meth:`catch_up`, never wait for a starved worker; one thread
-        applies at a time (``_applying``: the others return, and readers wait for it).
-        The gradients applied become the next receives' buffers."""
-        if self._applying:
-            return
+        """Bring ``base`` to ``to_step`` (the update under way first) on this thread,
+        after the piece another thread may be running. The lock held."""
+        while True:
+            self._settled(PIECE_WAIT_S)
+            if not self._piece(to_step):
+                return
+
+    def _piece(self, to_step: int) -> bool:
+        """Run one piece of the update of ``base`` toward ``to_step`` (the update under
+        way first, whatever ``to_step``); False if there is none. Called with the lock
+        held and no piece running; releases the lock while the piece computes, so that
+        receiving and reading the step's progress never wait for it. The gradients
+        applied become the next receives' buffers."""
+        if self._partial is None:
+            if self._base_step >= to_step:
+                return False
+            step = self._base_step + 1
+            pieces = adamw_pieces(self._base, self._grads[step], step=step, cfg=self.cfg)
+            self._partial = (step, pieces)
+        step, pieces = self._partial
         self._applying = True
+        self._done.release()
         try:
-            while self._base_step < to_step:
-                step = self._base_step + 1
-                grad = self._grads[step]
-                self._done.release()
-                try:
-                    t0 = time.thread_time()
-                    adamw_update(self._base, grad, step=step, cfg=self.cfg)
-                    digest = state_digest(self._base) if self.record_digests else ""
-                    self.cpu_s += time.thread_time() - t0
-                finally:
-                    self._done.acquire()
-                del self._grads[step]
-                self._base_step = step
-                if self.record_digests:
-                    self._digests.append(digest)
-                self._spares.append(grad)
+            t0 = time.thread_time()
+            end = next(pieces, _END) is _END
+            digest = state_digest(self._base) if end and self.record_digests else ""
+            self.cpu_s += time.thread_time() - t0
         finally:
+            self._done.acquire()
             self._applying = False
             self._done.notify_all()
+        if end:
+            self._partial = None
+            self._base_step = step
+            self._spares.append(self._grads.pop(step))
+            if self.record_digests:
+                self._digests.append(digest)
+        return True
 
     def _ready(self, step: int, timeout_s: float) -> None:
-        """Block until ``step``'s version can be given and no update is running (the
-        lock held); raise if it never can (an update that ran may have passed it)."""
+        """Block until ``step``'s version can be given and ``base`` is whole (the lock
+        held); raise if it never can (an update that ran may have passed it)."""
         self._await(step, timeout_s)
-        self._settled(timeout_s)
+        self._whole(timeout_s)
         self._await(step, 0)
 
+    def _whole(self, timeout_s: float) -> None:
+        """Finish the update under way, if any, on this thread (the lock held)."""
+        self._settled(timeout_s)
+        if self._partial is not None:
+            self._advance(self._partial[0])
+
     def _settled(self, timeout_s: float) -> None:
-        """Wait until no thread is applying an update (the lock held)."""
+        """Wait until no thread is running a piece of an update (the lock held)."""
         if not self._done.wait_for(lambda: not self._applying, timeout=timeout_s):
             raise CommError(self.link.name, "snapshot", f"update not done in {timeout_s:g} s")
 
@@ -263,7 +296,7 @@ class SnapshotKeeper:
         """sha256 of each version after ``initial_step`` (``record_digests`` only),
         versions not yet applied included (computed on a copy)."""
         with self._done:
-            self._settled(timeout_s=60)
+            self._whole(timeout_s=60)
             out = list(self._digests)
             if self._grads:
                 self._copy(self.newest, each=lambda state: out.append(state_digest(state)))

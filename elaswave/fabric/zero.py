@@ -9,7 +9,6 @@ which a snapshot holder applies to its host copy too.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +19,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from elaswave.comm.group import CollectiveGroup, CollectiveWork
+from elaswave.comm.idle import IDLE, IdleTask
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, recyclable
-from elaswave.fabric.background import BACKGROUND
 from elaswave.fabric.layout import InterleavedLayout
 
 
@@ -172,7 +171,7 @@ class ZeroAdamW:
         self._spare: ShardState | None = None
         """The shard dropped by the last commit: the next update's buffers if nothing
         else holds it."""
-        self._prepared: tuple[ShardState, concurrent.futures.Future[ShardState]] | None = None
+        self._prepared: tuple[ShardState, IdleTask[ShardState]] | None = None
         """The committed shard and its copy being made for the next update."""
         self._copy_plan = self._param_pieces()
 
@@ -362,25 +361,33 @@ class ZeroAdamW:
         return spare if recyclable(spare, self.state) else None
 
     def _prepare(self) -> None:
-        """Start copying the committed shard into the next update's buffers on the
-        background worker (the copy needs no gradient, so it runs during the next step,
-        overlapping the step). Host shards only."""
+        """Queue the copy of the committed shard into the next update's buffers as idle
+        work (:mod:`elaswave.comm.idle`): the copy needs no gradient, so the next step's
+        waits for communication can do it. Host shards only."""
+        self._drop_prepared()
         if self.state.master.device.type != "cpu":
             return
         source = self.state
-        self._prepared = (
-            source,
-            BACKGROUND.submit(functools.partial(source.updated_copy, self._take_spare())),
-        )
+        pieces = source.copy_pieces(self._take_spare())
+        self._prepared = (source, IDLE.submit(pieces, f"copy of shard {self.replica}"))
 
     def _take_prepared(self) -> ShardState | None:
         """The prepared copy, if it is of the committed shard (a roll-back since leaves
-        it unused): waited for if it has started; a copy not started is cancelled and
-        the caller copies. Buffers of a copy not taken are dropped, not reused."""
+        it unused), its pieces not done yet done here. Buffers of a copy not taken are
+        dropped, not reused."""
         prepared, self._prepared = self._prepared, None
-        if prepared is None or prepared[0] is not self.state or prepared[1].cancel():
+        if prepared is None:
             return None
-        return prepared[1].result()
+        source, task = prepared
+        if source is not self.state:
+            IDLE.drop(task)
+            return None
+        return IDLE.finish(task)
+
+    def _drop_prepared(self) -> None:
+        if self._prepared is not None:
+            IDLE.drop(self._prepared[1])
+            self._prepared = None
 
     def commit(self, step: int) -> None:
         """Make ``step``'s update the committed state (every phase of the step is done)."""
@@ -395,6 +402,7 @@ class ZeroAdamW:
     def rollback(self, to_step: int) -> None:
         """Drop any uncommitted update and, if needed, the last committed step."""
         self.pending = None
+        self._drop_prepared()
         self._disarm()
         self._reduction = None
         self._gather = None  # an abandoned gather may still write it

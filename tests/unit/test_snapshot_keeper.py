@@ -18,11 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elaswave.comm.group import CommError
+from elaswave.comm.idle import IdleWork
 from elaswave.engine.plan import initial_plan
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop
-from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, decay_runs
-from elaswave.fabric.background import BACKGROUND
+from elaswave.fabric import snapshot
+from elaswave.fabric.adamw import PIECE, OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
 from elaswave.runtime.config import JobConfig, TrainConfig
 
@@ -152,8 +153,8 @@ def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_fe
         got = keeper.wait(step, timeout_s=10)
         assert torch.equal(got.master, expected.master)
         assert torch.equal(got.exp_avg_sq, expected.exp_avg_sq)
-        # Gradients wait only while their version is kept: applied in the background,
-        # or by the training thread's catch-up on a host that leaves the worker no time.
+        # Gradients wait only while their version is kept: applied in waits for
+        # communication (none here), or by the training thread's catch-up.
         assert _eventually(lambda: keeper.catch_up(slack=0) or len(keeper._grads) <= 2)
         holder_step[0] = step
     assert keeper.steps() == [5, 6, 7]  # from the step before the holder's (6), on
@@ -201,30 +202,75 @@ def test_the_fused_update_with_the_decay_folded_in_matches_the_masked_arithmetic
         torch.testing.assert_close(fused.exp_avg_sq, ref_s, rtol=1e-6, atol=1e-9)
 
 
-def test_a_keeper_whose_background_updates_are_starved_is_caught_up_by_the_training_thread():
-    """On a host with no idle time the background worker may not run for a long while:
-    catch_up() (called at every step boundary) then applies the due updates itself, so
-    gradients never pile up; the versions it gives are the same."""
-    gate = threading.Event()
-    BACKGROUND.submit(gate.wait)  # the worker is busy until the gate opens
-    try:
-        cfg = OptimizerConfig()
-        n = 16
-        initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
-        owner = _Owner()
-        holder_step = [-1]
-        keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
-                                holder_step=lambda: holder_step[0])  # fmt: skip
-        keeper.start()
-        expected = initial.clone_to("cpu")
-        for step in range(6):
-            grad = torch.full((n,), 0.1 * (step + 1))
-            owner.sent.put(grad)
-            adamw_update(expected, grad, step=step, cfg=cfg)
-            keeper.wait(step, timeout_s=10)  # received (a copy is computed to give it)
-            holder_step[0] = step
-            keeper.catch_up()
-            assert len(keeper._grads) <= 3, keeper.steps()
-        assert torch.equal(keeper.take(5, timeout_s=10).master, expected.master)
-    finally:
-        gate.set()
+def test_a_keeper_whose_idle_work_no_wait_runs_is_caught_up_by_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A process whose training thread never waits for communication never runs the
+    keeper's idle work: catch_up() (called at every step boundary) then applies the due
+    updates itself, so gradients never pile up; the versions it gives are the same."""
+    idle = IdleWork()
+    monkeypatch.setattr(snapshot, "IDLE", idle)
+    cfg = OptimizerConfig()
+    n = 16
+    initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
+    owner = _Owner()
+    holder_step = [-1]
+    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
+                            holder_step=lambda: holder_step[0])  # fmt: skip
+    keeper.start()
+    expected = initial.clone_to("cpu")
+    for step in range(6):
+        grad = torch.full((n,), 0.1 * (step + 1))
+        owner.sent.put(grad)
+        adamw_update(expected, grad, step=step, cfg=cfg)
+        keeper.wait(step, timeout_s=10)  # received (a copy is computed to give it)
+        holder_step[0] = step
+        keeper.catch_up()
+        assert len(keeper._grads) <= 3, keeper.steps()
+    assert idle.pieces_run == 0 and idle.pending() == 1  # one task per keeper, never run
+    assert torch.equal(keeper.take(5, timeout_s=10).master, expected.master)
+
+
+def test_a_keeper_updated_piece_by_piece_in_waits_gives_the_same_versions(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A shard of several pieces: the waits run the keeper's updates a piece at a time
+    (a wait may end between two pieces of one step's update, leaving the shard
+    part-updated); wait(), digests() and take() finish such an update on the calling
+    thread, and every version is bit-identical to the owner's whole updates."""
+    idle = IdleWork()
+    monkeypatch.setattr(snapshot, "IDLE", idle)
+    cfg = OptimizerConfig()
+    n = 2 * PIECE + 1000  # three pieces, the last short
+    gen = torch.Generator().manual_seed(5)
+    mask = (torch.arange(n) % 3000 < 2900).float()
+    initial = ShardState(torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), mask)
+    owner = _Owner()
+    holder_step = [-1]
+    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
+                            record_digests=True, holder_step=lambda: holder_step[0])  # fmt: skip
+    keeper.start()
+    expected = initial.clone_to("cpu")
+    versions, digests = {}, []
+    never = threading.Event()
+    for step in range(5):
+        grad = torch.randn(n, generator=gen)
+        owner.sent.put(grad)
+        adamw_update(expected, grad, step=step, cfg=cfg)
+        versions[step] = expected.clone_to("cpu")
+        digests.append(state_digest(expected))
+        assert _eventually(lambda: keeper.newest == step)  # noqa: B023
+        holder_step[0] = step
+        idle.help(never, max_pieces=1)  # a short wait: one piece of a due update
+    assert keeper._partial is not None  # a step's update is part-done
+    assert keeper.digests() == digests  # finished first, then the versions since
+    assert keeper._partial is None
+    idle.help(never, max_pieces=1)
+    got = keeper.wait(4, timeout_s=10)
+    assert torch.equal(got.master, versions[4].master)
+    assert torch.equal(got.exp_avg_sq, versions[4].exp_avg_sq)
+    idle.help(never, max_pieces=2)
+    state = keeper.take(4, timeout_s=10)
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(state, name), getattr(versions[4], name)), name
+    assert idle.help(never) <= 1 and idle.pending() == 0  # a closed keeper's task ends

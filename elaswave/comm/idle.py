@@ -16,6 +16,10 @@ sleep: the tail of a step's reduce-scatter, an all-gather, a pipeline bubble
 (:func:`elaswave.comm.abort.await_future` calls :meth:`IdleWork.help`). A piece
 started there delays the wait's return by at most one piece. Whatever no wait has done
 is done where it is needed (:meth:`IdleWork.finish`), on the thread that needs it.
+
+A host with cores to spare beside its training threads (a GPU host) has no reason to
+put that work on the training thread: there :meth:`IdleWork.start_helper` also runs it
+on a thread of its own, as soon as it is queued.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class IdleWork:
         self._lock = threading.Lock()
         self._running = threading.Lock()
         self._tasks: collections.deque[IdleTask[object]] = collections.deque()
+        self._queued = threading.Condition(self._lock)
+        self._helper: threading.Thread | None = None
         self.pieces_run = 0
         """Pieces run so far (by :meth:`help` and :meth:`finish`)."""
         if hasattr(os, "register_at_fork"):  # a forked child does not do its parent's work
@@ -69,12 +75,38 @@ class IdleWork:
         self._lock = threading.Lock()
         self._running = threading.Lock()
         self._tasks = collections.deque()
+        self._queued = threading.Condition(self._lock)
+        self._helper = None
+
+    def start_helper(self, name: str = "ew-idle") -> None:
+        """Also run the work on a daemon thread of its own, as soon as it is queued (for
+        a host with a core to spare for it); idempotent."""
+        with self._lock:
+            if self._helper is None:
+                self._helper = threading.Thread(target=self._help_always, name=name, daemon=True)
+                self._helper.start()
+
+    @property
+    def has_helper(self) -> bool:
+        return self._helper is not None
+
+    def _help_always(self) -> None:
+        while True:
+            with self._lock:
+                while not self._tasks:
+                    self._queued.wait()
+                task = self._tasks[0]
+            with self._running:  # after the piece another thread may be running
+                if not task.done:
+                    self._piece(task)
+            del task  # nothing held between pieces
 
     def submit(self, pieces: Generator[None, None, T], name: str = "") -> IdleTask[T]:
         """Queue a task: ``pieces`` yields between its pieces and returns its result."""
         task: IdleTask[T] = IdleTask(pieces, name)
         with self._lock:
             self._tasks.append(task)  # type: ignore[arg-type]
+            self._queued.notify()
         return task
 
     def pending(self) -> int:

@@ -351,6 +351,11 @@ class TrainConfig:
         """Worker processes at the start: dp x pp x tp."""
         return self.dp * self.pp * self.tp
 
+    @property
+    def local_processes(self) -> int:
+        """Worker processes at the start on each host."""
+        return self.num_ranks if self.nnodes == 1 else self.ranks_per_node
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:

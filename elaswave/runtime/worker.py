@@ -30,6 +30,7 @@ from elaswave.bus.schema import (
 )
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import Device, backend_for, parse_device
+from elaswave.comm.idle import IDLE
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
@@ -53,6 +54,16 @@ from elaswave.runtime.units import sender_name
 log = structlog.get_logger(__name__)
 
 
+def _place_idle_work(local_processes: int) -> None:
+    """The fabric's idle work (:mod:`elaswave.comm.idle`) runs in the training thread's
+    waits for communication; on a host with more cores than training processes, on a
+    thread of its own too."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) > local_processes:
+        IDLE.start_helper()
+    log.debug("worker.idle_work", cores=cores, processes=local_processes, helper=IDLE.has_helper)
+
+
 def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     """Run process rank ``process`` of the job in ``run_dir``; ``join``: a worker added
     to the running job, which waits for the Core's plan that gives it a place.
@@ -62,6 +73,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     spec = JobSpec.read(run_dir)
     ep = spec.endpoints
     torch.set_num_threads(1)
+    _place_idle_work(spec.config.train.local_processes)
     rank, member = spec.config.train.unit_of(process)
     structlog.contextvars.bind_contextvars(rank=rank, joined=join)
     if spec.config.train.tp > 1:

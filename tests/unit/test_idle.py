@@ -145,3 +145,37 @@ def test_a_forked_child_drops_its_parents_idle_work():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert idle.pending() == 1
+
+
+def test_a_helper_thread_runs_the_work_as_soon_as_it_is_queued():
+    """Where a host has cores to spare, the work need not wait for a wait."""
+    idle = IdleWork()
+    idle.start_helper("test-idle")
+    idle.start_helper("test-idle")  # idempotent
+    names: list[str] = []
+
+    def pieces() -> Generator[None, None, int]:
+        names.append(threading.current_thread().name)
+        yield
+        names.append(threading.current_thread().name)
+        return 3
+
+    task = idle.submit(pieces())
+    deadline = time.monotonic() + 10
+    while not task.done and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert task.done and names == ["test-idle", "test-idle"]
+    assert idle.finish(task) == 3 and idle.pending() == 0
+
+
+@pytest.mark.parametrize(("cores", "processes", "helper"), [(2, 2, False), (16, 8, True)])
+def test_a_worker_adds_a_helper_thread_only_on_a_host_with_a_core_to_spare(
+    monkeypatch: pytest.MonkeyPatch, cores: int, processes: int, helper: bool
+):
+    from elaswave.runtime import worker
+
+    idle = IdleWork()
+    monkeypatch.setattr(worker, "IDLE", idle)
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    worker._place_idle_work(processes)
+    assert idle.has_helper is helper

@@ -110,6 +110,8 @@ class SnapshotKeeper:
     yet. ``base`` is then part-updated, no step's version, until it is finished."""
     _idle: IdleTask[None] | None = None
     """This keeper's idle work, while queued."""
+    _broken: bool = False
+    """An update raised halfway: ``base`` is no step's version."""
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
@@ -214,14 +216,20 @@ class SnapshotKeeper:
         step, pieces = self._partial
         self._applying = True
         self._done.release()
+        failed: BaseException | None = None
         try:
             t0 = time.thread_time()
             end = next(pieces, _END) is _END
             digest = state_digest(self._base) if end and self.record_digests else ""
             self.cpu_s += time.thread_time() - t0
+        except BaseException as exc:
+            failed = exc
+            raise
         finally:
             self._done.acquire()
             self._applying = False
+            if failed is not None:  # base is part-updated for good: no version to give
+                self.error, self._broken, self._partial = failed, True, None
             self._done.notify_all()
         if end:
             self._partial = None
@@ -255,6 +263,8 @@ class SnapshotKeeper:
             lambda: step <= self.newest or self.error is not None or self._closed,
             timeout=timeout_s,
         )
+        if self._broken:
+            raise CommError(self.link.name, "snapshot", f"an update failed: {self.error!r}")
         if self._base_step <= step <= self.newest:
             return
         if step < self._base_step:
@@ -297,6 +307,8 @@ class SnapshotKeeper:
         versions not yet applied included (computed on a copy)."""
         with self._done:
             self._whole(timeout_s=60)
+            if self._broken:
+                raise CommError(self.link.name, "snapshot", f"an update failed: {self.error!r}")
             out = list(self._digests)
             if self._grads:
                 self._copy(self.newest, each=lambda state: out.append(state_digest(state)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import pytest
 import torch
@@ -274,3 +274,30 @@ def test_a_keeper_updated_piece_by_piece_in_waits_gives_the_same_versions(
     for name in ("master", "exp_avg", "exp_avg_sq"):
         assert torch.equal(getattr(state, name), getattr(versions[4], name)), name
     assert idle.help(never) <= 1 and idle.pending() == 0  # a closed keeper's task ends
+
+
+def test_a_keeper_whose_update_fails_halfway_gives_no_version(monkeypatch: pytest.MonkeyPatch):
+    """A part-updated shard is no step's version: after an update raised, the keeper
+    refuses every version instead of giving it."""
+    idle = IdleWork()
+    monkeypatch.setattr(snapshot, "IDLE", idle)
+
+    def failing(*args: object, **kwargs: object) -> Generator[None, None, None]:
+        yield
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(snapshot, "adamw_pieces", failing)
+    n = 8
+    initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
+    owner = _Owner()
+    keeper = SnapshotKeeper(owner=3, link=owner, cfg=OptimizerConfig(), initial=initial,  # type: ignore[arg-type]
+                            holder_step=lambda: 5)  # fmt: skip
+    keeper.start()
+    for _ in range(3):
+        owner.sent.put(torch.ones(n))
+    assert _eventually(lambda: keeper.newest == 2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        keeper.catch_up(slack=0)  # the training thread's catch-up hits the failure
+    for ask in (keeper.digests, lambda: keeper.wait(2, timeout_s=1)):
+        with pytest.raises(CommError, match="an update failed"):
+            ask()

@@ -159,10 +159,12 @@ class IdleWork:
         except StopIteration as end:
             task.result = end.value
             self._end(task)
-        except BaseException as exc:
-            log.warning("idle_task.failed", task=task.name, error=repr(exc))
+        except BaseException as exc:  # the taker gets it; an interrupt goes on up
             task.error = exc
             self._end(task)
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("idle_task.failed", task=task.name, error=repr(exc))
         finally:
             self.pieces_run += 1
 

@@ -71,6 +71,21 @@ class _Owner:
         tensor.copy_(grad)
 
 
+def _started(
+    initial: ShardState,
+    cfg: OptimizerConfig,
+    holder_step: Callable[[], int],
+    *,
+    record_digests: bool = False,
+) -> tuple[SnapshotKeeper, _Owner]:
+    """A started keeper of owner 3's shard, and the owner's end of its link."""
+    owner = _Owner()
+    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
+                            record_digests=record_digests, holder_step=holder_step)  # fmt: skip
+    keeper.start()
+    return keeper, owner
+
+
 def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_back_to():
     cfg = OptimizerConfig()
     n = 8
@@ -137,11 +152,8 @@ def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_fe
     gen = torch.Generator().manual_seed(3)
     mask = (torch.arange(n) % 5 != 0).float()  # runs of decayed and plain elements
     initial = ShardState(torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), mask)
-    owner = _Owner()
     holder_step = [-1]
-    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
-                            record_digests=True, holder_step=lambda: holder_step[0])  # fmt: skip
-    keeper.start()
+    keeper, owner = _started(initial, cfg, lambda: holder_step[0], record_digests=True)
     expected = initial.clone_to("cpu")
     versions, digests = {}, []
     for step in range(8):
@@ -213,11 +225,8 @@ def test_a_keeper_whose_idle_work_no_wait_runs_is_caught_up_by_the_training_thre
     cfg = OptimizerConfig()
     n = 16
     initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
-    owner = _Owner()
     holder_step = [-1]
-    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
-                            holder_step=lambda: holder_step[0])  # fmt: skip
-    keeper.start()
+    keeper, owner = _started(initial, cfg, lambda: holder_step[0])
     expected = initial.clone_to("cpu")
     for step in range(6):
         grad = torch.full((n,), 0.1 * (step + 1))
@@ -245,11 +254,8 @@ def test_a_keeper_updated_piece_by_piece_in_waits_gives_the_same_versions(
     gen = torch.Generator().manual_seed(5)
     mask = (torch.arange(n) % 3000 < 2900).float()
     initial = ShardState(torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), mask)
-    owner = _Owner()
     holder_step = [-1]
-    keeper = SnapshotKeeper(owner=3, link=owner, cfg=cfg, initial=initial,  # type: ignore[arg-type]
-                            record_digests=True, holder_step=lambda: holder_step[0])  # fmt: skip
-    keeper.start()
+    keeper, owner = _started(initial, cfg, lambda: holder_step[0], record_digests=True)
     expected = initial.clone_to("cpu")
     versions, digests = {}, []
     never = threading.Event()
@@ -289,10 +295,7 @@ def test_a_keeper_whose_update_fails_halfway_gives_no_version(monkeypatch: pytes
     monkeypatch.setattr(snapshot, "adamw_pieces", failing)
     n = 8
     initial = ShardState(torch.ones(n), torch.zeros(n), torch.zeros(n), torch.ones(n))
-    owner = _Owner()
-    keeper = SnapshotKeeper(owner=3, link=owner, cfg=OptimizerConfig(), initial=initial,  # type: ignore[arg-type]
-                            holder_step=lambda: 5)  # fmt: skip
-    keeper.start()
+    keeper, owner = _started(initial, OptimizerConfig(), lambda: 5)
     for _ in range(3):
         owner.sent.put(torch.ones(n))
     assert _eventually(lambda: keeper.newest == 2)

@@ -377,10 +377,11 @@ def write_markdown(path: Path, report: dict[str, Any], argv: str) -> None:
         "version before them is no longer needed (no copy of the state per step; "
         "`elaswave/fabric/snapshot.py`); the weight decay runs inside the fused AdamW "
         "kernel; and the holder's updates, like the owner's copy of its committed shard "
-        "for the next out-of-place update, run in pieces of about a millisecond while "
-        "the training thread waits for communication (the tail of the reduce-scatter, "
-        "the all-gather), where it would otherwise sleep, instead of on a thread that "
-        "takes its CPU time from the step (`elaswave/comm/idle.py`).",
+        "for the next out-of-place update, run in pieces of 0.1-0.2 ms while the "
+        "training thread waits for communication past a millisecond (the tail of the "
+        "reduce-scatter, the all-gather, a pipeline bubble), where it would otherwise "
+        "sleep, instead of on a thread that takes its CPU time from the step "
+        "(`elaswave/comm/idle.py`).",
         "",
     ]
     path.write_text("\n".join(lines))

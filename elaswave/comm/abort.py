@@ -131,11 +131,18 @@ def settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
 WAITERS = Waiters("ew-wait")
 
 
+HELP_AFTER_S = 0.001
+"""A wait does idle work once it has lasted this long: one that ends sooner is a
+hand-off on the step's critical path (a pipeline's steady state), which a piece of
+work would delay; one that lasts is a collective's tail or a pipeline bubble."""
+
+
 def await_future(
     future: concurrent.futures.Future[T], timeout_s: float, signal: AbortSignal | None
 ) -> tuple[bool, T | None]:
-    """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires,
-    after doing the process's idle work meanwhile (:mod:`elaswave.comm.idle`).
+    """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires;
+    past :data:`HELP_AFTER_S`, do the process's idle work first
+    (:mod:`elaswave.comm.idle`).
 
     Returns ``(True, result)`` when it completed (re-raising its exception), ``(False,
     None)`` on timeout; raises :class:`StepAborted` when the signal fired first.
@@ -144,8 +151,9 @@ def await_future(
     wake = threading.Event()
     future.add_done_callback(lambda _: wake.set())
     with signal.watch(wake) if signal is not None else contextlib.nullcontext():
-        IDLE.help(wake)  # the process's idle work, in what would be sleep
-        wake.wait(max(0.0, deadline - time.monotonic()))
+        if not wake.wait(min(timeout_s, HELP_AFTER_S)):
+            IDLE.help(wake)  # the process's idle work, in what would be sleep
+            wake.wait(max(0.0, deadline - time.monotonic()))
     if future.done():
         return True, future.result()
     if signal is not None and signal.is_set():

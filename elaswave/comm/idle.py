@@ -10,11 +10,12 @@ of its process: on a host busy with other processes a fail-stop's next step took
 its simulated time (``tests/e2e/test_sim_validation.py`` with two CPU-bound processes
 beside it).
 
-So the work is cut into pieces (generators yielding between pieces of about a
-millisecond) and done by the threads that wait for communication, which would otherwise
-sleep: the tail of a step's reduce-scatter, an all-gather, a pipeline bubble
-(:func:`elaswave.comm.abort.await_future` calls :meth:`IdleWork.help`). A piece
-started there delays the wait's return by at most one piece. Whatever no wait has done
+So the work is cut into pieces (generators yielding between pieces of 0.1 to 0.2 ms)
+and done by the threads that wait for communication, which would otherwise sleep: the
+tail of a step's reduce-scatter, an all-gather, a pipeline bubble
+(:func:`elaswave.comm.abort.await_future` calls :meth:`IdleWork.help` once a wait has
+lasted a millisecond). A piece started there delays the wait's return by at most one
+piece. Whatever no wait has done
 is done where it is needed (:meth:`IdleWork.finish`), on the thread that needs it.
 
 A host with cores to spare beside its training threads (a GPU host) has no reason to

@@ -106,8 +106,9 @@ def test_a_thread_that_needs_a_task_waits_only_for_the_piece_another_thread_runs
 def test_a_wait_for_communication_does_the_idle_work_then_sleeps(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """await_future runs queued pieces while its future is pending, stops between two
-    pieces once it completes (or the abort signal fires), and sleeps when none is left."""
+    """await_future runs queued pieces while its future is pending (past a first
+    millisecond), stops between two pieces once it completes (or the abort signal
+    fires), and sleeps when none is left."""
     idle = IdleWork()
     monkeypatch.setattr(abort, "IDLE", idle)
     future: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -121,6 +122,10 @@ def test_a_wait_for_communication_does_the_idle_work_then_sleeps(
             yield
 
     idle.submit(pieces())
+    done: concurrent.futures.Future[int] = concurrent.futures.Future()
+    done.set_result(1)
+    assert await_future(done, 5.0, None) == (True, 1)
+    assert count[0] == 0  # a wait that is over at once (a hand-off) does no work
     assert await_future(future, 5.0, AbortSignal()) == (True, 9)
     assert count[0] == 4  # no piece after the completion
     signal = AbortSignal()

@@ -5,10 +5,10 @@ update of its owner's shard, an owner's copy of its committed shard for the next
 out-of-place update. On a thread of its own, that work takes its CPU time from the
 training thread wherever a host has about one core per training process (the scheduler
 shares the core, and a woken thread preempts training at once). Under ``SCHED_IDLE`` it
-would not, but a Python thread starved while it holds the GIL stalls every other thread
-of its process: on a host busy with other processes a fail-stop's next step took 2.2x
-its simulated time (``tests/e2e/test_sim_validation.py`` with two CPU-bound processes
-beside it).
+would not, but on a host busy with other processes it stalled training: a fail-stop's
+next step took 2.2x its simulated time (``tests/e2e/test_sim_validation.py`` with two
+CPU-bound processes beside it); a starved Python thread can hold the GIL, or a lock the
+training thread needs, for as long as it is starved.
 
 So the work is cut into pieces (generators yielding between pieces of 0.1 to 0.2 ms)
 and done by the threads that wait for communication, which would otherwise sleep: the

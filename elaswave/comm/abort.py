@@ -6,10 +6,10 @@ blocking wait runs on a waiter thread while the calling thread sleeps until eith
 wait completes or an :class:`AbortSignal` (set by the bus when the Core announces a
 failure) fires. Nothing polls: the wait's completion and the signal both wake the caller,
 so a thread blocked in a wait costs no CPU (on 2 shared cores, polling every few
-milliseconds from every waiting thread was a measurable tax on training), beyond the
-idle work it does first. An abandoned
-wait stays parked on its thread; P2P tags carry the plan generation and step, so a stale
-receive can never match a message of the redone step.
+milliseconds from every waiting thread was a measurable tax on training) beyond the idle
+work it does first. An abandoned wait stays parked on its thread; P2P tags carry the
+plan generation and step, so a stale receive can never match a message of the redone
+step.
 """
 
 from __future__ import annotations

@@ -68,15 +68,12 @@ class ShardState:
     def updated_copy(self, into: ShardState | None = None) -> ShardState:
         """A copy to update out of place (the decay mask is constant and shared): new
         tensors, or ``into``'s (same shapes), overwritten."""
-        if into is None:
-            return ShardState(
-                self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone(), self.decay_mask
-            )
-        into.master.copy_(self.master)
-        into.exp_avg.copy_(self.exp_avg)
-        into.exp_avg_sq.copy_(self.exp_avg_sq)
-        into.decay_mask = self.decay_mask
-        return into
+        pieces = self.copy_pieces(into)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as end:
+                return end.value
 
     def copy_pieces(self, into: ShardState | None = None) -> Generator[None, None, ShardState]:
         """:meth:`updated_copy` in spans of :data:`PIECE` elements, yielding between

@@ -247,10 +247,13 @@ class SnapshotKeeper:
         self._await(step, 0)
 
     def _whole(self, timeout_s: float) -> None:
-        """Finish the update under way, if any, on this thread (the lock held)."""
+        """Finish the update under way, if any, on this thread (the lock held); raise if
+        an update failed halfway, leaving ``base`` no step's version."""
         self._settled(timeout_s)
         if self._partial is not None:
             self._advance(self._partial[0])
+        if self._broken:
+            raise CommError(self.link.name, "snapshot", f"an update failed: {self.error!r}")
 
     def _settled(self, timeout_s: float) -> None:
         """Wait until no thread is running a piece of an update (the lock held)."""
@@ -263,8 +266,6 @@ class SnapshotKeeper:
             lambda: step <= self.newest or self.error is not None or self._closed,
             timeout=timeout_s,
         )
-        if self._broken:
-            raise CommError(self.link.name, "snapshot", f"an update failed: {self.error!r}")
         if self._base_step <= step <= self.newest:
             return
         if step < self._base_step:
@@ -307,8 +308,6 @@ class SnapshotKeeper:
         versions not yet applied included (computed on a copy)."""
         with self._done:
             self._whole(timeout_s=60)
-            if self._broken:
-                raise CommError(self.link.name, "snapshot", f"an update failed: {self.error!r}")
             out = list(self._digests)
             if self._grads:
                 self._copy(self.newest, each=lambda state: out.append(state_digest(state)))

@@ -169,7 +169,7 @@ class StepLoop:
             break
         outcome = self._completed(step, result, recovered)
         self.step = step + 1
-        for keeper in trainer.keepers:  # updates the background has not kept up with
+        for keeper in trainer.keepers:  # updates no wait for communication has done
             keeper.catch_up()
         for hook in self.hooks:
             hook(outcome)

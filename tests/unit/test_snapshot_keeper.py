@@ -86,6 +86,23 @@ def _started(
     return keeper, owner
 
 
+def _ship(
+    owner: _Owner,
+    grad: torch.Tensor,
+    step: int,
+    expected: ShardState,
+    cfg: OptimizerConfig,
+    versions: dict[int, ShardState],
+    digests: list[str],
+) -> None:
+    """The owner ships ``step``'s gradient and updates its own shard, whole: the version
+    and digest a keeper must give for that step."""
+    owner.sent.put(grad)
+    adamw_update(expected, grad, step=step, cfg=cfg)
+    versions[step] = expected.clone_to("cpu")
+    digests.append(state_digest(expected))
+
+
 def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_back_to():
     cfg = OptimizerConfig()
     n = 8
@@ -157,11 +174,7 @@ def test_a_keeper_gives_every_kept_step_as_sequential_updates_would_and_holds_fe
     expected = initial.clone_to("cpu")
     versions, digests = {}, []
     for step in range(8):
-        grad = torch.randn(n, generator=gen)
-        owner.sent.put(grad)
-        adamw_update(expected, grad, step=step, cfg=cfg)
-        versions[step] = expected.clone_to("cpu")
-        digests.append(state_digest(expected))
+        _ship(owner, torch.randn(n, generator=gen), step, expected, cfg, versions, digests)
         got = keeper.wait(step, timeout_s=10)
         assert torch.equal(got.master, expected.master)
         assert torch.equal(got.exp_avg_sq, expected.exp_avg_sq)
@@ -260,11 +273,7 @@ def test_a_keeper_updated_piece_by_piece_in_waits_gives_the_same_versions(
     versions, digests = {}, []
     never = threading.Event()
     for step in range(5):
-        grad = torch.randn(n, generator=gen)
-        owner.sent.put(grad)
-        adamw_update(expected, grad, step=step, cfg=cfg)
-        versions[step] = expected.clone_to("cpu")
-        digests.append(state_digest(expected))
+        _ship(owner, torch.randn(n, generator=gen), step, expected, cfg, versions, digests)
         assert _eventually(lambda: keeper.newest == step)  # noqa: B023
         holder_step[0] = step
         idle.help(never, max_pieces=1)  # a short wait: one piece of a due update

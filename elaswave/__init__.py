@@ -17,12 +17,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from elaswave.api import connect
     from elaswave.bus.schema import EventKind
+    from elaswave.bus.session import Session
     from elaswave.embedded import Job, job
-    from elaswave.runtime.session import Session
 
 _LAZY = {
     "connect": "elaswave.api",
-    "Session": "elaswave.runtime.session",
+    "Session": "elaswave.bus.session",
     "EventKind": "elaswave.bus.schema",
     "job": "elaswave.embedded",
     "Job": "elaswave.embedded",

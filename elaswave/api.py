@@ -6,7 +6,7 @@
         session.subscribe(print, kinds=[elaswave.EventKind.RECOVERY_FINISHED])
         ...
 
-See :class:`elaswave.runtime.session.Session` for publishing, callbacks and the async
+See :class:`elaswave.bus.session.Session` for publishing, callbacks and the async
 iterator, and examples/embed_training.py for a training loop that uses them.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from elaswave.bus.schema import Topic
+from elaswave.bus.session import Session
 from elaswave.rundir import JOB
-from elaswave.runtime.config import JobSpec
-from elaswave.runtime.session import Session
+from elaswave.runtime.job.config import JobSpec
 
 
 def connect(

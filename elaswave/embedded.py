@@ -39,16 +39,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from elaswave.runtime.worker.script import installed_loop
+
 if TYPE_CHECKING:
     from elaswave.bus.schema import EventKind
-    from elaswave.runtime.session import EventStream
-    from elaswave.runtime.steploop import StepLoop, StepOutcome
+    from elaswave.bus.session import EventStream
+    from elaswave.runtime.worker.steploop import StepLoop, StepOutcome
 
 DESCRIBE_ENV = "ELASWAVE_DESCRIBE"
 """Set by ``elaswave run`` for the pass that reads the script's model: the path to write
 it to; :func:`job` then writes and exits."""
 
-_active: StepLoop | None = None
 _job: Job | None = None
 
 
@@ -186,33 +187,27 @@ def job(*, model: str | None = None, dataset: Sequence[Any] | None = None) -> Jo
     if describe:
         Path(describe).write_text(json.dumps({"model": source}))
         raise SystemExit(0)
-    if _active is None:
+    active = installed_loop()
+    if active is None:
         raise SystemExit(  # the user's own script: one line, no traceback
             "elaswave: error: elaswave.job() runs inside an ElasWave job: start this script "
             "with `elaswave run [--dp D --pp P --steps S ...] SCRIPT [ARGS]`"
         )
-    if _job is not None:
+    if _job is not None and _job._loop is active:
         if dataset is not None:
             raise RuntimeError("elaswave.job() takes the dataset on its first call only")
         return _job
-    cfg = _active.cfg
+    cfg = active.cfg
     if source is not None and source != (cfg.model.source or "tiny"):
         raise ValueError(
             f"elaswave.job(model={model!r}) is not the job's model "
             f"({cfg.model.source or 'the built-in tiny model'})"
         )
     if dataset is not None:
-        if _active.step != _active.first_step or _active.step_times:
+        if active.step != active.first_step or active.step_times:
             raise RuntimeError("elaswave.job(dataset=...) must come before the first step")
-        _active.ctx.loader.set_source(
+        active.ctx.loader.set_source(
             _WindowSource(dataset, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
         )
-    _job = Job(_active)
+    _job = Job(active)
     return _job
-
-
-def install(loop: StepLoop) -> None:
-    """Make ``loop`` the job :func:`job` returns in this process (the worker calls it
-    before it runs the script)."""
-    global _active, _job
-    _active, _job = loop, None

@@ -30,7 +30,7 @@ HOST_SPEC = "host.json"
 """The job as the host wrote it (the store's address, no bus yet): Core incarnation 0
 reads it and writes :data:`JOB` with the bus endpoints, which everyone else reads."""
 JOB = "job.json"
-"""The job spec (:class:`~elaswave.runtime.config.JobSpec`): config and endpoints."""
+"""The job spec (:class:`~elaswave.runtime.job.config.JobSpec`): config and endpoints."""
 EVENT_LOG = "events.log"
 """The Core's log of every event on the bus."""
 CORE_STATE = "core_state.json"
@@ -43,8 +43,9 @@ CORE_PID = "core.pid"
 SUMMARY = "summary.json"
 """The run's summary (losses, timings, recoveries), written when it ends."""
 PROFILE = "profile.json"
-"""The layers measured before the job started (:class:`~elaswave.runtime.profile.LayerProfile`),
-when it was profiled; job.json carries them priced for the planners."""
+"""The layers measured before the job started
+(:class:`~elaswave.runtime.host.profile.LayerProfile`), when it was profiled; job.json
+carries them priced for the planners."""
 REPORT = "report.png"
 """Where ``elaswave report`` draws the run by default."""
 LOGS = "logs"
@@ -54,7 +55,7 @@ FAULTS = "faults"
 CHECKPOINTS = "checkpoints"
 
 TENSORBOARD = "tensorboard"
-"""The job's TensorBoard scalars (:mod:`elaswave.runtime.tensorboard`)."""
+"""The job's TensorBoard scalars (:mod:`elaswave.runtime.host.tensorboard`)."""
 OUTPUTS = (
     WORKERS, PARAMS, LOGS, FAULTS, EVENT_LOG, SUMMARY, JOB, CORE_STATE, CORE_RESULT,
     HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD,

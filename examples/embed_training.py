@@ -28,7 +28,7 @@ from elaswave.bus.schema import (
     RecoveryStarted,
     StepCompleted,
 )
-from elaswave.runtime.session import Session
+from elaswave.bus.session import Session
 
 STEPS = 8
 

@@ -51,7 +51,7 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_STEPS = 3

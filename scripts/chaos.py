@@ -148,7 +148,13 @@ FAIL_OUTCOMES = (
 KINDS = ("kill", "kill-node", "hang", "slow", "join", "in-recovery")
 STEP_PHASES = ("forward", "backward", "grad-sync", "snapshot", "optimizer")
 POLICIES = ("none", "resize", "migrate", "migrate+dvfs")
-SMOKE = ("cli.main", "runtime.launcher", "runtime.coreproc", "runtime.worker", "runtime.replay")
+SMOKE = (
+    "cli.main",
+    "runtime.host.launcher",
+    "runtime.core.process",
+    "runtime.worker.process",
+    "runtime.core.replay",
+)
 """Modules a --snapshot must import (a tree caught mid-edit often does not)."""
 FIXED = (
     "--heartbeat-timeout", "2", "--plan-ack-timeout", "2", "--comm-timeout", "30",
@@ -395,7 +401,7 @@ def _draw_faults(
 
 def _valid(case: Case) -> bool:
     """What ``elaswave train`` would accept (the config's own validation)."""
-    from elaswave.runtime.config import JobConfig, TrainConfig
+    from elaswave.runtime.job.config import JobConfig, TrainConfig
 
     try:
         JobConfig(
@@ -666,8 +672,8 @@ def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
 
 
 def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
-    from elaswave.runtime.compare import compare_runs, load_summary
-    from elaswave.runtime.replay import replay_run
+    from elaswave.runtime.core.compare import compare_runs, load_summary
+    from elaswave.runtime.core.replay import replay_run
 
     if job.code is None:
         return Verdict("hang", f"still running after {job.wall_s:.0f} s; killed")

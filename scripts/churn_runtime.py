@@ -24,8 +24,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from elaswave.runtime.compare import compare_runs
-from elaswave.runtime.replay import replay_run
+from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.core.replay import replay_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = (

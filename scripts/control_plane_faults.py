@@ -28,9 +28,9 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, RecoveryPlan, WorkerStarted
-from elaswave.runtime.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
-from elaswave.runtime.replay import replay_run
-from elaswave.runtime.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL = ("--fault", "kill:1@3:backward")

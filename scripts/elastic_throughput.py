@@ -51,7 +51,7 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepTiming
-from elaswave.runtime.compare import compare_runs, load_summary
+from elaswave.runtime.core.compare import compare_runs, load_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_TOML = '[model]\npreset = "tiny"\nnum_blocks = 14\n'
@@ -401,7 +401,7 @@ def render(doc: dict) -> str:
         "* Scale-up ratio = throughput after the join / the same run's throughput before the "
         f"failure (target >= 0.95). The window between failure and join ends at step {j - 1}: "
         f"the joiner is started during step {j} and starts up on the same host.",
-        "* Numeric check: `elaswave.runtime.compare.compare_runs` against the fault-free run: "
+        "* Numeric check: `elaswave.runtime.core.compare.compare_runs` against the fault-free run: "
         "max relative loss difference over all steps, and max |param diff| / max |param| "
         "(tolerance 1e-4).",
         "* Overruns: compute blocks (one forward or backward of a micro-batch on one rank) "

@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.compare import compare_runs, load_summary
-from elaswave.runtime.faults import Phase
+from elaswave.runtime.core.compare import compare_runs, load_summary
+from elaswave.runtime.job.faults import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = {"first": (4, 2, 1), "middle": (4, 3, 5), "last": (4, 2, 6)}

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.compare import compare_runs, load_summary
+from elaswave.runtime.core.compare import compare_runs, load_summary
 
 GLOBAL_BATCH = 24
 LAYOUTS = [

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from elastic_throughput import MODEL_TOML, overruns, train
 
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = [

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.compare import load_summary
+from elaswave.runtime.core.compare import load_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 2

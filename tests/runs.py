@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from elaswave.runtime.compare import load_params
-from elaswave.runtime.replay import replay_run
+from elaswave.runtime.core.compare import load_params
+from elaswave.runtime.core.replay import replay_run
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``schema`` defines every message; ``broker`` forwards them; ``client`` publishes and
 receives them from asyncio code; ``eventlog`` records them for replay and reading.
-Synchronous code embeds the bus through :class:`elaswave.runtime.session.Session`.
+Synchronous code embeds the bus through :class:`elaswave.bus.session.Session`.
 """
 
 from elaswave.bus.broker import Broker

@@ -105,11 +105,22 @@ class RecoveryKind(enum.StrEnum):
     """Ranks joined the job."""
 
 
+CORE_SENDER = "core"
+"""The Core's name on the bus."""
+
+
+def sender_name(rank: int, member: int = 0) -> str:
+    """A worker's name on the bus: ``rank3``, or ``rank3.1`` for TP member 1 of rank 3
+    (member 0 speaks for its tensor-parallel group)."""
+    return f"rank{rank}" if member == 0 else f"rank{rank}.{member}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Event:
     """Fields every event carries.
 
-    ``sender`` names the publishing process (``"core"``, ``"rank3"``); ``seq`` is the
+    ``sender`` names the publishing process (:data:`CORE_SENDER`, or
+    :func:`sender_name` of a worker: ``"rank3"``); ``seq`` is the
     sender's message counter on the event's topic (stamped by the bus client, 1, 2, ...
     per topic, so that a subscriber of a topic sees every number; 0 means unsequenced);
     ``generation`` is the plan generation the sender was executing; ``time`` is the
@@ -276,7 +287,7 @@ class StepTiming(Event):
     micro_batches: int
     overruns: int = 0
     """Emulated compute blocks whose real compute overran the model (see
-    :mod:`elaswave.runtime.emulation`)."""
+    :mod:`elaswave.runtime.worker.emulation`)."""
 
 
 @_register

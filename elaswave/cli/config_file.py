@@ -17,7 +17,7 @@ from typing import Any
 from elaswave.data.corpus import DataConfig
 from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.model.config import ModelConfig, preset
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

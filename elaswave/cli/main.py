@@ -19,8 +19,8 @@ from elaswave.cli.flags import PROFILE_AUTO, PROFILE_CHOICES, add_job_flags
 from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
 
 if TYPE_CHECKING:
-    from elaswave.runtime.config import JobConfig
-    from elaswave.runtime.profile import LayerProfile
+    from elaswave.runtime.host.profile import LayerProfile
+    from elaswave.runtime.job.config import JobConfig
 
 
 class _Progress:
@@ -75,7 +75,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
     """The resumed job: RUN_DIR's config, then the TOML file, then flags (applied later)."""
     from elaswave.fabric.checkpoint import latest_complete
-    from elaswave.runtime.config import JobSpec
+    from elaswave.runtime.job.config import JobSpec
 
     if not (run_dir / JOB).is_file():
         raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no {JOB})")
@@ -101,7 +101,7 @@ def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
     """Refuse to clear a run directory whose job stopped before the end (its Core was
     lost, or a failure stopped it) while a checkpoint could still continue it."""
     from elaswave.fabric.checkpoint import latest_complete
-    from elaswave.runtime.config import JobSpec
+    from elaswave.runtime.job.config import JobSpec
 
     if resuming is not None and resuming.resolve() == out.resolve():
         return
@@ -150,7 +150,7 @@ def _profile(job: JobConfig) -> tuple[JobConfig, LayerProfile]:
     """``job`` planned with its layers' measured costs, and the measurements, taken here
     on rank 0's device."""
     from elaswave.comm.backend import backend_for
-    from elaswave.runtime.profile import profile_layers
+    from elaswave.runtime.host.profile import profile_layers
 
     profile = profile_layers(job, device=backend_for(job.train.device).device_for(0))
     print(f"elaswave: profiled {len(profile.layers)} layers in {profile.total_s:.2f} s")
@@ -161,14 +161,14 @@ def _train(args: argparse.Namespace) -> int:
     import uvloop
 
     from elaswave.cli.config_file import build_job, load_toml
-    from elaswave.runtime.launcher import run_job
-    from elaswave.runtime.supervisor import JobFailed
-    from elaswave.runtime.zygote import Zygote
+    from elaswave.runtime.core.supervisor import JobFailed
+    from elaswave.runtime.host.launcher import run_job
+    from elaswave.runtime.host.zygote import Zygote
 
     if args.node_rank:  # a host other than node 0: its agent
         return _agent(args)
     if args.nnodes and args.nnodes > 1 and args.rdzv_endpoint and not args.bus_host:
-        from elaswave.runtime.nodeagent import parse_endpoint
+        from elaswave.runtime.host.nodeagent import parse_endpoint
 
         args.bus_host = parse_endpoint(args.rdzv_endpoint)[0]  # where the others reach it
     file_values = load_toml(args.config) if args.config else None
@@ -254,7 +254,7 @@ def _agent(args: argparse.Namespace) -> int:
     """``--node-rank R`` (R > 0): this host's agent; the job comes from node 0."""
     import uvloop
 
-    from elaswave.runtime.nodeagent import parse_endpoint, run_agent
+    from elaswave.runtime.host.nodeagent import parse_endpoint, run_agent
 
     if args.node_rank < 0 or (args.nnodes is not None and args.node_rank >= args.nnodes > 0):
         limit = f"[0, {args.nnodes})" if args.nnodes else "non-negative"
@@ -326,7 +326,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     """Recompute every recovery plan of a run from its event log; 1 if one diverges."""
-    from elaswave.runtime.replay import replay_run
+    from elaswave.runtime.core.replay import replay_run
 
     result = replay_run(args.run_dir)
     for bad in result.unreadable:

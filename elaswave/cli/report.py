@@ -362,7 +362,7 @@ def _read_json(path: Path) -> Any:
 def _initial_plan(run_dir: Path) -> dict[str, Any]:
     """The run's first plan, rebuilt from job.json's config as the launcher built it."""
     from elaswave.engine.plan import plan_summary
-    from elaswave.runtime.config import JobConfig
+    from elaswave.runtime.job.config import JobConfig
 
     path = run_dir / JOB
     if not path.is_file():

@@ -162,7 +162,7 @@ def parse_policies(text: str) -> list[SimPolicy]:
 
 def profiled_layers(path: Path, spec: DeviceSpec, *, tp: int) -> tuple[LayerCost, ...]:
     """The layers of a run's profile.json priced on ``spec`` at its base clock."""
-    from elaswave.runtime.profile import LayerProfile  # imports torch: only when asked for
+    from elaswave.runtime.host.profile import LayerProfile  # imports torch: only when asked for
 
     if tp != 1:
         raise ValueError(f"--profile with --tp {tp}: the profile measured whole layers; use --tp 1")

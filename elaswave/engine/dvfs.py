@@ -9,7 +9,7 @@ frequency whose observed time meets the target.
 The planner is a pure function of its inputs. ``observe(mhz)`` returns the straggler's
 mini-step time at ``mhz``: in emulation it is the cost model's prediction (itself pure);
 on hardware the runtime passes a function that applies the clock through a
-:class:`~elaswave.runtime.frequency.FrequencyBackend` and measures over the observation
+:class:`~elaswave.runtime.worker.frequency.FrequencyBackend` and measures over the observation
 window W. The planner never down-clocks, and it never returns a frequency it has not
 observed to meet the target.
 """

@@ -12,7 +12,7 @@ import pytest
 
 from elaswave.bus.codec import encode
 from elaswave.bus.schema import StepCompleted
-from elaswave.runtime.config import JobSpec
+from elaswave.runtime.job.config import JobSpec
 from tests.runs import Run, background_job, check_replay, elaswave, plain_publisher
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from elaswave.bus.codec import encode
 from elaswave.bus.schema import KIND_KEY, RecoveryStarted, StepCompleted
-from elaswave.runtime.config import JobSpec
+from elaswave.runtime.job.config import JobSpec
 from tests.runs import background_job, plain_publisher
 
 

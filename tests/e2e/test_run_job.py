@@ -14,8 +14,8 @@ from pathlib import Path
 
 import uvloop
 
-from elaswave.runtime.config import JobConfig, TrainConfig
-from elaswave.runtime.launcher import run_job
+from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.host.launcher import run_job
 
 kinds = []
 cfg = JobConfig(train=TrainConfig(dp=1, pp=2, steps=3, global_batch=8, micro_batch=2))

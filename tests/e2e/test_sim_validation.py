@@ -13,7 +13,7 @@ import pytest
 
 from elaswave.engine.plan import Plan, StagePlan, initial_plan
 from elaswave.engine.steptime import plan_step_time
-from elaswave.runtime.config import JobConfig
+from elaswave.runtime.job.config import JobConfig
 from tests.runs import train
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elaswave.engine.schedule import max_in_flight
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.runs import Run, train
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]
@@ -118,7 +118,7 @@ def test_events_log_readable(layout_runs):
 
 
 def test_param_digest_matches_params(layout_runs):
-    from elaswave.runtime.summary import param_digest
+    from elaswave.runtime.core.summary import param_digest
 
     run = layout_runs[(2, 2)]
     assert param_digest(run.params()) == run.summary["param_digest"]

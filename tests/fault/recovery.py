@@ -7,7 +7,7 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import WorkerStarted
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.runs import Run
 
 STEPS = 6

@@ -17,7 +17,7 @@ import pytest
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, PlanCommit, RecoveryPlan, WorkerStarted
-from elaswave.runtime.compare import load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.core.compare import load_params, loss_rel_diff, param_rel_diff
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, elaswave, launch, train
 

@@ -18,8 +18,8 @@ import pytest
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, StepCompleted, WorkerStarted
-from elaswave.runtime.compare import compare_runs, load_params, param_rel_diff
-from elaswave.runtime.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.core.compare import compare_runs, load_params, param_rel_diff
+from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
 from tests.fault.recovery import JOB, check_recovered
 from tests.runs import Run, check_replay, launch, train
 

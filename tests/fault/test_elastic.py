@@ -13,7 +13,7 @@ import json
 import pytest
 
 from elaswave.bus.schema import RecoveryFinished
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.runs import await_logged, background_job, elaswave, train
 
 JOB = ("--global-batch", "16", "--micro-batch", "2")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, elaswave, train
 
@@ -349,7 +349,7 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
     s = resumed.summary
     assert s["first_step"] == 6 and s["steps_completed"] == 10
     assert s["layout"] == {"dp": 4, "pp": 3, "tp": 1}
-    from elaswave.runtime.compare import load_params, loss_rel_diff, param_rel_diff
+    from elaswave.runtime.core.compare import load_params, loss_rel_diff, param_rel_diff
 
     assert loss_rel_diff(s["loss"], ref.summary["loss"][6:]) <= 1e-5
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5

@@ -8,7 +8,7 @@ import json
 import pytest
 import transformers
 
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.fault.recovery import JOB, check_recovered
 from tests.runs import Run, train
 

@@ -17,7 +17,7 @@ import pytest
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Heartbeat, RecoveryFinished, WorkerSpawned
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
 

@@ -12,9 +12,9 @@ import pytest
 import transformers
 
 from elaswave.engine.cost import device
-from elaswave.runtime.config import JobSpec
-from elaswave.runtime.profile import LayerProfile
-from elaswave.runtime.replay import replay_run
+from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.host.profile import LayerProfile
+from elaswave.runtime.job.config import JobSpec
 from tests.fault.recovery import JOB, check_recovered
 from tests.fault.test_model_adapters import SHAPE
 from tests.runs import Run, elaswave, train

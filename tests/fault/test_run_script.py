@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import WorkerStarted
-from elaswave.runtime.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs
 from tests.runs import Run, check_replay, elaswave
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf_llama.py"

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from elaswave.model.config import ModelConfig
-from elaswave.runtime.compare import compare_runs
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, check_replay, elaswave, train
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from elaswave.bus.schema import WaitingForNodes
-from elaswave.runtime.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from tests.runs import Run, await_logged, background_job, elaswave, train
 
 pytestmark = pytest.mark.timeout(300)

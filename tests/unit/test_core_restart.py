@@ -12,8 +12,8 @@ from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import FailureDetected, Hello, StepCompleted
 from elaswave.comm.store import connect_store, serve_store
-from elaswave.runtime.core import EVENT_LOG, Core, CorePorts
-from elaswave.runtime.outage import OUTAGE_KEY, CoreWatch
+from elaswave.runtime.core.recorder import EVENT_LOG, Core, CorePorts
+from elaswave.runtime.worker.outage import OUTAGE_KEY, CoreWatch
 
 
 class _CountingStore:

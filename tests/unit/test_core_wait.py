@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elaswave.runtime.core import Core
+from elaswave.runtime.core.recorder import Core
 
 
 @pytest.mark.timeout(30)

@@ -8,9 +8,10 @@ import pytest
 
 from elaswave.engine.cost import compute_time, device, layer_costs
 from elaswave.model.config import TINY
-from elaswave.runtime.emulation import DelayedSend, Pacer
-from elaswave.runtime.faults import FaultInjector, FaultKind, parse_fault
-from elaswave.runtime.frequency import EmulatedFrequency
+from elaswave.runtime.job.faults import FaultKind, parse_fault
+from elaswave.runtime.worker.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.faults import FaultInjector
+from elaswave.runtime.worker.frequency import EmulatedFrequency
 
 pytestmark = pytest.mark.timeout(60)
 

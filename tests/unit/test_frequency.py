@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elaswave.runtime.frequency import (
+from elaswave.runtime.worker.frequency import (
     BACKEND_NAMES,
     EmulatedFrequency,
     FrequencyBackend,

@@ -177,7 +177,7 @@ def test_a_helper_thread_runs_the_work_as_soon_as_it_is_queued():
 def test_a_worker_adds_a_helper_thread_only_on_a_host_with_a_core_to_spare(
     monkeypatch: pytest.MonkeyPatch, cores: int, processes: int, helper: bool
 ):
-    from elaswave.runtime import worker
+    from elaswave.runtime.worker import process as worker
 
     idle = IdleWork()
     monkeypatch.setattr(worker, "IDLE", idle)

@@ -13,8 +13,8 @@ import torch
 from elaswave.engine.cost import LayerKind, compute_time, layer_costs
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.remap import FP32_BYTES
-from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
-from elaswave.runtime.profile import LayerProfile, profile_layers
+from elaswave.runtime.host.profile import LayerProfile, profile_layers
+from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -52,8 +52,8 @@ from elaswave.engine import change as ch
 from elaswave.engine import phases, protocol
 from elaswave.engine.change import Rules, state_from_dict, state_to_dict
 from elaswave.engine.recovery import plan_digest
-from elaswave.runtime.config import JobConfig, TrainConfig
-from elaswave.runtime.inputs import rules_of
+from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.inputs import rules_of
 
 EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []

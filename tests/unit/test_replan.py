@@ -22,7 +22,7 @@ from elaswave.engine.state_moves import plan_state_moves
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import HOLDS_AT_MOST, node_of, place_snapshots_across
 from elaswave.fabric.remap import Source
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 
 
 @settings(max_examples=300)

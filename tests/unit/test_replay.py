@@ -19,9 +19,9 @@ from elaswave.bus.schema import FailureDetected, PlanCommit, RecoveryPlan, Recov
 from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop
-from elaswave.runtime.config import Endpoints, JobConfig, JobSpec, TrainConfig
-from elaswave.runtime.inputs import announced_rebalancing, decide_migration
-from elaswave.runtime.replay import replay_run
+from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec, TrainConfig
+from elaswave.runtime.job.inputs import announced_rebalancing, decide_migration
 from tests.runs import elaswave
 
 CFG = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=24, micro_batch=1, rebalance="migrate"))

@@ -22,7 +22,7 @@ from elaswave.cli.report import (
     straggler_verdicts,
     throughput,
 )
-from elaswave.runtime.config import JobConfig
+from elaswave.runtime.job.config import JobConfig
 from tests.png import read_png
 
 INITIAL = {

@@ -22,7 +22,7 @@ from elaswave.engine.plan import Plan, StagePlan, initial_plan, plan_from_dict, 
 from elaswave.engine.rebalance import BLOCK_GAIN, rebalance
 from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import PRESETS, ModelConfig
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 from elaswave.sim.policies import Layout, SimJob
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ from elaswave.bus.schema import (
     StepCompleted,
     Topic,
 )
-from elaswave.runtime.session import Session
+from elaswave.bus.session import Session
 
 pytestmark = pytest.mark.timeout(30)
 

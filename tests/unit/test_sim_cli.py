@@ -10,8 +10,8 @@ import torch
 from elaswave.cli.main import main
 from elaswave.cli.sim import device_fraction
 from elaswave.engine.steptime import plan_step_time
-from elaswave.runtime.config import JobConfig
-from elaswave.runtime.profile import profile_layers
+from elaswave.runtime.host.profile import profile_layers
+from elaswave.runtime.job.config import JobConfig
 from elaswave.sim.policies import SimJob
 from elaswave.sim.trace import format_trace, full_start, slot_trace
 from tests.png import read_png

@@ -25,7 +25,7 @@ from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric import snapshot
 from elaswave.fabric.adamw import PIECE, OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
-from elaswave.runtime.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig, TrainConfig
 
 
 def test_a_holder_keeps_the_two_newest_and_every_version_from_the_step_before_its_own():

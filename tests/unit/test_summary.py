@@ -3,7 +3,7 @@ import json
 import torch
 
 from elaswave.engine.plan import initial_plan
-from elaswave.runtime.summary import build_summary
+from elaswave.runtime.core.summary import build_summary
 
 
 def _worker(run_dir, rank, first_step, step_time_s, loss=None):

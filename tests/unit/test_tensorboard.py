@@ -5,7 +5,7 @@ from __future__ import annotations
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from elaswave.bus.schema import RecoveryFinished, RunStarted, StepCompleted
-from elaswave.runtime.tensorboard import ScalarLog, crc32c
+from elaswave.runtime.host.tensorboard import ScalarLog, crc32c
 
 
 def test_crc32c_matches_the_standard_check_value():

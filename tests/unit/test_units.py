@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from elaswave.bus.schema import sender_name
 from elaswave.comm.store import connect_store, serve_store
-from elaswave.runtime.hostlink import ProcessHandle
-from elaswave.runtime.tpgroup import unit_report
-from elaswave.runtime.units import UnitHandle, group_units, sender_name
+from elaswave.runtime.core.units import UnitHandle, group_units
+from elaswave.runtime.job.hostlink import ProcessHandle
+from elaswave.runtime.worker.tpgroup import unit_report
 
 
 class _Proc(ProcessHandle):

@@ -1,4 +1,4 @@
-"""The Agent: a worker's liveness signal on the bus.
+"""The heartbeat sender: a worker's liveness signal on the bus.
 
 A daemon thread publishes a Heartbeat with the worker's current step every interval.
 Publishing goes through the Session's queue, so it never touches the training thread.
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import threading
 
-from elaswave.bus.schema import Heartbeat
-from elaswave.runtime.session import Session
+from elaswave.bus.schema import Heartbeat, sender_name
+from elaswave.bus.session import Session
 
 
-class Agent:
+class HeartbeatSender:
     def __init__(self, session: Session, rank: int, *, interval_s: float, sender: str = "") -> None:
         self.session = session
         self.rank = rank
-        self.sender = sender or f"rank{rank}"
+        self.sender = sender or sender_name(rank)
         self.interval_s = interval_s
         self.step = -1
         """The step being trained; set by the training loop."""

@@ -7,7 +7,7 @@ in a daemon thread, so that the training hot path never waits on the network.
 Example — report progress and react to recoveries from a plain training loop::
 
     from elaswave.bus import EventKind, StepCompleted
-    from elaswave.runtime.session import Session
+    from elaswave.bus.session import Session
 
     def on_recovery(event):  # runs on the session's thread: keep it short
         logger.info("recovery", kind=event.kind, ranks=event.ranks)

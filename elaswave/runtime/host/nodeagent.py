@@ -36,7 +36,7 @@ from elaswave.bus.schema import (
     WorkerSpawned,
 )
 from elaswave.comm.store import connect_store
-from elaswave.runtime.config import JobSpec
+from elaswave.runtime.job.config import JobSpec
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +153,7 @@ async def _spawn(run_dir: Path, rank: int, *, join: bool) -> asyncio.subprocess.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with rundir.rank_log(run_dir, rank).open("wb") as out:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "elaswave.runtime.worker", "--run-dir", str(run_dir),
+            sys.executable, "-m", "elaswave.runtime.worker.process", "--run-dir", str(run_dir),
             "--rank", str(rank), *(["--join"] if join else []),
             stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
         )  # fmt: skip

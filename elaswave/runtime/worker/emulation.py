@@ -27,7 +27,7 @@ import structlog
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, compute_time, p2p_time
 from elaswave.engine.cost import ring_allreduce_time as ring_time
-from elaswave.runtime.frequency import EmulatedFrequency
+from elaswave.runtime.worker.frequency import EmulatedFrequency
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +69,7 @@ class Pacer:
     sleep: Callable[[float], None] = time.sleep
     waited: Callable[[], float] | None = None
     """Seconds this process has spent in its layers' own collectives so far (its TP
-    group's, :class:`~elaswave.runtime.tpgroup.TpLink`): on real devices a fail-slow
+    group's, :class:`~elaswave.runtime.worker.tpgroup.TpLink`): on real devices a fail-slow
     factor stretches the compute of a layer, not its wait for the other members (two
     slowed members would otherwise stretch each other's waits without end)."""
     _waited_mark: float = 0.0

@@ -29,20 +29,21 @@ from elaswave.bus.schema import (
     StepTiming,
     WorkerFinished,
     WorkerStarted,
+    sender_name,
 )
+from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.group import CommError
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import layer_index
-from elaswave.runtime import executor
-from elaswave.runtime.agent import Agent
-from elaswave.runtime.executor import Mailbox, PauseBox
-from elaswave.runtime.outage import CoreWatch
-from elaswave.runtime.pipeline import StepResult
-from elaswave.runtime.session import Session
-from elaswave.runtime.tpgroup import unit_barrier, whole_param
-from elaswave.runtime.trainer import Trainer, WorkerContext, initial_trainer
+from elaswave.runtime.worker import executor
+from elaswave.runtime.worker.executor import Mailbox, PauseBox
+from elaswave.runtime.worker.heartbeat import HeartbeatSender
+from elaswave.runtime.worker.outage import CoreWatch
+from elaswave.runtime.worker.pipeline import StepResult
+from elaswave.runtime.worker.tpgroup import unit_barrier, whole_param
+from elaswave.runtime.worker.trainer import Trainer, WorkerContext, initial_trainer
 
 
 class _PausedAtBoundary(Exception):
@@ -75,17 +76,17 @@ class StepLoop:
         session: Session,
         abort: AbortSignal,
         inbox: Mailbox,
-        agent: Agent,
+        heartbeat: HeartbeatSender,
         pauses: PauseBox,
         watch: CoreWatch,
         *,
         join: bool = False,
     ) -> None:
         self.ctx, self.session, self.abort, self.inbox = ctx, session, abort, inbox
-        self.agent, self.pauses, self.watch = agent, pauses, watch
+        self.heartbeat, self.pauses, self.watch = heartbeat, pauses, watch
         self.cfg = ctx.cfg
         self.rank = ctx.rank
-        self.sender = f"rank{ctx.rank}"
+        self.sender = sender_name(ctx.rank)
         self.hooks: list[StepHook] = []
         watch.store = ctx.store
         self.trainer: Trainer
@@ -137,7 +138,7 @@ class StepLoop:
         recovered = False
         while True:
             step = self.step
-            self.agent.step = step  # before looking for a pause: see on_recovery_event
+            self.heartbeat.step = step  # before looking for a pause: see on_recovery_event
             ctx.pacer.slowdown = ctx.faults.slowdown(step)
             if hasattr(ctx.rng, "begin_step"):
                 ctx.rng.begin_step(step)

@@ -17,7 +17,7 @@ from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.tensor_parallel import TpShard
-from elaswave.runtime.config import JobConfig
+from elaswave.runtime.job.config import JobConfig
 
 
 def owner_layout(cfg: JobConfig, plan: Plan, owner: int) -> tuple[InterleavedLayout, int]:

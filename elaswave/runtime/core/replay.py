@@ -17,7 +17,7 @@ base; the next generation builds on the one the Core committed (its
 :class:`~elaswave.bus.schema.PlanCommit`).
 
 Workers do the same for every plan they apply, so a plan is never shipped, only its
-inputs (:mod:`elaswave.runtime.inputs` encodes and decodes them for all three). Replay
+inputs (:mod:`elaswave.runtime.job.inputs` encodes and decodes them for all three). Replay
 also checks the migration mode the Core decided for the change.
 """
 
@@ -41,8 +41,8 @@ from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import EVENT_LOG, JOB
-from elaswave.runtime.config import JobConfig, JobSpec
-from elaswave.runtime.inputs import announced_rebalancing, decide_migration
+from elaswave.runtime.job.config import JobConfig, JobSpec
+from elaswave.runtime.job.inputs import announced_rebalancing, decide_migration
 
 CORE = "core"
 """The sender name of the Core, the only process that announces plans."""

@@ -30,9 +30,9 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
-from elaswave.runtime.emulation import DelayedSend, Pacer
-from elaswave.runtime.faults import Phase
-from elaswave.runtime.migration import ShadowStep
+from elaswave.runtime.job.faults import Phase
+from elaswave.runtime.worker.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.migration import ShadowStep
 
 
 @dataclass

@@ -27,18 +27,18 @@ from elaswave.bus.schema import (
     PlanCommit,
     RecoveryPlan,
     ScaleRequest,
+    sender_name,
 )
 from elaswave.engine import change as ch
 from elaswave.engine.phases import deadline, exit_text
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
 from elaswave.engine.protocol import step
 from elaswave.rundir import CORE_STATE
-from elaswave.runtime.config import JobConfig
-from elaswave.runtime.core import Core
-from elaswave.runtime.inputs import rules_of
-from elaswave.runtime.observe import exited, to_input
-from elaswave.runtime.slowwatch import StragglerWatch
-from elaswave.runtime.units import sender_name
+from elaswave.runtime.core.observe import exited, to_input
+from elaswave.runtime.core.recorder import Core
+from elaswave.runtime.core.slowwatch import StragglerWatch
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.inputs import rules_of
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ class Supervisor:
         state: dict[str, Any] | None = None,
     ) -> None:
         """``procs``: the workers' processes (``asyncio.subprocess.Process`` or the host
-        link's :class:`~elaswave.runtime.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
+        link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
         worker that joins the running job; ``store`` is where the Core publishes the
         current plan for it. ``state``: a predecessor's :data:`CORE_STATE` to resume."""
         self.cfg, self.run_dir, self.core, self.procs = cfg, run_dir, core, procs

@@ -2,7 +2,7 @@
 
 The workers and the store belong to this process, so a lost Core loses neither: the
 host starts a new Core, which binds the same bus endpoints and resumes from the event
-log and its persisted state, while the workers train on (:mod:`elaswave.runtime.coreproc`).
+log and its persisted state, while the workers train on (:mod:`elaswave.runtime.core.process`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ from elaswave.rundir import (
     core_log,
     rank_log,
 )
-from elaswave.runtime.config import Endpoints, JobConfig, JobSpec
-from elaswave.runtime.coreproc import JOB_FAILED
-from elaswave.runtime.hostlink import LINK_FD_ENV, HostLink, LinkOp
-from elaswave.runtime.nodeagent import JOB_KEY, parse_endpoint
-from elaswave.runtime.nodes import RemoteNodes
-from elaswave.runtime.profile import LayerProfile
-from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
-from elaswave.runtime.tensorboard import ScalarLog
-from elaswave.runtime.zygote import ForkedProcess, Zygote
+from elaswave.runtime.core.process import JOB_FAILED
+from elaswave.runtime.core.summary import build_summary, write_summary
+from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
+from elaswave.runtime.host.nodeagent import JOB_KEY, parse_endpoint
+from elaswave.runtime.host.nodes import RemoteNodes
+from elaswave.runtime.host.profile import LayerProfile
+from elaswave.runtime.host.tensorboard import ScalarLog
+from elaswave.runtime.host.zygote import ForkedProcess, Zygote
+from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
+from elaswave.runtime.job.hostlink import LINK_FD_ENV, HostLink, LinkOp
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +84,7 @@ async def _spawn(
             *cfg.train.worker_command(rank),
             sys.executable,
             "-m",
-            "elaswave.runtime.worker",
+            "elaswave.runtime.worker.process",
             "--run-dir",
             str(run_dir),
             "--rank",
@@ -112,7 +112,7 @@ class JobHost:
         self.cfg = cfg
         self.store = store
         self.nodes = RemoteNodes(cfg) if cfg.train.nnodes > 1 else None
-        """The other hosts' agents (a multi-host job; :mod:`elaswave.runtime.nodes`)."""
+        """The other hosts' agents (a multi-host job; :mod:`elaswave.runtime.host.nodes`)."""
         self.zygote = zygote
         self.run_dir = run_dir
         self.on_event = on_event
@@ -217,7 +217,7 @@ class JobHost:
         else:
             full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "elaswave.runtime.coreproc", *argv,
+                sys.executable, "-m", "elaswave.runtime.core.process", *argv,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 env={**full, LINK_FD_ENV: str(core_end.fileno())},
                 pass_fds=(core_end.fileno(),),
@@ -355,10 +355,10 @@ async def run_job(
     """Train ``cfg`` with dp x pp local worker processes; return the summary.
 
     This process is the job host: it serves the store and owns the workers; the Core
-    runs in a child process (:mod:`elaswave.runtime.coreproc`), restarted when lost.
+    runs in a child process (:mod:`elaswave.runtime.core.process`), restarted when lost.
     ``on_event`` sees every lifecycle, metrics and recovery event on the bus (not the
     heartbeats), in this process. ``zygote``: forks the
-    Core without a second start-up of Python and torch (:mod:`elaswave.runtime.zygote`).
+    Core without a second start-up of Python and torch (:mod:`elaswave.runtime.host.zygote`).
     ``profile``: the measurements ``cfg.profile`` was priced from, written to
     RUN_DIR/profile.json.
     """

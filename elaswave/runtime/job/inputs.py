@@ -26,8 +26,8 @@ from elaswave.engine.migration import BLOCKING, NONBLOCKING, NONE
 from elaswave.engine.plan import Plan
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
-from elaswave.runtime.config import JobConfig
-from elaswave.runtime.faults import FaultKind, validate_faults
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.faults import FaultKind, validate_faults
 
 
 def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:

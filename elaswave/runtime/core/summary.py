@@ -19,7 +19,7 @@ from elaswave.bus.schema import StepCompleted
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.plan import Plan
 from elaswave.engine.steptime import plan_step_time
-from elaswave.runtime.compare import load_params
+from elaswave.runtime.core.compare import load_params
 
 
 def param_digest(params: dict[int, dict[str, torch.Tensor]]) -> str:
@@ -47,7 +47,7 @@ def build_summary(
 ) -> dict[str, Any]:
     """``bus``: the Core's delivery counters; the workers' are added from their results.
     ``layers`` and ``cost_device``: what the planners price (the job's
-    :attr:`~elaswave.runtime.config.JobConfig.layer_costs` and ``cost_device``), for
+    :attr:`~elaswave.runtime.job.config.JobConfig.layer_costs` and ``cost_device``), for
     ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without).
     ``tp``: the members of each of the plan's ranks (TP groups)."""
     results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]

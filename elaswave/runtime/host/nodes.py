@@ -1,7 +1,7 @@
 """Node 0's view of the other hosts of a multi-host job: their agents over the bus.
 
-A job of ``nnodes`` hosts runs one agent per host (:mod:`elaswave.runtime.nodeagent`),
-as torchrun does; node 0's job host (:class:`~elaswave.runtime.launcher.JobHost`) also
+A job of ``nnodes`` hosts runs one agent per host (:mod:`elaswave.runtime.host.nodeagent`),
+as torchrun does; node 0's job host (:class:`~elaswave.runtime.host.launcher.JobHost`) also
 runs the Core and the store. The Core asks the job host for workers by rank, as on one
 host; :class:`RemoteNodes` starts those of other hosts through their agents
 (:class:`~elaswave.bus.schema.SpawnWorker`) and hands the Core a process handle whose
@@ -41,8 +41,8 @@ from elaswave.bus.schema import (
     WorkerExited,
     WorkerSpawned,
 )
-from elaswave.runtime.config import JobConfig, JobSpec
-from elaswave.runtime.hostlink import ProcessHandle
+from elaswave.runtime.job.config import JobConfig, JobSpec
+from elaswave.runtime.job.hostlink import ProcessHandle
 
 log = structlog.get_logger(__name__)
 

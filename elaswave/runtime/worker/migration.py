@@ -16,7 +16,7 @@ layer placement, and the parameter streams and gradient paybacks between replica
   receives to its own gradients.
 
 On the emulated device each stream and payback is delivered after its modelled transfer
-time (:class:`~elaswave.runtime.emulation.DelayedSend`), so the overlap with compute is
+time (:class:`~elaswave.runtime.worker.emulation.DelayedSend`), so the overlap with compute is
 the modelled device's.
 """
 
@@ -36,7 +36,7 @@ from elaswave.comm.group import P2PGroup, TagSpace, p2p_tag
 from elaswave.engine.migration import Transfer, Transition
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap_exec import remap_link_name
-from elaswave.runtime.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.emulation import DelayedSend, Pacer
 
 log = structlog.get_logger(__name__)
 

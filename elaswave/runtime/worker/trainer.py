@@ -53,14 +53,14 @@ from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.rundir import step_dir
-from elaswave.runtime.config import JobConfig
-from elaswave.runtime.emulation import Pacer
-from elaswave.runtime.faults import FaultInjector
-from elaswave.runtime.holders import owner_decay_mask, owner_initial_state, owner_layout
-from elaswave.runtime.inputs import NONBLOCKING
-from elaswave.runtime.migration import ShadowStep, migration_pairs
-from elaswave.runtime.pipeline import StageRunner
-from elaswave.runtime.tpgroup import TpLink
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.inputs import NONBLOCKING
+from elaswave.runtime.worker.emulation import Pacer
+from elaswave.runtime.worker.faults import FaultInjector
+from elaswave.runtime.worker.holders import owner_decay_mask, owner_initial_state, owner_layout
+from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
+from elaswave.runtime.worker.pipeline import StageRunner
+from elaswave.runtime.worker.tpgroup import TpLink
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +83,7 @@ class WorkerContext:
     pacer: Pacer
     """Keeps the modelled device's time (``--device emulated``) and fail-slow delays."""
     member: int = 0
-    """This process's member of the rank's TP group (:mod:`elaswave.runtime.tpgroup`)."""
+    """This process's member of the rank's TP group (:mod:`elaswave.runtime.worker.tpgroup`)."""
     tp: TpLink | None = None
     """The TP group (None without tensor parallelism)."""
     plane_store: dist.Store | None = None
@@ -373,7 +373,7 @@ def reconfigure(
     state before resuming) or *non-blocking* (streamed during the transition step while
     the source computes a shadow for the early micro-batches, see
     :mod:`elaswave.engine.migration`): ``migration``, the mode the Core decided and
-    announced (:func:`elaswave.runtime.inputs.decide_migration`).
+    announced (:func:`elaswave.runtime.job.inputs.decide_migration`).
     """
     c = committed_step
     host_states: dict[int, ShardState] = {}

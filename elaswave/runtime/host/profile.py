@@ -10,7 +10,7 @@ cost model's :class:`~elaswave.engine.cost.LayerCost` for a device at its base c
 ``flops = seconds x device.flops_per_s(base_mhz)``, so that the planners, pricing on
 that device, reproduce the measured seconds.
 
-The job carries the converted costs (:attr:`~elaswave.runtime.config.JobConfig.profile`,
+The job carries the converted costs (:attr:`~elaswave.runtime.job.config.JobConfig.profile`,
 in job.json) so that the Core, every worker and replay plan with the same numbers; the
 measurements themselves go to RUN_DIR/profile.json (:meth:`LayerProfile.to_dict`), which
 ``elaswave sim --profile`` prices on the simulated device.
@@ -35,7 +35,7 @@ from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 
 if TYPE_CHECKING:
-    from elaswave.runtime.config import JobConfig
+    from elaswave.runtime.job.config import JobConfig
 
 log = structlog.get_logger(__name__)
 
@@ -195,7 +195,7 @@ def profile_layers(cfg: JobConfig, *, device: torch.device, repeats: int = 5) ->
         raise ValueError(f"repeats = {repeats}: must be at least 1")
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(1)  # as every worker runs (elaswave.runtime.worker)
+        torch.set_num_threads(1)  # as every worker runs (elaswave.runtime.worker.process)
     try:
         return _profile(cfg, device=device, repeats=repeats)
     finally:

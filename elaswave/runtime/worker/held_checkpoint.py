@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from elaswave.bus.schema import CheckpointRequest
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
-from elaswave.runtime.holders import owner_layout
-from elaswave.runtime.trainer import Trainer, WorkerContext
+from elaswave.runtime.worker.holders import owner_layout
+from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
 
 def write_part(

@@ -1,6 +1,6 @@
 """A worker process: one (stage, replica) of the hybrid-parallel job.
 
-Started by the launcher as ``python -m elaswave.runtime.worker --run-dir D --rank R``. The
+Started by the launcher as ``python -m elaswave.runtime.worker.process --run-dir D --rank R``. The
 training loop runs on the main thread; the bus runs in a :class:`Session` event-loop
 thread beside it, so publishing an event never blocks a step.
 """
@@ -27,7 +27,9 @@ from elaswave.bus.schema import (
     PauseRequest,
     Topic,
     WorkerFinished,
+    sender_name,
 )
+from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import Device, backend_for, parse_device
 from elaswave.comm.idle import IDLE
@@ -37,19 +39,19 @@ from elaswave.engine.cost import device as device_spec
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.model.tensor_parallel import TpShard
-from elaswave.runtime.agent import Agent
-from elaswave.runtime.child import die_with_parent, exit_now
-from elaswave.runtime.config import EMULATED_DEVICE, JobSpec
-from elaswave.runtime.emulation import Pacer
-from elaswave.runtime.executor import Mailbox, PauseBox
-from elaswave.runtime.faults import FaultInjector, validate_faults
-from elaswave.runtime.frequency import EmulatedFrequency
-from elaswave.runtime.outage import CoreWatch
-from elaswave.runtime.session import Session
-from elaswave.runtime.steploop import StepLoop, run_to_the_end
-from elaswave.runtime.tpgroup import TpLink, plane_store
-from elaswave.runtime.trainer import WorkerContext
-from elaswave.runtime.units import sender_name
+from elaswave.runtime.job.child import die_with_parent, exit_now
+from elaswave.runtime.job.config import EMULATED_DEVICE, JobSpec
+from elaswave.runtime.job.faults import validate_faults
+from elaswave.runtime.worker.emulation import Pacer
+from elaswave.runtime.worker.executor import Mailbox, PauseBox
+from elaswave.runtime.worker.faults import FaultInjector
+from elaswave.runtime.worker.frequency import EmulatedFrequency
+from elaswave.runtime.worker.heartbeat import HeartbeatSender
+from elaswave.runtime.worker.outage import CoreWatch
+from elaswave.runtime.worker.script import run_script
+from elaswave.runtime.worker.steploop import StepLoop, run_to_the_end
+from elaswave.runtime.worker.tpgroup import TpLink, plane_store
+from elaswave.runtime.worker.trainer import WorkerContext
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +71,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     to the running job, which waits for the Core's plan that gives it a place.
 
     With ``--tp N`` the process is member ``process % N`` of the plan's rank
-    ``process // N`` (:mod:`elaswave.runtime.tpgroup`); without, the two are the same."""
+    ``process // N`` (:mod:`elaswave.runtime.worker.tpgroup`); without, the two are the same."""
     spec = JobSpec.read(run_dir)
     ep = spec.endpoints
     torch.set_num_threads(1)
@@ -88,7 +90,9 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     abort = AbortSignal()
     inbox = Mailbox()
     pauses = PauseBox()
-    agent = Agent(session, rank, interval_s=spec.config.train.heartbeat_interval_s, sender=sender)
+    heartbeat = HeartbeatSender(
+        session, rank, interval_s=spec.config.train.heartbeat_interval_s, sender=sender
+    )
     watch = CoreWatch(spec.config.train.core_outage_s)
     session.subscribe(watch.heard)
 
@@ -100,7 +104,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         if isinstance(event, PauseRequest):
             if event.generation == abort.generation:
                 pauses.put(event)
-                if agent.step > event.after_step:  # already past the pause point
+                if heartbeat.step > event.after_step:  # already past the pause point
                     abort.set(f"pause after step {event.after_step}: {event.reason}")
             return
         inbox.put(event)
@@ -117,12 +121,12 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         ],
     )
     session.start()
-    agent.start()
+    heartbeat.start()
     try:
         ctx = _context(run_dir, process, spec, abort)
-        loop = StepLoop(ctx, session, abort, inbox, agent, pauses, watch, join=join)
+        loop = StepLoop(ctx, session, abort, inbox, heartbeat, pauses, watch, join=join)
         if spec.config.train.script:
-            _run_script(loop, spec.config.train.script)
+            run_script(loop, spec.config.train.script)
         else:
             run_to_the_end(loop)
     except BaseException as exc:
@@ -133,7 +137,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         )
         raise
     finally:
-        agent.close()
+        heartbeat.close()
         session.close()
 
 
@@ -207,29 +211,6 @@ def _registered_pid(store: dist.Store, rank: int) -> int | None:
     that does not exist must not hold a kill-node for the store's timeout."""
     key = f"pid/{rank}"
     return int(store.get(key)) if store.check([key]) else None
-
-
-def _run_script(loop: StepLoop, script: tuple[str, ...]) -> None:
-    """Run the user's script (``elaswave run``) as this worker's training loop."""
-    import runpy
-    import sys
-
-    from elaswave import embedded
-
-    embedded.install(loop)
-    sys.argv = list(script)
-    sys.path.insert(0, str(Path(script[0]).resolve().parent))
-    try:
-        runpy.run_path(script[0], run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise RuntimeError(f"{script[0]} exited with status {exc.code}") from None
-    if not loop.done:
-        raise RuntimeError(
-            f"{script[0]} returned at step {loop.step} of {loop.cfg.train.steps}: call "
-            "job.train_step() until job.done"
-        )
-    loop.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The Core's view of tensor-parallel groups: one failure unit per plan rank.
 
 The change protocol places and recovers plan ranks. With ``--tp N`` each is a TP group
-of N processes (:mod:`elaswave.runtime.tpgroup`); :class:`UnitHandle` shows the Core
+of N processes (:mod:`elaswave.runtime.worker.tpgroup`); :class:`UnitHandle` shows the Core
 the group as one process: it fails when its first member fails (with that member's
 code, and that member's log and fault record to explain it), and the other members
 are then released (SIGKILL: they cannot train without their piece of every layer). It
@@ -15,12 +15,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
-
-
-def sender_name(rank: int, member: int = 0) -> str:
-    """A worker's name on the bus: ``rank3``, or ``rank3.1`` for TP member 1 of rank 3
-    (member 0 speaks for the unit)."""
-    return f"rank{rank}" if member == 0 else f"rank{rank}.{member}"
 
 
 class UnitHandle:

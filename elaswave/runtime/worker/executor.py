@@ -3,7 +3,7 @@ on the Core's plan (check its digest, acknowledge, wait for the commit, follow a
 superseding announcement), take its generation, apply it and report it done.
 
 A recovery (:func:`recover`) and a join (:func:`join`) are the same change: a joiner
-applies the plan to an empty trainer (:func:`elaswave.runtime.trainer.reconfigure`).
+applies the plan to an empty trainer (:func:`elaswave.runtime.worker.trainer.reconfigure`).
 The Core's announcements reach the training thread through a :class:`Mailbox` (plans,
 commits, failures) and a :class:`PauseBox` (the pending pause request).
 """
@@ -31,17 +31,17 @@ from elaswave.bus.schema import (
     RecoveryPlan,
     RecoveryReady,
     WaitingForNodes,
+    sender_name,
 )
+from elaswave.bus.session import Session
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import replan
-from elaswave.runtime.faults import Phase
-from elaswave.runtime.held_checkpoint import write_part
-from elaswave.runtime.inputs import announced_migration, announced_rebalancing
-from elaswave.runtime.session import Session
-from elaswave.runtime.tpgroup import TP_GROUP, unit_barrier, unit_report
-from elaswave.runtime.trainer import Trainer, WorkerContext, reconfigure
-from elaswave.runtime.units import sender_name
+from elaswave.runtime.job.faults import Phase
+from elaswave.runtime.job.inputs import announced_migration, announced_rebalancing
+from elaswave.runtime.worker.held_checkpoint import write_part
+from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
+from elaswave.runtime.worker.trainer import Trainer, WorkerContext, reconfigure
 
 log = structlog.get_logger(__name__)
 
@@ -167,7 +167,7 @@ def _agree(
         if ctx.leader:  # for its TP group, whose members check the same plan
             session.publish(
                 PlanAck(
-                    sender=f"rank{ctx.rank}",
+                    sender=sender_name(ctx.rank),
                     generation=gen,
                     rank=ctx.rank,
                     plan_digest=decision.plan_digest,
@@ -350,7 +350,7 @@ def _apply(
         return trainer
     session.publish(
         RecoveryDone(
-            sender=f"rank{ctx.rank}",
+            sender=sender_name(ctx.rank),
             generation=decision.generation,
             rank=ctx.rank,
             comm_s=phases["comm"],

@@ -1,7 +1,7 @@
 """The Core process: the bus, the event log, the supervisor and its planners.
 
-The job host (:mod:`elaswave.runtime.launcher`) starts it with one end of the host link
-(:mod:`elaswave.runtime.hostlink`) and starts it again when it is lost. Incarnation 0
+The job host (:mod:`elaswave.runtime.host.launcher`) starts it with one end of the host link
+(:mod:`elaswave.runtime.job.hostlink`) and starts it again when it is lost. Incarnation 0
 binds the bus, writes RUN_DIR/job.json (the host's RUN_DIR/host.json completed with the
 bus endpoints), announces the run and has the host start the workers. A later
 incarnation binds the same endpoints, reads back the event log and
@@ -32,13 +32,13 @@ from elaswave import logs
 from elaswave.bus.schema import RunFinished, RunStarted
 from elaswave.comm.store import connect_store
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
-from elaswave.runtime.child import die_with_parent, exit_now
-from elaswave.runtime.config import JobSpec
-from elaswave.runtime.core import Core, CorePorts
-from elaswave.runtime.hostlink import LINK_FD_ENV, CoreLink
-from elaswave.runtime.summary import build_summary, write_summary
-from elaswave.runtime.supervisor import JobFailed, Supervisor, fault_point
-from elaswave.runtime.units import group_units, spawn_unit
+from elaswave.runtime.core.recorder import Core, CorePorts
+from elaswave.runtime.core.summary import build_summary, write_summary
+from elaswave.runtime.core.supervisor import JobFailed, Supervisor, fault_point
+from elaswave.runtime.core.units import group_units, spawn_unit
+from elaswave.runtime.job.child import die_with_parent, exit_now
+from elaswave.runtime.job.config import JobSpec
+from elaswave.runtime.job.hostlink import LINK_FD_ENV, CoreLink
 
 log = structlog.get_logger(__name__)
 

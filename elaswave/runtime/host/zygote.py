@@ -25,8 +25,8 @@ import socket
 import sys
 from typing import Any
 
-from elaswave.runtime.child import die_with_parent, exit_now
-from elaswave.runtime.hostlink import LINK_FD_ENV
+from elaswave.runtime.job.child import die_with_parent, exit_now
+from elaswave.runtime.job.hostlink import LINK_FD_ENV
 
 
 class Zygote:
@@ -140,7 +140,8 @@ class ForkedProcess:
 
 def _serve(sock: socket.socket) -> None:
     die_with_parent()
-    from elaswave.runtime import coreproc, worker  # loaded once, here, for every child
+    from elaswave.runtime.core import process as coreproc  # loaded once, here, for every child
+    from elaswave.runtime.worker import process as worker
 
     # Every object loaded so far (torch, the model code) is the children's for good:
     # a full collection in a child then scans only what the child made, instead of

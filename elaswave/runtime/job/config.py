@@ -31,7 +31,7 @@ from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
 from elaswave.model.rng import RNG_KINDS
 from elaswave.model.tensor_parallel import TpShard, check_divisible, refuse_tp
-from elaswave.runtime.faults import validate_faults
+from elaswave.runtime.job.faults import validate_faults
 
 EMULATED_DEVICE = "emulated"
 """The cost model's device preset that ``--device emulated`` keeps the time of."""
@@ -364,7 +364,7 @@ class JobConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: tuple[LayerCost, ...] = ()
-    """Measured layer costs (:mod:`elaswave.runtime.profile`), priced on
+    """Measured layer costs (:mod:`elaswave.runtime.host.profile`), priced on
     :attr:`cost_device` at its base clock, one per layer in index order; empty: the cost
     model's formulas."""
 

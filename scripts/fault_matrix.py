@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from elaswave.runtime.core.compare import compare_runs, load_summary
-from elaswave.runtime.job.faults import Phase
+from elaswave.runtime.job.faults import StepPhase
 
 ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = {"first": (4, 2, 1), "middle": (4, 3, 5), "last": (4, 2, 6)}
@@ -50,7 +50,7 @@ def mean_rel(loss: list[float], ref: list[float]) -> float:
     return statistics.mean(abs(a - b) / b for a, b in zip(loss, ref, strict=True))
 
 
-STEP_PHASES = [p for p in Phase if p not in (Phase.PLAN, Phase.APPLY)]
+STEP_PHASES = [p for p in StepPhase if p not in (StepPhase.PLAN, StepPhase.APPLY)]
 """Points of a training step (plan and apply are points of a recovery: see control_plane)."""
 
 

@@ -173,7 +173,9 @@ class SimJob:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class PolicyPlan:
+    """What a policy runs after an event: its plan, step time and why."""
+
     policy: SimPolicy
     plan: Plan
     step_s: float
@@ -240,7 +242,7 @@ def answer(
     rerouted: Collection[int] = (),
     alive: Collection[int] | None = None,
     shorten: bool = True,
-) -> Outcome:
+) -> PolicyPlan:
     """The plan ``policy`` runs after ``failed`` ranks leave ``plan``, and its step time.
 
     ``rerouted``: ranks of ``plan`` that failed earlier and whose work ReCycle already
@@ -281,7 +283,7 @@ def answer(
             )  # fmt: skip
             moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in shaped.moved)
             reason = f"{exc}; ranks change stage ({moved}): {shaped.reason}"
-            return Outcome(
+            return PolicyPlan(
                 policy, shaped.plan, shaped.step_s, reason,
                 stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
             )  # fmt: skip
@@ -289,14 +291,14 @@ def answer(
         shorter = _shorter_pipeline(job, plan, failed, rebalancing, step) if shorten else None
         if shorter is not None:
             return dataclasses.replace(shorter, policy=policy)
-        return Outcome(policy, new, step, reason)
+        return PolicyPlan(policy, new, step, reason)
     step = plan_step_time(new, job.layers, job.device).step_s
-    return Outcome(policy, new, step, reason)
+    return PolicyPlan(policy, new, step, reason)
 
 
 def _shorter_pipeline(
     job: SimJob, plan: Plan, failed: set[int], rebalancing: Rebalancing, kept_step: float
-) -> Outcome | None:
+) -> PolicyPlan | None:
     """A pipeline of fewer, full stages over the survivors, when its simulated step over
     :data:`~elaswave.engine.reshape.HORIZON_STEPS` steps plus its move costs less than
     keeping every stage at ``kept_step`` (ranks change stage; the simulator's plan, which
@@ -312,7 +314,7 @@ def _shorter_pipeline(
     if shaped.plan.pp >= plan.pp or price >= kept_step * HORIZON_STEPS:
         return None
     moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in shaped.moved)
-    return Outcome(
+    return PolicyPlan(
         SimPolicy.ELASWAVE, shaped.plan, shaped.step_s,
         f"fewer, full stages run faster than keeping {plan.pp} ({moved}): {shaped.reason}",
         stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
@@ -331,7 +333,7 @@ def recycle_time(
     ).step_s  # fmt: skip
 
 
-def _recycle(job: SimJob, plan: Plan, failed: set[int]) -> Outcome:
+def _recycle(job: SimJob, plan: Plan, failed: set[int]) -> PolicyPlan:
     whole = _lost_replicas(plan, failed)
     if whole and len(whole) == plan.stages[0].dp:
         raise Unrecoverable("every replica lost a rank: nothing is left to train")
@@ -350,13 +352,13 @@ def _recycle(job: SimJob, plan: Plan, failed: set[int]) -> Outcome:
         except Unrecoverable as exc:
             new, why = _drop_replicas(plan, failed)
             step = plan_step_time(new, job.layers, job.device).step_s
-            return Outcome(
+            return PolicyPlan(
                 SimPolicy.RECYCLE, new, step, f"{exc}; falls back to dropping replicas: {why}"
             )
         notes.append(out.reason)
-        return Outcome(SimPolicy.RECYCLE, plan, out.step_s, "; ".join(notes), frozenset(failed))
+        return PolicyPlan(SimPolicy.RECYCLE, plan, out.step_s, "; ".join(notes), frozenset(failed))
     step = plan_step_time(plan, job.layers, job.device).step_s
-    return Outcome(SimPolicy.RECYCLE, plan, step, "; ".join(notes))
+    return PolicyPlan(SimPolicy.RECYCLE, plan, step, "; ".join(notes))
 
 
 def _lost_replicas(plan: Plan, failed: set[int]) -> list[int]:
@@ -391,9 +393,9 @@ def restart_plan(job: SimJob, alive: Collection[int]) -> tuple[Plan, str]:
     )
 
 
-def baseline(job: SimJob) -> Outcome:
+def baseline(job: SimJob) -> PolicyPlan:
     """The job before any change."""
     plan = job.plan()
-    return Outcome(
+    return PolicyPlan(
         SimPolicy.ELASWAVE, plan, plan_step_time(plan, job.layers, job.device).step_s, ""
     )

@@ -38,7 +38,7 @@ from elaswave.sim import mttr
 from elaswave.sim.mttr import Overhead, RecoveryCosts
 from elaswave.sim.policies import (
     REBALANCE,
-    Outcome,
+    PolicyPlan,
     SimJob,
     SimPolicy,
     answer,
@@ -352,7 +352,7 @@ def _removal_cost(
     gone: set[int],
     costs: RecoveryCosts,
     redo_s: float,
-    outcome: Outcome,
+    outcome: PolicyPlan,
 ) -> Overhead:
     if policy.is_elaswave and outcome.stage_moves:
         return mttr.elaswave_reshape(

@@ -23,7 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-class Phase(enum.StrEnum):
+class StepPhase(enum.StrEnum):
+    """Where in a training step (or in the recovery that redoes it) a fault fires."""
+
     FORWARD = "forward"
     BACKWARD = "backward"
     GRAD_SYNC = "grad-sync"
@@ -53,7 +55,7 @@ class FaultSpec:
     target: int
     """A rank (kill) or a node (kill-node)."""
     step: int
-    phase: Phase
+    phase: StepPhase
     factor: float = 1.0
     """Slow faults: the compute slowdown factor (> 1)."""
 
@@ -77,7 +79,7 @@ def parse_fault(text: str) -> FaultSpec:
     match = _FAULT.match(text.strip())
     valid = (
         "kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE], "
-        "slow:RANK=FACTOR@STEP or join@STEP, PHASE one of " + ", ".join(p.value for p in Phase)
+        "slow:RANK=FACTOR@STEP or join@STEP, PHASE one of " + ", ".join(p.value for p in StepPhase)
     )
     if match is None:
         raise ValueError(f"fault {text!r} is malformed; expected {valid}")
@@ -88,7 +90,7 @@ def parse_fault(text: str) -> FaultSpec:
             f"fault {text!r}: unknown kind {match['kind']!r}; expected {valid}"
         ) from None
     try:
-        phase = Phase(match["phase"] or Phase.FORWARD)
+        phase = StepPhase(match["phase"] or StepPhase.FORWARD)
     except ValueError:
         raise ValueError(
             f"fault {text!r}: unknown phase {match['phase']!r}; expected {valid}"

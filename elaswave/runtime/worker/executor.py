@@ -37,7 +37,7 @@ from elaswave.bus.session import Session
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import replan
-from elaswave.runtime.job.faults import Phase
+from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.job.inputs import announced_migration, announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
@@ -158,7 +158,7 @@ def _agree(
                 f"plan digest {plan_digest(new_plan)} differs from the Core's "
                 f"{decision.plan_digest}: planners disagree"
             )
-        ctx.faults.at(Phase.PLAN, decision.committed_step + 1)
+        ctx.faults.at(StepPhase.PLAN, decision.committed_step + 1)
         if ctx.tp is not None:  # the leader acknowledges for every member, once each has
             unit_barrier(
                 ctx.store, f"ack/g{gen}/a{decision.attempt}", ctx.rank, ctx.member,
@@ -189,7 +189,7 @@ def _agree(
                     f"the Core committed plan {answer.plan_digest} of generation {gen}, "
                     f"this rank acknowledged {decision.plan_digest}"
                 )
-            ctx.faults.at(Phase.APPLY, decision.committed_step + 1)
+            ctx.faults.at(StepPhase.APPLY, decision.committed_step + 1)
             return decision, new_plan
         assert isinstance(answer, RecoveryPlan)
         log.warning("recovery.plan_superseded", generation=gen, attempt=answer.attempt)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from elaswave import rundir
-from elaswave.runtime.job.faults import FaultKind, FaultSpec, Phase
+from elaswave.runtime.job.faults import FaultKind, FaultSpec, StepPhase
 
 
 class FaultInjector:
@@ -38,7 +38,7 @@ class FaultInjector:
         self.pid_of = pid_of
         self.mine = [s for s in specs if rank in s.ranks(ranks_per_node)]
 
-    def at(self, phase: Phase, step: int) -> None:
+    def at(self, phase: StepPhase, step: int) -> None:
         for spec in self.mine:
             if spec.kind is not FaultKind.SLOW and spec.step == step and spec.phase is phase:
                 self._die(spec)

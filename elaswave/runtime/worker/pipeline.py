@@ -30,7 +30,7 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
-from elaswave.runtime.job.faults import Phase
+from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.worker.emulation import DelayedSend, Pacer
 from elaswave.runtime.worker.migration import ShadowStep
 
@@ -46,7 +46,7 @@ class StepResult:
     """The non-blocking migration this step completed, if any."""
 
 
-def _no_fault(phase: Phase, step: int) -> None:
+def _no_fault(phase: StepPhase, step: int) -> None:
     return None
 
 
@@ -63,7 +63,7 @@ class StageRunner:
         rng: DropoutRng,
         model: ModelConfig,
         device: torch.device,
-        fault_hook: Callable[[Phase, int], None] = _no_fault,
+        fault_hook: Callable[[StepPhase, int], None] = _no_fault,
         pacer: Pacer | None = None,
         shadow: ShadowStep | None = None,
         bf16: bool = False,
@@ -215,9 +215,9 @@ class StageRunner:
             if isinstance(work, DelayedSend):
                 work = work.work(self.optimizer.dp_group.timeout.total_seconds())
             group.wait_send(work)
-        self.fault_hook(Phase.GRAD_SYNC, step)
+        self.fault_hook(StepPhase.GRAD_SYNC, step)
         synced = time.perf_counter()
-        self.optimizer.step(step, hook=lambda phase: self.fault_hook(Phase(phase), step))
+        self.optimizer.step(step, hook=lambda phase: self.fault_hook(StepPhase(phase), step))
         if self.pacer is not None:
             layout = self.optimizer.layout
             self.pacer.collectives(layout.dp * layout.shard_numel * FP32_BYTES, layout.dp, synced)
@@ -260,7 +260,7 @@ class StageRunner:
         if not self.is_last:
             x = x.to(self.act_dtype)  # what the next stage receives, and its gradient
         if mb == 0:
-            self.fault_hook(Phase.FORWARD, step)
+            self.fault_hook(StepPhase.FORWARD, step)
         if self.is_last:
             _, targets = self.loader.batch(ids)
             per_sample = self.per_sample_loss(x, targets.to(self.device))
@@ -294,7 +294,7 @@ class StageRunner:
             lo, hi = self.share(mb)
             self.pacer.compute(layer_ids, hi - lo, started, backward=True)
         if mb == 0:
-            self.fault_hook(Phase.BACKWARD, step)
+            self.fault_hook(StepPhase.BACKWARD, step)
         if x_in is not None:
             self._send(
                 x_in.grad,

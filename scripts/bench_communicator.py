@@ -46,8 +46,9 @@ import torch.distributed as dist
 
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
-from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.group import Group
 from elaswave.comm.links import PairGroup
+from elaswave.comm.spec import GroupSpec
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.engine.plan import Plan, initial_plan, snapshot_group_specs
 from elaswave.engine.recovery import next_plan

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.backend import GlooBackend
-from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.group import Group
 from elaswave.comm.links import LinkPool, PairGroup, pair
+from elaswave.comm.spec import GroupSpec
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.fabric.contiguous import (
     STATE_BYTES_PER_ELEMENT,

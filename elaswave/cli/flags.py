@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from elaswave.comm.backend import DEVICES
+from elaswave.comm.spec import DEVICES
 
 PROFILE_AUTO = "auto"
 PROFILE_CHOICES = (PROFILE_AUTO, "on", "off")

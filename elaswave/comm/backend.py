@@ -7,7 +7,6 @@ touches. torch_npu is imported only when an npu backend is asked for.
 
 from __future__ import annotations
 
-import enum
 import importlib
 from datetime import timedelta
 from typing import Protocol
@@ -15,23 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-
-class Device(enum.StrEnum):
-    CPU = "cpu"
-    CUDA = "cuda"
-    NPU = "npu"
-    EMULATED = "emulated"
-    """CPU processes over gloo that keep the time of a modelled accelerator."""
-
-
-DEVICES = tuple(d.value for d in Device)
-
-
-def parse_device(value: str) -> Device:
-    try:
-        return Device(value)
-    except ValueError:
-        raise ValueError(f"unknown device {value!r}; valid devices: {', '.join(DEVICES)}") from None
+from elaswave.comm.spec import Device, parse_device
 
 
 class GroupBackend(Protocol):

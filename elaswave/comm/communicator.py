@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
-from elaswave.comm.group import CollectiveGroup, Group, GroupSpec, P2PGroup
+from elaswave.comm.group import CollectiveGroup, Group, P2PGroup
 from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
+from elaswave.comm.spec import GroupSpec
 
 log = structlog.get_logger(__name__)
 

@@ -46,9 +46,10 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import CommGroup, Communicator
-from elaswave.comm.group import Group, GroupSpec
+from elaswave.comm.group import Group
 from elaswave.comm.links import LinkPool, Pair, PairGroup, pair
 from elaswave.comm.ring import RingGroup, ring_pairs
+from elaswave.comm.spec import GroupSpec
 
 log = structlog.get_logger(__name__)
 

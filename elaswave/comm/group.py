@@ -15,8 +15,6 @@ transfer executor uses.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -26,31 +24,11 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, wait_abortable
 from elaswave.comm.posted import Posted
+from elaswave.comm.spec import CommError, GroupSpec
 
 DETACHED = timedelta(days=365)
 """gloo-level timeout of a detached wait: never reached, so the wait never closes its
 pair (a gloo wait that times out does)."""
-
-
-class CommError(RuntimeError):
-    """A collective or point-to-point operation failed or timed out."""
-
-    def __init__(self, group: str, op: str, cause: BaseException | str) -> None:
-        super().__init__(f"{op} on group {group!r} failed: {cause}")
-        self.group = group
-        self.op = op
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """A group's name and its members, as global ranks in group order."""
-
-    name: str
-    ranks: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
-            raise ValueError(f"group {self.name!r}: ranks {self.ranks} must be distinct, non-empty")
 
 
 class GroupMember(Protocol):
@@ -302,46 +280,3 @@ class _GroupWork:
         self.done = True
         self.group._in_flight -= 1
         self.group.tainted = self.group._in_flight > 0
-
-
-class TagSpace(enum.IntEnum):
-    """Where each kind of point-to-point traffic starts in a step's 14-bit tag index.
-
-    A pooled link serves every purpose of its pair (pipeline route, snapshot, recovery
-    transfers), so each purpose keeps to its own range of indexes.
-    """
-
-    SNAPSHOT = 0
-    """A step's reduced gradient shard, owner to snapshot holder."""
-    SNAPSHOT_STATE = 1
-    """Recovery: a shard's whole committed state, owner to its new holder."""
-    REMAP = 2
-    """Recovery: live-remap transfer ``i`` uses ``REMAP + i`` (up to 4094 transfers)."""
-    PIPELINE = 4096
-    """Activations and gradients: ``PIPELINE + 2 * micro_batch + backward`` (up to
-    ``(STREAM - PIPELINE) // 2`` = 5120 micro-batches)."""
-    STREAM = 14336
-    """Non-blocking migration: layer parameter stream ``i`` uses ``STREAM + i``."""
-    PAYBACK = 15360
-    """Non-blocking migration: shadow gradient payback ``i`` uses ``PAYBACK + i``."""
-
-
-MAX_MICRO_BATCHES = (TagSpace.STREAM - TagSpace.PIPELINE) // 2
-"""Micro-batches one step may have: each takes two pipeline tags (forward, backward)."""
-
-
-def p2p_tag(generation: int, step: int, index: int) -> int:
-    """A point-to-point tag unique per (plan generation, step, index) within a window.
-
-    A receive abandoned by an aborted step can then never match a message of the step
-    redone under the next plan generation.
-    """
-    if not 0 <= index < 1 << 14:
-        raise ValueError(f"p2p tag index {index} out of range [0, 16384)")
-    if TagSpace.REMAP + 4094 < index < TagSpace.PIPELINE:
-        raise ValueError(f"p2p tag index {index} falls between tag spaces")
-    return ((generation % 64) << 24) | ((step % 1024) << 14) | index
-
-
-def members(specs: Sequence[GroupSpec], rank: int) -> list[GroupSpec]:
-    return [s for s in specs if rank in s.ranks]

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import WAITERS, AbortSignal, await_future
 from elaswave.comm.backend import GroupBackend
-from elaswave.comm.group import DETACHED, CommError, GroupSpec
+from elaswave.comm.group import DETACHED
 from elaswave.comm.posted import Posted
+from elaswave.comm.spec import CommError, GroupSpec
 
 log = structlog.get_logger(__name__)
 

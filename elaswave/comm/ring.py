@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
-from elaswave.comm.group import DETACHED, DONE, CollectiveWork, CommError, GroupSpec
+from elaswave.comm.group import DETACHED, DONE, CollectiveWork
 from elaswave.comm.links import Link, LinkPool, Pair, pair
+from elaswave.comm.spec import CommError, GroupSpec
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from elaswave.comm.group import MAX_MICRO_BATCHES
+from elaswave.comm.spec import MAX_MICRO_BATCHES
 from elaswave.data.sampler import even_split, spread_split
 from elaswave.engine.plan import Plan, StagePlan
 from elaswave.fabric.errors import Unrecoverable

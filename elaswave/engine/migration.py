@@ -25,7 +25,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from elaswave.comm.group import TagSpace
+from elaswave.comm.spec import TagSpace
 from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time, p2p_time
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap import FP32_BYTES

@@ -14,10 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elaswave.comm.group import GroupSpec
+from elaswave.comm.spec import GroupSpec
 from elaswave.data.sampler import even_split
-from elaswave.fabric.placement import SnapshotPlacement, place_snapshots_across
-from elaswave.fabric.snapshot import snapshot_link_name
+from elaswave.fabric.placement import SnapshotPlacement, place_snapshots_across, snapshot_link_name
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from elaswave.comm.group import MAX_MICRO_BATCHES
+from elaswave.comm.spec import MAX_MICRO_BATCHES
 from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec
 from elaswave.engine.dataflow import split_shares
 from elaswave.engine.graph import Infeasible, plan_layers

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.group import P2PLink, TagSpace, p2p_tag
+from elaswave.comm.group import P2PLink
+from elaswave.comm.spec import TagSpace, p2p_tag
 from elaswave.fabric.contiguous import MigrationPlan
 
 MAX_TRANSFERS = 4094

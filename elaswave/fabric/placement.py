@@ -124,3 +124,8 @@ def place_snapshots_across(
         node_safe=all(apart(o, h)[1] for o, h in holder.items()),
         stage_safe=all(apart(o, h)[0] for o, h in holder.items()),
     )
+
+
+def snapshot_link_name(owner: int, holder: int) -> str:
+    """The name of the link an owner ships its snapshot over to its holder."""
+    return f"snap.{owner}-{holder}"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from elaswave.comm.group import P2PLink, TagSpace, p2p_tag
+from elaswave.comm.group import P2PLink
+from elaswave.comm.spec import TagSpace, p2p_tag
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source

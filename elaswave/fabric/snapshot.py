@@ -27,8 +27,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.group import CommError, P2PGroup, TagSpace, p2p_tag
+from elaswave.comm.group import P2PGroup
 from elaswave.comm.idle import IDLE, IdleTask
+from elaswave.comm.spec import CommError, TagSpace, p2p_tag
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_pieces, adamw_update
 
 log = structlog.get_logger(__name__)
@@ -46,10 +47,6 @@ def state_digest(state: ShardState) -> str:
     for t in (state.master, state.exp_avg, state.exp_avg_sq):
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def snapshot_link_name(owner: int, holder: int) -> str:
-    return f"snap.{owner}-{holder}"
 
 
 def kept_versions(steps: Iterable[int], holder_step: int | None) -> list[int]:

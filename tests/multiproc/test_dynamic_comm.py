@@ -22,9 +22,10 @@ import torch.distributed as dist
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy, shrink_specs
-from elaswave.comm.group import CommError, Group, GroupSpec
+from elaswave.comm.group import Group
 from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
+from elaswave.comm.spec import CommError, GroupSpec
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.logs import configure
 

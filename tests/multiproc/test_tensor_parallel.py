@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import GroupSpec
+from elaswave.comm.spec import GroupSpec
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, build_layer, layer_decay_flags, per_sample_loss
 from elaswave.model.rng import make_rng

@@ -14,7 +14,7 @@ from torch import nn
 
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.dynamic import DynamicCommunicator
-from elaswave.comm.group import GroupSpec
+from elaswave.comm.spec import GroupSpec
 from elaswave.fabric.adamw import OptimizerConfig, ShardState
 from elaswave.fabric.zero import ZeroAdamW
 from tests.multiproc.test_dynamic_comm import TIMEOUT, Job, _barrier

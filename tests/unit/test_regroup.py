@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from elaswave.comm.group import MAX_MICRO_BATCHES
+from elaswave.comm.spec import MAX_MICRO_BATCHES
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.cost import GIB, device, stage_memory

@@ -16,7 +16,6 @@ from elaswave.comm.dynamic import (
     plan_change,
     shrink_specs,
 )
-from elaswave.comm.group import GroupSpec, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.comm.ring import (
     RingGroup,
@@ -26,6 +25,7 @@ from elaswave.comm.ring import (
     ring_pairs,
     ring_tag,
 )
+from elaswave.comm.spec import GroupSpec, p2p_tag
 from elaswave.engine.plan import initial_plan, snapshot_group_specs
 from elaswave.engine.recovery import next_plan
 

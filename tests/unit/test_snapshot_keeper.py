@@ -17,8 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elaswave.comm.group import CommError
 from elaswave.comm.idle import IdleWork
+from elaswave.comm.spec import CommError
 from elaswave.engine.plan import initial_plan
 from elaswave.engine.recovery import Rebalancing
 from elaswave.engine.replan import plan_fail_stop

@@ -19,7 +19,7 @@ from typing import Any
 from elaswave import rundir
 from elaswave.bus.keys import BusKeys, check_bind, load_keys
 from elaswave.bus.reliable import BusFaults
-from elaswave.comm.backend import parse_device
+from elaswave.comm.spec import parse_device
 from elaswave.data.corpus import DataConfig
 from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, layer_costs
 from elaswave.engine.cost import device as cost_device

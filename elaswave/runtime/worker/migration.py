@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import P2PGroup, TagSpace, p2p_tag
+from elaswave.comm.group import P2PGroup
+from elaswave.comm.spec import TagSpace, p2p_tag
 from elaswave.engine.migration import Transfer, Transition
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap_exec import remap_link_name

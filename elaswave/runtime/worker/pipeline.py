@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import MAX_MICRO_BATCHES, TagSpace, p2p_tag
+from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name

@@ -31,8 +31,9 @@ from elaswave.bus.schema import (
 )
 from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal
-from elaswave.comm.backend import Device, backend_for, parse_device
+from elaswave.comm.backend import backend_for
 from elaswave.comm.idle import IDLE
+from elaswave.comm.spec import Device, parse_device
 from elaswave.comm.store import connect_store
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec

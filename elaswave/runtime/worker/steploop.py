@@ -33,7 +33,7 @@ from elaswave.bus.schema import (
 )
 from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal, StepAborted
-from elaswave.comm.group import CommError
+from elaswave.comm.spec import CommError
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import layer_index

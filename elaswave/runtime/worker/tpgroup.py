@@ -28,7 +28,8 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import CollectiveGroup, GroupSpec
+from elaswave.comm.group import CollectiveGroup
+from elaswave.comm.spec import GroupSpec
 from elaswave.model.tensor_parallel import merge_param, split_dim
 
 TP_GROUP = "tp"

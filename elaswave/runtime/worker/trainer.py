@@ -26,8 +26,8 @@ from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
-from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.links import pair
+from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.migration import plan_transition
 from elaswave.engine.plan import (
@@ -40,13 +40,14 @@ from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.layout import InterleavedLayout
+from elaswave.fabric.placement import snapshot_link_name
 from elaswave.fabric.remap import (
     FP32_BYTES,
     STATE_TENSORS,
     RemapPlan,
 )
 from elaswave.fabric.remap_exec import execute_remap, remap_link_name
-from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender, snapshot_link_name
+from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model

@@ -328,7 +328,7 @@ def _apply(
     # thread's stack goes to this worker's log.
     faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
     try:
-        trainer, phases = reconfigure(
+        trainer, applied = reconfigure(
             ctx,
             trainer,
             base,
@@ -353,11 +353,11 @@ def _apply(
             sender=sender_name(ctx.rank),
             generation=decision.generation,
             rank=ctx.rank,
-            comm_s=phases["comm"],
-            remap_s=phases["remap"],
-            resume_s=phases["resume"],
-            params_s=phases["params"],
-            bytes_sent=int(phases["bytes_sent"]),
+            comm_s=applied.comm_s,
+            remap_s=applied.remap_s,
+            resume_s=applied.resume_s,
+            params_s=applied.params_s,
+            bytes_sent=applied.bytes_sent,
         )
     )
     return trainer

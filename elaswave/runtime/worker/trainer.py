@@ -25,13 +25,15 @@ from torch import nn
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
+from elaswave.comm.dynamic import ChangeStats, DynamicCommunicator, RebuildStrategy
 from elaswave.comm.links import pair
 from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
-from elaswave.engine.migration import plan_transition
+from elaswave.engine.change import Applied
+from elaswave.engine.migration import Transition, plan_transition
 from elaswave.engine.plan import (
     Plan,
+    StagePlan,
     dp_group_name,
     snapshot_group_specs,
     snapshot_placement,
@@ -357,7 +359,7 @@ def reconfigure(
     *,
     rebuild: set[str],
     migration: str,
-) -> tuple[Trainer, dict[str, float]]:
+) -> tuple[Trainer, Applied]:
     """The recovery executor: apply ``new_plan`` on this rank, which trains under ``base``
     (``old``), or joins the job (``old`` is None: an empty trainer, no groups, no layers,
     no optimizer state).
@@ -368,7 +370,8 @@ def reconfigure(
     sends under the interleaved layout) and stage clocks (DVFS). Roll back to
     ``committed_step``, edit the communicator (a joiner builds its groups), move
     optimizer state, gather parameters, re-place snapshots, set the clock, and rebuild
-    the runner. Returns the new trainer and the phase times (and bytes moved).
+    the runner. Returns the new trainer and the phase times (and bytes moved), as the
+    rank reports them in its RecoveryDone.
 
     Migrating layers' parameters move *blocking* (gathered from the moved optimizer
     state before resuming) or *non-blocking* (streamed during the transition step while
@@ -376,99 +379,177 @@ def reconfigure(
     :mod:`elaswave.engine.migration`): ``migration``, the mode the Core decided and
     announced (:func:`elaswave.runtime.job.inputs.decide_migration`).
     """
-    c = committed_step
-    host_states: dict[int, ShardState] = {}
-    if old is not None:
-        # Host snapshots this rank holds for failed owners, at the committed step.
-        host_states = {
-            k.owner: k.take(c, ctx.cfg.train.comm_timeout_s)
-            for k in old.keepers
-            if k.owner in failed
-        }
-        old.close_snapshots()
-        old.optimizer.rollback(c)
-
+    a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
+                committed_step=committed_step)  # fmt: skip
+    host_states = _roll_back(a)
     t0 = time.perf_counter()
+    moves, transition = _plan_moves(a, migration)
+    links, change = _edit_communicator(a, moves, transition, rebuild)
+    t1 = time.perf_counter()
+    held = old.layers if old is not None else nn.ModuleList()
+    layers = _stage_layers(ctx, held, a.stage.layers)
+    shadow = _start_shadow(a, transition, held, layers, links.comm)
+    optimizer, bytes_sent = _move_optimizer_state(a, moves, host_states, layers, links.comm, t1)
+    t_params = time.perf_counter()
+    _gather_params(a, optimizer, shadow, held, t_params)
+    t2 = time.perf_counter()
+    trainer = _resume(ctx, new_plan, links, layers, optimizer, committed_step, shadow)
+    t3 = time.perf_counter()
+    log.info(
+        "recovery.applied",
+        generation=new_plan.generation,
+        committed_step=committed_step,
+        joined=old is None,
+        reused_groups=change.groups_reused,
+        created_groups=change.groups_created,
+        created_links=change.links_created,
+        bytes_sent=bytes_sent,
+        migration=migration,
+    )
+    applied = Applied(comm_s=t1 - t0, remap_s=t2 - t1, resume_s=t3 - t2,
+                      bytes_sent=bytes_sent, params_s=t2 - t_params)  # fmt: skip
+    return trainer, applied
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Change:
+    """One plan change on this rank: what every phase of :func:`reconfigure` reads."""
+
+    ctx: WorkerContext
+    old: Trainer | None
+    """The trainer under ``base``; None: this rank joins."""
+    base: Plan
+    new: Plan
+    failed: frozenset[int]
+    committed_step: int
+
+    @property
+    def stage_index(self) -> int:
+        return self.new.locate(self.ctx.rank)[0]
+
+    @property
+    def stage(self) -> StagePlan:
+        """This rank's stage under the new plan."""
+        return self.new.stages[self.stage_index]
+
+
+def _roll_back(a: _Change) -> dict[int, ShardState]:
+    """Roll the optimizer back to the committed step; return the host snapshots this rank
+    holds of failed owners, at that step."""
+    if a.old is None:
+        return {}
+    timeout = a.ctx.cfg.train.comm_timeout_s
+    held = {
+        k.owner: k.take(a.committed_step, timeout) for k in a.old.keepers if k.owner in a.failed
+    }
+    a.old.close_snapshots()
+    a.old.optimizer.rollback(a.committed_step)
+    return held
+
+
+def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | None]:
+    """Which optimizer shards move, and the transition step of a non-blocking migration."""
+    cfg = a.ctx.cfg
     moves = plan_state_moves(
-        base,
-        new_plan,
-        failed,
-        numels=ctx.numels,
-        ranks_per_node=ctx.cfg.train.units_per_node,
-        snapshots=ctx.cfg.train.snapshots,
+        a.base,
+        a.new,
+        a.failed,
+        numels=a.ctx.numels,
+        ranks_per_node=cfg.train.units_per_node,
+        snapshots=cfg.train.snapshots,
     )
-    transition = (
-        plan_transition(
-            base,
-            new_plan,
-            layers=ctx.cfg.layer_costs,
-            device=ctx.cfg.cost_device,
-            early=ctx.cfg.train.migration_early,
-        )
-        if migration == NONBLOCKING
-        else None
-    )
-    if migration == NONBLOCKING and (transition is None or old is None):
+    if migration != NONBLOCKING:
+        return moves, None
+    transition = plan_transition(
+        a.base, a.new, layers=cfg.layer_costs, device=cfg.cost_device,
+        early=cfg.train.migration_early,
+    )  # fmt: skip
+    if transition is None or a.old is None:
         raise RuntimeError(
-            f"the plan of generation {new_plan.generation} migrates layers non-blocking, "
+            f"the plan of generation {a.new.generation} migrates layers non-blocking, "
             "but this rank finds no transition (or joins): planners disagree"
         )
+    return moves, transition
+
+
+def _edit_communicator(
+    a: _Change, moves: RemapPlan, transition: Transition | None, rebuild: set[str]
+) -> tuple[DynamicCommunicator, ChangeStats]:
+    """The new plan's groups and the links the moves need: edited in place (only what the
+    change touched), or built by a joiner."""
+    ctx = a.ctx
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
-    specs = new_plan.group_specs() + _snapshot_specs(ctx, new_plan)
-    specs += [GroupSpec(remap_link_name(a, b), (a, b)) for a, b in sorted(pairs)]
-    if old is None:
+    specs = a.new.group_specs() + _snapshot_specs(ctx, a.new)
+    specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
+    if a.old is None:
         links = DynamicCommunicator(
-            ctx.comm_store,
-            ctx.rank,
-            ctx.backend,
-            timeout=ctx.timeout,
-            generation=new_plan.generation,
-            abort=ctx.abort,
-        )
-        change = links.build(specs)
-    else:
-        links = old.links
-        change = links.apply(
-            specs,
-            removed=failed,
-            strategy=RebuildStrategy.EDIT,
-            generation=new_plan.generation,
-            rebuild=lambda spec: spec.name in rebuild,
-        )
-    comm = links.comm
-    t1 = time.perf_counter()
+            ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
+            generation=a.new.generation, abort=ctx.abort,
+        )  # fmt: skip
+        return links, links.build(specs)
+    links = a.old.links
+    change = links.apply(
+        specs,
+        removed=a.failed,
+        strategy=RebuildStrategy.EDIT,
+        generation=a.new.generation,
+        rebuild=lambda spec: spec.name in rebuild,
+    )
+    return links, change
 
-    stage, _ = new_plan.locate(ctx.rank)
-    new_stage = new_plan.stages[stage]
-    held = old.layers if old is not None else nn.ModuleList()
-    layers = _stage_layers(ctx, held, new_stage.layers)
-    shadow = None
-    if transition is not None and old is not None:
-        have = {layer_index(layer): layer for layer in held}
-        outgoing = [i for i in base.stages[stage].layers if i not in new_stage.layers]
-        shadow = ShadowStep(
-            transition=transition,
-            rank=ctx.rank,
-            step=c + 1,
-            old_plan=base,
-            new_plan=new_plan,
-            modules={layer_index(layer): layer for layer in layers},
-            shadows={i: have[i] for i in outgoing},
-            comm=comm,
-            pacer=ctx.pacer,
-            timeout_s=ctx.cfg.train.comm_timeout_s,
-        )
-        shadow.start()  # the streams overlap the rest of the recovery and the step
+
+def _start_shadow(
+    a: _Change,
+    transition: Transition | None,
+    held: nn.ModuleList,
+    layers: nn.ModuleList,
+    comm: Communicator,
+) -> ShadowStep | None:
+    """A non-blocking migration's transition step: outgoing layers keep computing as
+    shadows while their parameters stream to the targets (started now, so the streams
+    overlap the rest of the recovery and the step)."""
+    if transition is None or a.old is None:
+        return None
+    have = {layer_index(layer): layer for layer in held}
+    outgoing = [i for i in a.base.stages[a.stage_index].layers if i not in a.stage.layers]
+    shadow = ShadowStep(
+        transition=transition,
+        rank=a.ctx.rank,
+        step=a.committed_step + 1,
+        old_plan=a.base,
+        new_plan=a.new,
+        modules={layer_index(layer): layer for layer in layers},
+        shadows={i: have[i] for i in outgoing},
+        comm=comm,
+        pacer=a.ctx.pacer,
+        timeout_s=a.ctx.cfg.train.comm_timeout_s,
+    )
+    shadow.start()
+    return shadow
+
+
+def _move_optimizer_state(
+    a: _Change,
+    moves: RemapPlan,
+    host_states: dict[int, ShardState],
+    layers: nn.ModuleList,
+    comm: Communicator,
+    started: float,
+) -> tuple[ZeroAdamW, int]:
+    """Live remap: the optimizer shards this rank's stage needs under the new plan, from
+    their owners or from host snapshots of failed owners; returns the new optimizer and
+    the bytes this rank sent. Every survivor runs it: a rank whose stage does not change
+    may still be a source."""
+    ctx, old = a.ctx, a.old
     old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
-    moved_in = stage in changed_stages(base, new_plan)
+    moved_in = a.stage_index in changed_stages(a.base, a.new)
     new_layout = (
-        InterleavedLayout.build([(i, ctx.numels[i]) for i in new_stage.layers], new_stage.dp)
+        InterleavedLayout.build([(i, ctx.numels[i]) for i in a.stage.layers], a.stage.dp)
         if moved_in
         else old_layout
     )
-    # Every survivor runs it: a rank whose stage does not change may still be a source.
     result = execute_remap(
         moves,
         rank=ctx.rank,
@@ -476,48 +557,38 @@ def reconfigure(
         new_layout=new_layout,
         device_state=old.optimizer.state if old is not None else None,
         host_states=host_states,
-        host_layouts={owner: owner_layout(ctx.cfg, base, owner)[0] for owner in host_states},
-        link=lambda a, b: comm.p2p(remap_link_name(a, b)),
-        generation=new_plan.generation,
-        step=c,
+        host_layouts={o: owner_layout(ctx.cfg, a.base, o)[0] for o in host_states},
+        link=lambda x, y: comm.p2p(remap_link_name(x, y)),
+        generation=a.new.generation,
+        step=a.committed_step,
     )
     if moved_in:
         state = result.state
     else:
         assert old is not None  # a joiner's stage gains it
         state = old.optimizer.state
-    optimizer = _optimizer(ctx, new_plan, comm, layers, state=state, committed_step=c)
+    optimizer = _optimizer(ctx, a.new, comm, layers, state=state, committed_step=a.committed_step)
     # Modelled time of this rank's optimizer-state moves (the emulated device only).
-    ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), t1)
-    t_params = time.perf_counter()
-    if shadow is None:
-        optimizer.all_gather_params()  # every replica's parameters at the committed step
-        kept = {layer_index(layer) for layer in held}
-        incoming = [i for i in new_stage.layers if i not in kept]
-        ctx.pacer.transfer(sum(ctx.numels[i] * FP32_BYTES for i in incoming), t_params)
-    else:
-        # Parameters of kept layers are at the committed step; incoming ones stream in.
+    ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), started)
+    return optimizer, result.bytes_sent
+
+
+def _gather_params(
+    a: _Change,
+    optimizer: ZeroAdamW,
+    shadow: ShadowStep | None,
+    held: nn.ModuleList,
+    started: float,
+) -> None:
+    """Every replica's parameters at the committed step: all-gathered from the moved
+    optimizer state, or, under a non-blocking migration, kept for the layers that stay
+    and streamed in for the incoming ones (the step waits for them)."""
+    c = a.committed_step
+    if shadow is not None:
         optimizer.params_step = None if shadow.waiting else c
         shadow.on_ready = partial(setattr, optimizer, "params_step", c)
-    t2 = time.perf_counter()
-    params_s = t2 - t_params
-    trainer = _resume(ctx, new_plan, links, layers, optimizer, c, shadow)
-    t3 = time.perf_counter()
-    log.info(
-        "recovery.applied",
-        generation=new_plan.generation,
-        committed_step=c,
-        joined=old is None,
-        reused_groups=change.groups_reused,
-        created_groups=change.groups_created,
-        created_links=change.links_created,
-        bytes_sent=result.bytes_sent,
-        migration=migration,
-    )
-    return trainer, {
-        "comm": t1 - t0,
-        "remap": t2 - t1,
-        "resume": t3 - t2,
-        "params": params_s,
-        "bytes_sent": float(result.bytes_sent),
-    }
+        return
+    optimizer.all_gather_params()
+    kept = {layer_index(layer) for layer in held}
+    incoming = [i for i in a.stage.layers if i not in kept]
+    a.ctx.pacer.transfer(sum(a.ctx.numels[i] * FP32_BYTES for i in incoming), started)

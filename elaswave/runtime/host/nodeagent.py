@@ -68,72 +68,94 @@ async def run_agent(
     spec = _take_spec(run_dir, text, node)
     ep, t = spec.endpoints, spec.config.train
     keys = load_keys(Path(keys_dir)) if keys_dir else t.keys()
-    incarnation = uuid.uuid4().hex[:12]
     client = BusClient(
         f"node{node}", ep.bus_publish, ep.bus_subscribe,
         topics=(Topic.CONTROL, Topic.LIFECYCLE), keys=keys, log_rejected=False,
     )  # fmt: skip
     await client.connect()
-    procs: dict[int, asyncio.subprocess.Process] = {}
-    reapers: list[asyncio.Task[None]] = []
-
-    async def reap(rank: int, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        await client.publish(WorkerExited(sender=client.sender, node=node, rank=rank, code=code))
-
-    async def heartbeat() -> None:
-        while True:
-            await client.publish(
-                NodeHeartbeat(sender=client.sender, node=node, incarnation=incarnation)
-            )
-            await asyncio.sleep(t.heartbeat_interval_s)
-
-    beating = asyncio.create_task(heartbeat(), name="node-heartbeat")
+    agent = _Agent(run_dir, node=node, client=client, heartbeat_s=t.heartbeat_interval_s)
+    beating = asyncio.create_task(agent.heartbeat(), name="node-heartbeat")
     joined = NodeJoined(
-        sender=client.sender, node=node, slots=slots, incarnation=incarnation,
+        sender=client.sender, node=node, slots=slots, incarnation=agent.incarnation,
         host=socket.gethostname(),
     )  # fmt: skip
     await client.publish(joined)
     log.warning("agent.joined", node=node, slots=slots, run_id=spec.run_id)
-    ok = True
     try:
-        while True:
-            event = await client.recv()
-            match event:
-                case SpawnWorker(node=n, incarnation=inc, rank=rank, join=join) if (
-                    n == node and inc == incarnation
-                ):
-                    try:
-                        proc = await _spawn(run_dir, rank, join=join)
-                    except OSError as exc:
-                        await client.publish(WorkerSpawned(sender=client.sender, node=node,
-                                                           rank=rank, error=str(exc)))  # fmt: skip
-                        continue
-                    procs[rank] = proc
-                    reapers.append(asyncio.create_task(reap(rank, proc)))
-                    await client.publish(WorkerSpawned(sender=client.sender, node=node,
-                                                       rank=rank, pid=proc.pid))  # fmt: skip
-                case SignalWorker(node=n, rank=rank, signal=signum) if n == node:
-                    target = procs.get(rank)
-                    if target is not None and target.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            target.send_signal(signum)
-                case RunFinished(ok=finished_ok):
-                    ok = finished_ok
-                    break
-        for task in reapers:  # the workers leave on their own once the run is over
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(task), 30.0)
+        return 0 if await agent.serve() else 1
     finally:
-        for proc in procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+        agent.kill_workers()
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beating
         await client.close()
-    return 0 if ok else 1
+
+
+class _Agent:
+    """This host's side of the job: its workers, started and signalled as node 0 asks,
+    their exits reported, and its heartbeat."""
+
+    def __init__(self, run_dir: Path, *, node: int, client: BusClient, heartbeat_s: float):
+        self.run_dir, self.node, self.client, self.heartbeat_s = run_dir, node, client, heartbeat_s
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.reapers: list[asyncio.Task[None]] = []
+
+    async def heartbeat(self) -> None:
+        beat = NodeHeartbeat(
+            sender=self.client.sender, node=self.node, incarnation=self.incarnation
+        )
+        while True:
+            await self.client.publish(beat)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def serve(self) -> bool:
+        """Answer node 0's requests until the run finishes; whether it finished well.
+        The workers leave on their own once the run is over: wait for them."""
+        while True:
+            match await self.client.recv():
+                case SpawnWorker(node=n, incarnation=inc, rank=rank, join=join) if (
+                    n == self.node and inc == self.incarnation
+                ):
+                    await self._spawn(rank, join=join)
+                case SignalWorker(node=n, rank=rank, signal=signum) if n == self.node:
+                    self._signal(rank, signum)
+                case RunFinished(ok=ok):
+                    break
+        for task in self.reapers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), 30.0)
+        return ok
+
+    async def _spawn(self, rank: int, *, join: bool) -> None:
+        sender, node = self.client.sender, self.node
+        try:
+            proc = await _spawn(self.run_dir, rank, join=join)
+        except OSError as exc:
+            await self.client.publish(
+                WorkerSpawned(sender=sender, node=node, rank=rank, error=str(exc))
+            )
+            return
+        self.procs[rank] = proc
+        self.reapers.append(asyncio.create_task(self._reap(rank, proc)))
+        await self.client.publish(WorkerSpawned(sender=sender, node=node, rank=rank, pid=proc.pid))
+
+    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        exited = WorkerExited(sender=self.client.sender, node=self.node, rank=rank, code=code)
+        await self.client.publish(exited)
+
+    def _signal(self, rank: int, signum: int) -> None:
+        target = self.procs.get(rank)
+        if target is not None and target.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                target.send_signal(signum)
+
+    def kill_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
 
 def _take_spec(run_dir: Path, text: str, node: int) -> JobSpec:

@@ -8,6 +8,7 @@ micro-batch resizing and layer migration change nothing beyond float reduction o
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -111,7 +112,16 @@ class StatefulRng:
         return (torch.rand(shape, generator=self._gen) >= p).to(device)
 
 
-RNG_KINDS = ("counter", "stateful")
+class RngKind(enum.StrEnum):
+    """Where dropout's randomness comes from (``--rng``)."""
+
+    COUNTER = "counter"
+    """Keyed by sample and layer: the same on every layout."""
+    STATEFUL = "stateful"
+    """One generator per rank, drawn in execution order: the baseline."""
+
+
+RNG_KINDS = tuple(k.value for k in RngKind)
 
 
 def make_rng(kind: str, *, seed: int, rank: int) -> CounterRng | StatefulRng:

@@ -66,8 +66,8 @@ async def run_agent(
     store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
     text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
     spec = _take_spec(run_dir, text, node)
-    ep, t = spec.endpoints, spec.config.train
-    keys = load_keys(Path(keys_dir)) if keys_dir else t.keys()
+    ep = spec.endpoints
+    keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
     incarnation = uuid.uuid4().hex[:12]
     client = BusClient(
         f"node{node}", ep.bus_publish, ep.bus_subscribe,
@@ -86,7 +86,7 @@ async def run_agent(
             await client.publish(
                 NodeHeartbeat(sender=client.sender, node=node, incarnation=incarnation)
             )
-            await asyncio.sleep(t.heartbeat_interval_s)
+            await asyncio.sleep(spec.config.liveness.heartbeat_interval_s)
 
     beating = asyncio.create_task(heartbeat(), name="node-heartbeat")
     joined = NodeJoined(

@@ -40,6 +40,6 @@ def connect(
         endpoints.bus_publish,
         endpoints.bus_subscribe,
         topics,
-        keys=spec.config.train.keys(),
+        keys=spec.config.network.keys(),
         fetch_endpoint=endpoints.bus_fetch or None,
     )

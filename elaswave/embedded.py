@@ -128,7 +128,7 @@ class Job:
     @property
     def steps(self) -> int:
         """The job's steps."""
-        return self._loop.cfg.train.steps
+        return self._loop.cfg.schedule.steps
 
     @property
     def step(self) -> int:

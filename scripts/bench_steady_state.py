@@ -51,7 +51,8 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_STEPS = 3
@@ -80,13 +81,9 @@ BASELINE_NAME = {"dp2": "DDP", "pp2": "pipelining 1F1B"}
 def job_config(dp: int, pp: int, steps: int) -> JobConfig:
     return JobConfig(
         model=MODEL,
-        train=TrainConfig(
-            dp=dp,
-            pp=pp,
-            steps=steps,
-            global_batch=GLOBAL_BATCH,
-            micro_batch=MICRO_BATCH,
-            seed=SEED,
+        layout=LayoutConfig(dp=dp, pp=pp),
+        schedule=ScheduleConfig(
+            steps=steps, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, seed=SEED
         ),
     )
 

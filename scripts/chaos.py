@@ -401,23 +401,31 @@ def _draw_faults(
 
 def _valid(case: Case) -> bool:
     """What ``elaswave train`` would accept (the config's own validation)."""
-    from elaswave.runtime.job.config import JobConfig, TrainConfig
+    from elaswave.runtime.job.config import JobConfig
+    from elaswave.runtime.job.sections import (
+        ElasticConfig,
+        InjectionConfig,
+        LayoutConfig,
+        ScheduleConfig,
+    )
 
     try:
         JobConfig(
-            train=TrainConfig(
+            layout=LayoutConfig(
                 dp=case.dp,
                 pp=case.pp,
                 tp=case.tp,
-                steps=case.steps,
-                global_batch=case.global_batch,
-                micro_batch=case.micro_batch,
                 device=case.device,
                 ranks_per_node=case.ranks_per_node,
-                faults=case.faults,
+            ),
+            schedule=ScheduleConfig(
+                steps=case.steps, global_batch=case.global_batch, micro_batch=case.micro_batch
+            ),
+            elastic=ElasticConfig(
                 rebalance=case.policy,
                 wait_for_nodes_s=case.wait_for_nodes if case.tp > 1 else 0.0,
-            )
+            ),
+            injection=InjectionConfig(faults=case.faults),
         )
     except ValueError:
         return False

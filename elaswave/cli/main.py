@@ -72,8 +72,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
-def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
-    """The resumed job: RUN_DIR's config, then the TOML file, then flags (applied later)."""
+def _resume_sources(run_dir: Path, file_values: dict | None) -> list[dict | None]:
+    """The resumed job's sources, in the order they apply: RUN_DIR's config, then the
+    TOML file, then the checkpoint to start from (flags come after them)."""
     from elaswave.fabric.checkpoint import latest_complete
     from elaswave.runtime.job.config import JobSpec
 
@@ -87,14 +88,12 @@ def _resume_values(run_dir: Path, file_values: dict | None) -> dict:
             f"{str(run_dir / CHECKPOINTS)!r}; train with --checkpoint-every K first"
         )
     values = old.to_dict()
-    values["train"] = {
-        k: v for k, v in values["train"].items() if k not in ("faults", "resume_dir", "resume_step")
-    }
     values.pop("profile", None)  # measured again, or not, as --profile says
-    for section, body in (file_values or {}).items():
-        values.setdefault(section, {}).update(body)
-    values["train"].update({"resume_dir": str(run_dir.resolve()), "resume_step": step})
-    return values
+    values["injection"].pop("faults")  # injected into the old run only
+    for key in ("resume_dir", "resume_step"):
+        values["state"].pop(key)
+    resume = {"state": {"resume_dir": str(run_dir.resolve()), "resume_step": step}}
+    return [values, file_values or {}, resume]
 
 
 def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
@@ -128,12 +127,12 @@ def _check_fits_in_memory(job) -> None:
 
     params = parameter_count(job.model)
     # Every replica holds fp32 parameters and gradients; ZeRO-1 shards 12 B of state.
-    need = params * (2 * FP32_BYTES * job.train.dp + STATE_TENSORS * FP32_BYTES)
+    need = params * (2 * FP32_BYTES * job.layout.dp + STATE_TENSORS * FP32_BYTES)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have // 2:
         raise ValueError(
             f"model of {params / 1e9:.2f}B parameters needs about {need / 2**30:.0f} GiB "
-            f"for dp={job.train.dp}, more than half of this machine's {have / 2**30:.0f} GiB; "
+            f"for dp={job.layout.dp}, more than half of this machine's {have / 2**30:.0f} GiB; "
             "the llama2-* presets are for the simulator, use --model tiny here"
         )
 
@@ -152,7 +151,7 @@ def _profile(job: JobConfig) -> tuple[JobConfig, LayerProfile]:
     from elaswave.comm.backend import backend_for
     from elaswave.runtime.host.profile import profile_layers
 
-    profile = profile_layers(job, device=backend_for(job.train.device).device_for(0))
+    profile = profile_layers(job, device=backend_for(job.layout.device).device_for(0))
     print(f"elaswave: profiled {len(profile.layers)} layers in {profile.total_s:.2f} s")
     return dataclasses.replace(job, profile=profile.costs(job.cost_device)), profile
 
@@ -161,6 +160,7 @@ def _train(args: argparse.Namespace) -> int:
     import uvloop
 
     from elaswave.cli.config_file import build_job, load_toml
+    from elaswave.cli.flags import job_values
     from elaswave.runtime.core.supervisor import JobFailed
     from elaswave.runtime.host.launcher import run_job
     from elaswave.runtime.host.zygote import Zygote
@@ -172,69 +172,32 @@ def _train(args: argparse.Namespace) -> int:
 
         args.bus_host = parse_endpoint(args.rdzv_endpoint)[0]  # where the others reach it
     file_values = load_toml(args.config) if args.config else None
+    sources: list[dict | None] = [file_values]
     if args.resume is not None:
-        file_values = _resume_values(args.resume, file_values)
+        sources = _resume_sources(args.resume, file_values)
     out = args.out or args.resume or Path("runs/train")
     if not args.overwrite:
         _refuse_unfinished(out, resuming=args.resume)
-    overrides = {
-        "model": {"preset": args.model},
-        "data": {"path": args.data, "dtype": args.data_dtype},
-        "train": {
-            "dp": args.dp,
-            "pp": args.pp,
-            "tp": args.tp,
-            "world_size": args.world_size,
-            "steps": args.steps,
-            "global_batch": args.global_batch,
-            "micro_batch": args.micro_batch,
-            "seed": args.seed,
-            "device": args.device,
-            "comm_timeout_s": args.comm_timeout,
-            "heartbeat_timeout_s": args.heartbeat_timeout,
-            "plan_ack_timeout_s": args.plan_ack_timeout,
-            "core_restarts": args.core_restarts,
-            "core_outage_s": args.core_outage,
-            "wait_for_nodes_s": args.wait_for_nodes,
-            "core_restart_delay_s": args.core_restart_delay,
-            "ranks_per_node": args.ranks_per_node,
-            "snapshots": args.snapshots,
-            "verify_snapshots": args.verify_snapshots,
-            "faults": tuple(args.faults) if args.faults else None,
-            "rng": args.rng,
-            "precision": args.precision,
-            "rebalance": args.rebalance,
-            "migration": args.migration,
-            "partition": args.partition,
-            "checkpoint_every": args.checkpoint_every,
-            "bus_host": args.bus_host,
-            "bus_keys": args.bus_keys,
-            "bus_faults": args.bus_faults,
-            "worker_prefix": args.worker_prefix,
-            "script": getattr(args, "script_argv", None),
-            "nnodes": args.nnodes,
-            "rdzv_endpoint": args.rdzv_endpoint,
-        },
-    }
-    job = build_job(file_values, overrides)
+    script = {"schedule": {"script": getattr(args, "script_argv", None)}}  # elaswave run
+    job = build_job(*sources, job_values(args), script)
     _check_fits_in_memory(job)
     if job.data.path is not None:  # fail now, not in every worker
         from elaswave.data.corpus import open_source
 
         open_source(job.data, vocab_size=job.model.vocab_size, seq_len=job.model.seq_len)
     profiling = _wants_profile(args, job)
-    t = job.train
+    lay, sch = job.layout, job.schedule
     print(
-        f"elaswave: training dp={t.dp} x pp={t.pp}{f' x tp={t.tp}' if t.tp > 1 else ''} "
-        f"({t.num_ranks} workers, device {t.device}) "
-        f"for {t.steps} steps, global batch {t.global_batch}; run dir {out}"
+        f"elaswave: training dp={lay.dp} x pp={lay.pp}{f' x tp={lay.tp}' if lay.tp > 1 else ''} "
+        f"({lay.num_ranks} workers, device {lay.device}) "
+        f"for {sch.steps} steps, global batch {sch.global_batch}; run dir {out}"
     )
     zygote = Zygote.start()  # before any thread or event loop: it forks every Core
     try:
         profile = None
         if profiling:  # after the zygote's fork: it stays clear of torch's threads
             job, profile = _profile(job)
-        progress = _Progress(t.steps, emulated=t.device == "emulated")
+        progress = _Progress(sch.steps, emulated=lay.device == "emulated")
         summary = uvloop.run(run_job(job, out, on_event=progress, zygote=zygote, profile=profile))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ decision and routes from the two plans, so no extra message is needed.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time,
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap import FP32_BYTES
 
-MIGRATION_MODES = ("nonblocking", "blocking")
+
+class MigrationMode(enum.StrEnum):
+    """How a job asks migrating layers to move (``--migration``)."""
+
+    NONBLOCKING = "nonblocking"
+    BLOCKING = "blocking"
+
+
+MIGRATION_MODES = tuple(m.value for m in MigrationMode)
 NONE, BLOCKING, NONBLOCKING = "none", "blocking", "nonblocking"
 """How a change moves layers: no layer moves; parameters gathered before resuming;
 streamed during the transition step."""

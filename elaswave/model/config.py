@@ -5,6 +5,7 @@ The Llama 2 shapes feed the cost model and the simulator; they are never instant
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 
 
@@ -151,3 +152,15 @@ def parameter_count(cfg: ModelConfig) -> int:
     kv = cfg.num_kv_heads * cfg.head_dim
     block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f + ((h + 2 * kv) if cfg.qkv_bias else 0)
     return v * h + cfg.num_blocks * block + h + h * v
+
+
+class RngKind(enum.StrEnum):
+    """Where dropout's randomness comes from (``--rng``)."""
+
+    COUNTER = "counter"
+    """Keyed by sample and layer: the same on every layout."""
+    STATEFUL = "stateful"
+    """One generator per rank, drawn in execution order: the baseline."""
+
+
+RNG_KINDS = tuple(k.value for k in RngKind)

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from elaswave.model.config import RNG_KINDS
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -109,9 +111,6 @@ class StatefulRng:
     ) -> torch.Tensor:
         shape = (len(sample_ids), *sample_shape)
         return (torch.rand(shape, generator=self._gen) >= p).to(device)
-
-
-RNG_KINDS = ("counter", "stateful")
 
 
 def make_rng(kind: str, *, seed: int, rank: int) -> CounterRng | StatefulRng:

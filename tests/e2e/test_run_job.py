@@ -14,11 +14,14 @@ from pathlib import Path
 
 import uvloop
 
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 from elaswave.runtime.host.launcher import run_job
 
 kinds = []
-cfg = JobConfig(train=TrainConfig(dp=1, pp=2, steps=3, global_batch=8, micro_batch=2))
+cfg = JobConfig(
+    layout=LayoutConfig(dp=1, pp=2), schedule=ScheduleConfig(steps=3, global_batch=8, micro_batch=2)
+)
 summary = uvloop.run(run_job(cfg, Path(sys.argv[1]), on_event=lambda e: kinds.append(e.KIND)))
 print(summary["steps_completed"], summary["core_incarnations"], kinds.count("step_completed"))
 """

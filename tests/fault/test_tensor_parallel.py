@@ -12,7 +12,8 @@ import pytest
 
 from elaswave.model.config import ModelConfig
 from elaswave.runtime.core.compare import compare_runs
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, check_replay, elaswave, train
 
@@ -120,26 +121,35 @@ def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("train", "message"),
+    ("sections", "message"),
     [
-        ({"tp": 0}, "tp = 0: must be a positive integer"),
-        ({"tp": 2, "checkpoint_every": 2}, "does not combine with --checkpoint-every"),
-        ({"tp": 2, "wait_for_nodes_s": 5.0}, "does not combine with --wait-for-nodes"),
-        ({"tp": 2, "ranks_per_node": 3}, "a TP group must fill whole nodes"),
-        ({"tp": 2, "world_size": 4}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
-        ({"tp": 2, "nnodes": 2, "rdzv_endpoint": "h:1", "ranks_per_node": 4}, "--nnodes > 1"),
+        ({"layout": {"tp": 0}}, "tp = 0: must be a positive integer"),
+        (
+            {"layout": {"tp": 2}, "state": {"checkpoint_every": 2}},
+            "does not combine with --checkpoint-every",
+        ),
+        (
+            {"layout": {"tp": 2}, "elastic": {"wait_for_nodes_s": 5.0}},
+            "does not combine with --wait-for-nodes",
+        ),
+        ({"layout": {"tp": 2, "ranks_per_node": 3}}, "a TP group must fill whole nodes"),
+        ({"layout": {"tp": 2, "world_size": 4}}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
+        (
+            {"layout": {"tp": 2, "nnodes": 2, "rdzv_endpoint": "h:1", "ranks_per_node": 4}},
+            "--nnodes > 1",
+        ),
     ],
 )
-def test_what_tp_does_not_combine_with_is_named(train, message):
+def test_what_tp_does_not_combine_with_is_named(sections, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        JobConfig(train=TrainConfig(**train))
+        JobConfig.from_dict(sections)
 
 
 def test_models_without_tp_layers_refuse_tp(tmp_path):
     spec = tmp_path / "gpt.json"
     spec.write_text("{}")
     with pytest.raises(ValueError, match="has no tensor-parallel layers"):
-        JobConfig(model=ModelConfig(source=f"megatron:{spec}"), train=TrainConfig(tp=2))
+        JobConfig(model=ModelConfig(source=f"megatron:{spec}"), layout=LayoutConfig(tp=2))
 
 
 @pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ def test_toml_and_overrides_merge(tmp_path):
         '[model]\npreset = "tiny"\nnum_blocks = 2\n[train]\ndp = 4\npp = 2\nsteps = 3\n'
     )
     job = build_job(load_toml(path), {"train": {"dp": 2, "steps": None}})
-    assert (job.train.dp, job.train.pp, job.train.steps) == (2, 2, 3)
+    assert (job.layout.dp, job.layout.pp, job.schedule.steps) == (2, 2, 3)
     assert job.model.num_layers == 4
 
 

@@ -82,8 +82,8 @@ def test_a_balanced_partition_follows_the_profile(profiled):
     # Make layer 1 as slow as all the others together: it gets a stage nearly to itself.
     costs = list(profiled.profile)
     costs[1] = dataclasses.replace(costs[1], fwd_flops_per_sample=1e9, bwd_flops_per_sample=2e9)
-    train = dataclasses.replace(JOB.train, partition="balanced")
-    job = dataclasses.replace(profiled, train=train, profile=tuple(costs))
+    layout = dataclasses.replace(JOB.layout, partition="balanced")
+    job = dataclasses.replace(profiled, layout=layout, profile=tuple(costs))
     assert [len(s.layers) for s in job.plan().stages] == [2, 4]
 
 

@@ -52,8 +52,9 @@ from elaswave.engine import change as ch
 from elaswave.engine import phases, protocol
 from elaswave.engine.change import Rules, state_from_dict, state_to_dict
 from elaswave.engine.recovery import plan_digest
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
 EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []
@@ -71,7 +72,10 @@ def _waiting(rules: Rules, wait: float) -> Rules:
 
 @cache
 def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
-    cfg = JobConfig(train=TrainConfig(dp=dp, pp=pp, global_batch=4 * dp, micro_batch=1, steps=40))
+    cfg = JobConfig(
+        layout=LayoutConfig(dp=dp, pp=pp),
+        schedule=ScheduleConfig(global_batch=4 * dp, micro_batch=1, steps=40),
+    )
     return cfg, rules_of(cfg, Path("/run"), can_spawn=True)
 
 

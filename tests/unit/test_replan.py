@@ -22,7 +22,8 @@ from elaswave.engine.state_moves import plan_state_moves
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.placement import HOLDS_AT_MOST, node_of, place_snapshots_across
 from elaswave.fabric.remap import Source
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import ElasticConfig, LayoutConfig, ScheduleConfig
 
 
 @settings(max_examples=300)
@@ -90,7 +91,9 @@ def test_a_rank_leaving_moves_the_snapshots_it_held_and_at_most_three_more():
     assert max(n for pp, n in extra if pp == 4) == 3 and extra[4, 3] == 1
 
 
-CFG = JobConfig(train=TrainConfig(dp=2, pp=2, global_batch=16, micro_batch=2))
+CFG = JobConfig(
+    layout=LayoutConfig(dp=2, pp=2), schedule=ScheduleConfig(global_batch=16, micro_batch=2)
+)
 NUMELS = {c.index: c.params for c in CFG.layer_costs}
 
 
@@ -243,8 +246,9 @@ def test_a_running_job_replans_a_lost_stage_within_its_acknowledgment_deadline()
     worker reran the full search of stage widths (35 candidates, each rebalanced with
     DVFS) before acknowledging, and none acknowledged within the 2 s deadline. The
     runtime prices the first assignment only; the simulator keeps the full search."""
-    cfg = JobConfig(train=TrainConfig(dp=2, pp=4, global_batch=8, micro_batch=2,
-                                      rebalance="migrate+dvfs", ranks_per_node=2))  # fmt: skip
+    cfg = JobConfig(layout=LayoutConfig(dp=2, pp=4, ranks_per_node=2),
+                    schedule=ScheduleConfig(global_batch=8, micro_batch=2),
+                    elastic=ElasticConfig(rebalance="migrate+dvfs"))  # fmt: skip
     plan = cfg.plan()
     reb = Rebalancing(policy=Policy.MIGRATE_DVFS, layers=cfg.layer_costs, device=cfg.cost_device)
     started = time.process_time()

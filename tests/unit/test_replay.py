@@ -20,11 +20,16 @@ from elaswave.engine import rebalance as rebalance_module
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.runtime.core.replay import replay_run
-from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec, TrainConfig
+from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.job.inputs import announced_rebalancing, decide_migration
+from elaswave.runtime.job.sections import ElasticConfig, LayoutConfig, ScheduleConfig
 from tests.runs import elaswave
 
-CFG = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=24, micro_batch=1, rebalance="migrate"))
+CFG = JobConfig(
+    layout=LayoutConfig(dp=3, pp=2),
+    schedule=ScheduleConfig(global_batch=24, micro_batch=1),
+    elastic=ElasticConfig(rebalance="migrate"),
+)
 
 
 def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
@@ -138,8 +143,8 @@ def test_a_missing_report_is_an_input_problem_not_a_crash(tmp_path):
 def test_a_run_on_a_keyed_bus_replays_where_its_keys_are_not(tmp_path):
     """Replay reads the job's config, not its bus keys: a run directory copied to a host
     without the keys still replays."""
-    keyed = dataclasses.replace(CFG, train=dataclasses.replace(
-        CFG.train, bus_host="192.0.2.2", bus_keys=str(tmp_path / "absent")))  # fmt: skip
+    keyed = dataclasses.replace(CFG, network=dataclasses.replace(
+        CFG.network, bus_host="192.0.2.2", bus_keys=str(tmp_path / "absent")))  # fmt: skip
     result = replay_run(_run_dir(tmp_path / "run", _two_failures(), keyed))
     assert [p.generation for p in result.plans] == [1, 2] and result.diverged is None
 

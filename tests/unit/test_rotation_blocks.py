@@ -22,7 +22,8 @@ from elaswave.engine.plan import Plan, StagePlan, initial_plan, plan_from_dict, 
 from elaswave.engine.rebalance import BLOCK_GAIN, rebalance
 from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import PRESETS, ModelConfig
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 from elaswave.sim.policies import Layout, SimJob
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,7 +126,8 @@ def test_a_block_gaining_less_than_the_threshold_is_not_taken():
     block steps within BLOCK_GAIN of block 1, so the plan keeps block 1."""
     cfg = JobConfig(
         model=ModelConfig(num_blocks=14),
-        train=TrainConfig(dp=4, pp=4, global_batch=64, micro_batch=2),
+        layout=LayoutConfig(dp=4, pp=4),
+        schedule=ScheduleConfig(global_batch=64, micro_batch=2),
     )
     resized, _ = resize_after_failure(cfg.plan(), {5})
     decision = rebalance(resized, layers=cfg.layer_costs, device=cfg.cost_device,

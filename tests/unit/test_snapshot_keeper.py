@@ -25,7 +25,8 @@ from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric import snapshot
 from elaswave.fabric.adamw import PIECE, OptimizerConfig, ShardState, adamw_update, decay_runs
 from elaswave.fabric.snapshot import SnapshotKeeper, kept_versions, state_digest
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
 
 def test_a_holder_keeps_the_two_newest_and_every_version_from_the_step_before_its_own():
@@ -141,7 +142,9 @@ def test_a_keeper_whose_owner_ran_a_step_ahead_still_returns_the_step_rolled_bac
 
 def test_the_rule_for_a_stage_lost_whole_rolls_back_to_the_step_kept():
     """The planner's side of case 121: survivors at step 3, no earlier change."""
-    cfg = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=12, micro_batch=2))
+    cfg = JobConfig(
+        layout=LayoutConfig(dp=3, pp=2), schedule=ScheduleConfig(global_batch=12, micro_batch=2)
+    )
     plan = initial_plan(num_layers=6, dp=3, pp=2, global_batch=12, micro_batch=2)
     reb = Rebalancing(layers=cfg.layer_costs, device=cfg.cost_device)
     decision = plan_fail_stop(plan, [3, 4, 5], {0: 3, 1: 3, 2: 3}, ranks_per_node=3,

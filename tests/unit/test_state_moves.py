@@ -11,9 +11,12 @@ from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.fabric.remap import Source
-from elaswave.runtime.job.config import JobConfig, TrainConfig
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
-CFG = JobConfig(train=TrainConfig(dp=3, pp=2, global_batch=12, micro_batch=2))
+CFG = JobConfig(
+    layout=LayoutConfig(dp=3, pp=2), schedule=ScheduleConfig(global_batch=12, micro_batch=2)
+)
 NUMELS = {c.index: c.params for c in CFG.layer_costs}
 
 

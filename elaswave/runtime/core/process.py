@@ -57,16 +57,16 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     """Run the job's control plane to the end (raises JobFailed)."""
     restart = incarnation > 0
     spec = JobSpec.read(run_dir, JOB if restart else HOST_SPEC)
-    cfg, t, ep = spec.config, spec.config.train, spec.endpoints
+    cfg, ep = spec.config, spec.endpoints
     state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
-    store = connect_store(ep.store_host, ep.store_port, timeout_s=t.comm_timeout_s)
-    procs = group_units(await link.connect(), t.tp)  # by plan rank: a TP group is one
+    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
+    procs = group_units(await link.connect(), cfg.layout.tp)  # by plan rank: a TP group is one
     async with Core(
         run_dir,
-        host=t.bus_host,
-        keys=t.keys(),
-        faults=t.bus_fault_spec(),
+        host=cfg.network.bus_host,
+        keys=cfg.network.keys(),
+        faults=cfg.injection.bus_fault_spec(),
         ports=ports,
         nonce=f"core-{spec.run_id}",  # every incarnation continues one numbering
         restore=restart,
@@ -87,17 +87,17 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                     RunStarted(
                         sender="core",
                         run_id=spec.run_id,
-                        world_size=t.num_ranks,
-                        dp=t.dp,
-                        pp=t.pp,
-                        steps=t.steps,
-                        global_batch=t.global_batch,
-                        device=t.device,
-                        tp=t.tp,
+                        world_size=cfg.layout.num_ranks,
+                        dp=cfg.layout.dp,
+                        pp=cfg.layout.pp,
+                        steps=cfg.schedule.steps,
+                        global_batch=cfg.schedule.global_batch,
+                        device=cfg.layout.device,
+                        tp=cfg.layout.tp,
                     )
                 )
                 start = partial(link.spawn, join=False)
-                procs = {r: await spawn_unit(start, r, t.tp) for r in cfg.plan().ranks}
+                procs = {r: await spawn_unit(start, r, cfg.layout.tp) for r in cfg.plan().ranks}
             else:
                 log.warning("core.restarted", incarnation=incarnation, workers=sorted(procs))
             supervisor = Supervisor(
@@ -105,7 +105,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                 run_dir,
                 core,
                 procs,
-                spawn=lambda rank: spawn_unit(partial(link.spawn, join=True), rank, t.tp),
+                spawn=lambda rank: spawn_unit(partial(link.spawn, join=True), rank, cfg.layout.tp),
                 store=store,
                 state=state,
             )
@@ -123,7 +123,10 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         finally:
             await core.publish(
                 RunFinished(
-                    sender="core", steps_completed=t.steps if ok else 0, ok=ok, reason=reason
+                    sender="core",
+                    steps_completed=cfg.schedule.steps if ok else 0,
+                    ok=ok,
+                    reason=reason,
                 )
             )
             await core.wait_until(lambda: core.run_finished is not None, timeout_s=2.0)
@@ -134,14 +137,14 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     summary = build_summary(
         run_dir=run_dir,
         plan=cfg.plan(),
-        steps=t.steps,
+        steps=cfg.schedule.steps,
         num_events=core.num_events + core.restored,
-        device=t.device,
+        device=cfg.layout.device,
         recoveries=supervisor.recoveries,
         bus=core.client.delivery(),
         layers=cfg.layer_costs,
         cost_device=cfg.cost_device,
-        tp=t.tp,
+        tp=cfg.layout.tp,
     )
     summary["core_incarnations"] = incarnation + 1
     write_summary(run_dir, summary)

@@ -108,7 +108,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
     """generation -> the plan it settled on: the committed attempt (else the latest)."""
     attempts: dict[tuple[int, int], Plan] = {}
     floors: dict[int, int] = {
-        initial.generation: cfg.train.resume_step if cfg.train.resume_step is not None else -1
+        initial.generation: cfg.state.resume_step if cfg.state.resume_step is not None else -1
     }
     """generation -> the step its settled plan's survivors cannot roll back before."""
     announced: dict[tuple[int, int], int] = {}  # (generation, attempt) -> committed step
@@ -187,8 +187,8 @@ def _replay_one(
             event.failed,
             commits,
             newest=newest,
-            ranks_per_node=cfg.train.units_per_node,
-            snapshots=cfg.train.snapshots,
+            ranks_per_node=cfg.layout.units_per_node,
+            snapshots=cfg.state.snapshots,
             rebalancing=announced_rebalancing(cfg, event),
             joined=event.joined,
             floor=floor,

@@ -90,11 +90,10 @@ class Supervisor:
         self.state = ch.state_from_dict(state) if state else ch.initial_state(cfg.plan())
         self.inputs: asyncio.Queue[ch.Input] = asyncio.Queue(maxsize=1024)
         self._group: asyncio.TaskGroup | None = None
-        t = cfg.train
         self.stragglers = StragglerWatch(
-            window=t.straggler_window,
-            threshold=t.straggler_threshold,
-            min_steps=t.straggler_min_steps,
+            window=cfg.elastic.straggler_window,
+            threshold=cfg.elastic.straggler_threshold,
+            min_steps=cfg.elastic.straggler_min_steps,
         )
 
     @property
@@ -123,7 +122,7 @@ class Supervisor:
                     group.create_task(self._watch_exit(rank, proc))
                 for watch in (self._watch_bus, self._watch_heartbeats):
                     group.create_task(watch())
-                if self.cfg.train.detects_stragglers:
+                if self.cfg.detects_stragglers:
                     group.create_task(self._watch_stragglers())
                 await self._loop()
                 raise _Over
@@ -203,7 +202,7 @@ class Supervisor:
 
     async def _watch_exit(self, rank: int, proc: Any) -> None:
         code = await proc.wait()
-        for member in range(self.cfg.train.tp):  # no one can send its gaps again
+        for member in range(self.cfg.layout.tp):  # no one can send its gaps again
             self.core.client.tracker.forget(sender_name(rank, member))
         # A TP group's exit is explained by the member that ended it.
         process = getattr(proc, "exited_member", None)
@@ -223,7 +222,7 @@ class Supervisor:
 
     async def _watch_heartbeats(self) -> None:
         """Fence a worker that is alive but silent."""
-        timeout = self.cfg.train.heartbeat_timeout_s
+        timeout = self.cfg.liveness.heartbeat_timeout_s
         tick = min(0.1, timeout / 4)
         last_tick = time.monotonic()
         while True:

@@ -81,7 +81,7 @@ async def _spawn(
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with rank_log(run_dir, rank).open("wb") as out:
         return await asyncio.create_subprocess_exec(
-            *cfg.train.worker_command(rank),
+            *cfg.layout.worker_command(rank),
             sys.executable,
             "-m",
             "elaswave.runtime.worker.process",
@@ -111,7 +111,7 @@ class JobHost:
     ) -> None:
         self.cfg = cfg
         self.store = store
-        self.nodes = RemoteNodes(cfg) if cfg.train.nnodes > 1 else None
+        self.nodes = RemoteNodes(cfg) if cfg.layout.nnodes > 1 else None
         """The other hosts' agents (a multi-host job; :mod:`elaswave.runtime.host.nodes`)."""
         self.zygote = zygote
         self.run_dir = run_dir
@@ -138,7 +138,7 @@ class JobHost:
                 if state is not None and self._all_finished(state):
                     self._summarise(state, lost)  # the job ended while no Core was there
                     return
-                if incarnation >= (allowed := self.cfg.train.core_restarts):
+                if incarnation >= (allowed := self.cfg.liveness.core_restarts):
                     raise JobFailed(
                         f"{lost}, and --core-restarts {allowed} allows no further restart; "
                         f"{self._resume()}"
@@ -146,7 +146,7 @@ class JobHost:
                 if state is None:
                     raise JobFailed(f"{lost} before it had started the job; {self._resume()}")
                 log.warning("host.core_lost", code=code, incarnation=incarnation)
-                await asyncio.sleep(self.cfg.train.core_restart_delay_s)
+                await asyncio.sleep(self.cfg.liveness.core_restart_delay_s)
         finally:
             await self._stop_workers()
 
@@ -159,9 +159,9 @@ class JobHost:
     def _all_finished(self, state: dict[str, Any]) -> bool:
         """Every worker of the last plan exited cleanly: the training is done."""
         ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
-        tp = self.cfg.train.tp  # a plan rank is its TP group's processes
+        tp = self.cfg.layout.tp  # a plan rank is its TP group's processes
         return bool(ranks) and all(
-            self.codes.get(self.cfg.train.physical(r, m)) == 0 for r in ranks for m in range(tp)
+            self.codes.get(self.cfg.layout.physical(r, m)) == 0 for r in ranks for m in range(tp)
         )
 
     def _summarise(self, state: dict[str, Any], lost: str) -> None:
@@ -170,13 +170,13 @@ class JobHost:
         summary = build_summary(
             run_dir=self.run_dir,
             plan=self.cfg.plan(),
-            steps=self.cfg.train.steps,
+            steps=self.cfg.schedule.steps,
             num_events=sum(1 for _ in read_event_log(self.run_dir / EVENT_LOG)),
-            device=self.cfg.train.device,
+            device=self.cfg.layout.device,
             recoveries=state["recoveries"],
             layers=self.cfg.layer_costs,
             cost_device=self.cfg.cost_device,
-            tp=self.cfg.train.tp,
+            tp=self.cfg.layout.tp,
         )
         write_summary(self.run_dir, summary)
 
@@ -280,7 +280,7 @@ class JobHost:
         zygote, or exec'd with its prefix."""
         if self.nodes is not None and (node := self.nodes.node_of(rank, join=join)) != 0:
             return await self.nodes.spawn(rank, node, join=join)
-        if self.zygote is None or self.cfg.train.worker_prefix:
+        if self.zygote is None or self.cfg.layout.worker_prefix:
             return await _spawn(self.cfg, self.run_dir, rank, join=join)
         argv = ["--run-dir", str(self.run_dir), "--rank", str(rank), *(["--join"] * join)]
         env: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -303,7 +303,7 @@ class JobHost:
             ep.bus_publish,
             ep.bus_subscribe,
             topics=OBSERVED,
-            keys=self.cfg.train.keys(),
+            keys=self.cfg.network.keys(),
             log_rejected=False,
         )
         await client.connect()
@@ -362,23 +362,22 @@ async def run_job(
     ``profile``: the measurements ``cfg.profile`` was priced from, written to
     RUN_DIR/profile.json.
     """
-    t = cfg.train
-    local = t.ranks_per_node if t.nnodes > 1 else t.num_ranks
-    check_capacity(backend_for(t.device), local, t.device)
-    t.keys()  # a missing key stops the job here, before anything starts
-    _prepare_run_dir(run_dir, resume_dir=t.resume_dir)
+    local = cfg.layout.ranks_per_node if cfg.layout.nnodes > 1 else cfg.layout.num_ranks
+    check_capacity(backend_for(cfg.layout.device), local, cfg.layout.device)
+    cfg.network.keys()  # a missing key stops the job here, before anything starts
+    _prepare_run_dir(run_dir, resume_dir=cfg.state.resume_dir)
     if profile is not None:
         if profile.costs(cfg.cost_device) != cfg.profile:
             raise ValueError("the profile to write is not the one the job was priced with")
         (run_dir / PROFILE).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
-    port = parse_endpoint(t.rdzv_endpoint)[1] if t.nnodes > 1 else 0
-    store = serve_store(t.bus_host, port, timeout_s=t.comm_timeout_s)
+    port = parse_endpoint(cfg.layout.rdzv_endpoint)[1] if cfg.layout.nnodes > 1 else 0
+    store = serve_store(cfg.network.bus_host, port, timeout_s=cfg.liveness.comm_timeout_s)
     run_id = uuid.uuid4().hex[:12]
     JobSpec(  # the Core completes it with the bus endpoints, as RUN_DIR/job.json
         run_id=run_id,
         config=cfg,
         endpoints=Endpoints(
-            store_host=cfg.train.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
+            store_host=cfg.network.bus_host, store_port=store.port, bus_publish="", bus_subscribe=""
         ),
     ).write(run_dir, HOST_SPEC)
     scalars = ScalarLog(run_dir)  # TensorBoard, beside summary.json

@@ -66,14 +66,15 @@ async def run_agent(
     store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
     text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
     spec = _take_spec(run_dir, text, node)
-    ep, t = spec.endpoints, spec.config.train
-    keys = load_keys(Path(keys_dir)) if keys_dir else t.keys()
+    ep = spec.endpoints
+    keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
     client = BusClient(
         f"node{node}", ep.bus_publish, ep.bus_subscribe,
         topics=(Topic.CONTROL, Topic.LIFECYCLE), keys=keys, log_rejected=False,
     )  # fmt: skip
     await client.connect()
-    agent = _Agent(run_dir, node=node, client=client, heartbeat_s=t.heartbeat_interval_s)
+    heartbeat_s = spec.config.liveness.heartbeat_interval_s
+    agent = _Agent(run_dir, node=node, client=client, heartbeat_s=heartbeat_s)
     beating = asyncio.create_task(agent.heartbeat(), name="node-heartbeat")
     joined = NodeJoined(
         sender=client.sender, node=node, slots=slots, incarnation=agent.incarnation,

@@ -77,7 +77,7 @@ class RemoteNodes:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        self.nproc = cfg.train.ranks_per_node
+        self.nproc = cfg.layout.ranks_per_node
         self.agents: dict[int, _Agent] = {}
         self.procs: dict[int, RemoteProcess] = {}
         self._registered: dict[int, asyncio.Event] = {}
@@ -92,7 +92,7 @@ class RemoteNodes:
 
     def node_of(self, rank: int, *, join: bool) -> int:
         """The host worker ``rank`` starts on (0: this one)."""
-        if not join and rank < self.cfg.train.num_ranks:
+        if not join and rank < self.cfg.layout.num_ranks:
             return rank // self.nproc
         if self._waiting_hosts:
             return self._waiting_hosts.pop(0)
@@ -103,7 +103,7 @@ class RemoteNodes:
         ep = run_dir_spec.endpoints
         self._client = BusClient(
             "host-nodes", ep.bus_publish, ep.bus_subscribe, topics=(Topic.CONTROL, Topic.HEALTH),
-            keys=self.cfg.train.keys(), log_rejected=False,
+            keys=self.cfg.network.keys(), log_rejected=False,
         )  # fmt: skip
         await self._client.connect()
         self._tasks = [
@@ -172,7 +172,7 @@ class RemoteNodes:
             self._lose(old, "it started again")
         self._registered.setdefault(event.node, asyncio.Event()).set()
         log.warning("host.node_joined", node=event.node, host=event.host, slots=event.slots)
-        if event.node < self.cfg.train.nnodes and old is None:
+        if event.node < self.cfg.layout.nnodes and old is None:
             return  # a host of the first plan: the Core asks for its ranks
         self._waiting_hosts.extend([event.node] * event.slots)
         self.send(ScaleRequest(sender="host", add=event.slots,
@@ -185,7 +185,7 @@ class RemoteNodes:
             self.procs[rank].exited(-signal.SIGKILL)
 
     async def _watch(self) -> None:
-        timeout = self.cfg.train.heartbeat_timeout_s
+        timeout = self.cfg.liveness.heartbeat_timeout_s
         while True:
             await asyncio.sleep(min(0.1, timeout / 4))
             now = time.monotonic()

@@ -188,7 +188,7 @@ def profile_layers(cfg: JobConfig, *, device: torch.device, repeats: int = 5) ->
     """Measure every layer of ``cfg``'s model on ``device`` (see the module docstring).
 
     Layers are built one at a time with the job's seed and freed after, so the device
-    needs room for one layer and one micro-batch of ``cfg.train.micro_batch`` samples.
+    needs room for one layer and one micro-batch of ``cfg.schedule.micro_batch`` samples.
     On a CPU the layers run on one thread, as every worker does.
     """
     if repeats < 1:
@@ -206,9 +206,9 @@ def _profile(cfg: JobConfig, *, device: torch.device, repeats: int) -> LayerProf
     started = time.perf_counter()
     model = pipeline_model(cfg.model)
     formulas = layer_costs(cfg.model, dtype_bytes=FP32_BYTES)
-    mb, shape = cfg.train.micro_batch, cfg.model
+    mb, shape = cfg.schedule.micro_batch, cfg.model
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(cfg.train.seed)
+    gen = torch.Generator().manual_seed(cfg.schedule.seed)
     tokens = torch.randint(0, shape.vocab_size, (mb, shape.seq_len), generator=gen)
     targets = torch.randint(0, shape.vocab_size, (mb, shape.seq_len), generator=gen).to(device)
     hidden = torch.randn(mb, shape.seq_len, shape.hidden_size, generator=gen).to(device)
@@ -221,7 +221,7 @@ def _profile(cfg: JobConfig, *, device: torch.device, repeats: int) -> LayerProf
     measured = []
     for formula in formulas:
         index = formula.index
-        layer = model.build_layer(index, seed=cfg.train.seed).to(device)
+        layer = model.build_layer(index, seed=cfg.schedule.seed).to(device)
         layer.train()
         params = sum(p.numel() for p in layer.parameters())
         if params != formula.params:

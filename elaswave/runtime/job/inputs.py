@@ -33,12 +33,12 @@ from elaswave.runtime.job.faults import FaultKind, validate_faults
 def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
     """The throughput planner's inputs: the job's policy and the measured slowdowns."""
     return Rebalancing(
-        policy=Policy(cfg.train.rebalance),
+        policy=Policy(cfg.elastic.rebalance),
         slowdowns=dict(slowdowns),
         layers=cfg.layer_costs,
         device=cfg.cost_device,
         power_budget=cfg.power_budget,
-        shorten=cfg.train.shortens,
+        shorten=cfg.elastic.shortens,
     )
 
 
@@ -46,7 +46,7 @@ def rebalancing_fields(cfg: JobConfig, slowdowns: dict[int, float]) -> dict[str,
     """The RecoveryPlan fields that carry :func:`rebalancing_of`'s inputs."""
     ranks = sorted(slowdowns)
     return {
-        "policy": cfg.train.rebalance,
+        "policy": cfg.elastic.rebalance,
         "slow_ranks": ranks,
         "slow_factors": [slowdowns[r] for r in ranks],
     }
@@ -59,7 +59,7 @@ def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing
         slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
         layers=cfg.layer_costs,
         device=cfg.cost_device,
-        shorten=cfg.train.shortens,
+        shorten=cfg.elastic.shortens,
         power_budget=cfg.power_budget,
     )
 
@@ -69,14 +69,14 @@ def decide_migration(
 ) -> dict[str, Any]:
     """:func:`elaswave.engine.migration.decide_migration` with the job's settings."""
     return migration.decide_migration(
-        cfg.train.migration,
+        cfg.elastic.migration,
         old,
         new,
         stale=stale,
         joined=joined,
         layers=cfg.layer_costs,
         device=cfg.cost_device,
-        early=cfg.train.migration_early,
+        early=cfg.elastic.migration_early,
     )
 
 
@@ -92,29 +92,31 @@ def announced_migration(decision: RecoveryPlan) -> str:
 
 def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
     """The change protocol's rules for the job ``cfg`` running in ``run_dir``."""
-    t = cfg.train
     faults = validate_faults(
-        t.faults, world_size=t.num_ranks, ranks_per_node=t.ranks_per_node, steps=t.steps
+        cfg.injection.faults,
+        world_size=cfg.layout.num_ranks,
+        ranks_per_node=cfg.layout.ranks_per_node,
+        steps=cfg.schedule.steps,
     )
     resume = (
         f"resume from its latest checkpoint with --resume {run_dir}"
-        if t.checkpoint_every
+        if cfg.state.checkpoint_every
         else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
     )
     return Rules(
-        steps=t.steps,
-        recovery=t.recovery,
-        ranks_per_node=t.units_per_node,
-        snapshots=t.snapshots,
+        steps=cfg.schedule.steps,
+        recovery=cfg.elastic.recovery,
+        ranks_per_node=cfg.layout.units_per_node,
+        snapshots=cfg.state.snapshots,
         rebalancing=rebalancing_of(cfg, {}),
-        migration=t.migration,
-        migration_early=t.migration_early,
-        stop_timeout_s=max(30.0, t.comm_timeout_s),
-        ack_timeout_s=t.plan_ack_timeout_s,
+        migration=cfg.elastic.migration,
+        migration_early=cfg.elastic.migration_early,
+        stop_timeout_s=max(30.0, cfg.liveness.comm_timeout_s),
+        ack_timeout_s=cfg.liveness.plan_ack_timeout_s,
         join_steps=tuple(sorted(f.step for f in faults if f.kind is FaultKind.JOIN)),
         can_spawn=can_spawn,
         resume_hint=resume,
-        first_step=t.resume_step if t.resume_step is not None else -1,
-        wait_for_nodes_s=t.wait_for_nodes_s,
+        first_step=cfg.state.resume_step if cfg.state.resume_step is not None else -1,
+        wait_for_nodes_s=cfg.elastic.wait_for_nodes_s,
         resume_command=f"--resume {run_dir}",
     )

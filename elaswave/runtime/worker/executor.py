@@ -226,7 +226,7 @@ def recover(
     ``cause`` is what stopped the step (a failed wait, or the abort signal), None when
     the loop stopped at a boundary for a pause the Core requested.
     """
-    gen, timeout = trainer.plan.generation, ctx.cfg.train.comm_timeout_s
+    gen, timeout = trainer.plan.generation, ctx.cfg.liveness.comm_timeout_s
     sender = sender_name(ctx.rank, ctx.member)
     announced: Event | None = pauses.pending(gen)
     if announced is None:
@@ -291,7 +291,7 @@ def recover(
 def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
     """Wait for the Core's plan that gives this new rank a place, and take it: a join is
     a change applied to an empty trainer."""
-    timeout = max(60.0, ctx.cfg.train.comm_timeout_s)
+    timeout = max(60.0, ctx.cfg.liveness.comm_timeout_s)
     decision = _await_event(
         inbox,
         lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,

@@ -35,7 +35,9 @@ def owner_decay_mask(cfg: JobConfig, plan: Plan, owner: int) -> torch.Tensor:
         torch.cat(
             [
                 torch.full((numel,), 1.0 if decays else 0.0)
-                for numel, decays in pipeline_model(cfg.model).decay_flags(item.layer, cfg.train.tp)
+                for numel, decays in pipeline_model(cfg.model).decay_flags(
+                    item.layer, cfg.layout.tp
+                )
             ]
         )
         for item in layout.layers
@@ -54,7 +56,9 @@ def owner_initial_state(cfg: JobConfig, plan: Plan, owner: int, *, member: int =
                 [
                     p.detach().float().reshape(-1)
                     for p in pipeline_model(cfg.model)
-                    .build_layer(item.layer, seed=cfg.train.seed, tp=TpShard(member, cfg.train.tp))
+                    .build_layer(
+                        item.layer, seed=cfg.schedule.seed, tp=TpShard(member, cfg.layout.tp)
+                    )
                     .parameters()
                 ]
             )

@@ -76,25 +76,25 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     spec = JobSpec.read(run_dir)
     ep = spec.endpoints
     torch.set_num_threads(1)
-    _place_idle_work(spec.config.train.local_processes)
-    rank, member = spec.config.train.unit_of(process)
+    _place_idle_work(spec.config.layout.local_processes)
+    rank, member = spec.config.layout.unit_of(process)
     structlog.contextvars.bind_contextvars(rank=rank, joined=join)
-    if spec.config.train.tp > 1:
+    if spec.config.layout.tp > 1:
         structlog.contextvars.bind_contextvars(member=member)
     sender = sender_name(rank, member)
     # Workers act on control and recovery events only; metrics are for the Core and users.
     session = Session(
         sender, ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
-        keys=spec.config.train.keys(), fetch_endpoint=ep.bus_fetch or None,
-        faults=spec.config.train.bus_fault_spec(),
+        keys=spec.config.network.keys(), fetch_endpoint=ep.bus_fetch or None,
+        faults=spec.config.injection.bus_fault_spec(),
     )  # fmt: skip
     abort = AbortSignal()
     inbox = Mailbox()
     pauses = PauseBox()
     heartbeat = HeartbeatSender(
-        session, rank, interval_s=spec.config.train.heartbeat_interval_s, sender=sender
+        session, rank, interval_s=spec.config.liveness.heartbeat_interval_s, sender=sender
     )
-    watch = CoreWatch(spec.config.train.core_outage_s)
+    watch = CoreWatch(spec.config.liveness.core_outage_s)
     session.subscribe(watch.heard)
 
     def on_recovery_event(event: Event) -> None:  # on the session's thread
@@ -126,8 +126,8 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     try:
         ctx = _context(run_dir, process, spec, abort)
         loop = StepLoop(ctx, session, abort, inbox, heartbeat, pauses, watch, join=join)
-        if spec.config.train.script:
-            run_script(loop, spec.config.train.script)
+        if spec.config.schedule.script:
+            run_script(loop, spec.config.schedule.script)
         else:
             run_to_the_end(loop)
     except BaseException as exc:
@@ -144,35 +144,35 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
 
 def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> WorkerContext:
     cfg, ep = spec.config, spec.endpoints
-    rank, member = cfg.train.unit_of(process)
-    backend = backend_for(cfg.train.device)
+    rank, member = cfg.layout.unit_of(process)
+    backend = backend_for(cfg.layout.device)
     device = backend.device_for(process)
-    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.train.comm_timeout_s)
+    store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
     store.set(f"pid/{process}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     tp = None
-    if cfg.train.tp > 1:
+    if cfg.layout.tp > 1:
         tp = TpLink(
-            store, unit=rank, member=member, size=cfg.train.tp, backend=backend,
-            timeout=timedelta(seconds=cfg.train.comm_timeout_s), abort=abort,
+            store, unit=rank, member=member, size=cfg.layout.tp, backend=backend,
+            timeout=timedelta(seconds=cfg.liveness.comm_timeout_s), abort=abort,
         )  # fmt: skip
-    shard = TpShard(member, cfg.train.tp, tp)
+    shard = TpShard(member, cfg.layout.tp, tp)
     plan = cfg.plan()
     initial = (
         plan.stages[plan.locate(rank)[0]].layers if rank in plan.ranks else range(0)
     )  # a joining rank gets its layers with its plan
     model = pipeline_model(cfg.model)
-    layers = nn.ModuleList(model.build_layer(i, seed=cfg.train.seed, tp=shard) for i in initial).to(
-        device
-    )
+    layers = nn.ModuleList(
+        model.build_layer(i, seed=cfg.schedule.seed, tp=shard) for i in initial
+    ).to(device)
     source = open_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     faults = validate_faults(
-        cfg.train.faults,
-        world_size=cfg.train.num_ranks,
-        ranks_per_node=cfg.train.ranks_per_node,
-        steps=cfg.train.steps,
+        cfg.injection.faults,
+        world_size=cfg.layout.num_ranks,
+        ranks_per_node=cfg.layout.ranks_per_node,
+        steps=cfg.schedule.steps,
     )
     costs = {c.index: c for c in cfg.layer_costs}  # the planners' costs: measured or formulas
-    if parse_device(cfg.train.device) is Device.EMULATED:
+    if parse_device(cfg.layout.device) is Device.EMULATED:
         emulated = device_spec(EMULATED_DEVICE)
         clock = EmulatedFrequency(
             base_mhz=emulated.base_mhz, min_mhz=emulated.min_mhz, max_mhz=emulated.max_mhz
@@ -187,18 +187,18 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
         rank=rank,
         run_dir=run_dir,
         store=store,
-        plane_store=plane_store(store, member, cfg.train.tp),
+        plane_store=plane_store(store, member, cfg.layout.tp),
         member=member,
         tp=tp,
         backend=backend,
         device=device,
         layers=layers,
         loader=SampleLoader(source, seed=cfg.data.seed),
-        rng=make_rng(cfg.train.rng, seed=cfg.train.seed, rank=rank),
+        rng=make_rng(cfg.schedule.rng, seed=cfg.schedule.seed, rank=rank),
         abort=abort,
         faults=FaultInjector(
             process,
-            cfg.train.ranks_per_node,
+            cfg.layout.ranks_per_node,
             faults,
             run_dir,
             pid_of=partial(_registered_pid, store),

@@ -37,7 +37,7 @@ def run_script(loop: StepLoop, script: tuple[str, ...]) -> None:
             raise RuntimeError(f"{script[0]} exited with status {exc.code}") from None
     if not loop.done:
         raise RuntimeError(
-            f"{script[0]} returned at step {loop.step} of {loop.cfg.train.steps}: call "
+            f"{script[0]} returned at step {loop.step} of {loop.cfg.schedule.steps}: call "
             "job.train_step() until job.done"
         )
     loop.finish()

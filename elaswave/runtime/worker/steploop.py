@@ -104,7 +104,7 @@ class StepLoop:
             max_workers=1, thread_name_prefix="ckpt"
         )
         self._writes: list[concurrent.futures.Future] = []
-        self.step = self.trainer.committed_step + 1 if join else self.cfg.train.first_step
+        self.step = self.trainer.committed_step + 1 if join else self.cfg.state.first_step
         self.first_step = self.step
         self._cpu_started = time.process_time()
         self.finished = False
@@ -122,7 +122,7 @@ class StepLoop:
     @property
     def done(self) -> bool:
         """Every step of the job has completed on this rank."""
-        return self.step >= self.cfg.train.steps
+        return self.step >= self.cfg.schedule.steps
 
     @property
     def place(self) -> tuple[int, int]:
@@ -133,7 +133,7 @@ class StepLoop:
         """Run the next step; recover inside it if it is aborted. Raises RuntimeError
         when the job's steps are all done."""
         if self.done:
-            raise RuntimeError(f"all {self.cfg.train.steps} steps of the job are done")
+            raise RuntimeError(f"all {self.cfg.schedule.steps} steps of the job are done")
         ctx, trainer = self.ctx, self.trainer
         recovered = False
         while True:
@@ -199,16 +199,16 @@ class StepLoop:
                     bytes_streamed=shadow.bytes_streamed, waited_s=shadow.waited_s,
                 )
             )  # fmt: skip
-        every = cfg.train.checkpoint_every
+        every = cfg.state.checkpoint_every
         if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
             _, replica = trainer.plan.locate(self.rank)
             pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
             self._writes.append(
                 self._writer.submit(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
             )
-        if step < cfg.train.trace_steps and trainer.plan.generation == 0:
+        if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
             self.traces.append({"step": step, "actions": result.trace})
-        if cfg.train.verify_snapshots:
+        if cfg.state.verify_snapshots:
             self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
         loss = outcome.loss
         if loss is not None and trainer.plan.stages[-1].ranks[0] == self.rank:
@@ -240,9 +240,9 @@ class StepLoop:
         for write in self._writes:
             write.result()  # surface a failed checkpoint write
         if trainer.optimizer.snapshot is not None:
-            trainer.optimizer.snapshot.flush(cfg.train.comm_timeout_s)
+            trainer.optimizer.snapshot.flush(cfg.liveness.comm_timeout_s)
         for keeper in trainer.keepers:
-            keeper.take(cfg.train.steps - 1, timeout_s=cfg.train.comm_timeout_s)
+            keeper.take(cfg.schedule.steps - 1, timeout_s=cfg.liveness.comm_timeout_s)
         stage, replica = trainer.plan.locate(self.rank)
         if replica == 0:
             params = {
@@ -258,7 +258,7 @@ class StepLoop:
                 torch.save(params, path)
         if self.ctx.tp is not None:  # the members leave together (see unit_barrier)
             unit_barrier(self.ctx.store, "finished", self.rank, self.ctx.member,
-                         self.ctx.tp.size, timeout_s=cfg.train.comm_timeout_s,
+                         self.ctx.tp.size, timeout_s=cfg.liveness.comm_timeout_s,
                          what="finish")  # fmt: skip
         if not self.ctx.leader:
             return  # member 0 reports for the TP group

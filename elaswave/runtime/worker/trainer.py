@@ -95,7 +95,7 @@ class WorkerContext:
     @property
     def tp_shard(self) -> TpShard:
         """The piece of every layer this process holds."""
-        return TpShard(self.member, self.cfg.train.tp, self.tp)
+        return TpShard(self.member, self.cfg.layout.tp, self.tp)
 
     @property
     def leader(self) -> bool:
@@ -113,7 +113,7 @@ class WorkerContext:
 
     @property
     def timeout(self) -> timedelta:
-        return timedelta(seconds=self.cfg.train.comm_timeout_s)
+        return timedelta(seconds=self.cfg.liveness.comm_timeout_s)
 
 
 @dataclass
@@ -144,9 +144,9 @@ class Trainer:
 
 
 def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
-    if not ctx.cfg.train.snapshots:
+    if not ctx.cfg.state.snapshots:
         return []
-    return snapshot_group_specs(plan, ctx.cfg.train.units_per_node)
+    return snapshot_group_specs(plan, ctx.cfg.layout.units_per_node)
 
 
 def _runner(
@@ -170,7 +170,7 @@ def _runner(
         fault_hook=ctx.faults.at,
         pacer=ctx.pacer,
         shadow=shadow,
-        bf16=ctx.cfg.train.precision == "bf16",
+        bf16=ctx.cfg.schedule.precision == "bf16",
     )
 
 
@@ -202,33 +202,37 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     )
     links.build(plan.group_specs() + _snapshot_specs(ctx, plan))
     comm = links.comm
-    t = ctx.cfg.train
     layers = ctx.layers
-    if t.resume_dir is None or t.resume_step is None:
+    if ctx.cfg.state.resume_dir is None or ctx.cfg.state.resume_step is None:
         optimizer = _optimizer(ctx, plan, comm, layers)
         keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
         runner = _runner(ctx, plan, comm, layers, optimizer)
         return Trainer(plan, links, optimizer, runner, layers, keepers)
     stage, replica = plan.locate(ctx.rank)
-    loaded = load_layers(step_dir(Path(t.resume_dir), t.resume_step), plan.stages[stage].layers)
+    loaded = load_layers(
+        step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step),
+        plan.stages[stage].layers,
+    )
     with torch.no_grad():
         for layer in ctx.layers:
             master, offset = loaded[layer_index(layer)][0], 0
             for param in layer.parameters():
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
-    optimizer = _optimizer(ctx, plan, comm, layers, committed_step=t.resume_step)
+    optimizer = _optimizer(ctx, plan, comm, layers, committed_step=ctx.cfg.state.resume_step)
     cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
     optimizer.state = cut(replica)
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
     initial = {}  # the snapshots this rank holds (of owners in another stage) at the step
-    ckpt = step_dir(Path(t.resume_dir), t.resume_step)
-    for owner in snapshot_placement(plan, t.units_per_node).holds(ctx.rank):
+    ckpt = step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step)
+    for owner in snapshot_placement(plan, ctx.cfg.layout.units_per_node).holds(ctx.rank):
         layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
         held = load_layers(ckpt, [item.layer for item in layout.layers])
         initial[owner] = shard_of_layers(layout, owner_replica, held)
         initial[owner].decay_mask = owner_decay_mask(ctx.cfg, plan, owner)
-    keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=t.resume_step, initial=initial)
+    keepers = _attach_snapshots(
+        ctx, plan, comm, optimizer, step=ctx.cfg.state.resume_step, initial=initial
+    )
     runner = _runner(ctx, plan, comm, layers, optimizer)
     return Trainer(plan, links, optimizer, runner, layers, keepers)
 
@@ -247,9 +251,9 @@ def _attach_snapshots(
     ``initial``: the owners' states after ``step`` (None at the start of training, when
     every replica can compute them from the identical initial parameters).
     """
-    if not ctx.cfg.train.snapshots:
+    if not ctx.cfg.state.snapshots:
         return []
-    placement = snapshot_placement(plan, ctx.cfg.train.units_per_node)
+    placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         optimizer.snapshot = SnapshotSender(
@@ -269,7 +273,7 @@ def _attach_snapshots(
             initial=state,
             generation=plan.generation,
             initial_step=step,
-            record_digests=ctx.cfg.train.verify_snapshots,
+            record_digests=ctx.cfg.state.verify_snapshots,
             holder_step=lambda: optimizer.committed_step,
         )
         keeper.start()
@@ -285,7 +289,7 @@ def _exchange_snapshot_states(
     step: int,
 ) -> dict[int, ShardState]:
     """Owners send their full committed shard to their (new) holders."""
-    placement = snapshot_placement(plan, ctx.cfg.train.units_per_node)
+    placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
     tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
     pending = None
     holder = placement.holder.get(ctx.rank)
@@ -343,7 +347,7 @@ def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> 
         have[i]
         if i in have
         else pipeline_model(ctx.cfg.model)
-        .build_layer(i, seed=ctx.cfg.train.seed, tp=ctx.tp_shard)
+        .build_layer(i, seed=ctx.cfg.schedule.seed, tp=ctx.tp_shard)
         .to(ctx.device)
         for i in layer_ids
     )
@@ -438,7 +442,7 @@ def _roll_back(a: _Change) -> dict[int, ShardState]:
     holds of failed owners, at that step."""
     if a.old is None:
         return {}
-    timeout = a.ctx.cfg.train.comm_timeout_s
+    timeout = a.ctx.cfg.liveness.comm_timeout_s
     held = {
         k.owner: k.take(a.committed_step, timeout) for k in a.old.keepers if k.owner in a.failed
     }
@@ -455,14 +459,14 @@ def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | Non
         a.new,
         a.failed,
         numels=a.ctx.numels,
-        ranks_per_node=cfg.train.units_per_node,
-        snapshots=cfg.train.snapshots,
+        ranks_per_node=cfg.layout.units_per_node,
+        snapshots=cfg.state.snapshots,
     )
     if migration != NONBLOCKING:
         return moves, None
     transition = plan_transition(
         a.base, a.new, layers=cfg.layer_costs, device=cfg.cost_device,
-        early=cfg.train.migration_early,
+        early=cfg.elastic.migration_early,
     )  # fmt: skip
     if transition is None or a.old is None:
         raise RuntimeError(
@@ -524,7 +528,7 @@ def _start_shadow(
         shadows={i: have[i] for i in outgoing},
         comm=comm,
         pacer=a.ctx.pacer,
-        timeout_s=a.ctx.cfg.train.comm_timeout_s,
+        timeout_s=a.ctx.cfg.liveness.comm_timeout_s,
     )
     shadow.start()
     return shadow

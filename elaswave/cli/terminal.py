@@ -177,15 +177,18 @@ def _slow_text(plan: RecoveryPlan) -> str:
     """The measured slowdowns the plan answers, in words."""
     if not plan.slow_ranks:
         return "no rank is slow any more"
-    pairs = zip(plan.slow_ranks, plan.slow_factors, strict=False)
+    pairs = list(zip(plan.slow_ranks, plan.slow_factors, strict=False))
+    if len(pairs) == 1:
+        (rank, factor), *_ = pairs
+        return f"rank {rank} is {factor:.2f}x slower than its peers"
     slow = ", ".join(f"{rank} ({factor:.2f}x)" for rank, factor in pairs)
-    if len(plan.slow_ranks) == 1:
-        return f"rank {slow} slower than its peers"
-    return f"ranks {slow} slower than their peers"
+    return f"ranks {slow} are slower than their peers"
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
-    """``rank 1``, ``ranks 1, 3``."""
+    """``rank 1``, ``ranks 1, 3`` (``no rank`` for none)."""
+    if not ranks:
+        return "no rank"
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 

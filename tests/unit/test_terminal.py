@@ -114,7 +114,14 @@ def test_planned_changes_say_who_and_why():
         sender="core", generation=1, failed=[], committed_step=7, plan_digest="d", reason="r",
         slow_ranks=[1], slow_factors=[2.0], kind="fail-slow",
     )  # fmt: skip
-    assert _line(slow) == "step 8: rank 1 (2.00x) slower than its peers; rebalancing"
+    assert _line(slow) == "step 8: rank 1 is 2.00x slower than its peers; rebalancing"
+    two = RecoveryPlan(
+        sender="core", generation=1, failed=[], committed_step=7, plan_digest="d", reason="r",
+        slow_ranks=[1, 3], slow_factors=[2.0, 1.5], kind="fail-slow",
+    )  # fmt: skip
+    assert _line(two) == (
+        "step 8: ranks 1 (2.00x), 3 (1.50x) are slower than their peers; rebalancing"
+    )
     cleared = RecoveryPlan(
         sender="core", generation=2, failed=[], committed_step=9, plan_digest="d", reason="r",
         kind="fail-slow",

@@ -13,39 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elaswave import logs
-from elaswave.bus.schema import Event, StepCompleted
-from elaswave.cli import sim
+from elaswave.cli import sim, terminal
 from elaswave.cli.flags import PROFILE_AUTO, PROFILE_CHOICES, add_job_flags
 from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
 
 if TYPE_CHECKING:
     from elaswave.runtime.host.profile import LayerProfile
     from elaswave.runtime.job.config import JobConfig
-
-
-class _Progress:
-    """The live progress line: step, loss, samples/s."""
-
-    def __init__(self, steps: int, *, emulated: bool = False, stream=sys.stdout) -> None:
-        self.steps = steps
-        self.unit = "samples/s (emulated)" if emulated else "samples/s"
-        self.stream = stream
-        self.tty = stream.isatty()
-
-    def __call__(self, event: Event) -> None:
-        if not isinstance(event, StepCompleted):
-            return
-        rate = event.samples / event.step_time_s if event.step_time_s > 0 else float("nan")
-        line = (
-            f"step {event.step + 1:>4}/{self.steps}  loss {event.loss:.4f}  {rate:8.1f} {self.unit}"
-        )
-        if self.tty:
-            self.stream.write("\r" + line)
-            if event.step + 1 == self.steps:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +29,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         description="Start the Core and dp x pp local workers and train.",
     )
     add_job_flags(p)
+    _add_log_format(p)
+
+
+def _add_log_format(p: argparse.ArgumentParser) -> None:
+    """``--log-format``: how this host shows structured logs (its own and the Core's)."""
+    p.add_argument(
+        "--log-format",
+        choices=[f.value for f in logs.LogFormat],
+        default=logs.LogFormat.AUTO.value,
+        help="how structured logs (this host's, and the Core's, relayed) reach stderr: "
+        "auto shows a person a readable line for the few that matter on a terminal and "
+        "writes JSON lines otherwise; console: structlog's key-value lines; json: JSON "
+        "lines (default auto). The Core's log is always in RUN_DIR/logs/coreN.log",
+    )
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +56,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "up to that call, unless --model is given.",
     )
     add_job_flags(p)
+    _add_log_format(p)
     p.add_argument("script", type=Path, help="your training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -197,7 +186,7 @@ def _train(args: argparse.Namespace) -> int:
         profile = None
         if profiling:  # after the zygote's fork: it stays clear of torch's threads
             job, profile = _profile(job)
-        progress = _Progress(sch.steps, emulated=lay.device == "emulated")
+        progress = terminal.Progress(sch.steps, emulated=lay.device == "emulated", run_dir=out)
         summary = uvloop.run(run_job(job, out, on_event=progress, zygote=zygote, profile=profile))
     except JobFailed as exc:
         print(f"elaswave: job failed: {exc}", file=sys.stderr)
@@ -413,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
     sim.add_parser(sub)
     args = parser.parse_args(argv)
-    logs.configure()
+    if (log_format := getattr(args, "log_format", None)) is not None:  # train, run
+        logs.configure_for(logs.LogFormat(log_format), terminal.people, terminal.to_stderr)
+    else:
+        logs.configure()
     commands = {
         "train": _train,
         "run": _run,

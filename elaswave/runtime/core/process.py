@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args(argv)
-    logs.configure(json=os.environ.get("ELASWAVE_LOG_JSON", "1") != "0")
+    logs.configure(json=True)  # RUN_DIR/logs/coreN.log; the job host renders what it relays
     structlog.contextvars.bind_contextvars(core=args.incarnation)
     link = CoreLink.from_fd(int(os.environ[LINK_FD_ENV]))
     import uvloop

@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from elaswave import logs
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Event, Topic
@@ -197,8 +198,6 @@ class JobHost:
         env: dict[str, str | None] = {
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
-            # its log is relayed to this stderr: readable lines where a person reads it
-            "ELASWAVE_LOG_JSON": "0" if sys.stderr.isatty() else "1",
         }
         if incarnation:
             env[CORE_FAULT_ENV] = None  # an injected Core fault strikes once
@@ -335,13 +334,13 @@ class JobHost:
 
 
 async def _relay(stream: asyncio.StreamReader, path: Path) -> None:
-    """The Core's log: to logs/coreN.log, and to this process's stderr as before."""
+    """The Core's log (JSON lines): to logs/coreN.log, and to this process's stderr as
+    this process renders its own log (:func:`elaswave.logs.relay`)."""
     with path.open("wb") as out:
         async for line in stream:
             out.write(line)
             out.flush()
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+            logs.relay(line)
 
 
 async def run_job(

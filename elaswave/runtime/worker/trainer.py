@@ -25,7 +25,7 @@ from torch import nn
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
+from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.data.corpus import SampleLoader
@@ -432,7 +432,6 @@ def reconfigure(
         change = links.apply(
             specs,
             removed=failed,
-            strategy=RebuildStrategy.EDIT,
             generation=new_plan.generation,
             rebuild=lambda spec: spec.name in rebuild,
         )

@@ -7,6 +7,6 @@
 * :mod:`benchmarks.rebuild`: the partial and the full restart of the communicator, the
   baselines of ElasWave's dynamic edit (``scripts/bench_communicator.py``).
 
-The scripts and tests that use them import them from the repository root (the scripts put
-it on ``sys.path``; pytest's root is already there); ``benchmarks`` is not installed.
+``benchmarks`` is not installed: the scripts that use it put the repository root on
+``sys.path``, and pytest has it on its ``pythonpath`` (``pyproject.toml``).
 """

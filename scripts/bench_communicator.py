@@ -9,18 +9,18 @@ pipeline link per activation route, a snapshot link per optimizer shard: the pla
 ``group_specs``), checks them with real collectives, SIGKILLs one worker (stage 1,
 replica dp // 2), and lets the survivors carry their groups into the groups of the
 recovery plan (micro-batch resizing: new fan-out routes, new snapshot holders) with one
-strategy of ``elaswave.comm.dynamic``: the dynamic edit, the partial rebuild, or the full
-rebuild (``init_process_group`` over the survivors and ``new_group`` for every group, as
-a torch job initialises at start-up). Every trial is a fresh job (new
-processes, new store): an idle gloo process group costs about 1 ms of CPU per second
-here (its device loop wakes up), so groups kept from earlier trials would slow the later
-ones on 2 cores.
+strategy: ElasWave's dynamic edit (``elaswave.comm.dynamic``), or a baseline of
+``benchmarks.rebuild``: the partial rebuild, or the full rebuild (``init_process_group``
+over the survivors and ``new_group`` for every group, as a torch job initialises at
+start-up). Every trial is a fresh job (new processes, new store): an idle gloo process
+group costs about 1 ms of CPU per second here (its device loop wakes up), so groups kept
+from earlier trials would slow the later ones on 2 cores.
 
 Survivors start the change together, at a wall-clock instant this process announces
 after the kill. Figures, per trial, from that instant: ``apply`` = until the slowest
-survivor has returned from ``DynamicCommunicator.apply``; ``ready`` = until the slowest
-survivor has also run its first collective on its new DP group and one message each way
-on each surviving link, i.e. until the groups are in use.
+survivor has returned from ``RebuildingCommunicator.apply_by``; ``ready`` = until the
+slowest survivor has also run its first collective on its new DP group and one message
+each way on each surviving link, i.e. until the groups are in use.
 Writes ``<out>/communicator_bench.json`` (every sample, medians) and
 ``<out>/communicator_bench.png``, and prints a table.
 """
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from elaswave.comm.backend import GlooBackend
-from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
+from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.group import Group
 from elaswave.comm.links import PairGroup
 from elaswave.comm.spec import GroupSpec
@@ -55,6 +55,9 @@ from elaswave.engine.recovery import next_plan
 from elaswave.logs import configure
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the baselines: benchmarks/ beside scripts/, not installed
+from benchmarks.rebuild import RebuildingCommunicator, RebuildStrategy  # noqa: E402
+
 STRATEGIES = list(RebuildStrategy)
 MACHINE = "2-core CPU, gloo, N processes share 2 cores"
 TIMEOUT = timedelta(seconds=60)
@@ -119,7 +122,7 @@ def worker(rank: int, port: int, world: int, dp: int, pp: int, trial: dict, queu
     try:
         store = connect_store("127.0.0.1", port, timeout_s=TIMEOUT.total_seconds())
         _barrier(store, "up", world)
-        dyn = DynamicCommunicator(store, rank, GlooBackend(), timeout=TIMEOUT)
+        dyn = RebuildingCommunicator(store, rank, GlooBackend(), timeout=TIMEOUT)
         plan = job_plan(dp, pp)
         dyn.build(groups_of(plan))
         _check_dp(dyn, rank)
@@ -132,7 +135,7 @@ def worker(rank: int, port: int, world: int, dp: int, pp: int, trial: dict, queu
         removed = {trial["victim"]}
         new_plan, _ = next_plan(plan, removed)
         strategy = RebuildStrategy(trial["strategy"])
-        stats = dyn.apply(groups_of(new_plan), removed=removed, strategy=strategy)
+        stats = dyn.apply_by(strategy, groups_of(new_plan), removed=removed)
         applied = time.time()
         _check_dp(dyn, rank)
         _exchange(dyn, rank, tag=2)
@@ -309,38 +312,15 @@ def plot(medians: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    args = parser.parse_args()
-    for world in args.ranks:
-        if world % args.pp or world // args.pp < 2:
-            parser.error(f"--ranks {world}: needs a multiple of pp = {args.pp} with dp >= 2")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    configure()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "elaswave.comm.dynamic"])
-
-    started = time.monotonic()
-    samples, medians = [], []
-    for world in args.ranks:
-        dp = world // args.pp
-        print(f"N = {world} (dp {dp} x pp {args.pp}), victim rank {victim_of(dp, args.pp)}")
-        mine = run_world(ctx, world, dp, args.pp, args.repeats)
-        samples += [{"ranks": world, "dp": dp, "pp": args.pp, **s} for s in mine]
-        medians += summarise(world, dp, args.pp, mine)
-
-    report = {
+def _report(pp: int, medians: list[dict], samples: list[dict], *, started: float) -> dict:
+    """What communicator_bench.json holds."""
+    return {
         "machine": MACHINE,
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "layout": f"rank = stage * dp + replica, pp = {args.pp}; the runtime's groups: "
+        "layout": f"rank = stage * dp + replica, pp = {pp}; the runtime's groups: "
         "dp.s{stage} (rings over links under edit), link.{src}-{dst} per activation route, "
         "snap.{owner}-{holder} per optimizer shard; after the kill, those of the recovery "
         "plan (micro-batch resizing)",
@@ -374,12 +354,11 @@ def main() -> int:
         "medians": medians,
         "samples": samples,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "communicator_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(medians, args.out / "communicator_bench.png")
 
+
+def _print_table(medians: list[dict], repeats: int) -> None:
     print()
-    print(f"Median over {args.repeats} repeats; {MACHINE}")
+    print(f"Median over {repeats} repeats; {MACHINE}")
     print("| ranks | dp x pp | strategy | apply (ms) | apply + first collective (ms) | new conns |")
     print("|---|---|---|---|---|---|")
     for m in medians:
@@ -388,6 +367,39 @@ def main() -> int:
             f"{m['median_apply_s'] * 1e3:.2f} | {m['median_ready_s'] * 1e3:.2f} | "
             f"{m['connections_created']} |"
         )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = parser.parse_args()
+    for world in args.ranks:
+        if world % args.pp or world // args.pp < 2:
+            parser.error(f"--ranks {world}: needs a multiple of pp = {args.pp} with dp >= 2")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    configure()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "benchmarks.rebuild"])
+
+    started = time.monotonic()
+    samples, medians = [], []
+    for world in args.ranks:
+        dp = world // args.pp
+        print(f"N = {world} (dp {dp} x pp {args.pp}), victim rank {victim_of(dp, args.pp)}")
+        mine = run_world(ctx, world, dp, args.pp, args.repeats)
+        samples += [{"ranks": world, "dp": dp, "pp": args.pp, **s} for s in mine]
+        medians += summarise(world, dp, args.pp, mine)
+
+    report = _report(args.pp, medians, samples, started=started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "communicator_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(medians, args.out / "communicator_bench.png")
+
+    _print_table(medians, args.repeats)
     print(
         f"wrote {args.out / 'communicator_bench.json'} and communicator_bench.png "
         f"in {report['wall_s']:.0f} s"

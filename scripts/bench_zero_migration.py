@@ -8,11 +8,11 @@ stage S+1 ranks D..2D-1, each stage holding the fp32 optimizer state (master wei
 exp_avg, exp_avg_sq: 12 bytes per parameter) of four Llama-like blocks, the repository's
 tiny model scaled to hidden 512 (ffn 1280, 8 heads: 3,015,680 parameters, 36.2 MB of
 state per block). Each stage keeps it in both ZeRO layouts of
-:mod:`elaswave.fabric.contiguous`: contiguous (one block of the stage's concatenated
+:mod:`benchmarks.contiguous`: contiguous (one block of the stage's concatenated
 state per rank) and interleaved (shard j of every layer on rank j).
 
 The last layer of stage S then moves to stage S+1 as its first layer, once per layout
-per repeat: every rank executes the plan (:func:`elaswave.fabric.migration_exec.
+per repeat: every rank executes the plan (:func:`benchmarks.migration_exec.
 execute_migration`) over pooled gloo pair links, all sends posted before any receive,
 and rebuilds its whole local state vector (its block, or its interleaved shard vector)
 with the plan's local copies, done while its sends are in flight. The bytes reported are those the
@@ -50,7 +50,15 @@ from elaswave.comm.group import Group
 from elaswave.comm.links import LinkPool, PairGroup, pair
 from elaswave.comm.spec import GroupSpec
 from elaswave.comm.store import connect_store, serve_store
-from elaswave.fabric.contiguous import (
+from elaswave.fabric.layout import InterleavedLayout
+from elaswave.fabric.remap import shard_bounds
+from elaswave.logs import configure
+from elaswave.model.config import ModelConfig
+from elaswave.model.llama import TransformerBlock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the baselines: benchmarks/ beside scripts/, not installed
+from benchmarks.contiguous import (  # noqa: E402
     STATE_BYTES_PER_ELEMENT,
     ContiguousLayout,
     MigrationPlan,
@@ -61,14 +69,8 @@ from elaswave.fabric.contiguous import (
     plan_interleaved_stage_migration,
     reshard_numel_estimate,
 )
-from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.migration_exec import CountingLink, execute_migration
-from elaswave.fabric.remap import shard_bounds
-from elaswave.logs import configure
-from elaswave.model.config import ModelConfig
-from elaswave.model.llama import TransformerBlock
+from benchmarks.migration_exec import CountingLink, execute_migration  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MACHINE = "2-core CPU, gloo over loopback, 2 x D processes share 2 cores; measured"
 MODEL = ModelConfig(
     hidden_size=512, ffn_hidden_size=1280, num_heads=8, num_kv_heads=8, num_blocks=8, dropout=0.0
@@ -433,6 +435,63 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _report(rows: list[dict], *, numel: int, repeats: int, started: float) -> dict:
+    """What zero_migration_bench.json holds."""
+    return {
+        "machine": MACHINE,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": {
+            "hidden_size": MODEL.hidden_size,
+            "ffn_hidden_size": MODEL.ffn_hidden_size,
+            "num_heads": MODEL.num_heads,
+            "block_numel": numel,
+            "layers_per_stage": LAYERS_PER_STAGE,
+        },
+        "setup": "stage S = ranks 0..D-1 holds blocks 1-4, stage S+1 = ranks D..2D-1 holds "
+        "blocks 5-8; block 4 moves to stage S+1 as its first layer; fp32 master + exp_avg + "
+        "exp_avg_sq, 12 bytes per parameter, stored element-major ([numel, 3])",
+        "method": "2 x D worker processes forked from a forkserver with torch imported, "
+        "TCPStore in the parent, one torch thread each; transfers over pooled 2-rank gloo "
+        "links (elaswave.comm.links), all sends posted before any receive; every rank "
+        "rebuilds its whole local state vector and is checked against an oracle; bytes "
+        "are counted around the send calls; seconds from the earliest rank's start to the "
+        f"latest rank's end after a barrier; median of {repeats} repeats after 1 warm-up, "
+        "the layouts alternating which goes first",
+        "metrics": {
+            "bytes_moved": "bytes handed to send calls, summed over ranks (counters)",
+            "ratio": "bytes_moved / |O_i|",
+            "paper_ratio": "the paper's (D+1)/2 for contiguous (|O_i| + (D-1)/2 |O_i|), 1 for "
+            "interleaved",
+            "median_s": "whole migration: transfers plus rebuilding every rank's local vector",
+            "median_transfer_s": "the plan's sends and receives alone, into preallocated frames "
+            "(no allocation, no rank-local copies)",
+            "closed_form_ratio": "1 + sum over both stages of sum_{k=1}^{D-1} min(R/D, k n/D) / n "
+            "(R: elements staying in the stage; reshard_numel_estimate)",
+        },
+        "wall_s": time.monotonic() - started,
+        "rows": rows,
+    }
+
+
+def _print_table(rows: list[dict], repeats: int) -> None:
+    print()
+    print(f"Median over {repeats} repeats; {MACHINE}")
+    print(
+        "| layout | D | layer bytes |O_i| (MB) | bytes moved (MB, counted) | ratio to |O_i| "
+        "| paper (D+1)/2 | closed form | median s | median s, transfers only |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['dp']} | {r['layer_bytes'] / 1e6:.1f} | "
+            f"{r['bytes_moved'] / 1e6:.1f} | {r['ratio']:.3f} | {r['paper_ratio']:.2f} | "
+            f"{r['closed_form_ratio']:.3f} | {r['median_s']:.4f} | {r['median_transfer_s']:.4f} |"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
@@ -461,60 +520,12 @@ def main() -> int:
             )
         rows += mine
 
-    report = {
-        "machine": MACHINE,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": {
-            "hidden_size": MODEL.hidden_size,
-            "ffn_hidden_size": MODEL.ffn_hidden_size,
-            "num_heads": MODEL.num_heads,
-            "block_numel": numel,
-            "layers_per_stage": LAYERS_PER_STAGE,
-        },
-        "setup": "stage S = ranks 0..D-1 holds blocks 1-4, stage S+1 = ranks D..2D-1 holds "
-        "blocks 5-8; block 4 moves to stage S+1 as its first layer; fp32 master + exp_avg + "
-        "exp_avg_sq, 12 bytes per parameter, stored element-major ([numel, 3])",
-        "method": "2 x D worker processes forked from a forkserver with torch imported, "
-        "TCPStore in the parent, one torch thread each; transfers over pooled 2-rank gloo "
-        "links (elaswave.comm.links), all sends posted before any receive; every rank "
-        "rebuilds its whole local state vector and is checked against an oracle; bytes "
-        "are counted around the send calls; seconds from the earliest rank's start to the "
-        f"latest rank's end after a barrier; median of {args.repeats} repeats after 1 warm-up, "
-        "the layouts alternating which goes first",
-        "metrics": {
-            "bytes_moved": "bytes handed to send calls, summed over ranks (counters)",
-            "ratio": "bytes_moved / |O_i|",
-            "paper_ratio": "the paper's (D+1)/2 for contiguous (|O_i| + (D-1)/2 |O_i|), 1 for "
-            "interleaved",
-            "median_s": "whole migration: transfers plus rebuilding every rank's local vector",
-            "median_transfer_s": "the plan's sends and receives alone, into preallocated frames "
-            "(no allocation, no rank-local copies)",
-            "closed_form_ratio": "1 + sum over both stages of sum_{k=1}^{D-1} min(R/D, k n/D) / n "
-            "(R: elements staying in the stage; reshard_numel_estimate)",
-        },
-        "wall_s": time.monotonic() - started,
-        "rows": rows,
-    }
+    report = _report(rows, numel=numel, repeats=args.repeats, started=started)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "zero_migration_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, args.out / "zero_migration_bench.png")
 
-    print()
-    print(f"Median over {args.repeats} repeats; {MACHINE}")
-    print(
-        "| layout | D | layer bytes |O_i| (MB) | bytes moved (MB, counted) | ratio to |O_i| "
-        "| paper (D+1)/2 | closed form | median s | median s, transfers only |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['layout']} | {r['dp']} | {r['layer_bytes'] / 1e6:.1f} | "
-            f"{r['bytes_moved'] / 1e6:.1f} | {r['ratio']:.3f} | {r['paper_ratio']:.2f} | "
-            f"{r['closed_form_ratio']:.3f} | {r['median_s']:.4f} | {r['median_transfer_s']:.4f} |"
-        )
+    _print_table(rows, args.repeats)
     print(f"wrote {args.out / 'zero_migration_bench.json'} and .png in {report['wall_s']:.0f} s")
     return 0
 

@@ -1,5 +1,6 @@
 """Every message on the ElasWave bus: topics, event kinds and event schemas (the wire codec
-is :mod:`elaswave.bus.codec`).
+is :mod:`elaswave.bus.codec`; what every event shares, :mod:`elaswave.bus.envelope`,
+is re-exported here).
 
 This is the only module that defines event schemas. An event is a frozen, keyword-only
 dataclass deriving from :class:`Event`; each class names its :class:`EventKind` and the
@@ -25,72 +26,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import ClassVar, TypeVar
 
-from elaswave.bus.fields import FieldSpec, checker, type_name
-
-SCHEMA_VERSION = 1
-"""Version written into every event this code produces."""
-
-SUPPORTED_SCHEMA_VERSIONS: frozenset[int] = frozenset(range(1, SCHEMA_VERSION + 1))
-"""Versions :func:`decode` accepts; newer ones are refused."""
-
-KIND_KEY = "event_kind"
-"""Payload key holding the :class:`EventKind` value."""
-
-
-class SchemaError(ValueError):
-    """A message on the bus does not match any event schema this process understands."""
-
-
-class Topic(enum.StrEnum):
-    """Bus topics; the first frame of every message, used for SUB filtering."""
-
-    LIFECYCLE = "lifecycle"
-    METRICS = "metrics"
-    HEALTH = "health"
-    RECOVERY = "recovery"
-    CONTROL = "control"
-
-
-class EventKind(enum.StrEnum):
-    """One member per event class; the ``"event_kind"`` key of every payload."""
-
-    HELLO = "hello"
-    RUN_STARTED = "run_started"
-    WORKER_STARTED = "worker_started"
-    WORKER_FINISHED = "worker_finished"
-    RUN_FINISHED = "run_finished"
-    STEP_COMPLETED = "step_completed"
-    HEARTBEAT = "heartbeat"
-    RECOVERY_STARTED = "recovery_started"
-    RECOVERY_FINISHED = "recovery_finished"
-    FAILURE_DETECTED = "failure_detected"
-    RECOVERY_READY = "recovery_ready"
-    RECOVERY_PLAN = "recovery_plan"
-    RECOVERY_DONE = "recovery_done"
-    STEP_TIMING = "step_timing"
-    STRAGGLER_DETECTED = "straggler_detected"
-    PAUSE_REQUEST = "pause_request"
-    SCALE_REQUEST = "scale_request"
-    MIGRATION_DONE = "migration_done"
-    BEACON = "beacon"
-    RESEND_REQUEST = "resend_request"
-    PLAN_ACK = "plan_ack"
-    PLAN_COMMIT = "plan_commit"
-    WAITING_FOR_NODES = "waiting_for_nodes"
-    CHECKPOINT_REQUEST = "checkpoint_request"
-    CHECKPOINT_WRITTEN = "checkpoint_written"
-    NODE_JOINED = "node_joined"
-    NODE_HEARTBEAT = "node_heartbeat"
-    SPAWN_WORKER = "spawn_worker"
-    WORKER_SPAWNED = "worker_spawned"
-    WORKER_EXITED = "worker_exited"
-    SIGNAL_WORKER = "signal_worker"
+from elaswave.bus.envelope import CORE_SENDER as CORE_SENDER
+from elaswave.bus.envelope import EVENT_TYPES as EVENT_TYPES
+from elaswave.bus.envelope import FIELD_SPECS as FIELD_SPECS
+from elaswave.bus.envelope import KIND_KEY as KIND_KEY
+from elaswave.bus.envelope import SCHEMA_VERSION as SCHEMA_VERSION
+from elaswave.bus.envelope import SUPPORTED_SCHEMA_VERSIONS as SUPPORTED_SCHEMA_VERSIONS
+from elaswave.bus.envelope import Event as Event
+from elaswave.bus.envelope import EventKind as EventKind
+from elaswave.bus.envelope import SchemaError as SchemaError
+from elaswave.bus.envelope import Topic as Topic
+from elaswave.bus.envelope import register
+from elaswave.bus.envelope import sender_name as sender_name
 
 
 class RecoveryKind(enum.StrEnum):
@@ -105,76 +54,10 @@ class RecoveryKind(enum.StrEnum):
     """Ranks joined the job."""
 
 
-CORE_SENDER = "core"
-"""The Core's name on the bus."""
-
-
-def sender_name(rank: int, member: int = 0) -> str:
-    """A worker's name on the bus: ``rank3``, or ``rank3.1`` for TP member 1 of rank 3
-    (member 0 speaks for its tensor-parallel group)."""
-    return f"rank{rank}" if member == 0 else f"rank{rank}.{member}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Event:
-    """Fields every event carries.
-
-    ``sender`` names the publishing process (:data:`CORE_SENDER`, or
-    :func:`sender_name` of a worker: ``"rank3"``); ``seq`` is the
-    sender's message counter on the event's topic (stamped by the bus client, 1, 2, ...
-    per topic, so that a subscriber of a topic sees every number; 0 means unsequenced);
-    ``generation`` is the plan generation the sender was executing; ``time`` is the
-    sender's wall clock in seconds (stamped on publish when left at 0).
-    """
-
-    KIND: ClassVar[EventKind]
-    TOPIC: ClassVar[Topic]
-
-    sender: str
-    seq: int = 0
-    generation: int = 0
-    time: float = 0.0
-    schema_version: int = SCHEMA_VERSION
-
-
-_E = TypeVar("_E", bound=Event)
-
-# kind -> class, and kind -> how to check each field when decoding.
-_REGISTRY: dict[EventKind, type[Event]] = {}
-_FIELD_SPECS: dict[EventKind, tuple[FieldSpec, ...]] = {}
-
-EVENT_TYPES: Mapping[EventKind, type[Event]] = MappingProxyType(_REGISTRY)
-FIELD_SPECS: Mapping[EventKind, tuple[FieldSpec, ...]] = MappingProxyType(_FIELD_SPECS)
-"""Each kind's fields, checked on decoding (:mod:`elaswave.bus.codec`)."""
-"""Read-only map from every :class:`EventKind` to its event class."""
-
-
-def _register(cls: type[_E]) -> type[_E]:
-    """Class decorator: add an event class to the registry (once per kind)."""
-    kind = cls.__dict__.get("KIND")
-    if not isinstance(kind, EventKind) or not isinstance(cls.__dict__.get("TOPIC"), Topic):
-        raise TypeError(f"{cls.__name__} must define KIND: EventKind and TOPIC: Topic")
-    hints = typing.get_type_hints(cls)
-    if KIND_KEY in hints:
-        raise TypeError(f"{cls.__name__} may not define a field named {KIND_KEY!r}")
-    if kind in _REGISTRY:
-        raise TypeError(f"event kind {kind.value!r} registered twice ({_REGISTRY[kind].__name__})")
-    specs = []
-    for field in dataclasses.fields(cls):
-        required = (
-            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        )
-        tp = hints[field.name]
-        specs.append(FieldSpec(field.name, checker(tp), type_name(tp), required))
-    _REGISTRY[kind] = cls
-    _FIELD_SPECS[kind] = tuple(specs)
-    return cls
-
-
 # --------------------------------------------------------------------------- events
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class Hello(Event):
     """Bus-client handshake: a client publishes it until it hears its own ``nonce`` back."""
@@ -184,7 +67,7 @@ class Hello(Event):
     nonce: str
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RunStarted(Event):
     """The core launched a training run."""
@@ -202,7 +85,7 @@ class RunStarted(Event):
     """Processes per (stage, replica); ``world_size`` counts processes."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class WorkerStarted(Event):
     """A worker process joined: its rank and its place (stage, replica) in the mesh."""
@@ -218,7 +101,7 @@ class WorkerStarted(Event):
     """A worker added to a running job: it has no place yet (stage and replica -1)."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class WorkerFinished(Event):
     """A worker process left, cleanly (``ok``) or not (``reason`` says why)."""
@@ -230,7 +113,7 @@ class WorkerFinished(Event):
     reason: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RunFinished(Event):
     """The run ended after ``steps_completed`` optimizer steps."""
@@ -242,7 +125,7 @@ class RunFinished(Event):
     reason: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class StepCompleted(Event):
     """A rank finished optimizer step ``step``."""
@@ -256,7 +139,7 @@ class StepCompleted(Event):
     samples: int
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Event):
     """Periodic liveness signal from a rank."""
@@ -267,7 +150,7 @@ class Heartbeat(Event):
     step: int
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class StepTiming(Event):
     """How long a rank's compute took in one step, for the fail-slow detector.
@@ -290,7 +173,7 @@ class StepTiming(Event):
     :mod:`elaswave.runtime.worker.emulation`)."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryStarted(Event):
     """A recovery of ``kind`` (a :class:`RecoveryKind`) began for ``ranks``."""
@@ -303,7 +186,7 @@ class RecoveryStarted(Event):
     reason: str
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryFinished(Event):
     """A recovery ended: the redone step completed. ``mttr_s``: seconds from the failure
@@ -323,7 +206,7 @@ class RecoveryFinished(Event):
 # refers to: the failing one for FailureDetected/RecoveryReady, the new one afterwards.
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class FailureDetected(Event):
     """The Core declares ``ranks`` dead; every survivor abandons its step."""
@@ -336,7 +219,7 @@ class FailureDetected(Event):
     detail: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class StragglerDetected(Event):
     """The fail-slow detector's verdict changed: ``ranks`` are slow by ``factors`` (the
@@ -351,7 +234,7 @@ class StragglerDetected(Event):
     reason: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class PauseRequest(Event):
     """Every worker stops at the boundary after committing ``after_step`` (a worker
@@ -364,7 +247,7 @@ class PauseRequest(Event):
     reason: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class ScaleRequest(Event):
     """Someone (``elaswave scale``) asks the Core to add ``add`` workers to the job."""
@@ -375,7 +258,7 @@ class ScaleRequest(Event):
     reason: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryReady(Event):
     """A survivor has stopped at a step boundary; its last committed step."""
@@ -396,7 +279,7 @@ class RecoveryReady(Event):
     agree (and without TP)."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryPlan(Event):
     """The Core's decision. Workers recompute the plan from these inputs with the same
@@ -432,7 +315,7 @@ class RecoveryPlan(Event):
     it, replay checks it."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class WaitingForNodes(Event):
     """Too few ranks are left to form a pipeline: every stopped member keeps its state in
@@ -450,7 +333,7 @@ class WaitingForNodes(Event):
     reason: str
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class CheckpointRequest(Event):
     """A wait for joiners ran out: before the job stops, the stopped members write a
@@ -465,7 +348,7 @@ class CheckpointRequest(Event):
     writers: list[int]
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class CheckpointWritten(Event):
     """A member wrote its part of the checkpoint a CheckpointRequest asked for."""
@@ -477,7 +360,7 @@ class CheckpointWritten(Event):
     owners: list[int]
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class RecoveryDone(Event):
     """A survivor applied the plan; seconds spent per executor phase."""
@@ -495,7 +378,7 @@ class RecoveryDone(Event):
     and a blocking layer migration's copy); non-blocking migration streams them later."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class MigrationDone(Event):
     """A rank finished the transition step of a non-blocking layer migration."""
@@ -515,7 +398,7 @@ class MigrationDone(Event):
 # Delivery (see :mod:`elaswave.bus.reliable`).
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class Beacon(Event):
     """A sender's last ``seq`` on each reliable topic, published every beacon interval,
@@ -528,7 +411,7 @@ class Beacon(Event):
     """Last seq per topic of ``topics``, in the same order."""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class ResendRequest(Event):
     """Asks ``target`` to publish again its messages ``seqs`` of ``topic`` (kept in its
@@ -541,7 +424,7 @@ class ResendRequest(Event):
     seqs: list[int]
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class PlanAck(Event):
     """A participant recomputed the announced plan, found ``plan_digest``, and is ready to
@@ -554,7 +437,7 @@ class PlanAck(Event):
     attempt: int = 0
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class PlanCommit(Event):
     """Every participant acknowledged the plan ``plan_digest`` of ``generation``: apply it.
@@ -569,7 +452,7 @@ class PlanCommit(Event):
 # -- Node agents (one per host of a multi-host job; node 0's job host talks to them) --
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class NodeJoined(Event):
     """A host's agent is up and offers ``slots`` worker processes; ``incarnation``
@@ -583,7 +466,7 @@ class NodeJoined(Event):
     host: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class NodeHeartbeat(Event):
     """Periodic liveness of a host's agent: its silence is the loss of the host."""
@@ -594,7 +477,7 @@ class NodeHeartbeat(Event):
     incarnation: str
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class SpawnWorker(Event):
     """Node 0's job host asks the agent ``(node, incarnation)`` to start worker ``rank``
@@ -608,7 +491,7 @@ class SpawnWorker(Event):
     join: bool = False
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpawned(Event):
     """An agent started worker ``rank`` as process ``pid``, or could not (``error``)."""
@@ -621,7 +504,7 @@ class WorkerSpawned(Event):
     error: str = ""
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class WorkerExited(Event):
     """Worker ``rank`` of an agent's host exited with ``code`` (``-signal`` for a
@@ -634,7 +517,7 @@ class WorkerExited(Event):
     code: int
 
 
-@_register
+@register
 @dataclass(frozen=True, kw_only=True)
 class SignalWorker(Event):
     """Node 0's job host asks an agent to send ``signal`` to worker ``rank``."""
@@ -646,5 +529,5 @@ class SignalWorker(Event):
     signal: int
 
 
-_missing_kinds = set(EventKind) - set(_REGISTRY)
+_missing_kinds = set(EventKind) - set(EVENT_TYPES)
 assert not _missing_kinds, f"event kinds without a class: {_missing_kinds}"

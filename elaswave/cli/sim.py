@@ -59,6 +59,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "OUT/sim.json and OUT/sim.png. Recovery control-plane times are assumptions, "
         "printed with the result; plans and step times are the runtime's own.",
     )
+    _add_job_flags(p)
+    _add_trace_flags(p)
+    _add_output_flags(p)
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The job: model, device, layout, how long it runs."""
     p.add_argument("--model", default="llama2-7b", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--device", default="ascend-910b", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--tp", type=int, default=4)
@@ -94,6 +101,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the simulated span in hours (default: the trace's end from the job's start, "
         "or --steps fault-free steps)",
     )
+
+
+def _add_trace_flags(p: argparse.ArgumentParser) -> None:
+    """Where the trace comes from, and the generators' settings."""
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--trace",
@@ -130,6 +141,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --spot-hours: mean nodes a burst reclaims (default 5%% of the cluster)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of --mtbf-hours and --spot-hours")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Which policies run, and where the results go."""
     p.add_argument(
         "--policies",
         default=",".join(p.value for p in SimPolicy),

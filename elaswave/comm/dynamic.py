@@ -1,28 +1,19 @@
 """The dynamic communicator (§6.1): a membership change edits only what it touches.
 
 When ranks leave (or join), the worker's named groups are carried into the new
-membership by one of three strategies, the paper's method and its two baselines:
-
-* :attr:`RebuildStrategy.EDIT` (the dynamic communicator): every group whose members did
-  not change is reused as the same object; a ring (DP group) that lost or gained members
-  is re-formed over the links it already has, creating only the missing ones (one
-  failure in a ring of D >= 4: one new link, between the failed rank's two neighbours);
-  every 2-rank group (a pipeline route, a snapshot or remap link) is a view over the
-  pooled link of its pair, so a change connects only pairs that no link serves yet,
-  whatever purpose the existing link was made for; links and groups to a removed rank
-  are dropped without any collective on them.
-* :attr:`RebuildStrategy.PARTIAL` (partial restart): every group whose members changed
-  is created from scratch as a full gloo process group; the others are reused.
-* :attr:`RebuildStrategy.FULL` (full restart): every group and link is dropped and the
-  job's communication is initialised again the way a torch job initialises it at
-  start-up (Megatron's ``initialize_model_parallel``): ``init_process_group`` over every
-  survivor (the global communicator), then ``new_group`` for every group of the job in
-  one global order, every rank taking part in the creation of every group.
+membership by editing them: every group whose members did not change is reused as the
+same object; a ring (DP group) that lost or gained members is re-formed over the links it
+already has, creating only the missing ones (one failure in a ring of D >= 4: one new
+link, between the failed rank's two neighbours); every 2-rank group (a pipeline route, a
+snapshot or remap link) is a view over the pooled link of its pair, so a change connects
+only pairs that no link serves yet, whatever purpose the existing link was made for;
+links and groups to a removed rank are dropped without any collective on them. (The
+paper's baselines, a partial and a full restart of the communicator, are in
+``benchmarks/rebuild.py``, which builds on this module.)
 
 Which groups are rings is decided by a predicate (by default the trainer's DP groups,
-``dp.s{stage}``, see :func:`elaswave.engine.plan.dp_group_name`). Under EDIT every other
-2-rank group is a :class:`~elaswave.comm.links.PairGroup`; larger groups are gloo
-groups.
+``dp.s{stage}``, see :func:`elaswave.engine.plan.dp_group_name`). Every other 2-rank group
+is a :class:`~elaswave.comm.links.PairGroup`; larger groups are gloo groups.
 
 The plan of a change is a pure function of this rank's groups, its pooled links and the
 new membership (:func:`plan_change`); :class:`DynamicCommunicator` executes it. Only
@@ -34,9 +25,8 @@ for the reason given in :mod:`elaswave.comm.communicator`. A rank that joins cal
 
 from __future__ import annotations
 
-import enum
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -56,11 +46,8 @@ log = structlog.get_logger(__name__)
 DP_GROUP_PREFIX = "dp."
 """Prefix of the trainer's DP group names (``dp.s{stage}``)."""
 
-
-class RebuildStrategy(enum.StrEnum):
-    EDIT = "edit"
-    PARTIAL = "partial"
-    FULL = "full"
+EDIT = "edit"
+"""The :attr:`ChangeStats.strategy` of the dynamic communicator's changes."""
 
 
 def is_dp_group(spec: GroupSpec) -> bool:
@@ -91,11 +78,10 @@ def shrink_specs(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChangePlan:
     """What one rank does for one membership change."""
 
-    strategy: RebuildStrategy
     reuse: tuple[str, ...]
     """Groups carried over as the same objects."""
     rings: tuple[GroupSpec, ...]
@@ -106,40 +92,18 @@ class ChangePlan:
     """Groups created as full process groups, in creation order (by name)."""
     drop: tuple[str, ...]
     """Groups of the old membership not carried over."""
-    world: tuple[int, ...]
-    """FULL only: the ranks of the re-initialised global group, in rank order. Every one
-    of them takes part in creating every group of ``groups``, which then holds every
-    group of the job, not only this rank's."""
     retire_links: tuple[Pair, ...]
-    """Pooled links taken out: those touching a removed rank (all of them for FULL)."""
+    """Pooled links taken out: those touching a removed rank."""
     new_links: tuple[Pair, ...]
     """Links this rank creates for its rings, in creation order (by pair)."""
     kept_links: tuple[Pair, ...]
     """Pooled links the (re-)formed rings use again."""
 
 
-def plan_change(
-    *,
-    rank: int,
-    current: Iterable[GroupSpec],
-    pooled: Collection[Pair],
-    specs: Iterable[GroupSpec],
-    removed: Collection[int] = (),
-    strategy: RebuildStrategy = RebuildStrategy.EDIT,
-    is_ring: Callable[[GroupSpec], bool] = is_dp_group,
-    rebuild: Callable[[GroupSpec], bool] = _never,
-) -> ChangePlan:
-    """Plan the change of this rank's groups from ``current`` to ``specs`` (pure).
-
-    ``current`` are the specs of the groups this rank holds, ``pooled`` its links,
-    ``specs`` the new membership's groups (those without this rank are ignored, except
-    under FULL, where every rank creates every group of the job: there ``specs`` must be
-    the whole job's groups, the same on every survivor). A group
-    is reused only if its spec is unchanged and ``rebuild(spec)`` is false; under EDIT a
-    rebuilt ring is re-formed over the links it has (no new link, fresh tag space).
-    """
-    strategy = RebuildStrategy(strategy)
-    specs = list(specs)
+def check_change(*, rank: int, specs: Sequence[GroupSpec], removed: Collection[int]) -> None:
+    """ValueError unless ``specs`` can be the membership after ``removed`` leave, as
+    applied by ``rank``: group names are unique, ``rank`` is a survivor, and no group
+    holds a removed rank."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate group names in {sorted(names)}")
@@ -149,34 +113,36 @@ def plan_change(
     if stale:
         raise ValueError(f"groups {stale} still contain removed ranks {sorted(removed)}")
 
-    old = {s.name: s for s in current}
-    if strategy is RebuildStrategy.FULL:
-        retire = sorted(pooled)
-    else:
-        retire = sorted(p for p in pooled if p[0] in removed or p[1] in removed)
-    pooled_after = set(pooled) - set(retire)
 
-    if strategy is RebuildStrategy.FULL:
-        world = sorted({r for s in specs for r in s.ranks} | {rank})
-        return ChangePlan(
-            strategy=strategy,
-            reuse=(),
-            rings=(),
-            pairs=(),
-            groups=tuple(sorted(specs, key=lambda s: s.name)),
-            drop=tuple(sorted(old)),
-            world=tuple(world),
-            retire_links=tuple(retire),
-            new_links=(),
-            kept_links=(),
-        )
+def plan_change(
+    *,
+    rank: int,
+    current: Iterable[GroupSpec],
+    pooled: Collection[Pair],
+    specs: Iterable[GroupSpec],
+    removed: Collection[int] = (),
+    is_ring: Callable[[GroupSpec], bool] = is_dp_group,
+    rebuild: Callable[[GroupSpec], bool] = _never,
+) -> ChangePlan:
+    """Plan the change of this rank's groups from ``current`` to ``specs`` (pure).
+
+    ``current`` are the specs of the groups this rank holds, ``pooled`` its links,
+    ``specs`` the new membership's groups (those without this rank are ignored). A group
+    is reused only if its spec is unchanged and ``rebuild(spec)`` is false; a rebuilt
+    ring is re-formed over the links it has (no new link, fresh tag space).
+    """
+    specs = list(specs)
+    check_change(rank=rank, specs=specs, removed=removed)
+    old = {s.name: s for s in current}
+    retire = sorted(p for p in pooled if p[0] in removed or p[1] in removed)
+    pooled_after = set(pooled) - set(retire)
     reuse, rings, pairs, groups = [], [], [], []
     for spec in sorted((s for s in specs if rank in s.ranks), key=lambda s: s.name):
         if old.get(spec.name) == spec and not rebuild(spec):
             reuse.append(spec.name)
-        elif strategy is RebuildStrategy.EDIT and is_ring(spec):
+        elif is_ring(spec):
             rings.append(spec)
-        elif strategy is RebuildStrategy.EDIT and len(spec.ranks) == 2:
+        elif len(spec.ranks) == 2:
             pairs.append(spec)
         else:
             groups.append(spec)
@@ -185,26 +151,26 @@ def plan_change(
         | {pair(*s.ranks) for s in pairs}
     )
     return ChangePlan(
-        strategy=strategy,
         reuse=tuple(reuse),
         rings=tuple(rings),
         pairs=tuple(pairs),
         groups=tuple(groups),
         drop=tuple(sorted(set(old) - set(reuse))),
-        world=(),
         retire_links=tuple(retire),
         new_links=tuple(p for p in needed if p not in pooled_after),
         kept_links=tuple(p for p in needed if p in pooled_after),
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChangeStats:
     """One rank's account of one change. Link counts are this rank's pairwise
     connections: a new 2-rank link counts once on each end, a new full group of n
-    members n - 1 on each member (a full rebuild's global group of N ranks: N - 1)."""
+    members n - 1 on each member."""
 
-    strategy: RebuildStrategy
+    strategy: str
+    """How the groups were carried over: :data:`EDIT` (the baselines in
+    ``benchmarks/rebuild.py`` name theirs)."""
     generation: int
     rank: int
     seconds: float
@@ -217,9 +183,7 @@ class ChangeStats:
     links_retired: int
 
     def to_dict(self) -> dict[str, object]:
-        out = asdict(self)
-        out["strategy"] = str(self.strategy)
-        return out
+        return asdict(self)
 
 
 class DynamicCommunicator:
@@ -288,26 +252,18 @@ class DynamicCommunicator:
         specs: Iterable[GroupSpec] | None = None,
         *,
         removed: Collection[int] = (),
-        strategy: RebuildStrategy = RebuildStrategy.EDIT,
         generation: int | None = None,
         rebuild: Callable[[GroupSpec], bool] = _never,
     ) -> ChangeStats:
-        """Carry the groups into the new membership ``specs`` by ``strategy``.
+        """Carry the groups into the new membership ``specs`` by editing them.
 
         ``specs`` defaults to this rank's groups with ``removed`` taken out
         (:func:`shrink_specs`); for ranks joining, pass the new membership's specs.
         ``generation`` (default: current + 1) names the new groups' store prefixes and
         must be the same on every member. Returns this rank's :class:`ChangeStats`.
         """
-        new_generation = self.generation + 1 if generation is None else generation
-        if new_generation <= self.generation:
-            raise ValueError(
-                f"generation {new_generation} must be above the current {self.generation}"
-            )
-        strategy = RebuildStrategy(strategy)
+        new_generation = self.next_generation(generation)
         if specs is None:
-            if strategy is RebuildStrategy.FULL:
-                raise ValueError("a full rebuild creates every group of the job: pass specs")
             specs = shrink_specs(self._comm.specs, removed, is_ring=self.is_ring)
         plan = plan_change(
             rank=self.rank,
@@ -315,38 +271,22 @@ class DynamicCommunicator:
             pooled=self.links.pairs,
             specs=specs,
             removed=removed,
-            strategy=strategy,
             is_ring=self.is_ring,
             rebuild=rebuild,
         )
         return self._execute(plan, new_generation, removed=removed)
 
-    # ----------------------------------------------------------------- execution
-
-    def _initialise_world(self, plan: ChangePlan, generation: int, into: Communicator) -> None:
-        """FULL: initialise communication again as a torch job does at start-up.
-
-        The global group over every survivor (``init_process_group``, replacing the one
-        a previous full rebuild made), then ``new_group`` for every group of the job in
-        name order; each call is collective over the whole world (a store barrier), as in
-        Megatron's ``initialize_model_parallel``. Members keep their groups.
-        """
-        world = list(plan.world)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(
-            self.backend.name,
-            store=dist.PrefixStore(f"world/g{generation}", self.store),
-            rank=world.index(self.rank),
-            world_size=len(world),
-            timeout=self.timeout,
-        )
-        for spec in plan.groups:
-            pg = dist.new_group(
-                [world.index(r) for r in spec.ranks], timeout=self.timeout, sort_ranks=False
+    def next_generation(self, generation: int | None) -> int:
+        """``generation``, or the current one + 1 by default; it must be above the
+        current one."""
+        new_generation = self.generation + 1 if generation is None else generation
+        if new_generation <= self.generation:
+            raise ValueError(
+                f"generation {new_generation} must be above the current {self.generation}"
             )
-            if self.rank in spec.ranks:
-                into.put(Group(spec, pg, self.rank, self.timeout, self.abort))
+        return new_generation
+
+    # ----------------------------------------------------------------- execution
 
     def _communicator(self, generation: int) -> Communicator:
         return Communicator(
@@ -363,20 +303,14 @@ class DynamicCommunicator:
     ) -> ChangeStats:
         started = time.perf_counter()
         old = self._comm
-        if plan.strategy is RebuildStrategy.FULL:
-            retired_links = self.links.retire()
-        else:
-            retired_links = self.links.retire(removed)
+        retired_links = self._retire_links(plan, removed)
         assert tuple(retired_links) == plan.retire_links, (retired_links, plan.retire_links)
 
         new = self._communicator(generation)
         for name in plan.reuse:
             new.put(old[name])
         # One global creation order: full groups by name, then links by pair.
-        if plan.strategy is RebuildStrategy.FULL:
-            self._initialise_world(plan, generation, new)
-        else:
-            new.build(plan.groups)
+        self._create_groups(plan, generation, new)
         created_links = self.links.connect(plan.new_links, generation=generation)
         for spec in plan.rings:
             new.put(
@@ -396,10 +330,36 @@ class DynamicCommunicator:
         old.dropped = dropped
         self._comm = new
         seconds = time.perf_counter() - started
+        stats = self._stats(
+            plan,
+            generation=generation,
+            seconds=seconds,
+            created_links=created_links,
+            retired_links=len(retired_links),
+        )
+        log.info("communicator.changed", **stats.to_dict())
+        return stats
 
-        reused = [new[name] for name in plan.reuse]
+    def _retire_links(self, plan: ChangePlan, removed: Collection[int]) -> list[Pair]:
+        """Take the pooled links touching a removed rank out of the pool."""
+        return self.links.retire(removed)
+
+    def _create_groups(self, plan: ChangePlan, generation: int, into: Communicator) -> None:
+        """Create the plan's full groups, by name (the links come after)."""
+        into.build(plan.groups)
+
+    def _stats(
+        self,
+        plan: ChangePlan,
+        *,
+        generation: int,
+        seconds: float,
+        created_links: int,
+        retired_links: int,
+    ) -> ChangeStats:
+        """This rank's account of ``plan``, executed (the groups now in :attr:`comm`)."""
+        reused = [self._comm[name] for name in plan.reuse]
         mine = [s for s in plan.groups if self.rank in s.ranks]
-        world_links = len(plan.world) - 1 if plan.world else 0
         pooled_links = set(plan.kept_links)
         full_links = 0
         for group in reused:
@@ -410,17 +370,15 @@ class DynamicCommunicator:
             else:
                 assert isinstance(group, Group)
                 full_links += group.size - 1
-        stats = ChangeStats(
-            strategy=plan.strategy,
+        return ChangeStats(
+            strategy=EDIT,
             generation=generation,
             rank=self.rank,
             seconds=seconds,
-            groups_created=len(plan.rings) + len(plan.pairs) + len(mine) + int(bool(plan.world)),
+            groups_created=len(plan.rings) + len(plan.pairs) + len(mine),
             groups_reused=len(plan.reuse),
             groups_dropped=len(plan.drop),
-            links_created=created_links + world_links + sum(len(s.ranks) - 1 for s in mine),
+            links_created=created_links + sum(len(s.ranks) - 1 for s in mine),
             links_reused=len(pooled_links) + full_links,
-            links_retired=len(retired_links),
+            links_retired=retired_links,
         )
-        log.info("communicator.changed", **stats.to_dict())
-        return stats

@@ -115,7 +115,6 @@ class P2PGroup(GroupMember, P2PLink, Protocol):
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work: ...
     def wait_recv(self, work: dist.Work) -> None: ...
-    def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
     def wait_detached(self, work: dist.Work, op: str) -> None: ...
 
@@ -243,17 +242,13 @@ class Group:
     def wait_recv(self, work: dist.Work) -> None:
         self._wait(work, "recv")
 
-    def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Send and wait on the calling thread, unbounded and deaf to the abort signal.
+    def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Receive and wait on the calling thread, unbounded and deaf to the abort signal.
 
         For background threads that may be abandoned mid-wait (they then stay blocked,
         holding this group, which must therefore never be destroyed). A dead peer still
         ends the wait with :class:`CommError`.
         """
-        self.wait_detached(self.isend(tensor, peer, tag), "send")
-
-    def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Receive on the calling thread; see :meth:`send_detached`."""
         try:
             work = self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
         except RuntimeError as exc:
@@ -261,7 +256,7 @@ class Group:
         self.wait_detached(work, "recv")
 
     def wait_detached(self, work: dist.Work, op: str) -> None:
-        """Wait for posted work on the calling thread; see :meth:`send_detached`."""
+        """Wait for posted work on the calling thread; see :meth:`recv_detached`."""
         try:
             work.wait(DETACHED)
         except RuntimeError as exc:

@@ -211,13 +211,9 @@ class PairGroup:
     def wait_recv(self, work: dist.Work) -> None:
         self._wait(work, "recv")
 
-    def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Send and wait on the calling thread, unbounded and deaf to the abort signal
-        (for background threads that may be abandoned mid-wait)."""
-        self.wait_detached(self.isend(tensor, peer, tag), "send")
-
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Receive on the calling thread; see :meth:`send_detached`."""
+        """Receive and wait on the calling thread, unbounded and deaf to the abort signal
+        (for background threads that may be abandoned mid-wait)."""
         try:
             work = self.link.recv(tensor, peer, tag)
         except RuntimeError as exc:
@@ -225,7 +221,7 @@ class PairGroup:
         self.wait_detached(work, "recv")
 
     def wait_detached(self, work: dist.Work, op: str) -> None:
-        """Wait for posted work on the calling thread; see :meth:`send_detached`."""
+        """Wait for posted work on the calling thread; see :meth:`recv_detached`."""
         try:
             work.wait(DETACHED)
         except RuntimeError as exc:

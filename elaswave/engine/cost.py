@@ -485,8 +485,29 @@ def segment_tables(
     and ``sigma_b`` (one value or one per stage) default to 0: no overlap, the
     conservative choice until they are profiled.
     """
+    _check_segments(layers, stages, device)
     num_layers, num_stages = len(layers), len(stages)
-    if num_stages < 1:
+    sf = _per_stage(sigma_f, num_stages, "sigma_f")[:, None, None]
+    sb = _per_stage(sigma_b, num_stages, "sigma_b")[:, None, None]
+    times, scratch = _time_table(layers, stages, device, sf, sb)
+    memory = _memory_table(
+        layers,
+        stages,
+        num_micro_batches=num_micro_batches,
+        param_bytes=param_bytes,
+        optimizer_bytes=optimizer_bytes,
+        scratch=scratch,
+    )
+    empty = np.tril(np.ones((num_layers + 1, num_layers + 1), dtype=bool))
+    np.copyto(times, np.inf, where=empty)
+    np.copyto(memory, np.inf, where=empty)
+    return times, memory
+
+
+def _check_segments(
+    layers: Sequence[LayerCost], stages: Sequence[StageSpec], device: DeviceSpec
+) -> None:
+    if len(stages) < 1:
         raise ValueError("no stages to plan")
     for position, layer in enumerate(layers):
         if layer.index != position:
@@ -497,20 +518,14 @@ def segment_tables(
                 f"stage {stage} clock {spec.mhz!r} MHz is outside {device.name}'s range "
                 f"[{device.min_mhz:g}, {device.max_mhz:g}] MHz"
             )
-    sf = _per_stage(sigma_f, num_stages, "sigma_f")[:, None, None]
-    sb = _per_stage(sigma_b, num_stages, "sigma_b")[:, None, None]
 
-    dp = np.array([s.dp for s in stages], dtype=np.float64)
-    mb = np.array([s.micro_batch for s in stages], dtype=np.float64)
-    work = np.array([s.micro_batch if s.samples is None else s.samples for s in stages])
-    rate = np.array([device.flops_per_s(s.mhz) / s.slowdown for s in stages])
-    fwd = _segments(_prefix([layer.fwd_flops_per_sample for layer in layers]))
-    bwd = _segments(_prefix([layer.bwd_flops_per_sample for layer in layers]))
-    params = _segments(_prefix([float(layer.params) for layer in layers]))
-    acts = _segments(_prefix([layer.activation_bytes_per_sample for layer in layers]))
-    cf = (work / rate)[:, None, None] * fwd[None]
-    cb = (work / rate)[:, None, None] * bwd[None]
 
+def _boundary_sends(
+    layers: Sequence[LayerCost], stages: Sequence[StageSpec], device: DeviceSpec
+) -> tuple[FloatArray, FloatArray]:
+    """Seconds stage ``p`` sends activations to ``p + 1`` when its segment ends at ``b``
+    (``[p, b]``), and gradients to ``p - 1`` when it starts at ``a`` (``[p, a]``)."""
+    num_layers, num_stages = len(layers), len(stages)
     # Bytes per sample crossing a boundary at position k: the output of layer k - 1.
     out = np.zeros(num_layers + 1)
     out[1:num_layers] = [layer.output_bytes_per_sample for layer in layers[:-1]]
@@ -523,6 +538,25 @@ def segment_tables(
             samples = max(stages[stage].micro_batch, stages[peer].micro_batch)
             latency = fan_out(stages[stage].dp, stages[peer].dp) * device.latency_s
             table[stage] = np.where(out > 0, out * samples / device.p2p_bytes_per_s + latency, 0.0)
+    return send_next, send_prev
+
+
+def _time_table(
+    layers: Sequence[LayerCost],
+    stages: Sequence[StageSpec],
+    device: DeviceSpec,
+    sf: FloatArray,
+    sb: FloatArray,
+) -> tuple[FloatArray, FloatArray]:
+    """Mini-step seconds of every segment on every stage (below the diagonal too), and
+    a scratch array of the same shape."""
+    work = np.array([s.micro_batch if s.samples is None else s.samples for s in stages])
+    rate = np.array([device.flops_per_s(s.mhz) / s.slowdown for s in stages])
+    fwd = _segments(_prefix([layer.fwd_flops_per_sample for layer in layers]))
+    bwd = _segments(_prefix([layer.bwd_flops_per_sample for layer in layers]))
+    cf = (work / rate)[:, None, None] * fwd[None]
+    cb = (work / rate)[:, None, None] * bwd[None]
+    send_next, send_prev = _boundary_sends(layers, stages, device)
     # Eq. 1 as in ministep_time, with in-place steps (same operations, same rounding):
     # the tables are P (L+1)^2 and temporaries dominate the cost.
     times = cf + cb
@@ -532,7 +566,25 @@ def segment_tables(
     np.multiply(sb, cb, out=exposed)
     np.subtract(send_prev[:, :, None], exposed, out=exposed)
     times += np.maximum(exposed, 0.0, out=exposed)
+    return times, exposed
 
+
+def _memory_table(
+    layers: Sequence[LayerCost],
+    stages: Sequence[StageSpec],
+    *,
+    num_micro_batches: int | None,
+    param_bytes: float,
+    optimizer_bytes: float,
+    scratch: FloatArray,
+) -> FloatArray:
+    """Per-rank bytes of every segment on every stage (below the diagonal too);
+    ``scratch`` (of the table's shape) is overwritten."""
+    num_stages = len(stages)
+    dp = np.array([s.dp for s in stages], dtype=np.float64)
+    mb = np.array([s.micro_batch for s in stages], dtype=np.float64)
+    params = _segments(_prefix([float(layer.params) for layer in layers]))
+    acts = _segments(_prefix([layer.activation_bytes_per_sample for layer in layers]))
     live = np.array(
         [
             in_flight(stage=p, num_stages=num_stages, num_micro_batches=num_micro_batches)
@@ -542,9 +594,5 @@ def segment_tables(
     )
     per_param = (2.0 * param_bytes + optimizer_bytes / dp)[:, None, None]
     memory = per_param * params[None]
-    memory += np.multiply((live * mb)[:, None, None], acts[None], out=exposed)
-
-    empty = np.tril(np.ones((num_layers + 1, num_layers + 1), dtype=bool))
-    np.copyto(times, np.inf, where=empty)
-    np.copyto(memory, np.inf, where=empty)
-    return times, memory
+    memory += np.multiply((live * mb)[:, None, None], acts[None], out=scratch)
+    return memory

@@ -90,6 +90,53 @@ def plan_frequency(
     bisection bracket. ``observe`` is called at most ``log2((max - current) / step) + 3``
     times.
     """
+    _check_inputs(
+        current_mhz=current_mhz,
+        max_mhz=max_mhz,
+        target_s=target_s,
+        tolerance_s=tolerance_s,
+        min_step_mhz=min_step_mhz,
+    )
+    timed = _Timed(observe)
+    bound = target_s + tolerance_s
+    target = f"target {_ms(target_s)} ± {_ms(tolerance_s)}"
+    t_cur = timed(current_mhz)
+    if abs(t_cur - target_s) <= tolerance_s:
+        return timed.decision(
+            current_mhz,
+            FrequencyStatus.ACHIEVABLE,
+            f"{_ms(t_cur)} at the current {_mhz(current_mhz)} is within the {target}; "
+            "frequency kept",
+        )
+    if t_cur < target_s:
+        return timed.decision(
+            current_mhz,
+            FrequencyStatus.ACHIEVABLE,
+            f"{_ms(t_cur)} at the current {_mhz(current_mhz)} is already faster than the "
+            f"{target}; frequency kept (the planner only up-clocks stragglers)",
+        )
+
+    t_max = t_cur if max_mhz == current_mhz else timed(max_mhz)
+    if t_max > bound:
+        return timed.decision(
+            max_mhz,
+            FrequencyStatus.UNACHIEVABLE,
+            f"even the maximum {_mhz(max_mhz)} gives {_ms(t_max)}, slower than the "
+            f"{target}: the gap is not compute-bound; the maximum is the closest it gets",
+        )
+    lo, hi, t_hi = _bisect(timed, current_mhz, max_mhz, t_max, bound, min_step_mhz)
+    return timed.decision(
+        hi,
+        FrequencyStatus.ACHIEVABLE,
+        f"{_ms(t_cur)} at the current {_mhz(current_mhz)} misses the {target}; "
+        f"{_mhz(hi)} gives {_ms(t_hi)} (bisection to within {min_step_mhz:g} MHz "
+        f"over {len(timed.observations)} observations; {_mhz(lo)} is too slow)",
+    )
+
+
+def _check_inputs(
+    *, current_mhz: float, max_mhz: float, target_s: float, tolerance_s: float, min_step_mhz: float
+) -> None:
     _check_finite("current_mhz", current_mhz, positive=True)
     _check_finite("max_mhz", max_mhz, positive=True)
     _check_finite("target_s", target_s, positive=True)
@@ -103,52 +150,35 @@ def plan_frequency(
     if tolerance_s < 0:
         raise ValueError(f"tolerance_s must be >= 0, got {tolerance_s}")
 
-    observations: list[tuple[float, float]] = []
 
-    def timed(mhz: float) -> float:
-        seconds = observe(mhz)
+class _Timed:
+    """``observe``, checked, with every ``(mhz, seconds)`` it returned kept in order."""
+
+    def __init__(self, observe: Callable[[float], float]) -> None:
+        self.observe = observe
+        self.observations: list[tuple[float, float]] = []
+
+    def __call__(self, mhz: float) -> float:
+        seconds = self.observe(mhz)
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(
                 f"observe({mhz}) returned {seconds!r}; a mini-step time must be a finite "
                 "number of seconds >= 0"
             )
-        observations.append((mhz, seconds))
+        self.observations.append((mhz, seconds))
         return seconds
 
-    def decision(mhz: float, status: FrequencyStatus, reason: str) -> FrequencyDecision:
+    def decision(self, mhz: float, status: FrequencyStatus, reason: str) -> FrequencyDecision:
         return FrequencyDecision(
-            mhz=mhz, status=status, observations=tuple(observations), reason=reason
+            mhz=mhz, status=status, observations=tuple(self.observations), reason=reason
         )
 
-    bound = target_s + tolerance_s
-    target = f"target {_ms(target_s)} ± {_ms(tolerance_s)}"
-    t_cur = timed(current_mhz)
-    if abs(t_cur - target_s) <= tolerance_s:
-        return decision(
-            current_mhz,
-            FrequencyStatus.ACHIEVABLE,
-            f"{_ms(t_cur)} at the current {_mhz(current_mhz)} is within the {target}; "
-            "frequency kept",
-        )
-    if t_cur < target_s:
-        return decision(
-            current_mhz,
-            FrequencyStatus.ACHIEVABLE,
-            f"{_ms(t_cur)} at the current {_mhz(current_mhz)} is already faster than the "
-            f"{target}; frequency kept (the planner only up-clocks stragglers)",
-        )
 
-    t_max = t_cur if max_mhz == current_mhz else timed(max_mhz)
-    if t_max > bound:
-        return decision(
-            max_mhz,
-            FrequencyStatus.UNACHIEVABLE,
-            f"even the maximum {_mhz(max_mhz)} gives {_ms(t_max)}, slower than the "
-            f"{target}: the gap is not compute-bound; the maximum is the closest it gets",
-        )
-
-    # Invariant: lo was observed to miss the target, hi was observed to meet it.
-    lo, hi, t_hi = current_mhz, max_mhz, t_max
+def _bisect(
+    timed: _Timed, lo: float, hi: float, t_hi: float, bound: float, min_step_mhz: float
+) -> tuple[float, float, float]:
+    """(lo, hi, time at hi) of the bracket narrowed below ``min_step_mhz``, from ``lo``
+    observed to miss ``bound`` and ``hi`` observed to meet it (which stays true)."""
     while hi - lo >= min_step_mhz:
         mid = (lo + hi) / 2
         t_mid = timed(mid)
@@ -156,10 +186,4 @@ def plan_frequency(
             hi, t_hi = mid, t_mid
         else:
             lo = mid
-    return decision(
-        hi,
-        FrequencyStatus.ACHIEVABLE,
-        f"{_ms(t_cur)} at the current {_mhz(current_mhz)} misses the {target}; "
-        f"{_mhz(hi)} gives {_ms(t_hi)} (bisection to within {min_step_mhz:g} MHz "
-        f"over {len(observations)} observations; {_mhz(lo)} is too slow)",
-    )
+    return lo, hi, t_hi

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.comm.spec import MAX_MICRO_BATCHES
@@ -177,126 +177,223 @@ def reshape(
     """
     if rebalancing.device is None or not rebalancing.layers:
         raise ValueError("reshape needs the cost model's layers and device")
-    device, layers = rebalancing.device, rebalancing.layers
     failed = set(failed)
-    slow = {r: f for r, f in rebalancing.slowdowns.items() if r not in failed}
     survivors = [[r for r in s.ranks if r not in failed] for s in plan.stages]
     total = sum(map(len, survivors)) + len(joined)
     if total == 0:
         raise Unrecoverable(f"ranks {sorted(failed)} failed: no rank is left to train")
+    pricing = _Pricing.of(plan, failed, rebalancing, horizon=horizon, samples=samples)
+    candidates: list[tuple[Plan, str]] = []
+    if all(survivors):
+        candidates += _kept(plan, failed, rebalancing, joined)
+    if total >= plan.pp and (reassigned := _reassigned(pricing, survivors, joined, search)):
+        candidates.append(reassigned)
+    ranks = [r for s in survivors for r in s] + list(joined)
+    most_stages = max(plan.pp, max_stages or plan.pp)
+    candidates += _other_pipelines(
+        pricing, ranks, most_stages=most_stages, samples=samples, shorter=shorter
+    )
+    if not candidates:
+        raise Unrecoverable(
+            f"{total} ranks left for a pipeline of {plan.pp} stages, and no pipeline of "
+            f"at most {most_stages} stages over them fits in their memory"
+        )
+    return _cheapest(pricing, candidates)
 
-    def finish(trial: Plan) -> Plan:
+
+@dataclass(frozen=True, kw_only=True)
+class _Pricing:
+    """What every candidate of one :func:`reshape` is priced against."""
+
+    plan: Plan
+    """The plan being reshaped; candidates are one generation after it."""
+    rebalancing: Rebalancing
+    """The job's throughput planner policy, applied to every candidate."""
+    layers: Sequence[LayerCost]
+    device: DeviceSpec
+    slow: Mapping[int, float]
+    """Slowdowns of the ranks that did not fail."""
+    horizon: int
+    """Steps over which a candidate's step is weighed against its one-off move."""
+    sizes: tuple[int, ...]
+    """Samples per global micro-batch a reassignment is tried in: the plan's, then the
+    job's own when they differ and divide the global batch."""
+
+    @classmethod
+    def of(
+        cls,
+        plan: Plan,
+        failed: Collection[int],
+        rebalancing: Rebalancing,
+        *,
+        horizon: int,
+        samples: int | None,
+    ) -> _Pricing:
+        assert rebalancing.device is not None
+        current = plan.global_batch // plan.num_micro_batches
+        sizes = [current]
+        if samples is not None and samples != current and plan.global_batch % samples == 0:
+            sizes.append(samples)  # the job's own micro-batches, if they fit again
+        return cls(
+            plan=plan,
+            rebalancing=rebalancing,
+            layers=rebalancing.layers,
+            device=rebalancing.device,
+            slow={r: f for r, f in rebalancing.slowdowns.items() if r not in failed},
+            horizon=horizon,
+            sizes=tuple(sizes),
+        )
+
+    def finish(self, trial: Plan) -> Plan:
         """``trial`` rebalanced under the policy (Infeasible if it cannot fit)."""
-        if rebalancing.policy is not Policy.NONE:
+        if self.rebalancing.policy is not Policy.NONE:
             trial = rebalance(
-                trial, layers=layers, device=device, policy=rebalancing.policy,
-                slowdowns={r: f for r, f in slow.items() if r in trial.ranks},
-                power_budget=rebalancing.power_budget,
+                trial, layers=self.layers, device=self.device, policy=self.rebalancing.policy,
+                slowdowns={r: f for r, f in self.slow.items() if r in trial.ranks},
+                power_budget=self.rebalancing.power_budget,
             ).plan  # fmt: skip
-        return dataclasses.replace(trial, generation=plan.generation + 1)
+        return dataclasses.replace(trial, generation=self.plan.generation + 1)
 
-    def priced(trial: Plan) -> tuple[float, float, float]:
+    def priced(self, trial: Plan) -> tuple[float, float, float]:
         """(price, simulated step, most bytes one rank receives) of ``trial``."""
-        step = plan_step_time(trial, layers, device, slowdowns=slow).step_s
-        most = max(receive_bytes(plan, trial, layers).values(), default=0.0)
-        return step * horizon + most / device.p2p_bytes_per_s, step, most
+        step = plan_step_time(trial, self.layers, self.device, slowdowns=self.slow).step_s
+        most = max(receive_bytes(self.plan, trial, self.layers).values(), default=0.0)
+        return step * self.horizon + most / self.device.p2p_bytes_per_s, step, most
 
-    def price(trial: Plan) -> float:
-        return priced(trial)[0]
-
-    current = plan.global_batch // plan.num_micro_batches
-    sizes = [current]
-    if samples is not None and samples != current and plan.global_batch % samples == 0:
-        sizes.append(samples)  # the job's own micro-batches, if they fit again
-
-    def shaped(a: Sequence[Sequence[int]]) -> tuple[float, Plan | None]:
-        """(price, plan) of the stages' current layers over ``a`` (in the plan's or the
-        job's global micro-batches, whichever prices lower); (inf, None) when the
+    def shaped(self, assignment: Sequence[Sequence[int]]) -> tuple[float, Plan | None]:
+        """(price, plan) of the stages' current layers over ``assignment`` (in the plan's
+        or the job's global micro-batches, whichever prices lower); (inf, None) when the
         layers cannot fit in the ranks' memory."""
         best: tuple[float, Plan | None] = (math.inf, None)
-        for per_mb in sizes:
+        for per_mb in self.sizes:
             try:
-                trial = finish(_with_ranks(plan, a, per_mb))
+                trial = self.finish(_with_ranks(self.plan, assignment, per_mb))
             except Infeasible:
                 continue
-            if (trial_price := price(trial)) < best[0]:
+            if (trial_price := self.priced(trial)[0]) < best[0]:
                 best = (trial_price, trial)
         return best
 
-    candidates: list[tuple[Plan, str]] = []
-    if all(survivors):
-        try:
-            kept, why = next_plan(plan, failed, rebalancing, joined=joined)
-            candidates.append((dataclasses.replace(kept, generation=plan.generation + 1), why))
-        except Unrecoverable:
-            pass  # the ranks as they are cannot hold their layers: some must move
-    if total >= plan.pp:
-        assignment = [list(s) for s in survivors]
-        for rank in joined:  # joiners first fill the narrowest stages
-            k = min(range(plan.pp), key=lambda p: (len(assignment[p]), p))
-            assignment[k].append(rank)
 
-        def move(a: list[list[int]], src: int, dst: int) -> list[list[int]]:
-            out = [list(x) for x in a]
-            out[dst].append(out[src].pop())
-            return out
+def _kept(
+    plan: Plan, failed: Collection[int], rebalancing: Rebalancing, joined: Sequence[int]
+) -> list[tuple[Plan, str]]:
+    """The plan without stage changes, when the ranks as they are can hold their layers."""
+    try:
+        kept, why = next_plan(plan, failed, rebalancing, joined=joined)
+    except Unrecoverable:
+        return []  # the ranks as they are cannot hold their layers: some must move
+    return [(dataclasses.replace(kept, generation=plan.generation + 1), why)]
 
-        for k in range(plan.pp):  # an emptied stage takes a rank from the best donor
-            if not assignment[k]:
-                donors = [p for p in range(plan.pp) if len(assignment[p]) > 1]
-                src = min(donors, key=lambda p: (shaped(move(assignment, p, k))[0], p))
-                assignment = move(assignment, src, k)
-        best_price, best = shaped(assignment)
-        vectors = _width_vectors(total, plan.pp) if search else []
-        if vectors is not None:  # few enough: price every vector of widths
-            for widths in vectors:
-                trial_assignment = _reassign(assignment, widths)
-                trial_price, trial = shaped(trial_assignment)
-                if trial_price < best_price:
-                    assignment, best, best_price = trial_assignment, trial, trial_price
-        for _ in range(MAX_MOVES if vectors is None else 0):  # steepest descent
-            widest = max(map(len, assignment))
-            trials = [
-                (*shaped(move(assignment, a, b)), a, b)
-                for a in range(plan.pp)
-                for b in range(plan.pp)
-                if a != b and len(assignment[a]) == widest > 1
-            ]
-            if not trials:
-                break
-            trial_price, trial, a, b = min(trials, key=lambda t: (t[0], t[2], t[3]))
-            if trial_price >= best_price:
-                break
-            assignment, best, best_price = move(assignment, a, b), trial, trial_price
-        if best is not None:
-            moves = _describe_moves(plan, best)
-            candidates.append((best, "; ".join(moves) or "ranks keep their stages"))
-    ranks = [r for s in survivors for r in s] + list(joined)
-    most_stages = max(plan.pp, max_stages or plan.pp)
+
+def _move(assignment: Sequence[Sequence[int]], src: int, dst: int) -> list[list[int]]:
+    """``assignment`` with the last rank of stage ``src`` moved to stage ``dst``."""
+    out = [list(x) for x in assignment]
+    out[dst].append(out[src].pop())
+    return out
+
+
+def _reassigned(
+    pricing: _Pricing,
+    survivors: Sequence[Sequence[int]],
+    joined: Sequence[int],
+    search: bool,
+) -> tuple[Plan, str] | None:
+    """The best plan of the stages' layers over survivors and joiners when ranks may
+    change stage (see :func:`reshape`), and the moves it makes; None if none fits."""
+    assignment = _first_assignment(pricing, survivors, joined)
+    best = _search_widths(pricing, assignment, search)
+    if best is None:
+        return None
+    moves = _describe_moves(pricing.plan, best)
+    return best, "; ".join(moves) or "ranks keep their stages"
+
+
+def _first_assignment(
+    pricing: _Pricing, survivors: Sequence[Sequence[int]], joined: Sequence[int]
+) -> list[list[int]]:
+    """Joiners on the narrowest stages, then each emptied stage filled from the donor
+    that prices best."""
+    num_stages = pricing.plan.pp
+    assignment = [list(s) for s in survivors]
+    for rank in joined:  # joiners first fill the narrowest stages
+        k = min(range(num_stages), key=lambda p: (len(assignment[p]), p))
+        assignment[k].append(rank)
+    for k in range(num_stages):  # an emptied stage takes a rank from the best donor
+        if not assignment[k]:
+            donors = [p for p in range(num_stages) if len(assignment[p]) > 1]
+            src = min(donors, key=lambda p: (pricing.shaped(_move(assignment, p, k))[0], p))
+            assignment = _move(assignment, src, k)
+    return assignment
+
+
+def _search_widths(pricing: _Pricing, assignment: list[list[int]], search: bool) -> Plan | None:
+    """The cheapest plan from ``assignment``: every vector of stage widths when there
+    are at most :data:`EXHAUSTIVE`, else up to :data:`MAX_MOVES` single moves from a
+    widest stage while one lowers the price (none of either without ``search``)."""
+    num_stages = pricing.plan.pp
+    best_price, best = pricing.shaped(assignment)
+    vectors = _width_vectors(sum(map(len, assignment)), num_stages) if search else []
+    if vectors is not None:  # few enough: price every vector of widths
+        for widths in vectors:
+            trial_assignment = _reassign(assignment, widths)
+            trial_price, trial = pricing.shaped(trial_assignment)
+            if trial_price < best_price:
+                assignment, best, best_price = trial_assignment, trial, trial_price
+    for _ in range(MAX_MOVES if vectors is None else 0):  # steepest descent
+        widest = max(map(len, assignment))
+        trials = [
+            (*pricing.shaped(_move(assignment, a, b)), a, b)
+            for a in range(num_stages)
+            for b in range(num_stages)
+            if a != b and len(assignment[a]) == widest > 1
+        ]
+        if not trials:
+            break
+        trial_price, trial, a, b = min(trials, key=lambda t: (t[0], t[2], t[3]))
+        if trial_price >= best_price:
+            break
+        assignment, best, best_price = _move(assignment, a, b), trial, trial_price
+    return best
+
+
+def _other_pipelines(
+    pricing: _Pricing,
+    ranks: Sequence[int],
+    *,
+    most_stages: int,
+    samples: int | None,
+    shorter: bool,
+) -> list[tuple[Plan, str]]:
+    """Pipelines of another number of stages over ``ranks`` (see :func:`reshape`)."""
+    plan, total = pricing.plan, len(ranks)
     if total >= plan.pp:  # longer pipelines, for one that lost stages before
         others = list(range(plan.pp + 1, min(total, most_stages) + 1))
         if shorter:  # fewer stages, every one as wide as the others
             others += [pp for pp in range(plan.pp - 1, 0, -1) if total % pp == 0]
     else:  # too few ranks for every stage: shorter ones
         others = list(range(1, total + 1))
+    out = []
     for pp in others:
         try:
-            other = finish(_pipeline(plan, ranks, pp, layers, device, samples))
+            other = pricing.finish(
+                _pipeline(plan, ranks, pp, pricing.layers, pricing.device, samples)
+            )
         except Infeasible:  # its layers do not fit, even in the smallest micro-batches
             if shorter and pp < plan.pp <= total:
                 break  # fewer stages hold more layers each: none shorter fits either
             continue
         shape = [s.dp for s in other.stages]
-        candidates.append((other, f"{total} ranks for {plan.pp} stages: the pipeline "
-                           f"becomes {pp} stages of widths {shape}"))  # fmt: skip
-    if not candidates:
-        raise Unrecoverable(
-            f"{total} ranks left for a pipeline of {plan.pp} stages, and no pipeline of "
-            f"at most {most_stages} stages over them fits in their memory"
-        )
-    scored = [(priced(p), p, why) for p, why in candidates]
+        out.append((other, f"{total} ranks for {plan.pp} stages: the pipeline "
+                    f"becomes {pp} stages of widths {shape}"))  # fmt: skip
+    return out
+
+
+def _cheapest(pricing: _Pricing, candidates: Sequence[tuple[Plan, str]]) -> Reshaped:
+    """The candidate of lowest price (the first of equals), as a :class:`Reshaped`."""
+    scored = [(pricing.priced(p), p, why) for p, why in candidates]
     (_, step, most), new, why = min(scored, key=lambda c: c[0][0])
-    before = {r: s.stage for s in plan.stages for r in s.ranks}
+    before = {r: s.stage for s in pricing.plan.stages for r in s.ranks}
     moved = tuple(
         (r, before.get(r), s.stage) for s in new.stages for r in s.ranks if before.get(r) != s.stage
     )

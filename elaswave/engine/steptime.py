@@ -244,7 +244,39 @@ def plan_step_time(
     """
     slow = dict(slowdowns or {})
     cost = {c.index: c for c in layers}
-    p, m = plan.pp, plan.num_micro_batches
+    work = _replica_work(plan, cost, device, slow)
+    links = _stage_links(plan, cost, device)
+    fwd_end, bwd_end, free = _run_actions(plan, work, links)
+    done = _sends_done(plan, links, fwd_end, bwd_end, free)
+    finish = tuple(
+        float(d[ok].max()) if ok.any() else 0.0 for d, ok in zip(done, work.live, strict=True)
+    )
+    step = max(f + t for f, t in zip(finish, work.sync, strict=True))
+    busy = []
+    for s in range(plan.pp):
+        phase = np.arange(plan.num_micro_batches) % len(work.fwd[s])
+        busy.append(float((work.fwd[s][phase] + work.bwd[s][phase]).sum(axis=0).max()))
+    return StepSim(step, finish, tuple(busy))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ReplicaWork:
+    """Per stage: what each replica computes in each phase of the stage's rotation."""
+
+    fwd: list[np.ndarray]
+    """[phase, replica] forward seconds of one micro-batch."""
+    bwd: list[np.ndarray]
+    """[phase, replica] backward seconds of one micro-batch."""
+    sync: list[float]
+    """Seconds of the stage's DP collectives after its last backward."""
+    live: list[np.ndarray]
+    """Replicas with a share of some micro-batch."""
+
+
+def _replica_work(
+    plan: Plan, cost: Mapping[int, LayerCost], device: DeviceSpec, slow: Mapping[int, float]
+) -> _ReplicaWork:
+    m = plan.num_micro_batches
     fwd, bwd, sync, live = [], [], [], []
     for st in plan.stages:
         mhz = st.mhz or device.base_mhz
@@ -257,11 +289,19 @@ def plan_step_time(
         bwd.append(shares * per_b * factor)
         sync.append(_sync_s(st, cost, device))
         live.append(shares.sum(axis=0) > 0)
+    return _ReplicaWork(fwd=fwd, bwd=bwd, sync=sync, live=live)
+
+
+def _stage_links(
+    plan: Plan, cost: Mapping[int, LayerCost], device: DeviceSpec
+) -> list[list[_Links]]:
+    """Per boundary ``s`` (stages ``s`` and ``s + 1``), the routes of each micro-batch
+    of one block of their rotations (micro-batch mb uses ``mb % len(block)``)."""
     links = []
-    for s in range(p - 1):
+    for s in range(plan.pp - 1):
         a, b = plan.stages[s], plan.stages[s + 1]
         per_sample = cost[a.layer_stop - 1].output_bytes_per_sample
-        block = min(math.lcm(a.period, b.period), m)  # micro-batch mb uses mb % block
+        block = min(math.lcm(a.period, b.period), plan.num_micro_batches)
         distinct: dict[tuple[int, int], _Links] = {}  # phases in one block share routes
         row = []
         for ph in range(block):
@@ -270,7 +310,15 @@ def plan_step_time(
                 distinct[key] = _links(plan, s, ph, per_sample, device)
             row.append(distinct[key])
         links.append(row)
+    return links
 
+
+def _run_actions(
+    plan: Plan, work: _ReplicaWork, links: Sequence[Sequence[_Links]]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """(forward ends, backward ends) [micro-batch, replica] of every stage, and when
+    each replica's compute is done, walking the 1F1B actions in dependency order."""
+    p, m = plan.pp, plan.num_micro_batches
     fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     free = [np.zeros(st.dp) for st in plan.stages]
@@ -281,7 +329,7 @@ def plan_step_time(
                 ln = links[s - 1][mb % len(links[s - 1])]
                 arrive = fwd_end[s - 1][mb, ln.src] + ln.seconds
                 ready[ln.dsts] = np.maximum.reduceat(arrive[ln.by_dst], ln.dst_starts)
-            dur, end = fwd[s][mb % len(fwd[s])], fwd_end[s]
+            dur, end = work.fwd[s][mb % len(work.fwd[s])], fwd_end[s]
         else:
             if s < p - 1:
                 ln = links[s][mb % len(links[s])]
@@ -289,12 +337,23 @@ def plan_step_time(
                 ready[ln.srcs] = np.maximum.reduceat(arrive, ln.src_starts)
             else:
                 ready = fwd_end[s][mb]
-            dur, end = bwd[s][mb % len(bwd[s])], bwd_end[s]
+            dur, end = work.bwd[s][mb % len(work.bwd[s])], bwd_end[s]
         end[mb] = np.maximum(free[s], ready) + dur
         free[s] = end[mb]
+    return fwd_end, bwd_end, free
 
+
+def _sends_done(
+    plan: Plan,
+    links: Sequence[Sequence[_Links]],
+    fwd_end: Sequence[np.ndarray],
+    bwd_end: Sequence[np.ndarray],
+    free: Sequence[np.ndarray],
+) -> list[np.ndarray]:
+    """When each replica is done: its compute and its last send."""
+    m = plan.num_micro_batches
     done = [f.copy() for f in free]
-    for s in range(p - 1):  # sends: activations to s + 1, gradients back to s
+    for s in range(plan.pp - 1):  # sends: activations to s + 1, gradients back to s
         for ph, ln in enumerate(links[s]):
             mbs = slice(ph, m, len(links[s]))
             if not ln.src.size:
@@ -303,12 +362,4 @@ def plan_step_time(
             np.maximum.at(done[s], ln.src, out)
             back = bwd_end[s + 1][mbs][:, ln.dst].max(axis=0) + ln.seconds
             np.maximum.at(done[s + 1], ln.dst, back)
-    finish = tuple(
-        float(d[ok].max()) if ok.any() else 0.0 for d, ok in zip(done, live, strict=True)
-    )
-    step = max(f + t for f, t in zip(finish, sync, strict=True))
-    busy = []
-    for s in range(p):
-        phase = np.arange(m) % len(fwd[s])
-        busy.append(float((fwd[s][phase] + bwd[s][phase]).sum(axis=0).max()))
-    return StepSim(step, finish, tuple(busy))
+    return done

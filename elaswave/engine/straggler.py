@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -170,15 +170,7 @@ def detect_stragglers(
     median turns once more than half the window is slow), as long as noise stays well
     below the margin between the factor and the threshold.
     """
-    if window < 1:
-        raise ValueError(f"window must be at least 1 step, got {window}")
-    if min_steps < 1:
-        raise ValueError(f"min_steps must be at least 1 evaluation, got {min_steps}")
-    if not math.isfinite(threshold) or threshold <= 1:
-        raise ValueError(
-            f"threshold must be a finite factor above 1 (e.g. 1.2), got {threshold!r}: "
-            "at or below 1 a rank running exactly like its peers would be flagged"
-        )
+    _check_settings(window=window, threshold=threshold, min_steps=min_steps)
     state = DetectorState() if state is None else state
     if not reports:
         return StragglerVerdict(
@@ -189,79 +181,26 @@ def detect_stragglers(
             state=state,
             reason="no reports to evaluate",
         )
-
-    history: defaultdict[int, dict[int, float]] = defaultdict(dict)
-    for report in reports:
-        steps = history[report.rank]
-        if report.step in steps:
-            raise ValueError(f"rank {report.rank} reported step {report.step} more than once")
-        steps[report.step] = report.slowness
+    history = _slowness(reports)
     step = max(max(steps) for steps in history.values())
     if state.step is not None and step <= state.step:
         raise ValueError(
             f"the reports end at step {step}, but step {state.step} was already evaluated; "
             "pass reports that include a newer step"
         )
-
-    medians: dict[int, float] = {}
-    for rank, steps in history.items():
-        if step in steps and len(steps) >= window:
-            latest = sorted(steps)[-window:]
-            medians[rank] = statistics.median(steps[s] for s in latest)
+    medians = _window_medians(history, step=step, window=window)
     if len(medians) < 2:
-        dropped = [s for s in state.ranks if s.rank not in history]
-        kept = tuple(s for s in state.ranks if s.rank in history)
-        next_state = DetectorState(step=step, ranks=kept)
-        reason = (
-            f"step {step}: {len(medians)} rank(s) with a full {window}-step window; "
-            "at least two are needed to compare"
-        )
-        if dropped:
-            reason += f"; forgot ranks {[s.rank for s in dropped]} (no reports)"
-        return StragglerVerdict(
-            step=step,
-            stragglers=_stragglers(kept),
-            newly_flagged=(),
-            recovered=(),
-            state=next_state,
-            reason=reason,
-        )
-
-    ordered = sorted(medians.items(), key=lambda item: (item[1], item[0]))
-    values = [median for _, median in ordered]
-    factors = {
-        rank: _factor(median, _median_without(values, index))
-        for index, (rank, median) in enumerate(ordered)
-    }
-
-    previous = {s.rank: s for s in state.ranks}
-    streaks: list[RankStreak] = []
-    newly_flagged: list[int] = []
-    recovered: list[int] = []
-    for rank in sorted(history):
-        old = previous.get(rank, RankStreak(rank=rank))
-        if rank not in factors:
-            streaks.append(old)
-            continue
-        factor = factors[rank]
-        slow = factor > threshold
-        if old.flagged_at is None:
-            run = old.slow + 1 if slow else 0
-            if run >= min_steps:
-                newly_flagged.append(rank)
-                streaks.append(RankStreak(rank=rank, flagged_at=step, factor=factor))
-            else:
-                streaks.append(RankStreak(rank=rank, slow=run, factor=factor))
-        else:
-            run = 0 if slow else old.normal + 1
-            if run >= min_steps:
-                recovered.append(rank)
-                streaks.append(RankStreak(rank=rank, factor=factor))
-            else:
-                streaks.append(
-                    RankStreak(rank=rank, normal=run, flagged_at=old.flagged_at, factor=factor)
-                )
-    forgotten = sorted(set(previous) - set(history))
+        return _too_few(state, history, step=step, window=window, compared=len(medians))
+    factors = _peer_factors(medians)
+    streaks = _next_streaks(
+        state, sorted(history), factors, step=step, threshold=threshold, min_steps=min_steps
+    )
+    before = {s.rank: s.flagged_at for s in state.ranks}
+    newly_flagged = [
+        s.rank for s in streaks if s.flagged_at is not None and before.get(s.rank) is None
+    ]
+    recovered = [s.rank for s in streaks if s.flagged_at is None and before.get(s.rank) is not None]
+    forgotten = sorted(set(before) - set(history))
     next_state = DetectorState(step=step, ranks=tuple(streaks))
     stragglers = _stragglers(next_state.ranks)
     return StragglerVerdict(
@@ -282,6 +221,120 @@ def detect_stragglers(
             forgotten=forgotten,
         ),
     )
+
+
+def _check_settings(*, window: int, threshold: float, min_steps: int) -> None:
+    if window < 1:
+        raise ValueError(f"window must be at least 1 step, got {window}")
+    if min_steps < 1:
+        raise ValueError(f"min_steps must be at least 1 evaluation, got {min_steps}")
+    if not math.isfinite(threshold) or threshold <= 1:
+        raise ValueError(
+            f"threshold must be a finite factor above 1 (e.g. 1.2), got {threshold!r}: "
+            "at or below 1 a rank running exactly like its peers would be flagged"
+        )
+
+
+def _slowness(reports: Sequence[StepReport]) -> dict[int, dict[int, float]]:
+    """rank -> step -> slowness of every report (at most one per rank and step)."""
+    history: defaultdict[int, dict[int, float]] = defaultdict(dict)
+    for report in reports:
+        steps = history[report.rank]
+        if report.step in steps:
+            raise ValueError(f"rank {report.rank} reported step {report.step} more than once")
+        steps[report.step] = report.slowness
+    return history
+
+
+def _window_medians(
+    history: Mapping[int, Mapping[int, float]], *, step: int, window: int
+) -> dict[int, float]:
+    """The median slowness over its last ``window`` reports of every rank that reported
+    ``step`` and has that many."""
+    medians: dict[int, float] = {}
+    for rank, steps in history.items():
+        if step in steps and len(steps) >= window:
+            latest = sorted(steps)[-window:]
+            medians[rank] = statistics.median(steps[s] for s in latest)
+    return medians
+
+
+def _too_few(
+    state: DetectorState,
+    history: Mapping[int, Mapping[int, float]],
+    *,
+    step: int,
+    window: int,
+    compared: int,
+) -> StragglerVerdict:
+    """The verdict when fewer than two ranks have a full window: streaks unchanged,
+    ranks without reports forgotten."""
+    dropped = [s for s in state.ranks if s.rank not in history]
+    kept = tuple(s for s in state.ranks if s.rank in history)
+    reason = (
+        f"step {step}: {compared} rank(s) with a full {window}-step window; "
+        "at least two are needed to compare"
+    )
+    if dropped:
+        reason += f"; forgot ranks {[s.rank for s in dropped]} (no reports)"
+    return StragglerVerdict(
+        step=step,
+        stragglers=_stragglers(kept),
+        newly_flagged=(),
+        recovered=(),
+        state=DetectorState(step=step, ranks=kept),
+        reason=reason,
+    )
+
+
+def _peer_factors(medians: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's median over the median of the other ranks' medians."""
+    ordered = sorted(medians.items(), key=lambda item: (item[1], item[0]))
+    values = [median for _, median in ordered]
+    return {
+        rank: _factor(median, _median_without(values, index))
+        for index, (rank, median) in enumerate(ordered)
+    }
+
+
+def _next_streaks(
+    state: DetectorState,
+    ranks: Sequence[int],
+    factors: Mapping[int, float],
+    *,
+    step: int,
+    threshold: float,
+    min_steps: int,
+) -> list[RankStreak]:
+    """The streak of every rank of ``ranks`` (ascending) after this evaluation; a rank
+    without a factor (no full window) keeps its streak."""
+    previous = {s.rank: s for s in state.ranks}
+    streaks = []
+    for rank in ranks:
+        old = previous.get(rank, RankStreak(rank=rank))
+        if rank in factors:
+            factor = factors[rank]
+            old = _next_streak(old, factor, step=step, threshold=threshold, min_steps=min_steps)
+        streaks.append(old)
+    return streaks
+
+
+def _next_streak(
+    old: RankStreak, factor: float, *, step: int, threshold: float, min_steps: int
+) -> RankStreak:
+    """``old`` after one evaluation that found its rank ``factor`` times its peers: a
+    rank is flagged after ``min_steps`` slow evaluations in a row, and cleared after
+    ``min_steps`` normal ones."""
+    slow = factor > threshold
+    if old.flagged_at is None:
+        run = old.slow + 1 if slow else 0
+        if run >= min_steps:
+            return RankStreak(rank=old.rank, flagged_at=step, factor=factor)
+        return RankStreak(rank=old.rank, slow=run, factor=factor)
+    run = 0 if slow else old.normal + 1
+    if run >= min_steps:
+        return RankStreak(rank=old.rank, factor=factor)
+    return RankStreak(rank=old.rank, normal=run, flagged_at=old.flagged_at, factor=factor)
 
 
 def _stragglers(streaks: Sequence[RankStreak]) -> tuple[Straggler, ...]:

@@ -125,6 +125,54 @@ class _State:
     """While the job waits for nodes: the ranks of ``plan`` that are gone."""
 
 
+@dataclass
+class _Run:
+    """One simulation: what it runs (set once) and where it stands (advanced by its
+    steps, like :class:`_State`)."""
+
+    job: SimJob
+    policy: SimPolicy
+    full: Plan
+    """The job's fault-free plan."""
+    costs: RecoveryCosts
+    events: list[TraceEvent]
+    """The trace as the policy sees it (:func:`_as_seen`)."""
+    until: float
+    st: _State
+    out: Timeline
+    t: float = 0.0
+    step: int = 0
+    next_event: int = 0
+    """Index in ``events`` of the first event not yet applied."""
+    pending: list[ChangeRecord] = field(default_factory=list)
+    """Removals waiting for their redone step."""
+    redo_until: int = 0
+    """Checkpoint-restart: MTTR ends when the lost steps are redone."""
+    cache: dict[tuple, float] = field(default_factory=dict)
+    """Step time per (plan, re-routed ranks, slowdowns)."""
+
+    def peek(self) -> TraceEvent | None:
+        return self.events[self.next_event] if self.next_event < len(self.events) else None
+
+    def step_time(self) -> float:
+        st, job = self.st, self.job
+        slow = frozenset((r, f) for r, f in st.slow.items() if r in st.plan.ranks)
+        key = (st.plan, st.rerouted, slow)
+        if key not in self.cache:
+            self.cache[key] = (
+                recycle_time(job, st.plan, st.rerouted, dict(slow))
+                if self.policy is SimPolicy.RECYCLE
+                else plan_step_time(st.plan, job.layers, job.device, slowdowns=dict(slow)).step_s
+            )
+        return self.cache[key]
+
+    def rollback(self) -> None:
+        """Back to the last checkpoint: the steps since are lost, to be redone."""
+        done, _ = self.st.checkpoint
+        del self.out.steps[done:]
+        self.step = done
+
+
 def simulate(
     job: SimJob,
     policy: SimPolicy,
@@ -139,122 +187,126 @@ def simulate(
     if steps is None and until_s is None:
         raise ValueError("give steps, until_s or both")
     steps = steps if steps is not None else 2**62
-    until = until_s if until_s is not None else math.inf
     costs = costs or RecoveryCosts()
     full = job.plan()
-    st = _State(full, alive=set(full.ranks))
-    cache: dict[tuple, float] = {}
-
-    def step_time() -> float:
-        slow = frozenset((r, f) for r, f in st.slow.items() if r in st.plan.ranks)
-        key = (st.plan, st.rerouted, slow)
-        if key not in cache:
-            cache[key] = (
-                recycle_time(job, st.plan, st.rerouted, dict(slow))
-                if policy is SimPolicy.RECYCLE
-                else plan_step_time(st.plan, job.layers, job.device, slowdowns=dict(slow)).step_s
-            )
-        return cache[key]
-
-    out = Timeline(policy, span_s=until_s)
-    events = _as_seen(policy, trace, costs)
-    t, step, i = 0.0, 0, 0
-    pending: list[ChangeRecord] = []  # removals waiting for their redone step
-    redo_until = 0  # checkpoint-restart: MTTR ends when the lost steps are redone
-    while step < steps and t < until:
-        if st.waiting is not None:  # nothing trains until nodes return
-            event = events[i] if i < len(events) else None
-            if event is None or event.time_ms / 1000 >= until:
-                out.waited_s += until - t
-                t = until
+    run = _Run(
+        job=job,
+        policy=policy,
+        full=full,
+        costs=costs,
+        events=_as_seen(policy, trace, costs),
+        until=until_s if until_s is not None else math.inf,
+        st=_State(full, alive=set(full.ranks)),
+        out=Timeline(policy, span_s=until_s),
+    )
+    while run.step < steps and run.t < run.until:
+        if run.st.waiting is not None:  # nothing trains until nodes return
+            if not _wait_for_nodes(run):
                 break
-            i += 1
-            at = max(t, event.time_ms / 1000)
-            out.waited_s += at - t
-            t = at
-            ranks = tuple(job.ranks_of_node(event.node))
-            if event.kind is EventKind.SLOW:
-                _slow(st, event, ranks)
-                continue
-            if event.kind is EventKind.REMOVE:
-                st.alive -= set(ranks)
-                st.waiting |= set(ranks) & set(st.plan.ranks)
-                continue
-            st.alive |= set(ranks)
-            resumed = _resume(job, policy, st, costs)
-            if resumed is None:
-                continue
-            rollback, record = resumed
-            if rollback:
-                done, _ = st.checkpoint
-                del out.steps[done:]
-                step = done
-                redo_until = step + 1
-            out.changes.append(replace(record, time_s=t, node=event.node, ranks=ranks))
-            t += record.overhead_s
             continue
-        dt = step_time()
-        event = events[i] if i < len(events) else None
-        if event is not None and event.time_ms / 1000 < t + dt:
-            i += 1
-            at = max(t, event.time_ms / 1000)
-            ranks = tuple(job.ranks_of_node(event.node))
-            if event.kind is EventKind.REMOVE:
-                st.alive -= set(ranks)
-                gone = [r for r in ranks if r in st.plan.ranks and r not in st.rerouted]
-                if not gone:
-                    continue  # the node held nothing this policy still used
-                old, lost = st.plan, at - t
-                try:
-                    new = answer(
-                        policy, job, old, gone, rerouted=st.rerouted, alive=st.alive, shorten=False
-                    )
-                except (Unrecoverable, OutOfMemory) as exc:
-                    st.waiting = set(gone) | (set(st.rerouted) - st.alive)
-                    why = f"waits for nodes: {exc}"
-                    pending.append(
-                        ChangeRecord(at, "remove", event.node, ranks, lost, 0.0, None, why)
-                    )
-                    t = at
-                    continue
-                st.plan, st.rerouted = new.plan, new.rerouted
-                if policy is SimPolicy.RESTART:
-                    done, when = st.checkpoint
-                    lost = at - when
-                    redo_until = step + 1
-                    del out.steps[done:]
-                    step = done
-                cost = _removal_cost(job, policy, old, st, set(gone), costs, step_time(), new)
-                pending.append(
-                    ChangeRecord(
-                        at,
-                        "remove",
-                        event.node,
-                        ranks,
-                        lost,
-                        cost.seconds,
-                        None,
-                        new.reason,
-                        cost.parts,
-                        cost.moved_bytes,
-                    )
-                )
-                t = at + cost.seconds
-                continue
-            # Slowdowns and additions wait for the step boundary.
-            t = _finish_step(out, st, step, t, dt, costs)
-            step += 1
-            t = _boundary_change(job, policy, full, st, event, ranks, t, costs, out)
+        dt = run.step_time()
+        event = run.peek()
+        if event is not None and event.time_ms / 1000 < run.t + dt:
+            run.next_event += 1
+            _event_in_step(run, event, dt)
             continue
-        t = _finish_step(out, st, step, t, dt, costs)
-        step += 1
-        if step >= redo_until:
-            for rec in pending:
-                out.changes.append(replace(rec, mttr_s=t - rec.time_s))
-            pending.clear()
-    out.changes.extend(pending)
-    out.changes.sort(key=lambda c: c.time_s)
-    return out
+        run.t = _finish_step(run.out, run.st, run.step, run.t, dt, costs)
+        run.step += 1
+        if run.step >= run.redo_until:
+            for rec in run.pending:
+                run.out.changes.append(replace(rec, mttr_s=run.t - rec.time_s))
+            run.pending.clear()
+    run.out.changes.extend(run.pending)
+    run.out.changes.sort(key=lambda c: c.time_s)
+    return run.out
+
+
+def _wait_for_nodes(run: _Run) -> bool:
+    """Apply the next event to a job that waits for nodes (resuming it if it can);
+    False when the trace or the simulated span ends first."""
+    st, out = run.st, run.out
+    assert st.waiting is not None
+    event = run.peek()
+    if event is None or event.time_ms / 1000 >= run.until:
+        out.waited_s += run.until - run.t
+        run.t = run.until
+        return False
+    run.next_event += 1
+    at = max(run.t, event.time_ms / 1000)
+    out.waited_s += at - run.t
+    run.t = at
+    ranks = tuple(run.job.ranks_of_node(event.node))
+    if event.kind is EventKind.SLOW:
+        _slow(st, event, ranks)
+        return True
+    if event.kind is EventKind.REMOVE:
+        st.alive -= set(ranks)
+        st.waiting |= set(ranks) & set(st.plan.ranks)
+        return True
+    st.alive |= set(ranks)
+    resumed = _resume(run.job, run.policy, st, run.costs)
+    if resumed is None:
+        return True
+    rollback, record = resumed
+    if rollback:
+        run.rollback()
+        run.redo_until = run.step + 1
+    out.changes.append(replace(record, time_s=run.t, node=event.node, ranks=ranks))
+    run.t += record.overhead_s
+    return True
+
+
+def _event_in_step(run: _Run, event: TraceEvent, dt: float) -> None:
+    """An event before the end of the step that takes ``dt``: a removal interrupts it;
+    a slowdown or an addition waits for the step boundary."""
+    at = max(run.t, event.time_ms / 1000)
+    ranks = tuple(run.job.ranks_of_node(event.node))
+    if event.kind is EventKind.REMOVE:
+        _removal(run, event, at, ranks)
+        return
+    run.t = _finish_step(run.out, run.st, run.step, run.t, dt, run.costs)
+    run.step += 1
+    run.t = _boundary_change(run, event, ranks)
+
+
+def _removal(run: _Run, event: TraceEvent, at: float, ranks: tuple[int, ...]) -> None:
+    """Node ``event.node`` leaves at ``at``, mid-step: the policy answers with a new
+    plan after its overhead, or the job waits for nodes."""
+    st, policy, job = run.st, run.policy, run.job
+    st.alive -= set(ranks)
+    gone = [r for r in ranks if r in st.plan.ranks and r not in st.rerouted]
+    if not gone:
+        return  # the node held nothing this policy still used
+    old, lost = st.plan, at - run.t
+    try:
+        new = answer(policy, job, old, gone, rerouted=st.rerouted, alive=st.alive, shorten=False)
+    except (Unrecoverable, OutOfMemory) as exc:
+        st.waiting = set(gone) | (set(st.rerouted) - st.alive)
+        why = f"waits for nodes: {exc}"
+        run.pending.append(ChangeRecord(at, "remove", event.node, ranks, lost, 0.0, None, why))
+        run.t = at
+        return
+    st.plan, st.rerouted = new.plan, new.rerouted
+    if policy is SimPolicy.RESTART:
+        lost = at - st.checkpoint[1]
+        run.redo_until = run.step + 1  # the interrupted step, once the lost ones are redone
+        run.rollback()
+    cost = _removal_cost(job, policy, old, st, set(gone), run.costs, run.step_time(), new)
+    run.pending.append(
+        ChangeRecord(
+            at,
+            "remove",
+            event.node,
+            ranks,
+            lost,
+            cost.seconds,
+            None,
+            new.reason,
+            cost.parts,
+            cost.moved_bytes,
+        )
+    )
+    run.t = at + cost.seconds
 
 
 def _as_seen(
@@ -376,78 +428,27 @@ def _removal_cost(
     )
 
 
-def _boundary_change(
-    job: SimJob,
-    policy: SimPolicy,
-    full: Plan,
-    st: _State,
-    event: TraceEvent,
-    ranks: tuple[int, ...],
-    t: float,
-    costs: RecoveryCosts,
-    out: Timeline,
-) -> float:
+def _boundary_change(run: _Run, event: TraceEvent, ranks: tuple[int, ...]) -> float:
     """Apply a slowdown or an addition at a step boundary; returns the time after it."""
+    st = run.st
     if event.kind is EventKind.SLOW:
         _slow(st, event, ranks)
     else:
         st.alive |= set(ranks)
     old = st.plan
-    cost: Overhead | None = None
-    if policy.is_elaswave:
-        joined = [r for r in ranks if r not in old.ranks] if event.kind is EventKind.ADD else []
-        rebalancing = Rebalancing(
-            policy=REBALANCE[policy],
-            slowdowns={r: f for r, f in st.slow.items() if r in old.ranks},
-            layers=job.layers,
-            device=job.device,
-            power_budget=job.power_budget,
-        )
-        shrunk = old.pp < job.pp or old.global_batch // old.num_micro_batches < job.samples
-        if joined and shrunk:  # joiners may restore the stages and micro-batches it lost
-            shaped = reshape(
-                old, [], joined, rebalancing=rebalancing, max_stages=job.pp,
-                samples=job.samples,
-            )  # fmt: skip
-            st.plan, reason = shaped.plan, f"ranks join: {shaped.reason}"
-        else:
-            st.plan, reason = next_plan(old, [], rebalancing, joined=joined)
-        if st.plan is not old:
-            redo = plan_step_time(st.plan, job.layers, job.device).step_s
-            cost = mttr.elaswave_replan(
-                old, st.plan, joined, job.layers, job.device, costs, redo_step_s=redo
-            )
+    cost: Overhead | None
+    if run.policy.is_elaswave:
+        reason, cost = _elaswave_replan(run, event, ranks)
     elif event.kind is EventKind.SLOW:
-        reason = "no fail-slow mitigation"
-    elif policy is SimPolicy.RESTART:
-        new, reason = restart_plan(job, st.alive)
-        if new.stages != old.stages:
-            st.plan = new
-            cost = mttr.restart(
-                new,
-                job.layers,
-                job.device,
-                costs,
-                devices_per_node=job.devices_per_node,
-                detect=False,
-            )
-        else:
-            reason = "no whole replica to add: keeps running"
+        reason, cost = "no fail-slow mitigation", None
+    elif run.policy is SimPolicy.RESTART:
+        reason, cost = _restart_for_addition(run, old)
     else:  # TorchFT and ReCycle: whole replicas come back, re-routed ranks return
-        back = st.rerouted & st.alive
-        st.rerouted -= back
-        st.plan = _restore_replicas(old, full, st.alive)
-        reason = "replicas rejoin" if st.plan is not old else ""
-        if back:
-            reason = f"{reason}; ranks {sorted(back)} take their micro-batches back".lstrip("; ")
-        if st.plan is not old or back:
-            cost = mttr.rejoin(st.plan, job.layers, job.device, costs)
-        else:
-            reason = "no whole replica to add"
+        reason, cost = _replicas_return(run, old)
     seconds = cost.seconds if cost else 0.0
-    out.changes.append(
+    run.out.changes.append(
         ChangeRecord(
-            t,
+            run.t,
             event.kind.value,
             event.node,
             ranks,
@@ -459,4 +460,68 @@ def _boundary_change(
             cost.moved_bytes if cost else 0.0,
         )
     )
-    return t + seconds
+    return run.t + seconds
+
+
+def _elaswave_replan(
+    run: _Run, event: TraceEvent, ranks: tuple[int, ...]
+) -> tuple[str, Overhead | None]:
+    """ElasWave at a boundary: joiners take places (restoring stages and micro-batches a
+    shrunk pipeline lost), slowdowns rebalance; the overhead if the plan changed."""
+    job, st = run.job, run.st
+    old = st.plan
+    joined = [r for r in ranks if r not in old.ranks] if event.kind is EventKind.ADD else []
+    rebalancing = Rebalancing(
+        policy=REBALANCE[run.policy],
+        slowdowns={r: f for r, f in st.slow.items() if r in old.ranks},
+        layers=job.layers,
+        device=job.device,
+        power_budget=job.power_budget,
+    )
+    shrunk = old.pp < job.pp or old.global_batch // old.num_micro_batches < job.samples
+    if joined and shrunk:  # joiners may restore the stages and micro-batches it lost
+        shaped = reshape(
+            old, [], joined, rebalancing=rebalancing, max_stages=job.pp,
+            samples=job.samples,
+        )  # fmt: skip
+        st.plan, reason = shaped.plan, f"ranks join: {shaped.reason}"
+    else:
+        st.plan, reason = next_plan(old, [], rebalancing, joined=joined)
+    if st.plan is old:
+        return reason, None
+    redo = plan_step_time(st.plan, job.layers, job.device).step_s
+    return reason, mttr.elaswave_replan(
+        old, st.plan, joined, job.layers, job.device, run.costs, redo_step_s=redo
+    )
+
+
+def _restart_for_addition(run: _Run, old: Plan) -> tuple[str, Overhead | None]:
+    """Checkpoint-restart after an addition: a restart if a whole replica is back."""
+    job = run.job
+    new, reason = restart_plan(job, run.st.alive)
+    if new.stages == old.stages:
+        return "no whole replica to add: keeps running", None
+    run.st.plan = new
+    return reason, mttr.restart(
+        new,
+        job.layers,
+        job.device,
+        run.costs,
+        devices_per_node=job.devices_per_node,
+        detect=False,
+    )
+
+
+def _replicas_return(run: _Run, old: Plan) -> tuple[str, Overhead | None]:
+    """TorchFT and ReCycle at a boundary: whole replicas come back, re-routed ranks
+    take their micro-batches back."""
+    st = run.st
+    back = st.rerouted & st.alive
+    st.rerouted -= back
+    st.plan = _restore_replicas(old, run.full, st.alive)
+    reason = "replicas rejoin" if st.plan is not old else ""
+    if back:
+        reason = f"{reason}; ranks {sorted(back)} take their micro-batches back".lstrip("; ")
+    if st.plan is not old or back:
+        return reason, mttr.rejoin(st.plan, run.job.layers, run.job.device, run.costs)
+    return "no whole replica to add", None

@@ -30,7 +30,7 @@ import math
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NODE_ID = re.compile(r"[A-Za-z0-9_.:-]+")
 HEADER = ("time_ms", "event", "node")
@@ -242,6 +242,11 @@ class _Slots:
         self.slow: dict[str, float] = {}  # a node's factor, remembered until it is seated
         self.slot_factor: dict[int, float] = {}  # the factor the simulator holds per slot
         self.out: list[TraceEvent] = []
+        self.start: float | None = None
+        """Trace time at which every slot was first full; None before."""
+        self.most, self.most_at = 0, 0.0  # most nodes seated before the start, and when
+        self.spare_counts: list[tuple[float, int]] = []
+        """(ms after the start, spare nodes from then on)."""
 
     def seat(self, node: str, at: float | None) -> None:
         """Put ``node`` in the lowest empty slot; ``at`` None: before the start."""
@@ -267,6 +272,46 @@ class _Slots:
         heapq.heappush(self.empty, slot)
         return slot
 
+    def fill(self, e: NodeEvent) -> None:
+        """An event before the start: filling the slots, no spares yet, nothing emitted
+        (a seated node's slowdown is emitted at 0 once every slot is full)."""
+        if e.kind is EventKind.ADD:
+            self.seat(e.node, None)
+            if len(self.slot_of) > self.most:
+                self.most, self.most_at = len(self.slot_of), e.time_ms
+            if not self.empty:
+                self.start = e.time_ms
+                self.spare_counts.append((0.0, 0))
+                for node, seated in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
+                    self.set_factor(seated, self.slow.pop(node, 1.0), 0.0)
+        elif e.kind is EventKind.REMOVE:
+            self.leave(e.node)
+        else:
+            self.slow[e.node] = e.factor
+
+    def follow(self, e: NodeEvent, at: float) -> None:
+        """An event ``at`` ms after the start, as :func:`to_slots` describes."""
+        before = len(self.spares)
+        if e.kind is EventKind.ADD:
+            if self.empty:
+                self.seat(e.node, at)
+            else:
+                self.spares[e.node] = None
+        elif e.kind is EventKind.REMOVE:
+            slot = self.leave(e.node)
+            if slot is not None:
+                self.out.append(TraceEvent(at, EventKind.REMOVE, slot))
+                if self.spares:
+                    spare = next(iter(self.spares))
+                    del self.spares[spare]
+                    self.seat(spare, at)
+        elif e.node in self.slot_of:
+            self.set_factor(self.slot_of[e.node], e.factor, at)
+        else:
+            self.slow[e.node] = e.factor
+        if len(self.spares) != before:
+            self.spare_counts.append((at, len(self.spares)))
+
 
 def to_slots(events: Sequence[NodeEvent], num_slots: int, *, source: str = "trace") -> SlotTrace:
     """Map a published trace onto a job of ``num_slots`` node slots.
@@ -288,9 +333,6 @@ def to_slots(events: Sequence[NodeEvent], num_slots: int, *, source: str = "trac
     st = _Slots(num_slots)
     present: dict[str, None] = {}
     left: set[str] = set()
-    start: float | None = None
-    most, most_at = 0, 0.0
-    spares: list[tuple[float, int]] = []
     last = -math.inf
     for i, e in enumerate(events, start=1):
         why = _refusal(e, present, left)
@@ -300,43 +342,12 @@ def to_slots(events: Sequence[NodeEvent], num_slots: int, *, source: str = "trac
             raise TraceError(f"{source}: event {i} {format_event(e)!r}: {why}")
         _apply(e, present, left)
         last = e.time_ms
-        if start is None:  # filling the slots: no spares yet, nothing emitted
-            if e.kind is EventKind.ADD:
-                st.seat(e.node, None)
-                if len(st.slot_of) > most:
-                    most, most_at = len(st.slot_of), e.time_ms
-                if not st.empty:
-                    start = e.time_ms
-                    spares.append((0.0, 0))
-                    for node, seated in sorted(st.slot_of.items(), key=lambda kv: kv[1]):
-                        st.set_factor(seated, st.slow.pop(node, 1.0), 0.0)
-            elif e.kind is EventKind.REMOVE:
-                st.leave(e.node)
-            else:
-                st.slow[e.node] = e.factor
-            continue
-        at = e.time_ms - start
-        before = len(st.spares)
-        if e.kind is EventKind.ADD:
-            if st.empty:
-                st.seat(e.node, at)
-            else:
-                st.spares[e.node] = None
-        elif e.kind is EventKind.REMOVE:
-            slot = st.leave(e.node)
-            if slot is not None:
-                st.out.append(TraceEvent(at, EventKind.REMOVE, slot))
-                if st.spares:
-                    spare = next(iter(st.spares))
-                    del st.spares[spare]
-                    st.seat(spare, at)
-        elif e.node in st.slot_of:
-            st.set_factor(st.slot_of[e.node], e.factor, at)
+        if st.start is None:
+            st.fill(e)
         else:
-            st.slow[e.node] = e.factor
-        if len(st.spares) != before:
-            spares.append((at, len(st.spares)))
-    if start is None:
+            st.follow(e, e.time_ms - st.start)
+    if st.start is None:
+        most, most_at = st.most, st.most_at
         at_most = f"at most {most}, first at {_ms(most_at)} ms" if most else "it adds no node"
         raise TraceError(
             f"{source}: the trace never has {num_slots} nodes at once for the job's "
@@ -346,9 +357,9 @@ def to_slots(events: Sequence[NodeEvent], num_slots: int, *, source: str = "trac
     return SlotTrace(
         events=tuple(st.out),
         num_slots=num_slots,
-        start_ms=start,
+        start_ms=st.start,
         end_ms=last,
-        spares=tuple(spares),
+        spares=tuple(st.spare_counts),
         published=tuple(events),
     )
 
@@ -482,55 +493,88 @@ def spot_trace(
     _check("trough_hour", trough_hour, 0.0, 24.0)
     mean = max(1.0, capacity / 20) if burst_mean is None else burst_mean
     _check("burst_mean", mean, 1.0, float(capacity))
-    rng = random.Random(seed)
-    end_ms = hours * MS_PER_HOUR
-
-    def grantable(t_ms: float) -> int:
-        phase = 2 * math.pi * (t_ms / MS_PER_HOUR - trough_hour) / 24
-        return capacity - round(capacity * dip * (1 + math.cos(phase)) / 2)
-
-    def burst_size(t_ms: float, present: int) -> int:
-        p = 1 / mean
-        drawn = 1 if p >= 1 else 1 + int(math.log(1 - rng.random()) / math.log(1 - p))
-        return min(present, max(drawn, present - grantable(t_ms)))
-
-    queue: list[tuple[float, int, str, str]] = []  # (ms, order, action, node)
-    order = 0
-
-    def push(t_ms: float, action: str, node: str = "") -> None:
-        nonlocal order
-        if t_ms <= end_ms:
-            heapq.heappush(queue, (t_ms, order, action, node))
-            order += 1
-
-    arrivals = sorted(rng.uniform(0, arrive_s * 1000) for _ in range(capacity))
+    spot = _SpotCluster(
+        capacity=capacity,
+        end_ms=hours * MS_PER_HOUR,
+        rng=random.Random(seed),
+        bursts_per_hour=bursts_per_hour,
+        burst_mean=mean,
+        burst_s=burst_s,
+        replace_s=replace_s,
+        dip=dip,
+        trough_hour=trough_hour,
+    )
+    arrivals = sorted(spot.rng.uniform(0, arrive_s * 1000) for _ in range(capacity))
     for n, t_ms in enumerate(arrivals):
-        push(t_ms, "arrive", f"node{n}")
-    next_id = capacity
+        spot.push(t_ms, "arrive", f"node{n}")
     if bursts_per_hour > 0:
-        push(rng.expovariate(bursts_per_hour / MS_PER_HOUR), "burst")
-    present: dict[str, None] = {}
-    doomed: set[str] = set()
-    out: list[NodeEvent] = []
-    while queue:
-        t_ms, _, action, node = heapq.heappop(queue)
-        if action == "arrive":
-            present[node] = None
-            out.append(NodeEvent(t_ms, EventKind.ADD, node))
-        elif action == "burst":
-            push(t_ms + rng.expovariate(bursts_per_hour / MS_PER_HOUR), "burst")
-            alive = [n for n in present if n not in doomed]
-            for victim in rng.sample(alive, burst_size(t_ms, len(alive))):
-                doomed.add(victim)
-                push(t_ms + rng.uniform(0, burst_s * 1000), "remove", victim)
-        elif action == "remove":
-            del present[node]
-            doomed.discard(node)
-            out.append(NodeEvent(t_ms, EventKind.REMOVE, node))
-            push(t_ms + rng.expovariate(1 / max(replace_s * 1000, 1e-9)), "request")
-        elif len(present) < grantable(t_ms):  # a replacement request, granted
-            push(t_ms, "arrive", f"node{next_id}")
-            next_id += 1
-        else:  # not granted now: ask again later
-            push(t_ms + rng.expovariate(1 / max(replace_s * 1000, 1e-9)), "request")
-    return tuple(out)
+        spot.push(spot.rng.expovariate(bursts_per_hour / MS_PER_HOUR), "burst")
+    return spot.play()
+
+
+@dataclass(kw_only=True)
+class _SpotCluster:
+    """The provider and the cluster of :func:`spot_trace`, played out in time order
+    from one queue of pending actions (mutable; never escapes it)."""
+
+    capacity: int
+    end_ms: float
+    """Actions after this are never queued."""
+    rng: random.Random
+    bursts_per_hour: float
+    burst_mean: float
+    burst_s: float
+    replace_s: float
+    dip: float
+    trough_hour: float
+    queue: list[tuple[float, int, str, str]] = field(default_factory=list)
+    """(ms, order, action, node), a heap."""
+    order: int = 0
+
+    def push(self, t_ms: float, action: str, node: str = "") -> None:
+        if t_ms <= self.end_ms:
+            heapq.heappush(self.queue, (t_ms, self.order, action, node))
+            self.order += 1
+
+    def grantable(self, t_ms: float) -> int:
+        """Nodes the provider can grant at ``t_ms``."""
+        phase = 2 * math.pi * (t_ms / MS_PER_HOUR - self.trough_hour) / 24
+        return self.capacity - round(self.capacity * self.dip * (1 + math.cos(phase)) / 2)
+
+    def burst_size(self, t_ms: float, present: int) -> int:
+        p = 1 / self.burst_mean
+        drawn = 1 if p >= 1 else 1 + int(math.log(1 - self.rng.random()) / math.log(1 - p))
+        return min(present, max(drawn, present - self.grantable(t_ms)))
+
+    def ask_later(self, t_ms: float) -> None:
+        """A replacement request, after an exponential delay."""
+        self.push(t_ms + self.rng.expovariate(1 / max(self.replace_s * 1000, 1e-9)), "request")
+
+    def play(self) -> tuple[NodeEvent, ...]:
+        """Every queued action and those they queue, in time order: the trace."""
+        next_id = self.capacity
+        present: dict[str, None] = {}
+        doomed: set[str] = set()
+        out: list[NodeEvent] = []
+        while self.queue:
+            t_ms, _, action, node = heapq.heappop(self.queue)
+            if action == "arrive":
+                present[node] = None
+                out.append(NodeEvent(t_ms, EventKind.ADD, node))
+            elif action == "burst":
+                self.push(t_ms + self.rng.expovariate(self.bursts_per_hour / MS_PER_HOUR), "burst")
+                alive = [n for n in present if n not in doomed]
+                for victim in self.rng.sample(alive, self.burst_size(t_ms, len(alive))):
+                    doomed.add(victim)
+                    self.push(t_ms + self.rng.uniform(0, self.burst_s * 1000), "remove", victim)
+            elif action == "remove":
+                del present[node]
+                doomed.discard(node)
+                out.append(NodeEvent(t_ms, EventKind.REMOVE, node))
+                self.ask_later(t_ms)
+            elif len(present) < self.grantable(t_ms):  # a replacement request, granted
+                self.push(t_ms, "arrive", f"node{next_id}")
+                next_id += 1
+            else:  # not granted now: ask again later
+                self.ask_later(t_ms)
+        return tuple(out)

@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.rebuild import RebuildingCommunicator, RebuildStrategy
 from elaswave.comm.backend import GlooBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy, shrink_specs
+from elaswave.comm.dynamic import DynamicCommunicator, shrink_specs
 from elaswave.comm.group import Group
 from elaswave.comm.links import PairGroup
 from elaswave.comm.ring import RingGroup
@@ -30,7 +31,7 @@ from elaswave.comm.store import connect_store, serve_store
 from elaswave.logs import configure
 
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "elaswave.comm.dynamic"])
+CTX.set_forkserver_preload(["torch", "torch.distributed", "benchmarks.rebuild"])
 
 TIMEOUT = timedelta(seconds=3)
 """Bounded waits in the workers: a dead peer must surface as CommError within it."""
@@ -192,7 +193,7 @@ VICTIM = 1
 
 def _survive_kill(rank: int, store: dist.Store, strategy: str) -> dict[str, Any]:
     _barrier(store, "up", 6)
-    dyn = DynamicCommunicator(store, rank, GlooBackend(), timeout=TIMEOUT)
+    dyn = RebuildingCommunicator(store, rank, GlooBackend(), timeout=TIMEOUT)
     dyn.build([s for s in SPECS if rank in s.ranks])
     if rank < 4:
         ones = torch.ones(8)
@@ -220,9 +221,7 @@ def _survive_kill(rank: int, store: dist.Store, strategy: str) -> dict[str, Any]
         detected["after_kill_s"] = detected["at"] - float(store.get("killed_at"))
 
     _barrier(store, "recovering", 5)
-    stats = dyn.apply(
-        shrink_specs(SPECS, {VICTIM}), removed={VICTIM}, strategy=RebuildStrategy(strategy)
-    )
+    stats = dyn.apply_by(RebuildStrategy(strategy), shrink_specs(SPECS, {VICTIM}), removed={VICTIM})
 
     # The next collectives over the survivors are correct.
     if rank in (0, 2, 3):

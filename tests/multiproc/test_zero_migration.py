@@ -22,11 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.backend import GlooBackend
-from elaswave.comm.links import LinkPool, PairGroup, pair
-from elaswave.comm.spec import GroupSpec
-from elaswave.comm.store import connect_store, serve_store
-from elaswave.fabric.contiguous import (
+from benchmarks.contiguous import (
     STATE_BYTES_PER_ELEMENT,
     ContiguousLayout,
     MigrationPlan,
@@ -34,8 +30,12 @@ from elaswave.fabric.contiguous import (
     plan_contiguous_migration,
     plan_interleaved_stage_migration,
 )
+from benchmarks.migration_exec import CountingLink, execute_migration
+from elaswave.comm.backend import GlooBackend
+from elaswave.comm.links import LinkPool, PairGroup, pair
+from elaswave.comm.spec import GroupSpec
+from elaswave.comm.store import connect_store, serve_store
 from elaswave.fabric.layout import InterleavedLayout
-from elaswave.fabric.migration_exec import CountingLink, execute_migration
 from elaswave.fabric.remap import shard_bounds
 from elaswave.logs import configure
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elaswave.bus import schema
+from elaswave.bus import envelope
 from elaswave.bus.codec import decode, encode, with_seq
 from elaswave.bus.schema import (
     EVENT_TYPES,
@@ -251,7 +251,7 @@ def test_encode_refuses_unregistered_classes() -> None:
 def test_registering_a_field_named_like_the_discriminator_fails() -> None:
     with pytest.raises(TypeError, match="event_kind"):
 
-        @schema._register
+        @envelope.register
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class Clash(Event):
             KIND = EventKind.HEARTBEAT
@@ -262,7 +262,7 @@ def test_registering_a_field_named_like_the_discriminator_fails() -> None:
 def test_registering_a_kind_twice_fails() -> None:
     with pytest.raises(TypeError, match="'heartbeat' registered twice"):
 
-        @schema._register
+        @envelope.register
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class SecondHeartbeat(Event):
             KIND = EventKind.HEARTBEAT

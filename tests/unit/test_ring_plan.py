@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -9,13 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.rebuild import RebuildStrategy, plan_rebuild
 from elaswave.comm.abort import AbortSignal, StepAborted
-from elaswave.comm.dynamic import (
-    RebuildStrategy,
-    is_dp_group,
-    plan_change,
-    shrink_specs,
-)
+from elaswave.comm.dynamic import ChangePlan, is_dp_group, plan_change, shrink_specs
 from elaswave.comm.links import pair
 from elaswave.comm.ring import (
     RingGroup,
@@ -123,7 +120,7 @@ def test_edit_one_failure_creates_one_link_between_the_neighbours(
         mine = [p for p in ring_pairs(ranks) if rank in p]
         plan = plan_change(
             rank=rank, current=[spec], pooled=mine, specs=shrink_specs([spec], {failed}),
-            removed={failed}, strategy=EDIT,
+            removed={failed},
         )  # fmt: skip
         assert plan.reuse == ()
         assert plan.drop == ("dp.s0",)
@@ -160,7 +157,7 @@ def _strategy_plans(strategy: RebuildStrategy, dp: int = 4, pp: int = 3, failed:
             continue
         mine = [s for s in specs if rank in s.ranks]
         pooled = {p for s in mine if is_dp_group(s) for p in ring_pairs(s.ranks) if rank in p}
-        plans[rank] = plan_change(
+        plans[rank] = plan_rebuild(
             rank=rank, current=mine, pooled=pooled, specs=new, removed={failed}, strategy=strategy
         )
     return specs, plans
@@ -229,6 +226,29 @@ def test_partial_and_full_rebuild_as_full_groups() -> None:
     assert partial[4].world == ()
 
 
+def test_the_baselines_edit_is_elaswaves_plan_and_every_strategy_checks_the_change() -> None:
+    specs, plans = _strategy_plans(EDIT)
+    new = shrink_specs(specs, {5})
+    for rank, plan in plans.items():
+        mine = [s for s in specs if rank in s.ranks]
+        pooled = {p for s in mine if is_dp_group(s) for p in ring_pairs(s.ranks) if rank in p}
+        edit = plan_change(rank=rank, current=mine, pooled=pooled, specs=new, removed={5})
+        assert edit == ChangePlan(
+            **{f.name: getattr(plan, f.name) for f in dataclasses.fields(ChangePlan)}
+        )
+        assert plan.strategy is EDIT and plan.world == ()
+    spec = GroupSpec("dp.s0", (0, 1, 2))
+    for strategy in RebuildStrategy:
+        with pytest.raises(ValueError, match="still contain removed"):
+            plan_rebuild(
+                rank=0, current=[spec], pooled=[], specs=[spec], removed={1}, strategy=strategy
+            )
+        with pytest.raises(ValueError, match="only survivors"):
+            plan_rebuild(
+                rank=1, current=[spec], pooled=[], specs=[], removed={1}, strategy=strategy
+            )
+
+
 def test_rebuild_reforms_a_ring_over_its_links() -> None:
     spec = GroupSpec("dp.s0", (0, 1, 2, 3))
     plan = plan_change(
@@ -272,12 +292,12 @@ def test_every_member_agrees_and_creation_never_deadlocks(
     its members, and creating units in each rank's plan order always completes."""
     world = dp * pp
     specs = _layout(dp, pp)
-    builds = {r: plan_change(rank=r, current=[], pooled=[], specs=specs) for r in range(world)}
+    builds = {r: plan_rebuild(rank=r, current=[], pooled=[], specs=specs) for r in range(world)}
     pools = {r: set(b.new_links) for r, b in builds.items()}
     removed = set(data.draw(st.sets(st.integers(0, world - 1), max_size=world - 1)))
     new = shrink_specs(specs, removed)
     plans = {
-        r: plan_change(
+        r: plan_rebuild(
             rank=r,
             current=[s for s in specs if r in s.ranks],
             pooled=pools[r],

@@ -14,7 +14,7 @@ import pytest
 from elaswave.cli.config_file import build_job, load_toml
 from elaswave.cli.flags import add_job_flags, job_values
 from elaswave.cli.main import main
-from elaswave.comm.backend import Device
+from elaswave.comm.spec import Device
 from elaswave.engine.migration import MigrationMode
 from elaswave.engine.rebalance import Policy
 from elaswave.model.config import RngKind

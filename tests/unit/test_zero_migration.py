@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elaswave.fabric.contiguous import (
+from benchmarks.contiguous import (
     STATE_BYTES_PER_ELEMENT,
     ContiguousLayout,
     MigrationPlan,

@@ -25,7 +25,7 @@ from torch import nn
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import ChangeStats, DynamicCommunicator, RebuildStrategy
+from elaswave.comm.dynamic import ChangeStats, DynamicCommunicator
 from elaswave.comm.links import pair
 from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
@@ -497,7 +497,6 @@ def _edit_communicator(
     change = links.apply(
         specs,
         removed=a.failed,
-        strategy=RebuildStrategy.EDIT,
         generation=a.new.generation,
         rebuild=lambda spec: spec.name in rebuild,
     )

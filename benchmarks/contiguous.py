@@ -21,7 +21,7 @@ This module is the pure planning core: layouts and plans are frozen dataclasses 
 function is a function of its arguments. Each planned transfer names the sender's and the
 receiver's element offsets in their *local frames* (see :class:`MigrationPlan`); one
 element is the three fp32 tensors of the optimizer (master weight, exp_avg, exp_avg_sq),
-:data:`STATE_BYTES_PER_ELEMENT` bytes. :mod:`elaswave.fabric.migration_exec` executes a
+:data:`STATE_BYTES_PER_ELEMENT` bytes. :mod:`benchmarks.migration_exec` executes a
 plan over point-to-point links.
 
 Cost found (elements; ``n = |O_i|``, ``D`` ranks in a stage, ``R`` elements of the stage

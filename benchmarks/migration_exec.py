@@ -1,4 +1,4 @@
-"""Executing a layer-migration plan (:mod:`elaswave.fabric.contiguous`) over p2p links.
+"""Executing a layer-migration plan (:mod:`benchmarks.contiguous`) over p2p links.
 
 Every rank of both stages calls :func:`execute_migration` with the same plan and its own
 local frame: a tensor whose first dimension is the frame's elements and whose trailing
@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks.contiguous import MigrationPlan
 from elaswave.comm.group import P2PLink
 from elaswave.comm.spec import TagSpace, p2p_tag
-from elaswave.fabric.contiguous import MigrationPlan
 
 MAX_TRANSFERS = 4094
 """Transfers one plan may hold: transfer i uses tag index ``TagSpace.REMAP + i``."""

@@ -13,9 +13,9 @@ from elaswave.bus.schema import (
     PauseRequest,
     RecoveryFinished,
     RecoveryKind,
-    RecoveryPlan,
     RecoveryStarted,
 )
+from elaswave.engine import plan_inputs
 from elaswave.engine.change import (
     Action,
     Applied,
@@ -31,8 +31,9 @@ from elaswave.engine.change import (
     Stopped,
 )
 from elaswave.engine.dataflow import resize_after_failure
-from elaswave.engine.migration import NONBLOCKING, decide_migration
+from elaswave.engine.migration import NONBLOCKING, MigrationDecision, decide_migration
 from elaswave.engine.plan import plan_summary
+from elaswave.engine.plan_inputs import PlanInputs, PlanOutcome, announcement
 from elaswave.engine.recovery import Rebalancing, plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.engine.stopping import Announce, Outcome, Stopping, on_report, outcome, stop_phase
@@ -207,6 +208,12 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
     assert c is not None
     survivors = c.stop.members
     failed = sorted(c.stop.failed)
+    inputs = PlanInputs(
+        failed=tuple(failed),
+        joined=c.joined,
+        policy=r.rebalancing.policy,
+        slowdowns=_slow(s, survivors | set(c.joined)),
+    )
     try:
         decision = plan_fail_stop(
             s.plan,
@@ -215,7 +222,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
             newest={x: s.reports[x].newest for x in survivors},
             ranks_per_node=r.ranks_per_node,
             snapshots=r.snapshots,
-            rebalancing=rebalancing(r, s, survivors | set(c.joined)),
+            rebalancing=plan_inputs.rebalancing(inputs, r.rebalancing),
             joined=c.joined,
             floor=s.recoveries[-1]["committed_step"] if s.recoveries else r.first_step,
         )
@@ -242,6 +249,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
         device=reb.device,
         early=r.migration_early,
     )
+    inputs = dataclasses.replace(inputs, stale=tuple(stale), migration=migration.mode)
     ranks = sorted(set(c.ranks) | set(failed))
     origin = c.origin
     if attempt == 0:
@@ -261,29 +269,16 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
             )
         )
     digest = plan_digest(decision.plan)
-    slowdowns = _slow(s, survivors | set(c.joined))
-    slow = sorted(slowdowns)
-    out.append(
-        Publish(
-            RecoveryPlan(
-                sender="core",
-                generation=c.generation + 1,
-                failed=failed,
-                committed_step=decision.committed_step,
-                plan_digest=digest,
-                reason=decision.reason,
-                rebuild=sorted({name for x in survivors for name in s.reports[x].tainted}),
-                policy=str(reb.policy),
-                slow_ranks=slow,
-                slow_factors=[slowdowns[x] for x in slow],
-                kind=c.kind,
-                joined=list(c.joined),
-                stale=stale,
-                attempt=attempt,
-                migration=str(migration["mode"]),
-            )
-        )
+    outcome = PlanOutcome(
+        generation=c.generation + 1,
+        attempt=attempt,
+        kind=c.kind,
+        committed_step=decision.committed_step,
+        plan_digest=digest,
+        reason=decision.reason,
+        rebuild=tuple(sorted({name for x in survivors for name in s.reports[x].tainted})),
     )
+    out.append(Publish(announcement(inputs, outcome)))
     record = {
         "step": redo,
         "kind": str(c.kind),
@@ -292,7 +287,7 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
         "committed_step": decision.committed_step,
         "reason": decision.reason,
         "superseded": attempt,
-        "migration": migration,
+        "migration": _migration_record(migration),
         "plan": plan_summary(decision.plan),
         "joined": list(c.joined),
     }
@@ -312,6 +307,16 @@ def plan_next(r: Rules, s: State, now: float, out: list[Action]) -> State:
         record=record,
     )
     return replace(s, change=c)
+
+
+def _migration_record(m: MigrationDecision) -> dict[str, object]:
+    """``m`` as summary.json records it."""
+    doc: dict[str, object] = {"mode": str(m.mode), "layers": list(m.layers)}
+    if m.why is not None:
+        doc["why"] = m.why
+    if m.early_micro_batches is not None:
+        doc["early_micro_batches"] = m.early_micro_batches
+    return doc
 
 
 def lose(r: Rules, s: State, lost: Mapping[int, int], now: float, out: list[Action]) -> State:

@@ -29,7 +29,7 @@ from elaswave.comm.dynamic import DynamicCommunicator, RebuildStrategy
 from elaswave.comm.group import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.links import pair
 from elaswave.data.corpus import SampleLoader
-from elaswave.engine.migration import plan_transition
+from elaswave.engine.migration import NONBLOCKING, plan_transition
 from elaswave.engine.plan import (
     Plan,
     dp_group_name,
@@ -54,7 +54,6 @@ from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
-from elaswave.runtime.job.inputs import NONBLOCKING
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_initial_state, owner_layout

@@ -34,7 +34,7 @@ from elaswave.comm.store import connect_store
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
 from elaswave.runtime.core.recorder import Core, CorePorts
 from elaswave.runtime.core.summary import build_summary, write_summary
-from elaswave.runtime.core.supervisor import JobFailed, Supervisor, fault_point
+from elaswave.runtime.core.supervisor import JobFailed, Supervisor, fault_point, load_state
 from elaswave.runtime.core.units import group_units, spawn_unit
 from elaswave.runtime.job.child import die_with_parent, exit_now
 from elaswave.runtime.job.config import JobSpec
@@ -58,7 +58,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     restart = incarnation > 0
     spec = JobSpec.read(run_dir, JOB if restart else HOST_SPEC)
     cfg, t, ep = spec.config, spec.config.train, spec.endpoints
-    state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
+    state = load_state(run_dir / CORE_STATE) if restart else None
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
     store = connect_store(ep.store_host, ep.store_port, timeout_s=t.comm_timeout_s)
     procs = group_units(await link.connect(), t.tp)  # by plan rank: a TP group is one

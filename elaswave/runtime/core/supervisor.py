@@ -3,9 +3,10 @@
 Watchers observe the job (worker exits, heartbeats, the bus, the fail-slow detector)
 and feed one bounded queue; one loop takes each input (or a Tick when one of the
 protocol's deadlines passes) through the pure ``step``, persists the new state
-(``core_state.json``) before acting, and carries out the actions: publish, kill, spawn,
-share the plan, log, stop the job. The watchers run in a TaskGroup: an exception in any
-of them ends the rest at once and surfaces.
+(``core_state.json``, :func:`elaswave.engine.change.state_to_json`) before acting, and
+carries out the actions: publish, kill, spawn, share the plan, log, stop the job. The
+watchers run in a TaskGroup: an exception in any of them ends the rest at once and
+surfaces.
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ from typing import Any
 import structlog
 import torch.distributed as dist
 
-from elaswave.bus.schema import (
-    PlanCommit,
-    RecoveryPlan,
-    ScaleRequest,
-    sender_name,
+from elaswave.bus.schema import PlanCommit, RecoveryPlan, ScaleRequest, sender_name
+from elaswave.engine.actions import Action, Kill, Note, Publish, SharePlan, Spawn, Stop, Terminate
+from elaswave.engine.change import (
+    State,
+    StateVersionError,
+    initial_state,
+    state_from_json,
+    state_to_json,
 )
-from elaswave.engine import change as ch
-from elaswave.engine.phases import deadline, exit_text
+from elaswave.engine.inputs import Input, Restarted, Silent, Straggling, Tick
+from elaswave.engine.phases.shared import exit_text
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
-from elaswave.engine.protocol import step
+from elaswave.engine.protocol import deadline, step
+from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_STATE
 from elaswave.runtime.core.observe import exited, to_input
 from elaswave.runtime.core.recorder import Core
@@ -42,7 +47,14 @@ from elaswave.runtime.job.inputs import rules_of
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["CORE_FAULT_ENV", "JobFailed", "Supervisor", "exit_text", "fault_point"]
+__all__ = [
+    "CORE_FAULT_ENV",
+    "JobFailed",
+    "Supervisor",
+    "exit_text",
+    "fault_point",
+    "load_state",
+]
 
 CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
 """Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
@@ -61,6 +73,15 @@ class _Over(Exception):
     """Every worker has exited: end the watchers."""
 
 
+def load_state(path: Path) -> State:
+    """A predecessor's persisted state (:data:`CORE_STATE`); JobFailed, naming the file
+    and the versions, for a state of another version."""
+    try:
+        return state_from_json(json.loads(path.read_text()), source=str(path))
+    except StateVersionError as exc:
+        raise JobFailed(str(exc)) from None
+
+
 def fault_point(name: str) -> None:
     if os.environ.get(CORE_FAULT_ENV) == name:
         log.warning("core.fault_injected", point=name)
@@ -77,18 +98,18 @@ class Supervisor:
         *,
         spawn: Callable[[int], Awaitable[Any]] | None = None,
         store: dist.Store | None = None,
-        state: dict[str, Any] | None = None,
+        state: State | None = None,
     ) -> None:
         """``procs``: the workers' processes (``asyncio.subprocess.Process`` or the host
         link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
         worker that joins the running job; ``store`` is where the Core publishes the
-        current plan for it. ``state``: a predecessor's :data:`CORE_STATE` to resume."""
+        current plan for it. ``state``: a predecessor's (:func:`load_state`) to resume."""
         self.cfg, self.run_dir, self.core, self.procs = cfg, run_dir, core, procs
         self.spawn, self.store = spawn, store
         self.rules = rules_of(cfg, run_dir, can_spawn=spawn is not None and store is not None)
         self.restarted = state is not None
-        self.state = ch.state_from_dict(state) if state else ch.initial_state(cfg.plan())
-        self.inputs: asyncio.Queue[ch.Input] = asyncio.Queue(maxsize=1024)
+        self.state = state if state is not None else initial_state(cfg.plan())
+        self.inputs: asyncio.Queue[Input] = asyncio.Queue(maxsize=1024)
         self._group: asyncio.TaskGroup | None = None
         t = cfg.train
         self.stragglers = StragglerWatch(
@@ -102,14 +123,14 @@ class Supervisor:
         return self.state.plan
 
     @property
-    def recoveries(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.state.recoveries]
+    def recoveries(self) -> tuple[RecoveryRecord, ...]:
+        return self.state.recoveries
 
     def persist(self) -> None:
         """Write :data:`CORE_STATE` (atomically: a successor reads it whole or not at all)."""
         path = self.run_dir / CORE_STATE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ch.state_to_dict(self.state)))
+        tmp.write_text(json.dumps(state_to_json(self.state)))
         os.replace(tmp, path)
 
     async def run(self) -> None:
@@ -143,7 +164,7 @@ class Supervisor:
 
     async def _loop(self) -> None:
         if self.restarted:
-            await self._step(ch.Restarted(frozenset(self.procs)))
+            await self._step(Restarted(frozenset(self.procs)))
         ended: float | None = None
         while True:
             if not self.state.alive and self.state.change is None:
@@ -154,7 +175,7 @@ class Supervisor:
                     return
             await self._step(await self._next())
 
-    async def _next(self) -> ch.Input:
+    async def _next(self) -> Input:
         """The next input; a Tick when the protocol's next deadline passes first (and at
         least every 0.1 s)."""
         due = deadline(self.rules, self.state)
@@ -163,9 +184,9 @@ class Supervisor:
             async with asyncio.timeout(wait):
                 return await self.inputs.get()
         except TimeoutError:
-            return ch.Tick()
+            return Tick()
 
-    async def _step(self, event: ch.Input) -> None:
+    async def _step(self, event: Input) -> None:
         state, actions = step(self.rules, self.state, event, time.time())
         if state != self.state:
             self.state = state
@@ -173,32 +194,32 @@ class Supervisor:
         for action in actions:
             await self._act(action)
 
-    async def _act(self, action: ch.Action) -> None:
+    async def _act(self, action: Action) -> None:
         match action:
-            case ch.Publish(event=event):
+            case Publish(event=event):
                 await self.core.publish(event)
                 if isinstance(event, RecoveryPlan):
                     fault_point("plan")
                 elif isinstance(event, PlanCommit):
                     fault_point("commit")
-            case ch.Kill(rank=rank):
+            case Kill(rank=rank):
                 with contextlib.suppress(ProcessLookupError):
                     self.procs[rank].kill()
-            case ch.Terminate(rank=rank):
+            case Terminate(rank=rank):
                 with contextlib.suppress(ProcessLookupError):
                     self.procs[rank].terminate()
-            case ch.Spawn(rank=rank):
+            case Spawn(rank=rank):
                 assert self.spawn is not None
                 assert self._group is not None
                 proc = self.procs[rank] = await self.spawn(rank)
                 self._group.create_task(self._watch_exit(rank, proc))
                 log.warning("core.joiner_started", rank=rank, pid=proc.pid)
-            case ch.SharePlan(plan=plan):
+            case SharePlan(plan=plan):
                 assert self.store is not None
                 self.store.set(plan_key(plan.generation), json.dumps(plan_to_dict(plan)))
-            case ch.Note(event=name, fields=fields):
+            case Note(event=name, fields=fields):
                 log.warning(name, **fields)
-            case ch.Stop(reason=reason):
+            case Stop(reason=reason):
                 raise JobFailed(reason)
 
     async def _watch_exit(self, rank: int, proc: Any) -> None:
@@ -239,7 +260,7 @@ class Supervisor:
                 last = self.core.last_heartbeat.get(rank)
                 if last is not None and now - last > timeout:
                     why = f"no heartbeat for {now - last:.1f} s (hung); fenced"
-                    await self.inputs.put(ch.Silent(rank, why))
+                    await self.inputs.put(Silent(rank, why))
 
     async def _watch_stragglers(self) -> None:
         """Run the fail-slow detector on the step timings while no change is under way."""
@@ -252,7 +273,7 @@ class Supervisor:
                 continue
             assert verdict.step is not None  # a verdict that flags or clears evaluated a step
             slowdowns = {s.rank: s.factor for s in verdict.stragglers}
-            straggling = ch.Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
+            straggling = Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
             await self.inputs.put(straggling)
 
 

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from elaswave.engine import migration
-from elaswave.engine.change import Rules
 from elaswave.engine.migration import MigrationDecision
 from elaswave.engine.plan import Plan
 from elaswave.engine.plan_inputs import PlanInputs, rebalancing
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
+from elaswave.engine.rules import Rules
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.faults import FaultKind, validate_faults
 

@@ -1,6 +1,9 @@
 """What the Core observes, as inputs of the change protocol
 (:mod:`elaswave.engine.inputs`): bus events, and worker processes' exits with their own
-account of why."""
+account of why.
+
+:func:`to_input` is the one mapping from bus events to the protocol's inputs: the Core's
+recorder hands the supervisor exactly the events it maps (:func:`takes`)."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from elaswave.rundir import fault_record, rank_log
 
 def to_input(event: Event, t: float, scales: int) -> Input | None:
     """The protocol's input for a bus event that arrived at ``t`` (``scales``: how many
-    ScaleRequests came before it)."""
+    ScaleRequests came before it); None for an event the protocol does not take."""
     match event:
         case RecoveryReady():
             report = Report(
@@ -68,11 +71,16 @@ def to_input(event: Event, t: float, scales: int) -> Input | None:
             return Trained(event.rank, event.generation, event.step)
         case StepCompleted():
             return StepDone(event.step, t)
-        case WorkerStarted():
+        case WorkerStarted(joining=True):  # a joiner; a member's start is no input
             return Joining(event.rank)
         case ScaleRequest():
             return ScaleUp(scales, event.add)
     return None
+
+
+def takes(event: Event) -> bool:
+    """Whether the change protocol takes ``event`` (:func:`to_input` maps it)."""
+    return to_input(event, 0.0, 0) is not None
 
 
 def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -> Exited:

@@ -1,6 +1,7 @@
 """The Core's shell around the change protocol (:mod:`elaswave.engine.protocol`).
 
-Watchers observe the job (worker exits, heartbeats, the bus, the fail-slow detector)
+Watchers observe the job (worker exits, heartbeats, the bus through the recorder's
+:meth:`~elaswave.runtime.core.recorder.Core.protocol_events`, the fail-slow detector)
 and feed one bounded queue; one loop takes each input (or a Tick when one of the
 protocol's deadlines passes) through the pure ``step``, persists the new state
 (``core_state.json``, :func:`elaswave.engine.change.state_to_json`) before acting, and
@@ -17,14 +18,14 @@ import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch.distributed as dist
 
-from elaswave.bus.schema import PlanCommit, RecoveryPlan, ScaleRequest, sender_name
+from elaswave.bus.schema import PlanCommit, RecoveryPlan, ScaleRequest
 from elaswave.engine.actions import Action, Kill, Note, Publish, SharePlan, Spawn, Stop, Terminate
 from elaswave.engine.change import (
     State,
@@ -40,7 +41,7 @@ from elaswave.engine.protocol import deadline, step
 from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_STATE
 from elaswave.runtime.core.observe import exited, to_input
-from elaswave.runtime.core.recorder import Core
+from elaswave.runtime.core.recorder import Core, ProtocolEvents
 from elaswave.runtime.core.slowwatch import StragglerWatch
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
@@ -51,6 +52,7 @@ __all__ = [
     "CORE_FAULT_ENV",
     "JobFailed",
     "Supervisor",
+    "WorkerProcess",
     "exit_text",
     "fault_point",
     "load_state",
@@ -71,6 +73,25 @@ class JobFailed(RuntimeError):
 
 class _Over(Exception):
     """Every worker has exited: end the watchers."""
+
+
+class WorkerProcess(Protocol):
+    """A worker as the Core handles it: an ``asyncio.subprocess.Process``, the host
+    link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`, or a TP group's
+    :class:`~elaswave.runtime.core.units.UnitHandle` (which also names the member whose
+    exit ended it, ``exited_member``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
 
 
 def load_state(path: Path) -> State:
@@ -94,17 +115,17 @@ class Supervisor:
         cfg: JobConfig,
         run_dir: Path,
         core: Core,
-        procs: dict[int, Any],
+        procs: Mapping[int, WorkerProcess],
         *,
-        spawn: Callable[[int], Awaitable[Any]] | None = None,
+        spawn: Callable[[int], Awaitable[WorkerProcess]] | None = None,
         store: dist.Store | None = None,
         state: State | None = None,
     ) -> None:
-        """``procs``: the workers' processes (``asyncio.subprocess.Process`` or the host
-        link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
+        """``procs``: the workers' processes, by plan rank. ``spawn(rank)`` starts a
         worker that joins the running job; ``store`` is where the Core publishes the
         current plan for it. ``state``: a predecessor's (:func:`load_state`) to resume."""
-        self.cfg, self.run_dir, self.core, self.procs = cfg, run_dir, core, procs
+        self.cfg, self.run_dir, self.core = cfg, run_dir, core
+        self.procs: dict[int, WorkerProcess] = dict(procs)
         self.spawn, self.store = spawn, store
         self.rules = rules_of(cfg, run_dir, can_spawn=spawn is not None and store is not None)
         self.restarted = state is not None
@@ -136,24 +157,23 @@ class Supervisor:
     async def run(self) -> None:
         """Run the protocol until every worker has exited (JobFailed if the job stops)."""
         self.persist()
-        self.core.inbox = asyncio.Queue(maxsize=1024)
         try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                for rank, proc in self.procs.items():
-                    group.create_task(self._watch_exit(rank, proc))
-                for watch in (self._watch_bus, self._watch_heartbeats):
-                    group.create_task(watch())
-                if self.cfg.train.detects_stragglers:
-                    group.create_task(self._watch_stragglers())
-                await self._loop()
-                raise _Over
+            with self.core.protocol_events() as events:
+                async with asyncio.TaskGroup() as group:
+                    self._group = group
+                    for rank, proc in self.procs.items():
+                        group.create_task(self._watch_exit(rank, proc))
+                    group.create_task(self._watch_bus(events))
+                    group.create_task(self._watch_heartbeats())
+                    if self.cfg.train.detects_stragglers:
+                        group.create_task(self._watch_stragglers())
+                    await self._loop()
+                    raise _Over
         except BaseExceptionGroup as group_error:
             errors = [e for e in _leaves(group_error) if not isinstance(e, _Over)]
             if errors:
                 raise errors[0] from None
         finally:
-            self.core.inbox = None
             for proc in self.procs.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -222,22 +242,18 @@ class Supervisor:
             case Stop(reason=reason):
                 raise JobFailed(reason)
 
-    async def _watch_exit(self, rank: int, proc: Any) -> None:
+    async def _watch_exit(self, rank: int, proc: WorkerProcess) -> None:
         code = await proc.wait()
-        for member in range(self.cfg.train.tp):  # no one can send its gaps again
-            self.core.client.tracker.forget(sender_name(rank, member))
+        self.core.forget_worker(rank, self.cfg.train.tp)
         # A TP group's exit is explained by the member that ended it.
         process = getattr(proc, "exited_member", None)
         await self.inputs.put(exited(self.run_dir, rank, code, process=process))
 
-    async def _watch_bus(self) -> None:
+    async def _watch_bus(self, events: ProtocolEvents) -> None:
         """Feed the events the protocol takes: those read back from a predecessor's
         log first, then each as it arrives."""
-        inbox, scales = self.core.inbox, 0
-        assert inbox is not None
-        backlog, self.core.backlog = self.core.backlog, []
-        while True:
-            event, t = backlog.pop(0) if backlog else await inbox.get()
+        scales = 0
+        async for event, t in events:
             if (x := to_input(event, t, scales)) is not None:
                 await self.inputs.put(x)
             scales += isinstance(event, ScaleRequest)
@@ -254,7 +270,7 @@ class Supervisor:
                 # The Core itself was stalled (stopped, starved): it cannot tell a silent
                 # worker from a period it did not watch. Silence counts from now.
                 log.warning("core.stalled", seconds=round(now - last_tick, 2))
-                self.core.silence_from(now)
+                self.core.reset_silence(now)
             last_tick = now
             for rank in sorted(self.state.alive - set(self.state.fenced)):
                 last = self.core.last_heartbeat.get(rank)

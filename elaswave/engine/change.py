@@ -1,88 +1,37 @@
-"""The vocabulary of the Core's change protocol: its state, the events it takes, the
-actions it asks for and the job's rules (pure data; :mod:`elaswave.engine.protocol`
-holds the transitions).
+"""The Core's state: the job's membership, and the plan change under way, phase by phase
+(pure data; :mod:`elaswave.engine.protocol` holds the transitions).
 
-:class:`State` is exactly what the Core persists (``core_state.json``,
-:func:`state_to_dict` / :func:`state_from_dict`): a restarted Core continues from it.
-Every map is keyed by rank; times are wall-clock seconds, the ``now`` the shell passes.
+A change leaves generation ``g`` for ``g + 1``. What every change has (its kind, its
+generation, the ranks it is about, what happened in words, when) sits in
+:class:`Change`; what it holds in its current phase sits in that phase's own type
+(:data:`PhaseState`): :class:`Detecting`, :class:`Stopping`, :class:`Agreeing`,
+:class:`Applying`, :class:`Waiting`, :class:`Checkpointing`. A field meaningful in
+one phase lives only in that phase's type.
+
+:class:`State` is exactly what the Core persists (``core_state.json``:
+:func:`state_to_json` / :func:`state_from_json`, through the dataclasses' own codec,
+:mod:`elaswave.engine.codec`): a restarted Core continues from it. Every map is keyed by
+rank unless it says otherwise; times are wall-clock seconds, the ``now`` the shell
+passes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from elaswave.bus.schema import Event, RecoveryKind
+from elaswave.bus.schema import RecoveryKind
+from elaswave.engine.codec import Forms, from_json, to_json
 from elaswave.engine.plan import Plan, plan_from_dict, plan_to_dict
-from elaswave.engine.recovery import Rebalancing
-from elaswave.engine.stopping import Stopping
-
-Record = Mapping[str, Any]
-"""One change as summary.json records it (JSON data)."""
-
-
-# ----------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rules:
-    """What the job fixes for the whole run: the protocol's constants."""
-
-    steps: int
-    recovery: bool = True
-    """False: the first failure stops the job."""
-    ranks_per_node: int = 1
-    snapshots: bool = True
-    rebalancing: Rebalancing = field(default_factory=Rebalancing)
-    """The throughput planner's inputs without the measured slowdowns (the state's)."""
-    migration: str = "nonblocking"
-    migration_early: int | None = None
-    stop_timeout_s: float = 30.0
-    """How long members may take to stop at a step boundary, or to apply a plan."""
-    ack_timeout_s: float = 10.0
-    """How long a participant may take to acknowledge a plan before it is fenced."""
-    join_steps: tuple[int, ...] = ()
-    """Steps at which the job starts a joiner (``join@STEP`` faults), sorted."""
-    can_spawn: bool = True
-    """Whether the job can start workers (joiners)."""
-    resume_hint: str = ""
-    """How to resume after the job stops (names a checkpoint, or says there is none)."""
-    first_step: int = -1
-    """The step a resumed job starts after (its checkpoint's; -1: a new job): no rank
-    can roll back before it."""
-    grace_s: float = 0.02
-    """Exits this close together are one failure."""
-    exit_grace_s: float = 0.5
-    """How long a participant that exited while applying a plan is given for its
-    report to arrive before its exit stops the job."""
-    migrated_wait_s: float = 2.0
-    """How long a finished non-blocking migration's reports are waited for."""
-    wait_for_nodes_s: float = 0.0
-    """How long a job with too few ranks left for its stages waits for joiners, its
-    state in memory, before it writes a checkpoint and stops (0: it stops at once)."""
-    resume_command: str = ""
-    """The flag that resumes this job from a checkpoint it writes (``--resume RUN``)."""
-
-
-# ----------------------------------------------------------------------------- state
-
-
-class Phase(enum.StrEnum):
-    DETECTING = "detecting"
-    """Exits seen; more may follow within ``grace_s`` (one failure)."""
-    STOPPING = "stopping"
-    """Announced: every member stops at a step boundary and reports."""
-    AGREEING = "agreeing"
-    """A plan is announced; every participant acknowledges it."""
-    APPLYING = "applying"
-    """The plan is committed; every participant applies it."""
-    WAITING = "waiting"
-    """Too few ranks are left for the stages: the stopped members wait for joiners."""
-    CHECKPOINTING = "checkpointing"
-    """The wait ran out: the stopped members write a checkpoint, then the job stops."""
+from elaswave.engine.record import (
+    PlannedRecovery,
+    RecoveryRecord,
+    Streamed,
+    record_from_json,
+    record_to_json,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,53 +62,169 @@ class Applied:
     params_s: float = 0.0
 
 
+# ----------------------------------------------------------------------------- phases
+
+
+class Phase(enum.StrEnum):
+    """The phases of a change (each phase type's ``TAG``)."""
+
+    DETECTING = "detecting"
+    STOPPING = "stopping"
+    AGREEING = "agreeing"
+    APPLYING = "applying"
+    WAITING = "waiting"
+    CHECKPOINTING = "checkpointing"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detecting:
+    """Exits seen; more may follow within ``grace_s`` (one failure)."""
+
+    TAG: ClassVar[Phase] = Phase.DETECTING
+    failed: Mapping[int, int]
+    """The ranks that exited so far: their exit codes."""
+    deadline: float
+    """When every member is asked to stop (the first exit, plus ``grace_s``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopping:
+    """Announced: every member stops at a step boundary and reports, or is lost
+    (:mod:`elaswave.engine.phases.stopping` holds its own small machine)."""
+
+    TAG: ClassVar[Phase] = Phase.STOPPING
+    generation: int
+    """The generation the change leaves (a report of another is no report)."""
+    members: frozenset[int]
+    """Members of the plan not lost so far: each must report."""
+    failed: Mapping[int, int]
+    """Every rank lost so far (announced or about to be): its exit code."""
+    reported: frozenset[int] = frozenset()
+    """Members whose report of ``generation`` arrived."""
+    announced: frozenset[int] = frozenset()
+    """Failed ranks the last announcement named."""
+    after_step: int | None = None
+    """A pause (a join, a rebalance): the step after which members stop. None: a
+    failure (members abort their step at once)."""
+    deadline: float
+    """When a member that has neither reported nor exited stops the job."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agreeing:
+    """A plan is announced (attempt ``attempt``); every participant acknowledges it."""
+
+    TAG: ClassVar[Phase] = Phase.AGREEING
+    members: frozenset[int]
+    """The stopped members the plan is for (the survivors)."""
+    failed: frozenset[int]
+    """The plan's ranks lost: the planner's failed ranks."""
+    attempt: int
+    """This announcement of the plan (0: the first; a later one supersedes it)."""
+    digest: str
+    plan: Plan
+    participants: frozenset[int]
+    """Who must acknowledge and apply the plan: the survivors and the joiners."""
+    acked: frozenset[int] = frozenset()
+    record: PlannedRecovery
+    """The change as planned (summary.json's record, before its times)."""
+    planned_at: float
+    completed: Mapping[int, float] = field(default_factory=dict)
+    """Steps completed since a plan of the change was announced, and when (a step
+    redone under it can complete before the last report of its application arrives)."""
+    waited_since: float | None = None
+    """When the change began to wait for joiners (None: it has not waited)."""
+    deadline: float
+    """When a participant that has not acknowledged is fenced."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Applying:
+    """The plan is committed; every participant applies it."""
+
+    TAG: ClassVar[Phase] = Phase.APPLYING
+    failed: frozenset[int]
+    """The ranks the plan was planned without (its announcement's failed ranks)."""
+    attempt: int
+    """The committed announcement."""
+    digest: str
+    plan: Plan
+    participants: frozenset[int]
+    applied: Mapping[int, Applied] = field(default_factory=dict)
+    exited: Mapping[int, tuple[int, float]] = field(default_factory=dict)
+    """Participants that exited before applying the plan: (code, when)."""
+    record: PlannedRecovery
+    planned_at: float
+    committed_at: float
+    completed: Mapping[int, float] = field(default_factory=dict)
+    """As :attr:`Agreeing.completed`."""
+    deadline: float
+    """When a participant that has not applied the plan stops the job."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Waiting:
+    """Too few ranks are left for the stages: the stopped members wait for joiners
+    (:mod:`elaswave.engine.phases.waiting`)."""
+
+    TAG: ClassVar[Phase] = Phase.WAITING
+    members: frozenset[int]
+    """The stopped members, their state in memory."""
+    failed: frozenset[int]
+    needed: int
+    """Ranks still missing to fill every stage."""
+    step: int
+    """The step the members roll back to: what a checkpoint would write (-1: none)."""
+    since: float
+    """When the change began to wait."""
+    attempt: int
+    """The last announcement of a plan before the wait (-1: none)."""
+    completed: Mapping[int, float] = field(default_factory=dict)
+    """As :attr:`Agreeing.completed` (kept for the plan that follows the wait)."""
+    deadline: float
+    """``since`` plus the job's wait: then the members write a checkpoint."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpointing:
+    """The wait ran out: the stopped members write a checkpoint, then the job stops."""
+
+    TAG: ClassVar[Phase] = Phase.CHECKPOINTING
+    members: frozenset[int]
+    failed: frozenset[int]
+    needed: int
+    """Ranks that were missing (the stop says so)."""
+    step: int
+    """The step written."""
+    writers: frozenset[int]
+    """The members asked to write a part."""
+    written: frozenset[int] = frozenset()
+    """The members that reported their part written."""
+    deadline: float
+
+
+PhaseState = Detecting | Stopping | Agreeing | Applying | Waiting | Checkpointing
+
+
 @dataclass(frozen=True, kw_only=True)
 class Change:
     """A plan change under way, from generation ``generation`` to the next."""
 
     kind: RecoveryKind
-    phase: Phase
     generation: int
     ranks: tuple[int, ...]
     """The ranks it is about (the record's ``ranks``)."""
     detail: str
     """What happened, in words (grows as more ranks are lost)."""
-    stop: Stopping
-    """The stop phase: members, failed ranks, reports, what was announced."""
     joined: tuple[int, ...] = ()
-    after_step: int = -1
-    """A pause: the step after which members stop (-1: a failure, abort at once)."""
+    """The joiners the plan adds."""
     seen_at: float
     origin: float
     """When the change's cause happened (a kill's own time, else when it was seen)."""
-    deadline: float
-    attempt: int = -1
-    """The announcement of the plan under agreement (-1: none yet)."""
-    digest: str = ""
-    plan: Plan | None = None
-    participants: frozenset[int] = frozenset()
-    """Who must acknowledge and apply the plan: the survivors and the joiners."""
-    acked: frozenset[int] = frozenset()
-    applied: Mapping[int, Applied] = field(default_factory=dict)
-    exited: Mapping[int, tuple[int, float]] = field(default_factory=dict)
-    """Participants that exited before applying the plan: (code, when)."""
-    planned_at: float = 0.0
-    committed_at: float = 0.0
-    record: Record = field(default_factory=dict)
-    """The record of the plan under agreement (summary.json's, without timings)."""
-    completed: Mapping[int, float] = field(default_factory=dict)
-    """Steps completed since the plan was announced, and when (a step redone under it
-    can complete before the last report of its application arrives)."""
-    needed: int = 0
-    """Waiting: ranks still missing to fill every stage."""
-    waiting_since: float = -1.0
-    """When the change began to wait for joiners (-1: it has not waited)."""
-    checkpoint_step: int = -1
-    """Checkpointing: the step written."""
-    writers: frozenset[int] = frozenset()
-    """Checkpointing: the members asked to write a part."""
-    written: frozenset[int] = frozenset()
-    """Checkpointing: the members that reported their part written."""
+    phase: PhaseState
+
+
+# ----------------------------------------------------------------------------- state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,10 +274,10 @@ class State:
     later: Mapping[int, int] = field(default_factory=dict)
     """Failures seen while a change was applied, for the next change."""
     change: Change | None = None
-    recoveries: tuple[Record, ...] = ()
+    recoveries: tuple[RecoveryRecord, ...] = ()
     finishing: tuple[Finishing, ...] = ()
-    migrated: Mapping[str, tuple[int, float]] = field(default_factory=dict)
-    """``"generation:rank"`` -> (bytes streamed, seconds waited) of MigrationDone."""
+    migrated: Mapping[tuple[int, int], Streamed] = field(default_factory=dict)
+    """(generation, rank) -> what the rank's MigrationDone reported."""
     joins_done: int = 0
     scales_done: int = 0
     stopped: str = ""
@@ -223,307 +288,42 @@ def initial_state(plan: Plan) -> State:
     return State(plan=plan, alive=frozenset(plan.ranks), next_rank=max(plan.ranks) + 1)
 
 
-# ----------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Exited:
-    """A worker process exited (code 0: it finished; negative: killed by a signal)."""
-
-    rank: int
-    code: int
-    why: str = ""
-    killed_at: float | None = None
-
-
-@dataclass(frozen=True)
-class Silent:
-    """A worker sent no heartbeat for too long: fence it."""
-
-    rank: int
-    why: str
-
-
-@dataclass(frozen=True)
-class Joining:
-    """A joiner is up and waits for a plan that adds it."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class ScaleUp:
-    """The ``index``-th ScaleRequest of the run asks for ``add`` more workers."""
-
-    index: int
-    add: int
-
-
-@dataclass(frozen=True)
-class Straggling:
-    """The fail-slow detector flagged (or cleared) ranks at ``step``."""
-
-    step: int
-    slowdowns: Mapping[int, float]
-    recovered: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Ready:
-    rank: int
-    generation: int
-    report: Report
-
-
-@dataclass(frozen=True)
-class Acked:
-    rank: int
-    generation: int
-    attempt: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class Done:
-    """A participant applied the plan of ``generation`` (RecoveryDone)."""
-
-    rank: int
-    generation: int
-    applied: Applied
-
-
-@dataclass(frozen=True)
-class Trained:
-    """A rank trained ``step`` under ``generation`` (StepTiming)."""
-
-    rank: int
-    generation: int
-    step: int
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """The job completed ``step`` (StepCompleted arrived at ``at``)."""
-
-    step: int
-    at: float
-
-
-@dataclass(frozen=True)
-class Migrated:
-    rank: int
-    generation: int
-    bytes_streamed: int
-    waited_s: float
-
-
-@dataclass(frozen=True)
-class Checkpointed:
-    """A member wrote its part of the checkpoint of ``step`` (CheckpointWritten)."""
-
-    rank: int
-    generation: int
-    step: int
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed (deadlines)."""
-
-
-@dataclass(frozen=True)
-class Restarted:
-    """This Core took over from a predecessor's persisted state; ``present``: the
-    workers the host has."""
-
-    present: frozenset[int]
-
-
-Input = (
-    Exited | Silent | Joining | ScaleUp | Straggling | Ready | Acked | Done | Trained
-    | StepDone | Migrated | Checkpointed | Tick | Restarted
-)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Publish:
-    event: Event
-
-
-@dataclass(frozen=True)
-class Kill:
-    """SIGKILL the worker (fenced)."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class Terminate:
-    """Ask a joiner to leave (the job is over)."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start a worker that joins the running job as ``rank``."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class SharePlan:
-    """Put the current plan where joiners read it (the store)."""
-
-    plan: Plan
-
-
-@dataclass(frozen=True)
-class Note:
-    """A log line: ``event`` with ``fields``."""
-
-    event: str
-    fields: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The job cannot go on: stop it with ``reason``."""
-
-    reason: str
-
-
-Action = Publish | Kill | Terminate | Spawn | SharePlan | Note | Stop
-
-
-class Stopped(Exception):
-    """The job cannot go on (internal to the transitions: becomes a :class:`Stop`)."""
-
-
 # ----------------------------------------------------------------------------- JSON
 
+CORE_STATE_VERSION = 2
+"""The version of ``core_state.json`` this Core writes and reads (1: before it carried
+one). A run's state is only read by the same version's restarted Core."""
 
-def _ints(doc: Mapping[str, Any], conv: Any = None) -> dict[int, Any]:
-    return {int(k): (conv(v) if conv else v) for k, v in doc.items()}
-
-
-def _strs(doc: Mapping[int, Any], conv: Any = None) -> dict[str, Any]:
-    return {str(k): (conv(v) if conv else v) for k, v in doc.items()}
-
-
-def _stopping_to_dict(s: Stopping) -> dict[str, Any]:
-    return {
-        "generation": s.generation,
-        "members": sorted(s.members),
-        "failed": _strs(s.failed),
-        "reported": sorted(s.reported),
-        "announced": sorted(s.announced),
-    }
+_FORMS: Forms = {
+    Plan: (plan_to_dict, plan_from_dict),
+    RecoveryRecord: (record_to_json, record_from_json),
+}
+"""Types persisted in a form of their own: the plan as the store holds it, a record as
+summary.json holds it (the job host summarises a run from it when the Core is lost)."""
 
 
-def _stopping_from_dict(d: Mapping[str, Any]) -> Stopping:
-    return Stopping(
-        generation=d["generation"],
-        members=frozenset(d["members"]),
-        failed=_ints(d["failed"]),
-        reported=frozenset(d["reported"]),
-        announced=frozenset(d["announced"]),
-    )
+class StateVersionError(ValueError):
+    """A persisted state of another version than this Core's."""
 
 
-def _change_to_dict(c: Change) -> dict[str, Any]:
-    doc = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
-    doc.update(
-        ranks=list(c.ranks),
-        joined=list(c.joined),
-        stop=_stopping_to_dict(c.stop),
-        plan=plan_to_dict(c.plan) if c.plan is not None else None,
-        participants=sorted(c.participants),
-        acked=sorted(c.acked),
-        writers=sorted(c.writers),
-        written=sorted(c.written),
-        applied=_strs(c.applied, dataclasses.asdict),
-        exited=_strs(c.exited, list),
-        record=dict(c.record),
-        completed=_strs(c.completed),
-    )
-    return doc
+def state_to_json(s: State) -> dict[str, Any]:
+    """``s`` as JSON data (what ``core_state.json`` holds), with its version."""
+    doc: dict[str, Any] = to_json(s, State, _FORMS)
+    return {"version": CORE_STATE_VERSION, "record_schema": RecoveryRecord.SCHEMA, **doc}
 
 
-def _change_from_dict(d: Mapping[str, Any]) -> Change:
-    return Change(
-        **{
-            **d,
-            "kind": RecoveryKind(d["kind"]),
-            "phase": Phase(d["phase"]),
-            "ranks": tuple(d["ranks"]),
-            "joined": tuple(d["joined"]),
-            "stop": _stopping_from_dict(d["stop"]),
-            "plan": plan_from_dict(d["plan"]) if d["plan"] is not None else None,
-            "participants": frozenset(d["participants"]),
-            "acked": frozenset(d["acked"]),
-            "writers": frozenset(d["writers"]),
-            "written": frozenset(d["written"]),
-            "applied": _ints(d["applied"], lambda a: Applied(**a)),
-            "exited": _ints(d["exited"], tuple),
-            "completed": _ints(d["completed"]),
-        }
-    )
-
-
-def state_to_dict(s: State) -> dict[str, Any]:
-    """``s`` as JSON data (what ``core_state.json`` holds)."""
-    return {
-        "plan": plan_to_dict(s.plan),
-        "alive": sorted(s.alive),
-        "next_rank": s.next_rank,
-        "codes": _strs(s.codes),
-        "errors": _strs(s.errors),
-        "killed_at": _strs(s.killed_at),
-        "fenced": _strs(s.fenced),
-        "slowdowns": _strs(s.slowdowns),
-        "reports": _strs(s.reports, lambda r: {**dataclasses.asdict(r), "tainted": r.tainted}),
-        "trained": _strs(s.trained),
-        "last_step": s.last_step,
-        "done_step": s.done_step,
-        "joiners": sorted(s.joiners),
-        "later": _strs(s.later),
-        "change": _change_to_dict(s.change) if s.change is not None else None,
-        "recoveries": [dict(r) for r in s.recoveries],
-        "finishing": [dataclasses.asdict(f) for f in s.finishing],
-        "migrated": {k: list(v) for k, v in s.migrated.items()},
-        "joins_done": s.joins_done,
-        "scales_done": s.scales_done,
-        "stopped": s.stopped,
-    }
-
-
-def state_from_dict(d: Mapping[str, Any]) -> State:
-    """The state :func:`state_to_dict` wrote (after a JSON round trip)."""
-    return State(
-        plan=plan_from_dict(d["plan"]),
-        alive=frozenset(d["alive"]),
-        next_rank=d["next_rank"],
-        codes=_ints(d["codes"]),
-        errors=_ints(d["errors"]),
-        killed_at=_ints(d["killed_at"]),
-        fenced=_ints(d["fenced"]),
-        slowdowns=_ints(d["slowdowns"]),
-        reports=_ints(d["reports"], lambda r: Report(**{**r, "tainted": tuple(r["tainted"])})),
-        trained=_ints(d["trained"]),
-        last_step=d["last_step"],
-        done_step=d["done_step"],
-        joiners=frozenset(d["joiners"]),
-        later=_ints(d["later"]),
-        change=_change_from_dict(d["change"]) if d["change"] is not None else None,
-        recoveries=tuple(d["recoveries"]),
-        finishing=tuple(Finishing(**f) for f in d["finishing"]),
-        migrated={k: (v[0], v[1]) for k, v in d["migrated"].items()},
-        joins_done=d["joins_done"],
-        scales_done=d["scales_done"],
-        stopped=d["stopped"],
-    )
+def state_from_json(doc: Mapping[str, Any], source: str = "core_state.json") -> State:
+    """The state :func:`state_to_json` wrote (after a JSON round trip); ``source``
+    names the file in errors (:class:`StateVersionError` for another version)."""
+    found = (doc.get("version", 1), doc.get("record_schema", 1))
+    wanted = (CORE_STATE_VERSION, RecoveryRecord.SCHEMA)
+    if found != wanted:
+        raise StateVersionError(
+            f"{source} holds Core state of version {found[0]} (records of schema "
+            f"{found[1]}), and this Core reads version {wanted[0]} (records of schema "
+            f"{wanted[1]}) only: a run's Core state is read by a restarted Core of the "
+            "ElasWave version that wrote it"
+        )
+    body = {k: v for k, v in doc.items() if k not in ("version", "record_schema")}
+    state: State = from_json(body, State, _FORMS)
+    return state

@@ -31,18 +31,22 @@ from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, compute_time,
 from elaswave.engine.plan import Plan
 from elaswave.fabric.remap import FP32_BYTES
 
+MIGRATION_MODES = ("nonblocking", "blocking")
+"""The modes a job may ask for (``--migration``): the Core decides ``none`` itself."""
+
 
 class MigrationMode(enum.StrEnum):
-    """How a job asks migrating layers to move (``--migration``)."""
+    """How a change moves layers (the ``migration`` a RecoveryPlan announces)."""
 
-    NONBLOCKING = "nonblocking"
+    NONE = "none"
+    """No layer moves."""
     BLOCKING = "blocking"
+    """Parameters gathered before resuming."""
+    NONBLOCKING = "nonblocking"
+    """Streamed during the transition step."""
 
 
-MIGRATION_MODES = tuple(m.value for m in MigrationMode)
-NONE, BLOCKING, NONBLOCKING = "none", "blocking", "nonblocking"
-"""How a change moves layers: no layer moves; parameters gathered before resuming;
-streamed during the transition step."""
+NONE, BLOCKING, NONBLOCKING = MigrationMode.NONE, MigrationMode.BLOCKING, MigrationMode.NONBLOCKING
 MAX_TRANSFERS = TagSpace.PAYBACK - TagSpace.STREAM
 """Streams (and paybacks) one transition may hold: stream ``i`` uses tag index
 ``TagSpace.STREAM + i``."""
@@ -208,6 +212,20 @@ def plan_transition(
     return Transition(moves, early, tuple(streams), tuple(paybacks))
 
 
+@dataclass(frozen=True, kw_only=True)
+class MigrationDecision:
+    """How the change from one plan to the next moves layers (summary.json's
+    ``migration``, :mod:`elaswave.engine.record`)."""
+
+    mode: MigrationMode
+    layers: tuple[int, ...]
+    """The layers that move, in layer order (empty when the mode is ``none``)."""
+    why: str | None = None
+    """Blocking: why the layers cannot stream."""
+    early_micro_batches: int | None = None
+    """Non-blocking: how many micro-batches keep the old placement."""
+
+
 def decide_migration(
     mode: str,
     old: Plan,
@@ -218,19 +236,20 @@ def decide_migration(
     layers: Sequence[LayerCost],
     device: DeviceSpec,
     early: int | None = None,
-) -> dict[str, object]:
-    """How the change from ``old`` to ``new`` moves layers, as summary.json records it:
-    ``mode`` (:data:`NONE`, :data:`BLOCKING` or :data:`NONBLOCKING`), the ``layers``
-    that move, and why they move blocking or how many micro-batches keep the old
-    placement. ``mode``: the job's ``--migration``. The Core decides it once and
-    announces the mode; workers follow it."""
+) -> MigrationDecision:
+    """How the change from ``old`` to ``new`` moves layers: its mode, the layers that
+    move, and why they move blocking or how many micro-batches keep the old placement.
+    ``mode``: the job's ``--migration``. The Core decides it once and announces the
+    mode; workers follow it."""
     moves = layer_moves(old, new)
     if not moves:
-        return {"mode": NONE, "layers": []}
-    moving = [m.layer for m in moves]
+        return MigrationDecision(mode=MigrationMode.NONE, layers=())
+    moving = tuple(m.layer for m in moves)
     why = why_blocking(mode, old, new, stale=stale, joined=joined, layers=layers)
     if why is not None:
-        return {"mode": BLOCKING, "layers": moving, "why": why}
+        return MigrationDecision(mode=MigrationMode.BLOCKING, layers=moving, why=why)
     transition = plan_transition(old, new, layers=layers, device=device, early=early)
     assert transition is not None  # why_blocking found nothing against it
-    return {"mode": NONBLOCKING, "layers": moving, "early_micro_batches": transition.early}
+    return MigrationDecision(
+        mode=MigrationMode.NONBLOCKING, layers=moving, early_micro_batches=transition.early
+    )

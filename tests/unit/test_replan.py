@@ -235,8 +235,8 @@ def test_layers_move_blocking_when_ranks_change_stage():
     assert {r for s in new.stages[1:] for r in s.ranks} <= {0, 1, 2}
     mode = decide_migration("nonblocking", plan, new, stale=(), joined=(),
                             layers=CFG.layer_costs, device=CFG.cost_device)  # fmt: skip
-    if mode["layers"]:
-        assert mode["mode"] == "blocking" and "change stage" in str(mode["why"]), mode
+    if mode.layers:
+        assert mode.mode == "blocking" and "change stage" in str(mode.why), mode
     assert why_blocking("nonblocking", plan, new, layers=CFG.layer_costs) is not None
 
 

@@ -17,6 +17,7 @@ from elaswave.bus.codec import encode
 from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.schema import FailureDetected, PlanCommit, RecoveryPlan, RecoveryReady
 from elaswave.engine import rebalance as rebalance_module
+from elaswave.engine.plan_inputs import decode
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.runtime.core.replay import replay_run
@@ -39,7 +40,7 @@ def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
                          committed_step=0, plan_digest="", reason="", policy=policy)  # fmt: skip
     decision = plan_fail_stop(
         plan, failed, dict.fromkeys(survivors, step), ranks_per_node=1, snapshots=True,
-        rebalancing=announced_rebalancing(CFG, draft),
+        rebalancing=announced_rebalancing(CFG, decode(draft)),
     )  # fmt: skip
     detected = FailureDetected(
         sender="core", generation=plan.generation, ranks=failed, source="process-exit"
@@ -51,7 +52,7 @@ def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):
     announced = dataclasses.replace(
         draft, committed_step=decision.committed_step, plan_digest=plan_digest(decision.plan),
         reason=decision.reason,
-        migration=decide_migration(CFG, plan, decision.plan, (), ())["mode"],
+        migration=str(decide_migration(CFG, plan, decision.plan, (), ()).mode),
     )  # fmt: skip
     events = [detected, *reports, announced]
     return events, decision.plan

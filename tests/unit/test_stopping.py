@@ -1,4 +1,4 @@
-"""The stop phase of a change (engine.stopping), driven through random interleavings.
+"""The stop phase of a change (engine.phases.stopping), driven through random interleavings.
 
 A hypothesis state machine plays the world: members of a plan report (again, late, for
 the wrong generation), exit with any code before or after reporting, strangers report.
@@ -23,7 +23,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from elaswave.engine.stopping import Outcome, on_exit, on_report, outcome, stop_phase
+from elaswave.engine.phases.stopping import StopStatus, on_exit, on_report, status, stop_phase
 
 EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []
@@ -40,7 +40,7 @@ class StopPhase(RuleBasedStateMachine):
         self.generation = generation
         self.plan = frozenset(range(size))
         failed = {r: -9 for r in pre if r in self.plan}
-        self.state, announced = stop_phase(generation, self.plan, failed)
+        self.state, announced = stop_phase(generation, self.plan, failed, deadline=0.0)
         self.lost = set(failed)
         self.reported: set[int] = set()
         self.announcements: list[tuple[int, ...]] = []
@@ -78,14 +78,14 @@ class StopPhase(RuleBasedStateMachine):
         assert self.state.members == left
         assert set(self.state.failed) == self.lost
         assert self.state.reported == self.reported
-        result = outcome(self.state)
+        result = status(self.state)
         if not left:
-            assert result is Outcome.NONE_LEFT
+            assert result is StopStatus.NONE_LEFT
             return
-        if result is Outcome.STOPPED:
+        if result is StopStatus.STOPPED:
             assert self.reported >= left, "planned before every member left reported"
         else:
-            assert result is Outcome.WAITING and not self.reported >= left
+            assert result is StopStatus.WAITING and not self.reported >= left
         if self.lost:  # every loss announced while members are left to plan for
             assert self.announcements and set(self.announcements[-1]) == self.lost
 
@@ -95,7 +95,7 @@ TestStopPhase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30,
 
 
 def test_a_broken_rule_is_caught(monkeypatch):
-    """The check is not vacuous: an ``outcome`` that plans with one report missing (the
+    """The check is not vacuous: a ``status`` that plans with one report missing (the
     stop-phase twin of committing with one ack missing) is caught, and hypothesis
     shrinks it to a short sequence."""
     import pytest
@@ -104,11 +104,11 @@ def test_a_broken_rule_is_caught(monkeypatch):
 
     def broken(state):
         if not state.members:
-            return Outcome.NONE_LEFT
+            return StopStatus.NONE_LEFT
         missing = state.members - state.reported
-        return Outcome.STOPPED if len(missing) <= 1 else Outcome.WAITING
+        return StopStatus.STOPPED if len(missing) <= 1 else StopStatus.WAITING
 
-    monkeypatch.setitem(globals(), "outcome", broken)
+    monkeypatch.setitem(globals(), "status", broken)
     with pytest.raises((AssertionError, Flaky), match="planned before every member"):
         run_state_machine_as_test(
             StopPhase, settings=settings(max_examples=200, deadline=None, database=None)

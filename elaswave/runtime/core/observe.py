@@ -1,6 +1,9 @@
 """What the Core observes, as inputs of the change protocol
-(:mod:`elaswave.engine.change`): bus events, and worker processes' exits with their own
-account of why."""
+(:mod:`elaswave.engine.inputs`): bus events, and worker processes' exits with their own
+account of why.
+
+:func:`to_input` is the one mapping from bus events to the protocol's inputs: the Core's
+recorder hands the supervisor exactly the events it maps (:func:`takes`)."""
 
 from __future__ import annotations
 
@@ -20,49 +23,67 @@ from elaswave.bus.schema import (
     StepTiming,
     WorkerStarted,
 )
-from elaswave.engine import change as ch
+from elaswave.engine.change import Applied, Report
+from elaswave.engine.inputs import (
+    Acked,
+    Checkpointed,
+    Done,
+    Exited,
+    Input,
+    Joining,
+    Migrated,
+    Ready,
+    ScaleUp,
+    StepDone,
+    Trained,
+)
 from elaswave.rundir import fault_record, rank_log
 
 
-def to_input(event: Event, t: float, scales: int) -> ch.Input | None:
+def to_input(event: Event, t: float, scales: int) -> Input | None:
     """The protocol's input for a bus event that arrived at ``t`` (``scales``: how many
-    ScaleRequests came before it)."""
+    ScaleRequests came before it); None for an event the protocol does not take."""
     match event:
         case RecoveryReady():
-            report = ch.Report(
+            report = Report(
                 committed_step=event.committed_step,
                 params_step=event.params_step,
                 tainted=tuple(event.tainted),
                 newest_step=event.newest_step,
             )
-            return ch.Ready(event.rank, event.generation, report)
+            return Ready(event.rank, event.generation, report)
         case PlanAck():
-            return ch.Acked(event.rank, event.generation, event.attempt, event.plan_digest)
+            return Acked(event.rank, event.generation, event.attempt, event.plan_digest)
         case RecoveryDone():
-            applied = ch.Applied(
+            applied = Applied(
                 comm_s=event.comm_s,
                 remap_s=event.remap_s,
                 resume_s=event.resume_s,
                 bytes_sent=event.bytes_sent,
                 params_s=event.params_s,
             )
-            return ch.Done(event.rank, event.generation, applied)
+            return Done(event.rank, event.generation, applied)
         case CheckpointWritten():
-            return ch.Checkpointed(event.rank, event.generation, event.step)
+            return Checkpointed(event.rank, event.generation, event.step)
         case MigrationDone():
-            return ch.Migrated(event.rank, event.generation, event.bytes_streamed, event.waited_s)
+            return Migrated(event.rank, event.generation, event.bytes_streamed, event.waited_s)
         case StepTiming():
-            return ch.Trained(event.rank, event.generation, event.step)
+            return Trained(event.rank, event.generation, event.step)
         case StepCompleted():
-            return ch.StepDone(event.step, t)
-        case WorkerStarted():
-            return ch.Joining(event.rank)
+            return StepDone(event.step, t)
+        case WorkerStarted(joining=True):  # a joiner; a member's start is no input
+            return Joining(event.rank)
         case ScaleRequest():
-            return ch.ScaleUp(scales, event.add)
+            return ScaleUp(scales, event.add)
     return None
 
 
-def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -> ch.Exited:
+def takes(event: Event) -> bool:
+    """Whether the change protocol takes ``event`` (:func:`to_input` maps it)."""
+    return to_input(event, 0.0, 0) is not None
+
+
+def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -> Exited:
     """The exit of worker ``rank`` with ``code``: its last error, and when an injected
     fault killed it (its own record), if it has them. ``process``: the process whose
     log and record those are (a TP group's member that exited first), else ``rank``."""
@@ -71,7 +92,7 @@ def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -
     killed_at = None
     with contextlib.suppress(OSError, ValueError, KeyError):
         killed_at = float(json.loads(fault_record(run_dir, process).read_text())["killed_at"])
-    return ch.Exited(rank, code, why, killed_at)
+    return Exited(rank, code, why, killed_at)
 
 
 def last_error(log_path: Path) -> str:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import traceback
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,20 @@ import structlog
 from elaswave import logs
 from elaswave.bus.schema import RunFinished, RunStarted
 from elaswave.comm.store import connect_store
+from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
 from elaswave.runtime.core.recorder import Core, CorePorts
 from elaswave.runtime.core.summary import build_summary, write_summary
-from elaswave.runtime.core.supervisor import JobFailed, Supervisor, fault_point
+from elaswave.runtime.core.supervisor import (
+    JobFailed,
+    Supervisor,
+    WorkerProcess,
+    fault_point,
+    load_state,
+)
 from elaswave.runtime.core.units import group_units, spawn_unit
 from elaswave.runtime.job.child import die_with_parent, exit_now
-from elaswave.runtime.job.config import JobSpec
+from elaswave.runtime.job.config import JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, CoreLink
 
 log = structlog.get_logger(__name__)
@@ -58,7 +66,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     restart = incarnation > 0
     spec = JobSpec.read(run_dir, JOB if restart else HOST_SPEC)
     cfg, ep = spec.config, spec.endpoints
-    state = json.loads((run_dir / CORE_STATE).read_text()) if restart else None
+    state = load_state(run_dir / CORE_STATE) if restart else None
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
     procs = group_units(await link.connect(), cfg.layout.tp)  # by plan rank: a TP group is one
@@ -75,29 +83,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         ok, reason = True, ""
         try:
             if not restart:
-                endpoints = dataclasses.replace(
-                    ep,
-                    bus_publish=core.publish_endpoint,
-                    bus_subscribe=core.subscribe_endpoint,
-                    bus_fetch=core.fetch_endpoint,
-                )
-                dataclasses.replace(spec, endpoints=endpoints).write(run_dir)
-                await link.observe()
-                await core.publish(
-                    RunStarted(
-                        sender="core",
-                        run_id=spec.run_id,
-                        world_size=cfg.layout.num_ranks,
-                        dp=cfg.layout.dp,
-                        pp=cfg.layout.pp,
-                        steps=cfg.schedule.steps,
-                        global_batch=cfg.schedule.global_batch,
-                        device=cfg.layout.device,
-                        tp=cfg.layout.tp,
-                    )
-                )
-                start = partial(link.spawn, join=False)
-                procs = {r: await spawn_unit(start, r, cfg.layout.tp) for r in cfg.plan().ranks}
+                procs = await _start_job(run_dir, spec, core, link)
             else:
                 log.warning("core.restarted", incarnation=incarnation, workers=sorted(procs))
             supervisor = Supervisor(
@@ -134,13 +120,55 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
             await link.close()
+    _summarise(run_dir, cfg, core, supervisor.recoveries, incarnation)
+
+
+async def _start_job(
+    run_dir: Path, spec: JobSpec, core: Core, link: CoreLink
+) -> dict[int, WorkerProcess]:
+    """Incarnation 0: complete the job's spec with the bus endpoints, announce the run
+    and have the host start the workers."""
+    lay, sch = spec.config.layout, spec.config.schedule
+    endpoints = dataclasses.replace(
+        spec.endpoints,
+        bus_publish=core.publish_endpoint,
+        bus_subscribe=core.subscribe_endpoint,
+        bus_fetch=core.fetch_endpoint,
+    )
+    dataclasses.replace(spec, endpoints=endpoints).write(run_dir)
+    await link.observe()
+    await core.publish(
+        RunStarted(
+            sender="core",
+            run_id=spec.run_id,
+            world_size=lay.num_ranks,
+            dp=lay.dp,
+            pp=lay.pp,
+            steps=sch.steps,
+            global_batch=sch.global_batch,
+            device=lay.device,
+            tp=lay.tp,
+        )
+    )
+    start = partial(link.spawn, join=False)
+    return {r: await spawn_unit(start, r, lay.tp) for r in spec.config.plan().ranks}
+
+
+def _summarise(
+    run_dir: Path,
+    cfg: JobConfig,
+    core: Core,
+    recoveries: Sequence[RecoveryRecord],
+    incarnation: int,
+) -> None:
+    """Write the run's summary.json."""
     summary = build_summary(
         run_dir=run_dir,
         plan=cfg.plan(),
         steps=cfg.schedule.steps,
         num_events=core.num_events + core.restored,
         device=cfg.layout.device,
-        recoveries=supervisor.recoveries,
+        recoveries=recoveries,
         bus=core.client.delivery(),
         layers=cfg.layer_costs,
         cost_device=cfg.cost_device,

@@ -4,6 +4,12 @@ Every message the Core's subscriber sees, valid or not, is appended raw to
 RUN_DIR/events.log (``elaswave events RUN_DIR`` prints it); invalid messages are reported
 and skipped, never fatal. User code and the CLI observe the run through ``on_event``.
 
+The supervisor reads the run through a small API: :meth:`Core.protocol_events` (the
+events the change protocol takes, a predecessor's first), :meth:`Core.forget_worker`
+(an exited worker's missing messages will never come), :meth:`Core.reset_silence` (a
+period the Core did not watch), and the state :meth:`Core._dispatch` keeps
+(``last_heartbeat``, ``step_timings``, ``announcements``, ``finished``).
+
 The Core is also the bus's memory: its log service (:mod:`elaswave.bus.logservice`)
 serves workers the messages they missed, and its own client repairs its gaps by asking
 senders to publish again (:mod:`elaswave.bus.reliable`).
@@ -12,10 +18,11 @@ senders to publish again (:mod:`elaswave.bus.reliable`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,39 +37,47 @@ from elaswave.bus.keys import BusKeys
 from elaswave.bus.logservice import LogIndex, LogService
 from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import (
-    CheckpointWritten,
     Event,
     FailureDetected,
     Heartbeat,
-    MigrationDone,
     PauseRequest,
-    PlanAck,
     PlanCommit,
-    RecoveryDone,
     RecoveryPlan,
-    RecoveryReady,
     RunFinished,
-    ScaleRequest,
     SchemaError,
-    StepCompleted,
     StepTiming,
     WorkerFinished,
     WorkerStarted,
+    sender_name,
 )
 from elaswave.rundir import EVENT_LOG
+from elaswave.runtime.core.observe import takes
 
 log = structlog.get_logger(__name__)
 
+Arrival = tuple[Event, float]
+"""An event and when it arrived (wall-clock seconds)."""
 
-def _for_protocol(event: Event) -> bool:
-    """Whether the Core's change protocol takes ``event``."""
-    if isinstance(event, WorkerStarted):
-        return event.joining
-    return isinstance(
-        event,
-        RecoveryReady | PlanAck | RecoveryDone | MigrationDone | StepCompleted | StepTiming
-        | ScaleRequest | CheckpointWritten,
-    )  # fmt: skip
+
+class ProtocolEvents:
+    """The events the change protocol takes, as they arrive (an async iterator): those
+    read back from a predecessor's event log first. Bounded: while it is full the
+    Core's listener waits (it slows the bus rather than dropping an event)."""
+
+    def __init__(self, backlog: list[Arrival]) -> None:
+        self._backlog = collections.deque(backlog)
+        self._queue: asyncio.Queue[Arrival] = asyncio.Queue(maxsize=1024)
+
+    def __aiter__(self) -> ProtocolEvents:
+        return self
+
+    async def __anext__(self) -> Arrival:
+        if self._backlog:
+            return self._backlog.popleft()
+        return await self._queue.get()
+
+    async def put(self, arrival: Arrival) -> None:
+        await self._queue.put(arrival)
 
 
 @dataclass(frozen=True)
@@ -125,10 +140,9 @@ class Core:
         the order published (a restarted Core reads its predecessor's here)."""
         self.restored = 0
         """Messages read back from the event log by :meth:`restore`."""
-        self.inbox: asyncio.Queue[tuple[Event, float]] | None = None
-        """Where the events the change protocol takes go as they arrive (with their
-        arrival time), once the supervisor has set it (bounded: it slows the bus)."""
-        self.backlog: list[tuple[Event, float]] = []
+        self._events: ProtocolEvents | None = None
+        """Where the events the change protocol takes go, while the supervisor reads."""
+        self._backlog: list[Arrival] = []
         """Those events as :meth:`restore` read them back from the event log."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
@@ -201,8 +215,8 @@ class Core:
     def restore(self) -> None:
         """Read the predecessor's event log back: the log service serves it again, the
         tracker knows what was received, the numbering continues, and the state the
-        supervisor reads (step timings, announcements, the protocol's inputs in
-        :attr:`backlog`) is rebuilt.
+        supervisor reads (step timings, announcements, the protocol's events, which
+        :meth:`protocol_events` yields first) is rebuilt.
         A record cut short by the predecessor's death is cut off the file."""
         path = self.run_dir / EVENT_LOG
         good = 0
@@ -229,16 +243,33 @@ class Core:
                 if event.sender == self.client.sender:
                     last[topic] = max(last.get(topic, 0), event.seq)
                 self._dispatch(event)
-                if _for_protocol(event):
-                    self.backlog.append((event, float(obj.get("t", 0.0))))
+                if takes(event):
+                    self._backlog.append((event, float(obj.get("t", 0.0))))
         if path.exists() and path.stat().st_size > good:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
         self.client.resume_numbering(last)
-        self.silence_from(time.monotonic())  # the supervisor times silence from now
+        self.reset_silence(time.monotonic())  # the supervisor times silence from now
         log.warning("core.restored", events=self.restored, numbering=last)
 
-    def silence_from(self, now: float) -> None:
+    @contextlib.contextmanager
+    def protocol_events(self) -> Iterator[ProtocolEvents]:
+        """The events the change protocol takes, with their arrival time, while the
+        block runs: those :meth:`restore` read back first, then each as it arrives."""
+        events = self._events = ProtocolEvents(self._backlog)
+        self._backlog = []
+        try:
+            yield events
+        finally:
+            self._events = None
+
+    def forget_worker(self, rank: int, members: int = 1) -> None:
+        """Worker ``rank`` (its ``members`` processes) exited: no one can send the
+        messages of its that the Core missed, so stop asking for them."""
+        for member in range(members):
+            self.client.tracker.forget(sender_name(rank, member))
+
+    def reset_silence(self, now: float) -> None:
         """Count every worker's silence from ``now`` (a period the Core did not watch)."""
         for rank in self.last_heartbeat:
             self.last_heartbeat[rank] = now
@@ -262,8 +293,8 @@ class Core:
                 self._writer.append(frames, now)
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             self._dispatch(event)
-            if self.inbox is not None and _for_protocol(event):
-                await self.inbox.put((event, now))
+            if self._events is not None and takes(event):
+                await self._events.put((event, now))
             if self.on_event is not None:
                 try:
                     self.on_event(event)

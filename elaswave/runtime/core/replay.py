@@ -17,8 +17,9 @@ base; the next generation builds on the one the Core committed (its
 :class:`~elaswave.bus.schema.PlanCommit`).
 
 Workers do the same for every plan they apply, so a plan is never shipped, only its
-inputs (:mod:`elaswave.runtime.job.inputs` encodes and decodes them for all three). Replay
-also checks the migration mode the Core decided for the change.
+inputs (:mod:`elaswave.engine.plan_inputs` encodes and decodes them for all three; the
+job's cost model comes from :mod:`elaswave.runtime.job.inputs`). Replay also checks the
+migration mode the Core decided for the change.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from elaswave.bus.schema import (
     StragglerDetected,
 )
 from elaswave.engine.plan import Plan
+from elaswave.engine.plan_inputs import decode
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop
 from elaswave.fabric.errors import Unrecoverable
@@ -182,15 +184,16 @@ def _replay_one(
     commits = {r: e.committed_step for r, e in reports.items() if r in survivors}
     newest = {r: max(e.committed_step, e.newest_step) for r, e in reports.items() if r in survivors}
     try:
+        inputs = decode(event)
         decision = plan_fail_stop(
             plan,
-            event.failed,
+            inputs.failed,
             commits,
             newest=newest,
             ranks_per_node=cfg.layout.units_per_node,
             snapshots=cfg.state.snapshots,
-            rebalancing=announced_rebalancing(cfg, event),
-            joined=event.joined,
+            rebalancing=announced_rebalancing(cfg, inputs),
+            joined=inputs.joined,
             floor=floor,
         )
     except (ValueError, Unrecoverable) as exc:
@@ -205,7 +208,7 @@ def _replay_one(
         )
     if decision.reason != event.reason:
         problems.append(f"reason: announced {event.reason!r}, replayed {decision.reason!r}")
-    mode = decide_migration(cfg, plan, decision.plan, event.stale, event.joined)["mode"]
-    if mode != event.migration:
-        problems.append(f"migration: announced {event.migration!r}, replayed {mode!r}")
+    mode = decide_migration(cfg, plan, decision.plan, inputs.stale, inputs.joined).mode
+    if mode != inputs.migration:
+        problems.append(f"migration: announced {event.migration!r}, replayed {str(mode)!r}")
     return digest, tuple(problems), None if problems else decision.plan

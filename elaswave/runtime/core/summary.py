@@ -18,6 +18,7 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepCompleted
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.plan import Plan
+from elaswave.engine.record import RecoveryRecord, record_to_json
 from elaswave.engine.steptime import plan_step_time
 from elaswave.runtime.core.compare import load_params
 
@@ -39,13 +40,15 @@ def build_summary(
     steps: int,
     num_events: int,
     device: str,
-    recoveries: list[dict[str, Any]] | None = None,
+    recoveries: Sequence[RecoveryRecord] = (),
     bus: dict[str, int] | None = None,
     layers: Sequence[LayerCost] | None = None,
     cost_device: DeviceSpec | None = None,
     tp: int = 1,
 ) -> dict[str, Any]:
-    """``bus``: the Core's delivery counters; the workers' are added from their results.
+    """``recoveries``: the job's changes (summary.json's ``recoveries``,
+    :func:`elaswave.engine.record.record_to_json`). ``bus``: the Core's delivery
+    counters; the workers' are added from their results.
     ``layers`` and ``cost_device``: what the planners price (the job's
     :attr:`~elaswave.runtime.job.config.JobConfig.layer_costs` and ``cost_device``), for
     ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without).
@@ -93,7 +96,7 @@ def build_summary(
         "samples_per_s": plan.global_batch * trained / sum(step_time),
         "param_digest": param_digest(params),
         "events": num_events,
-        "recoveries": recoveries or [],
+        "recoveries": [record_to_json(r) for r in recoveries],
         "device": device,
         "timing": "emulated" if device == "emulated" else "measured",
         "first_step": first,

@@ -1,11 +1,13 @@
 """The Core's shell around the change protocol (:mod:`elaswave.engine.protocol`).
 
-Watchers observe the job (worker exits, heartbeats, the bus, the fail-slow detector)
+Watchers observe the job (worker exits, heartbeats, the bus through the recorder's
+:meth:`~elaswave.runtime.core.recorder.Core.protocol_events`, the fail-slow detector)
 and feed one bounded queue; one loop takes each input (or a Tick when one of the
 protocol's deadlines passes) through the pure ``step``, persists the new state
-(``core_state.json``) before acting, and carries out the actions: publish, kill, spawn,
-share the plan, log, stop the job. The watchers run in a TaskGroup: an exception in any
-of them ends the rest at once and surfaces.
+(``core_state.json``, :func:`elaswave.engine.change.state_to_json`) before acting, and
+carries out the actions: publish, kill, spawn, share the plan, log, stop the job. The
+watchers run in a TaskGroup: an exception in any of them ends the rest at once and
+surfaces.
 """
 
 from __future__ import annotations
@@ -16,33 +18,45 @@ import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch.distributed as dist
 
-from elaswave.bus.schema import (
-    PlanCommit,
-    RecoveryPlan,
-    ScaleRequest,
-    sender_name,
+from elaswave.bus.schema import PlanCommit, RecoveryPlan, ScaleRequest
+from elaswave.engine.actions import Action, Kill, Note, Publish, SharePlan, Spawn, Stop, Terminate
+from elaswave.engine.change import (
+    State,
+    StateVersionError,
+    initial_state,
+    state_from_json,
+    state_to_json,
 )
-from elaswave.engine import change as ch
-from elaswave.engine.phases import deadline, exit_text
+from elaswave.engine.inputs import Input, Restarted, Silent, Straggling, Tick
+from elaswave.engine.phases.shared import exit_text
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
-from elaswave.engine.protocol import step
+from elaswave.engine.protocol import deadline, step
+from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_STATE
 from elaswave.runtime.core.observe import exited, to_input
-from elaswave.runtime.core.recorder import Core
+from elaswave.runtime.core.recorder import Core, ProtocolEvents
 from elaswave.runtime.core.slowwatch import StragglerWatch
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["CORE_FAULT_ENV", "JobFailed", "Supervisor", "exit_text", "fault_point"]
+__all__ = [
+    "CORE_FAULT_ENV",
+    "JobFailed",
+    "Supervisor",
+    "WorkerProcess",
+    "exit_text",
+    "fault_point",
+    "load_state",
+]
 
 CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
 """Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
@@ -61,6 +75,34 @@ class _Over(Exception):
     """Every worker has exited: end the watchers."""
 
 
+class WorkerProcess(Protocol):
+    """A worker as the Core handles it: an ``asyncio.subprocess.Process``, the host
+    link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`, or a TP group's
+    :class:`~elaswave.runtime.core.units.UnitHandle` (which also names the member whose
+    exit ended it, ``exited_member``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+def load_state(path: Path) -> State:
+    """A predecessor's persisted state (:data:`CORE_STATE`); JobFailed, naming the file
+    and the versions, for a state of another version."""
+    try:
+        return state_from_json(json.loads(path.read_text()), source=str(path))
+    except StateVersionError as exc:
+        raise JobFailed(str(exc)) from None
+
+
 def fault_point(name: str) -> None:
     if os.environ.get(CORE_FAULT_ENV) == name:
         log.warning("core.fault_injected", point=name)
@@ -73,22 +115,22 @@ class Supervisor:
         cfg: JobConfig,
         run_dir: Path,
         core: Core,
-        procs: dict[int, Any],
+        procs: Mapping[int, WorkerProcess],
         *,
-        spawn: Callable[[int], Awaitable[Any]] | None = None,
+        spawn: Callable[[int], Awaitable[WorkerProcess]] | None = None,
         store: dist.Store | None = None,
-        state: dict[str, Any] | None = None,
+        state: State | None = None,
     ) -> None:
-        """``procs``: the workers' processes (``asyncio.subprocess.Process`` or the host
-        link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`). ``spawn(rank)`` starts a
+        """``procs``: the workers' processes, by plan rank. ``spawn(rank)`` starts a
         worker that joins the running job; ``store`` is where the Core publishes the
-        current plan for it. ``state``: a predecessor's :data:`CORE_STATE` to resume."""
-        self.cfg, self.run_dir, self.core, self.procs = cfg, run_dir, core, procs
+        current plan for it. ``state``: a predecessor's (:func:`load_state`) to resume."""
+        self.cfg, self.run_dir, self.core = cfg, run_dir, core
+        self.procs: dict[int, WorkerProcess] = dict(procs)
         self.spawn, self.store = spawn, store
         self.rules = rules_of(cfg, run_dir, can_spawn=spawn is not None and store is not None)
         self.restarted = state is not None
-        self.state = ch.state_from_dict(state) if state else ch.initial_state(cfg.plan())
-        self.inputs: asyncio.Queue[ch.Input] = asyncio.Queue(maxsize=1024)
+        self.state = state if state is not None else initial_state(cfg.plan())
+        self.inputs: asyncio.Queue[Input] = asyncio.Queue(maxsize=1024)
         self._group: asyncio.TaskGroup | None = None
         self.stragglers = StragglerWatch(
             window=cfg.elastic.straggler_window,
@@ -101,37 +143,36 @@ class Supervisor:
         return self.state.plan
 
     @property
-    def recoveries(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.state.recoveries]
+    def recoveries(self) -> tuple[RecoveryRecord, ...]:
+        return self.state.recoveries
 
     def persist(self) -> None:
         """Write :data:`CORE_STATE` (atomically: a successor reads it whole or not at all)."""
         path = self.run_dir / CORE_STATE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ch.state_to_dict(self.state)))
+        tmp.write_text(json.dumps(state_to_json(self.state)))
         os.replace(tmp, path)
 
     async def run(self) -> None:
         """Run the protocol until every worker has exited (JobFailed if the job stops)."""
         self.persist()
-        self.core.inbox = asyncio.Queue(maxsize=1024)
         try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                for rank, proc in self.procs.items():
-                    group.create_task(self._watch_exit(rank, proc))
-                for watch in (self._watch_bus, self._watch_heartbeats):
-                    group.create_task(watch())
-                if self.cfg.detects_stragglers:
-                    group.create_task(self._watch_stragglers())
-                await self._loop()
-                raise _Over
+            with self.core.protocol_events() as events:
+                async with asyncio.TaskGroup() as group:
+                    self._group = group
+                    for rank, proc in self.procs.items():
+                        group.create_task(self._watch_exit(rank, proc))
+                    group.create_task(self._watch_bus(events))
+                    group.create_task(self._watch_heartbeats())
+                    if self.cfg.detects_stragglers:
+                        group.create_task(self._watch_stragglers())
+                    await self._loop()
+                    raise _Over
         except BaseExceptionGroup as group_error:
             errors = [e for e in _leaves(group_error) if not isinstance(e, _Over)]
             if errors:
                 raise errors[0] from None
         finally:
-            self.core.inbox = None
             for proc in self.procs.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -142,7 +183,7 @@ class Supervisor:
 
     async def _loop(self) -> None:
         if self.restarted:
-            await self._step(ch.Restarted(frozenset(self.procs)))
+            await self._step(Restarted(frozenset(self.procs)))
         ended: float | None = None
         while True:
             if not self.state.alive and self.state.change is None:
@@ -153,7 +194,7 @@ class Supervisor:
                     return
             await self._step(await self._next())
 
-    async def _next(self) -> ch.Input:
+    async def _next(self) -> Input:
         """The next input; a Tick when the protocol's next deadline passes first (and at
         least every 0.1 s)."""
         due = deadline(self.rules, self.state)
@@ -162,9 +203,9 @@ class Supervisor:
             async with asyncio.timeout(wait):
                 return await self.inputs.get()
         except TimeoutError:
-            return ch.Tick()
+            return Tick()
 
-    async def _step(self, event: ch.Input) -> None:
+    async def _step(self, event: Input) -> None:
         state, actions = step(self.rules, self.state, event, time.time())
         if state != self.state:
             self.state = state
@@ -172,50 +213,46 @@ class Supervisor:
         for action in actions:
             await self._act(action)
 
-    async def _act(self, action: ch.Action) -> None:
+    async def _act(self, action: Action) -> None:
         match action:
-            case ch.Publish(event=event):
+            case Publish(event=event):
                 await self.core.publish(event)
                 if isinstance(event, RecoveryPlan):
                     fault_point("plan")
                 elif isinstance(event, PlanCommit):
                     fault_point("commit")
-            case ch.Kill(rank=rank):
+            case Kill(rank=rank):
                 with contextlib.suppress(ProcessLookupError):
                     self.procs[rank].kill()
-            case ch.Terminate(rank=rank):
+            case Terminate(rank=rank):
                 with contextlib.suppress(ProcessLookupError):
                     self.procs[rank].terminate()
-            case ch.Spawn(rank=rank):
+            case Spawn(rank=rank):
                 assert self.spawn is not None
                 assert self._group is not None
                 proc = self.procs[rank] = await self.spawn(rank)
                 self._group.create_task(self._watch_exit(rank, proc))
                 log.warning("core.joiner_started", rank=rank, pid=proc.pid)
-            case ch.SharePlan(plan=plan):
+            case SharePlan(plan=plan):
                 assert self.store is not None
                 self.store.set(plan_key(plan.generation), json.dumps(plan_to_dict(plan)))
-            case ch.Note(event=name, fields=fields):
+            case Note(event=name, fields=fields):
                 log.warning(name, **fields)
-            case ch.Stop(reason=reason):
+            case Stop(reason=reason):
                 raise JobFailed(reason)
 
-    async def _watch_exit(self, rank: int, proc: Any) -> None:
+    async def _watch_exit(self, rank: int, proc: WorkerProcess) -> None:
         code = await proc.wait()
-        for member in range(self.cfg.layout.tp):  # no one can send its gaps again
-            self.core.client.tracker.forget(sender_name(rank, member))
+        self.core.forget_worker(rank, self.cfg.layout.tp)
         # A TP group's exit is explained by the member that ended it.
         process = getattr(proc, "exited_member", None)
         await self.inputs.put(exited(self.run_dir, rank, code, process=process))
 
-    async def _watch_bus(self) -> None:
+    async def _watch_bus(self, events: ProtocolEvents) -> None:
         """Feed the events the protocol takes: those read back from a predecessor's
         log first, then each as it arrives."""
-        inbox, scales = self.core.inbox, 0
-        assert inbox is not None
-        backlog, self.core.backlog = self.core.backlog, []
-        while True:
-            event, t = backlog.pop(0) if backlog else await inbox.get()
+        scales = 0
+        async for event, t in events:
             if (x := to_input(event, t, scales)) is not None:
                 await self.inputs.put(x)
             scales += isinstance(event, ScaleRequest)
@@ -232,13 +269,13 @@ class Supervisor:
                 # The Core itself was stalled (stopped, starved): it cannot tell a silent
                 # worker from a period it did not watch. Silence counts from now.
                 log.warning("core.stalled", seconds=round(now - last_tick, 2))
-                self.core.silence_from(now)
+                self.core.reset_silence(now)
             last_tick = now
             for rank in sorted(self.state.alive - set(self.state.fenced)):
                 last = self.core.last_heartbeat.get(rank)
                 if last is not None and now - last > timeout:
                     why = f"no heartbeat for {now - last:.1f} s (hung); fenced"
-                    await self.inputs.put(ch.Silent(rank, why))
+                    await self.inputs.put(Silent(rank, why))
 
     async def _watch_stragglers(self) -> None:
         """Run the fail-slow detector on the step timings while no change is under way."""
@@ -251,7 +288,7 @@ class Supervisor:
                 continue
             assert verdict.step is not None  # a verdict that flags or clears evaluated a step
             slowdowns = {s.rank: s.factor for s in verdict.stragglers}
-            straggling = ch.Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
+            straggling = Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
             await self.inputs.put(straggling)
 
 

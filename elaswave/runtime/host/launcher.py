@@ -28,6 +28,7 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Event, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
+from elaswave.engine.record import record_from_json
 from elaswave.fabric.checkpoint import latest_complete
 from elaswave.rundir import (
     CHECKPOINTS,
@@ -174,7 +175,7 @@ class JobHost:
             steps=self.cfg.schedule.steps,
             num_events=sum(1 for _ in read_event_log(self.run_dir / EVENT_LOG)),
             device=self.cfg.layout.device,
-            recoveries=state["recoveries"],
+            recoveries=[record_from_json(r) for r in state["recoveries"]],
             layers=self.cfg.layer_costs,
             cost_device=self.cfg.cost_device,
             tp=self.cfg.layout.tp,

@@ -1,31 +1,26 @@
-"""What a plan change carries so that every process decides the same: the planner inputs
-of a :class:`~elaswave.bus.schema.RecoveryPlan`, encoded and decoded here only.
+"""What a plan change carries that needs the job's configuration: the cost model
+(layers, device, power budget) the planners price, and the job's migration settings.
 
-A plan is never shipped, only its inputs. The Core encodes them (:func:`rebalancing_fields`
-and :func:`decide_migration`); every worker decodes them (:func:`announced_rebalancing`,
-:func:`announced_migration`) and runs the same pure planner before it acknowledges; replay
-decodes them from the event log and checks the Core's announcement.
-
-The inputs a RecoveryPlan carries: the failed and joining ranks, the throughput policy
-and the measured slowdowns, the survivors whose parameters are newer than the committed
-step (``stale``), and how layers migrate (``migration``), decided once by the Core from
-the job's ``--migration`` and the plans (:func:`decide_migration`). The survivors'
-committed steps come with their RecoveryReady.
+The planner inputs a :class:`~elaswave.bus.schema.RecoveryPlan` announces are encoded and
+decoded by one pure codec, :mod:`elaswave.engine.plan_inputs`: the Core plans from the
+inputs it announces; every worker decodes them and runs the same pure planner before it
+acknowledges (:func:`announced_rebalancing` adds the job's cost model); replay decodes
+them from the event log and checks the Core's announcement, migration mode included
+(:func:`decide_migration` with the job's ``--migration``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from elaswave.bus.schema import RecoveryPlan
 from elaswave.engine import migration
-from elaswave.engine.change import Rules
-from elaswave.engine.migration import BLOCKING, NONBLOCKING, NONE
+from elaswave.engine.migration import MigrationDecision
 from elaswave.engine.plan import Plan
+from elaswave.engine.plan_inputs import PlanInputs, rebalancing
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
+from elaswave.engine.rules import Rules
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.faults import FaultKind, validate_faults
 
@@ -42,31 +37,15 @@ def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
     )
 
 
-def rebalancing_fields(cfg: JobConfig, slowdowns: dict[int, float]) -> dict[str, Any]:
-    """The RecoveryPlan fields that carry :func:`rebalancing_of`'s inputs."""
-    ranks = sorted(slowdowns)
-    return {
-        "policy": cfg.elastic.rebalance,
-        "slow_ranks": ranks,
-        "slow_factors": [slowdowns[r] for r in ranks],
-    }
-
-
-def announced_rebalancing(cfg: JobConfig, decision: RecoveryPlan) -> Rebalancing:
-    """The throughput planner's inputs as the Core announced them in ``decision``."""
-    return Rebalancing(
-        policy=Policy(decision.policy),
-        slowdowns=dict(zip(decision.slow_ranks, decision.slow_factors, strict=True)),
-        layers=cfg.layer_costs,
-        device=cfg.cost_device,
-        shorten=cfg.elastic.shortens,
-        power_budget=cfg.power_budget,
-    )
+def announced_rebalancing(cfg: JobConfig, inputs: PlanInputs) -> Rebalancing:
+    """The throughput planner's inputs as the Core announced them (``inputs``, decoded
+    by :func:`elaswave.engine.plan_inputs.decode`), with the job's cost model."""
+    return rebalancing(inputs, rebalancing_of(cfg, {}))
 
 
 def decide_migration(
     cfg: JobConfig, old: Plan, new: Plan, stale: Sequence[int], joined: Sequence[int]
-) -> dict[str, Any]:
+) -> MigrationDecision:
     """:func:`elaswave.engine.migration.decide_migration` with the job's settings."""
     return migration.decide_migration(
         cfg.elastic.migration,
@@ -78,16 +57,6 @@ def decide_migration(
         device=cfg.cost_device,
         early=cfg.elastic.migration_early,
     )
-
-
-def announced_migration(decision: RecoveryPlan) -> str:
-    """The migration mode ``decision`` carries; ValueError for one no Core announces."""
-    if decision.migration not in (NONE, BLOCKING, NONBLOCKING):
-        raise ValueError(
-            f"the plan of generation {decision.generation} announces migration "
-            f"{decision.migration!r}; valid: {NONE}, {BLOCKING}, {NONBLOCKING}"
-        )
-    return decision.migration
 
 
 def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:

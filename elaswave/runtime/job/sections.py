@@ -321,7 +321,10 @@ class ElasticConfig:
             )
         check(self, "straggler_threshold", lambda v: v > 1.0, "must be above 1")
         choose(self, "rebalance", Policy, f"valid policies are {', '.join(POLICIES)}")
-        choose(self, "migration", MigrationMode, f"valid modes are {', '.join(MIGRATION_MODES)}")
+        valid = f"valid modes are {', '.join(MIGRATION_MODES)}"
+        choose(self, "migration", MigrationMode, valid)
+        if self.migration not in MIGRATION_MODES:  # none is the Core's decision, not a request
+            raise ValueError(f"migration = {str(self.migration)!r}: {valid}")
         early = self.migration_early
         if early is not None and early < 0:
             raise ValueError(f"migration_early = {early}: must be at least 0")

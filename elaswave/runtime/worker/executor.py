@@ -35,10 +35,11 @@ from elaswave.bus.schema import (
 )
 from elaswave.bus.session import Session
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
+from elaswave.engine.plan_inputs import PlanInputs, decode
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import replan
 from elaswave.runtime.job.faults import StepPhase
-from elaswave.runtime.job.inputs import announced_migration, announced_rebalancing
+from elaswave.runtime.job.inputs import announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
 from elaswave.runtime.worker.trainer import Trainer, WorkerContext, reconfigure
@@ -141,17 +142,18 @@ def _agree(
     base: Plan,
     timeout_s: float,
     on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
-) -> tuple[RecoveryPlan, Plan]:
+) -> tuple[RecoveryPlan, PlanInputs, Plan]:
     """Check the announced plan, acknowledge it, and wait for the Core's commit.
 
     A later announcement of the same generation (a participant failed or did not
     acknowledge in time) supersedes the one acknowledged: check and acknowledge that.
-    Returns the committed announcement and its plan.
+    Returns the committed announcement, the planner inputs it carries, and its plan.
     """
     gen = decision.generation
     while True:
+        inputs = decode(decision)
         new_plan, _ = replan(
-            base, decision.failed, announced_rebalancing(ctx.cfg, decision), joined=decision.joined
+            base, inputs.failed, announced_rebalancing(ctx.cfg, inputs), joined=inputs.joined
         )
         if plan_digest(new_plan) != decision.plan_digest:
             raise RuntimeError(
@@ -190,7 +192,7 @@ def _agree(
                     f"this rank acknowledged {decision.plan_digest}"
                 )
             ctx.faults.at(StepPhase.APPLY, decision.committed_step + 1)
-            return decision, new_plan
+            return decision, inputs, new_plan
         assert isinstance(answer, RecoveryPlan)
         log.warning("recovery.plan_superseded", generation=gen, attempt=answer.attempt)
         decision = answer
@@ -315,7 +317,7 @@ def _apply(
 ) -> Trainer:
     """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
     generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
-    decision, new_plan = _agree(ctx, session, inbox, decision, base, timeout, on_checkpoint)
+    decision, inputs, new_plan = _agree(ctx, session, inbox, decision, base, timeout, on_checkpoint)
     if trainer is None and ctx.rank not in decision.joined:
         raise RuntimeError(
             f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
@@ -336,7 +338,7 @@ def _apply(
             set(decision.failed),
             decision.committed_step,
             rebuild=set(decision.rebuild),
-            migration=announced_migration(decision),
+            migration=inputs.migration,
         )
     finally:
         faulthandler.cancel_dump_traceback_later()

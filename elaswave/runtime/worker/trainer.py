@@ -30,7 +30,7 @@ from elaswave.comm.links import pair
 from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.change import Applied
-from elaswave.engine.migration import Transition, plan_transition
+from elaswave.engine.migration import NONBLOCKING, Transition, plan_transition
 from elaswave.engine.plan import (
     Plan,
     StagePlan,
@@ -57,7 +57,6 @@ from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
-from elaswave.runtime.job.inputs import NONBLOCKING
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_initial_state, owner_layout

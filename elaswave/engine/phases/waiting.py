@@ -1,0 +1,70 @@
+"""Waiting for nodes instead of stopping (pure): when too few ranks are left to fill
+every stage but no state is lost, the stopped members keep their state in memory and
+the change waits for joiners, up to ``Rules.wait_for_nodes_s`` (the wait begins in
+:func:`elaswave.engine.phases.planning.wait_for_nodes`, where planning finds too few
+ranks).
+
+- Joiners that announce themselves are planned with the survivors (the change goes on
+  to agree a plan, or waits on if still too few).
+- A member lost meanwhile is planned without (its loss may make state lost: then the
+  job stops naming it); a joiner lost leaves the change.
+- A wait that runs out asks the members to write a checkpoint of the step they roll
+  back to from what they hold in memory (:mod:`.checkpointing`), then stops the job
+  naming how to resume.
+- A restarted Core announces the wait again (its deadline kept).
+
+A job that does not wait re-pipelines onto fewer stages instead
+(:func:`elaswave.engine.replan.replan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elaswave.engine.actions import Action, SharePlan
+from elaswave.engine.change import Change, State, Waiting
+from elaswave.engine.inputs import Exited, Input, Restarted
+from elaswave.engine.phases.checkpointing import begin_checkpoint
+from elaswave.engine.phases.planning import plan_next
+from elaswave.engine.phases.shared import describe, ready_joiners
+from elaswave.engine.rules import Rules
+
+replace = dataclasses.replace
+
+
+def take(
+    r: Rules, s: State, c: Change, p: Waiting, e: Input, now: float, out: list[Action]
+) -> State:
+    """What ``e`` does while the members wait for joiners."""
+    match e:
+        case Exited(rank=rank) if rank not in s.plan.ranks:
+            if rank not in c.joined:
+                return s
+            c = replace(c, joined=tuple(x for x in c.joined if x != rank))
+            return _plan(r, s, c, p, now, out)  # one more rank is missing
+        case Exited(rank=rank, code=code) if rank in p.members:  # plan without it
+            why = describe(s, {rank: code})
+            c = replace(c, detail=f"{c.detail}; then, while waiting for nodes: {why}")
+            p = replace(p, members=p.members - {rank}, failed=p.failed | {rank})
+            return _plan(r, s, c, p, now, out)
+        case Restarted():  # announce the wait again (its deadline kept)
+            return _plan(r, s, c, p, now, out)
+    return s
+
+
+def due(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]) -> State:
+    """Joiners came: plan with them. The wait ran out: write a checkpoint."""
+    if ready := ready_joiners(s):  # nodes came back: plan with them
+        out.append(SharePlan(s.plan))
+        c = replace(c, joined=(*c.joined, *ready), detail=f"{c.detail}; ranks {ready} join")
+        return _plan(r, replace(s, joiners=frozenset()), c, p, now, out)
+    if now >= p.deadline:
+        return begin_checkpoint(r, s, c, p, now, out)
+    return s
+
+
+def _plan(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]) -> State:
+    return plan_next(
+        r, s, c, members=p.members, failed=p.failed, attempt=p.attempt, waited_since=p.since,
+        completed=p.completed, now=now, out=out,
+    )  # fmt: skip

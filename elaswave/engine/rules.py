@@ -1,0 +1,51 @@
+"""What a job fixes for its whole run: the change protocol's constants (pure data).
+
+:func:`elaswave.runtime.job.inputs.rules_of` reads them from the job's configuration;
+:func:`elaswave.engine.protocol.step` takes them with every input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elaswave.engine.recovery import Rebalancing
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rules:
+    """What the job fixes for the whole run: the protocol's constants."""
+
+    steps: int
+    recovery: bool = True
+    """False: the first failure stops the job."""
+    ranks_per_node: int = 1
+    snapshots: bool = True
+    rebalancing: Rebalancing = field(default_factory=Rebalancing)
+    """The throughput planner's inputs without the measured slowdowns (the state's)."""
+    migration: str = "nonblocking"
+    migration_early: int | None = None
+    stop_timeout_s: float = 30.0
+    """How long members may take to stop at a step boundary, or to apply a plan."""
+    ack_timeout_s: float = 10.0
+    """How long a participant may take to acknowledge a plan before it is fenced."""
+    join_steps: tuple[int, ...] = ()
+    """Steps at which the job starts a joiner (``join@STEP`` faults), sorted."""
+    can_spawn: bool = True
+    """Whether the job can start workers (joiners)."""
+    resume_hint: str = ""
+    """How to resume after the job stops (names a checkpoint, or says there is none)."""
+    first_step: int = -1
+    """The step a resumed job starts after (its checkpoint's; -1: a new job): no rank
+    can roll back before it."""
+    grace_s: float = 0.02
+    """Exits this close together are one failure."""
+    exit_grace_s: float = 0.5
+    """How long a participant that exited while applying a plan is given for its
+    report to arrive before its exit stops the job."""
+    migrated_wait_s: float = 2.0
+    """How long a finished non-blocking migration's reports are waited for."""
+    wait_for_nodes_s: float = 0.0
+    """How long a job with too few ranks left for its stages waits for joiners, its
+    state in memory, before it writes a checkpoint and stops (0: it stops at once)."""
+    resume_command: str = ""
+    """The flag that resumes this job from a checkpoint it writes (``--resume RUN``)."""

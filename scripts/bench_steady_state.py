@@ -52,6 +52,7 @@ from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.results import read_summary
 from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,12 +134,12 @@ def run_elaswave(
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    times = summary["step_time_s"]
+    summary = read_summary(out)
+    times = list(summary.step_time_s)
     return {
         "samples_per_s": steady_throughput(times),
         "step_time_s": times,
-        "loss": summary["loss"],
+        "loss": list(summary.loss),
     }
 
 

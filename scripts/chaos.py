@@ -680,8 +680,9 @@ def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
 
 
 def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
-    from elaswave.runtime.core.compare import compare_runs, load_summary
+    from elaswave.runtime.core.compare import compare_runs
     from elaswave.runtime.core.replay import replay_run
+    from elaswave.runtime.job.results import read_summary
 
     if job.code is None:
         return Verdict("hang", f"still running after {job.wall_s:.0f} s; killed")
@@ -719,12 +720,11 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
             "collateral",
             "; ".join(f"{what} {r}: {e}" for r, e in sorted(strays.items())),
         )
-    summary = load_summary(job.out)
-    if summary["steps_completed"] != case.steps or len(summary["loss"]) != case.steps:
-        return Verdict("mismatch", f"{summary['steps_completed']} of {case.steps} steps")
+    summary = read_summary(job.out)
+    if summary.steps_completed != case.steps or len(summary.loss) != case.steps:
+        return Verdict("mismatch", f"{summary.steps_completed} of {case.steps} steps")
     strangers = sorted(
-        {r for rec in summary["recoveries"] if rec["kind"] == "fail-stop" for r in rec["ranks"]}
-        - set(hit)
+        {r for rec in summary.recoveries if rec.kind == "fail-stop" for r in rec.ranks} - set(hit)
     )
     if strangers:
         return Verdict("collateral", f"recovered around ranks {strangers}, no fault's victims")
@@ -732,9 +732,7 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         return Verdict("replay-diverged", replay_problem)
     assert replayed is not None
     want = [
-        (r["generation"], attempt)
-        for r in summary["recoveries"]
-        for attempt in range(r.get("superseded", 0) + 1)
+        (r.generation, attempt) for r in summary.recoveries for attempt in range(r.superseded + 1)
     ]
     got = [(p.generation, p.attempt) for p in replayed.plans]
     if got != want:
@@ -745,7 +743,7 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         return Verdict(
             "mismatch", f"loss {diff.loss_rel:.2e}, params {diff.param_rel:.2e} rel. to the twin"
         )
-    kinds = [r["kind"] for r in summary["recoveries"]]
+    kinds = [str(r.kind) for r in summary.recoveries]
     return Verdict(
         "recovered",
         f"recoveries {kinds}; loss {diff.loss_rel:.0e}, params {diff.param_rel:.0e}",

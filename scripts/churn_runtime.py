@@ -26,6 +26,7 @@ from pathlib import Path
 
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = (
@@ -57,32 +58,33 @@ def main() -> None:
         train(ref, *JOB, "--steps", str(args.steps))
         diff = compare_runs(run, ref)
         replayed = replay_run(run)
-        summary = json.loads((run / "summary.json").read_text())
-    recs = summary["recoveries"]
+        summary = read_summary(run)
+    recs = summary.recoveries
     moves = []
     before: dict[int, int] = {r: k for k in range(2) for r in range(3 * k, 3 * k + 3)}
     for rec in recs:
-        after = {r: k for k, s in enumerate(rec["plan"]["stages"]) for r in s["ranks"]}
-        moves += [(rec["step"], r, before[r], k) for r, k in after.items() if before.get(r, k) != k]
+        after = {r: k for k, s in enumerate(rec.plan.stages) for r in s.ranks}
+        moves += [(rec.step, r, before[r], k) for r, k in after.items() if before.get(r, k) != k]
         before = after
     doc = {
         "trace": list(TRACE),
         "steps": args.steps,
-        "steps_completed": summary["steps_completed"],
+        "steps_completed": summary.steps_completed,
         "loss_rel": diff.loss_rel,
         "param_rel": diff.param_rel,
         "replayed": len(replayed.plans),
         "diverged": None if replayed.diverged is None else replayed.diverged.generation,
         "recoveries": [
-            {k: rec[k] for k in ("kind", "ranks", "step", "mttr_s", "bytes_moved")}
-            | {"stages": [s["ranks"] for s in rec["plan"]["stages"]]}
+            {"kind": str(rec.kind), "ranks": list(rec.ranks), "step": rec.step}
+            | {"mttr_s": rec.mttr_s, "bytes_moved": rec.bytes_moved}
+            | {"stages": [list(s.ranks) for s in rec.plan.stages]}
             for rec in recs
         ],
         "stage_moves": moves,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "churn_runtime.json").write_text(json.dumps(doc, indent=1) + "\n")
-    kinds = Counter(r["kind"] for r in recs)
+    kinds = Counter(str(r.kind) for r in recs)
     lines = [
         "# Churn on real processes: a 20-event trace on dp=3 x pp=2 (emulated device)",
         "",
@@ -91,7 +93,7 @@ def main() -> None:
         "",
         f"Trace ({len(TRACE)} events): `{' '.join(TRACE)}`",
         "",
-        f"- steps completed: {summary['steps_completed']} of {args.steps}",
+        f"- steps completed: {summary.steps_completed} of {args.steps}",
         f"- against the fault-free run: losses within {diff.loss_rel:.1e}, final "
         f"parameters within {diff.param_rel:.1e} (relative)",
         f"- `elaswave replay`: {len(replayed.plans)} plans reproduced byte for byte"

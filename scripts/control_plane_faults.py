@@ -31,6 +31,7 @@ from elaswave.bus.schema import Heartbeat, RecoveryPlan, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.core.replay import replay_run
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL = ("--fault", "kill:1@3:backward")
@@ -214,13 +215,13 @@ def resume_check(out: Path, ref: Path, steps: int) -> str:
                 "--resume", str(out)])  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"resume of {out} failed:\n{proc.stderr[-2000:]}")
-    s = json.loads((resumed / "summary.json").read_text())
-    ref_loss = json.loads((ref / "summary.json").read_text())["loss"]
-    loss = loss_rel_diff(s["loss"], ref_loss[s["first_step"] :])
+    s = read_summary(resumed)
+    ref_loss = read_summary(ref).loss
+    loss = loss_rel_diff(list(s.loss), list(ref_loss[s.first_step :]))
     params = param_rel_diff(load_params(resumed), load_params(ref))
-    if s["steps_completed"] != steps or loss > 1e-5 or params > 1e-5:
+    if s.steps_completed != steps or loss > 1e-5 or params > 1e-5:
         raise SystemExit(f"resumed {out}: loss {loss:.1e}, params {params:.1e}")
-    return f"resumed from step {s['first_step']}: loss {loss:.0e}, params {params:.0e} rel."
+    return f"resumed from step {s.first_step}: loss {loss:.0e}, params {params:.0e} rel."
 
 
 def main() -> int:
@@ -265,17 +266,17 @@ def main() -> int:
             replay = replay_run(out)
             if diff.loss_rel > 1e-4 or diff.param_rel > 1e-4 or replay.diverged is not None:
                 raise SystemExit(f"{case.name}: diverged ({diff}, replay {replay.diverged})")
-            s = json.loads((out / "summary.json").read_text())
-            if s["recoveries"]:
-                case.mttr.append(sum(r["mttr_s"] for r in s["recoveries"]))
+            s = read_summary(out)
+            if s.recoveries:
+                case.mttr.append(sum(r.mttr_s for r in s.recoveries))
             if i == 0:
-                recs = s["recoveries"]
+                recs = s.recoveries
                 case.notes.append(
-                    f"recoveries {[r['ranks'] for r in recs]}, superseded "
-                    f"{[r['superseded'] for r in recs]}; {len(replay.plans)} plan(s) replayed; "
+                    f"recoveries {[list(r.ranks) for r in recs]}, superseded "
+                    f"{[r.superseded for r in recs]}; {len(replay.plans)} plan(s) replayed; "
                     f"loss {diff.loss_rel:.0e}, params {diff.param_rel:.0e} rel."
                 )
-                bus = s["bus"]["workers"]
+                bus = s.bus.workers
                 if bus.get("injected_dropped"):
                     case.notes.append(
                         f"workers: {bus['injected_dropped']} dropped, {bus['duplicates']} dups "

@@ -51,7 +51,9 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepTiming
-from elaswave.runtime.core.compare import compare_runs, load_summary
+from elaswave.engine.record import record_to_json
+from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_TOML = '[model]\npreset = "tiny"\nnum_blocks = 14\n'
@@ -63,22 +65,22 @@ WORKERS = 16
 Window = tuple[int, int]
 
 
-def train(out: Path, config: Path, *args: str, job: list[str] = JOB) -> dict:
+def train(out: Path, config: Path, *args: str, job: list[str] = JOB) -> Summary:
     """Run ``elaswave train`` on ``job`` plus ``args``; its summary (exits if it fails)."""
     cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out)]
     cmd += ["--config", str(config), *job, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return load_summary(out)
+    return read_summary(out)
 
 
-def rate(summary: dict, lo: int, hi: int) -> float:
+def rate(summary: Summary, lo: int, hi: int) -> float:
     """Samples per second over steps [lo, hi), from the median step time."""
-    window = summary["step_time_s"][lo:hi]
+    window = summary.step_time_s[lo:hi]
     if len(window) < 2:
         raise SystemExit(f"throughput window [{lo}, {hi}) has fewer than 2 steps")
-    return summary["global_batch"] / statistics.median(window)
+    return summary.global_batch / statistics.median(window)
 
 
 def overruns(run_dir: Path, windows: list[Window]) -> dict:
@@ -103,7 +105,7 @@ def overruns(run_dir: Path, windows: list[Window]) -> dict:
 @dataclass
 class Run:
     out: Path
-    summary: dict
+    summary: Summary
     windows: list[Window]
     rates: list[float]
     overruns: dict
@@ -204,8 +206,8 @@ def run_matrix(args: argparse.Namespace) -> dict:
     ref = base.best.out
     print(f"baseline: {base_rate:.1f} samples/s (emulated)", flush=True)
 
-    def after_recovery(s: dict) -> list[Window]:
-        return [(3, k), (s["recoveries"][0]["step"] + 2, n)]
+    def after_recovery(s: Summary) -> list[Window]:
+        return [(3, k), (s.recoveries[0].step + 2, n)]
 
     rows = []
     for policy in ("resize", "migrate", "migrate+dvfs"):
@@ -213,7 +215,7 @@ def run_matrix(args: argparse.Namespace) -> dict:
         flags = [*steps, "--fault", f"kill:5@{k}:backward", "--rebalance", policy]
         m = measure(args, f"kill_{policy.replace('+', '_')}", flags, after_recovery)
         s, (pre, post) = m.best.summary, m.best.rates
-        rec = s["recoveries"][0]
+        rec = record_to_json(s.recoveries[0])
         diff = compare_runs(m.best.out, ref)
         rows.append(
             {
@@ -239,9 +241,9 @@ def run_matrix(args: argparse.Namespace) -> dict:
             flush=True,
         )
 
-    def slow_window(s: dict) -> list[Window]:
-        slow = [r for r in s["recoveries"] if r["kind"] == "fail-slow"]
-        return [(max([args.slow_step + 2] + [r["step"] + 2 for r in slow]), n)]
+    def slow_window(s: Summary) -> list[Window]:
+        slow = [r for r in s.recoveries if r.kind == "fail-slow"]
+        return [(max([args.slow_step + 2] + [r.step + 2 for r in slow]), n)]
 
     slow_rows = []
     for factor in (1.5, 2.0):
@@ -251,7 +253,7 @@ def run_matrix(args: argparse.Namespace) -> dict:
             flags = [*steps, "--fault", fault, "--rebalance", policy]
             m = measure(args, f"slow_{factor:g}_{policy.replace('+', '_')}", flags, slow_window)
             s = m.best.summary
-            slow = [r for r in s["recoveries"] if r["kind"] == "fail-slow"]
+            slow = [record_to_json(r) for r in s.recoveries if r.kind == "fail-slow"]
             diff = compare_runs(m.best.out, ref)
             slow_rows.append(
                 {
@@ -277,18 +279,18 @@ def run_matrix(args: argparse.Namespace) -> dict:
                 flush=True,
             )
 
-    def scale_windows(s: dict) -> list[Window]:
-        fail = [r for r in s["recoveries"] if r["kind"] == "fail-stop"]
-        join = [r for r in s["recoveries"] if r["kind"] == "join"]
+    def scale_windows(s: Summary) -> list[Window]:
+        fail = [r for r in s.recoveries if r.kind == "fail-stop"]
+        join = [r for r in s.recoveries if r.kind == "join"]
         if len(fail) != 1 or len(join) != 1:
-            raise SystemExit(f"scale-up run: recoveries {[r['kind'] for r in s['recoveries']]}")
-        return [(3, k), (fail[0]["step"] + 2, j), (join[0]["step"] + 2, n)]
+            raise SystemExit(f"scale-up run: recoveries {[str(r.kind) for r in s.recoveries]}")
+        return [(3, k), (fail[0].step + 2, j), (join[0].step + 2, n)]
 
     print("scale-up after a failure", flush=True)
     flags = [*steps, "--fault", f"kill:5@{k}:backward", "--fault", f"join@{j}"]
     m = measure(args, "kill_join", [*flags, "--rebalance", "migrate+dvfs"], scale_windows)
     s, (pre, degraded, post) = m.best.summary, m.best.rates
-    fail, join = s["recoveries"]
+    fail, join = (record_to_json(r) for r in s.recoveries)
     diff = compare_runs(m.best.out, ref)
     after = m.best.windows[2]
     scale = {

@@ -13,20 +13,22 @@ docs/fault_matrix.{md,json}. Timings are measured on real CPU processes (2 cores
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.core.compare import compare_runs, load_summary
+from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.faults import StepPhase
+from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = {"first": (4, 2, 1), "middle": (4, 3, 5), "last": (4, 2, 6)}
 
 
-def train(out: Path, *args: str) -> dict:
+def train(out: Path, *args: str) -> Summary:
     cmd = [
         sys.executable,
         "-m",
@@ -43,7 +45,7 @@ def train(out: Path, *args: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return load_summary(out)
+    return read_summary(out)
 
 
 def mean_rel(loss: list[float], ref: list[float]) -> float:
@@ -89,23 +91,23 @@ def main() -> int:
                 f"kill:{rank}@{k}:{phase}",
             )
             diff = compare_runs(out, ref(dp, pp))
-            rec = s["recoveries"][0]
+            rec = s.recoveries[0]
             rows.append(
                 {
                     "position": position,
                     "layout": f"{dp}x{pp}",
                     "rank": rank,
                     "phase": str(phase),
-                    "steps": s["steps_completed"],
+                    "steps": s.steps_completed,
                     "loss_rel": diff.loss_rel,
                     "param_rel": diff.param_rel,
-                    "mttr_s": rec["mttr_s"],
-                    **{f"{p}_s": v for p, v in rec["phases"].items()},
+                    "mttr_s": rec.mttr_s,
+                    **{f"{p}_s": v for p, v in dataclasses.asdict(rec.phases).items()},
                 }
             )
             print(
-                f"{position:6} {phase:9} rank {rank}: steps {s['steps_completed']}, loss "
-                f"{diff.loss_rel:.1e}, params {diff.param_rel:.1e}, MTTR {rec['mttr_s']:.3f} s",
+                f"{position:6} {phase:9} rank {rank}: steps {s.steps_completed}, loss "
+                f"{diff.loss_rel:.1e}, params {diff.param_rel:.1e}, MTTR {rec.mttr_s:.3f} s",
                 flush=True,
             )
     rng = {}
@@ -124,8 +126,8 @@ def main() -> int:
             "--fault",
             f"kill:5@{k}:backward",
         )
-        base = load_summary(ref(4, 2, "--rng", kind))
-        rng[kind] = mean_rel(s["loss"], base["loss"])
+        base = read_summary(ref(4, 2, "--rng", kind))
+        rng[kind] = mean_rel(list(s.loss), list(base.loss))
     extra = {}
     for name, dp, pp, faults, rpn in [
         ("two in one stage", 4, 2, [f"kill:5@{k}:backward", f"kill:6@{k + 5}:optimizer"], "1"),
@@ -147,13 +149,13 @@ def main() -> int:
             *fault_args,
         )
         diff = compare_runs(out, ref(dp, pp, "--ranks-per-node", rpn))
-        s = load_summary(out)
+        s = read_summary(out)
         extra[name] = {
             "faults": faults,
-            "recovered": [r["ranks"] for r in s["recoveries"]],
+            "recovered": [list(r.ranks) for r in s.recoveries],
             "loss_rel": diff.loss_rel,
             "param_rel": diff.param_rel,
-            "mttr_s": [r["mttr_s"] for r in s["recoveries"]],
+            "mttr_s": [r.mttr_s for r in s.recoveries],
         }
 
     mttr_runs = []
@@ -162,9 +164,10 @@ def main() -> int:
         fault = f"kill:5@{k}:backward"
         s = train(out, "--dp", "4", "--pp", "2", "--steps", steps, "--fault", fault)
         diff = compare_runs(out, ref(4, 2))
-        rec = s["recoveries"][0]
-        mttr_runs.append({"mttr_s": rec["mttr_s"], **rec["phases"], "loss_rel": diff.loss_rel})
-        print(f"MTTR run {i}: {rec['mttr_s']:.3f} s", flush=True)
+        rec = s.recoveries[0]
+        phases = dataclasses.asdict(rec.phases)
+        mttr_runs.append({"mttr_s": rec.mttr_s, **phases, "loss_rel": diff.loss_rel})
+        print(f"MTTR run {i}: {rec.mttr_s:.3f} s", flush=True)
     phase_names = ["detect", "plan", "ack", "comm", "remap", "resume", "redo"]
     mttr = {key: statistics.median(r[key] for r in mttr_runs) for key in ["mttr_s", *phase_names]}
 

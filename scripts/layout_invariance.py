@@ -17,7 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.core.compare import compare_runs, load_summary
+from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.results import read_summary
 
 GLOBAL_BATCH = 24
 LAYOUTS = [
@@ -74,10 +75,10 @@ def main() -> int:
                 "dp": dp,
                 "pp": pp,
                 "tp": tp,
-                "final_loss": load_summary(out)["loss"][-1],
+                "final_loss": read_summary(out).loss[-1],
                 "loss_rel_diff": diff.loss_rel,
                 "param_rel_diff": diff.param_rel,
-                "param_digest": load_summary(out)["param_digest"][:12],
+                "param_digest": read_summary(out).param_digest[:12],
             }
         )
     lines = [

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from elastic_throughput import MODEL_TOML, overruns, train
 
+from elaswave.engine.record import record_to_json
 from elaswave.runtime.core.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,24 +78,25 @@ def main() -> int:
             out = args.out / f"{mode}_{i}"
             s = train(out, config, *steps, "--fault", fault, "--rebalance", "migrate",
                       "--migration", mode, job=JOB)  # fmt: skip
-            (rec,) = s["recoveries"]
+            (rec,) = s.recoveries
             diff = compare_runs(out, ref)
-            before = statistics.median(s["step_time_s"][2 : args.kill_step])
+            before = statistics.median(s.step_time_s[2 : args.kill_step])
+            streamed = rec.migration.streamed
             runs[mode].append(
                 {
-                    "mttr_s": rec["mttr_s"],
-                    "lost_s": rec["mttr_s"] - before,
+                    "mttr_s": rec.mttr_s,
+                    "lost_s": rec.mttr_s - before,
                     "step_s": before,
-                    "redo_s": rec["phases"]["redo"],
-                    "remap_s": rec["phases"]["remap"],
-                    "params_s": rec["params_s"],
-                    "waited_s": rec["migration"].get("waited_s", 0.0),
-                    "migration": rec["migration"],
-                    "bytes_moved": rec["bytes_moved"],
+                    "redo_s": rec.phases.redo,
+                    "remap_s": rec.phases.remap,
+                    "params_s": rec.params_s,
+                    "waited_s": 0.0 if streamed is None else streamed.waited_s,
+                    "migration": record_to_json(rec)["migration"],
+                    "bytes_moved": rec.bytes_moved,
                     "loss_rel": diff.loss_rel,
                     "param_rel": diff.param_rel,
                     "overruns": overruns(out, [])["run"],
-                    "plan": rec["plan"],
+                    "plan": record_to_json(rec)["plan"],
                 }
             )
             r = runs[mode][-1]

@@ -12,12 +12,13 @@ the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,8 +27,8 @@ def mttr(python: str, tree: Path, out: Path, args: argparse.Namespace) -> float:
     cmd = [python, "-m", "elaswave.cli.main", "train", "--dp", "4", "--pp", "2"]
     cmd += ["--steps", str(args.steps), "--fault", args.fault, "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=tree)
-    (rec,) = json.loads((out / "summary.json").read_text())["recoveries"]
-    return float(rec["mttr_s"])
+    (rec,) = read_summary(out).recoveries
+    return rec.mttr_s
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elaswave.runtime.core.compare import load_summary
+from elaswave.runtime.job.results import Summary, WorkerResult, read_summary, read_worker_results
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 2
@@ -60,26 +60,26 @@ def train(out: Path, dp: int, pp: int, steps: int, snapshots: bool) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return load_summary(out)
+    return read_summary(out)
 
 
-def throughput(summary: dict) -> float:
-    return summary["global_batch"] / statistics.median(summary["step_time_s"][WARMUP_STEPS:])
+def throughput(summary: Summary) -> float:
+    return summary.global_batch / statistics.median(summary.step_time_s[WARMUP_STEPS:])
 
 
-def workers_of(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank*.json")]
+def workers_of(run_dir: Path) -> list[WorkerResult]:
+    return read_worker_results(run_dir)
 
 
 def cpu_per_step(run_dir: Path, steps: int) -> float:
     """CPU seconds per step, summed over every worker's training loop."""
-    return sum(w["cpu_s"] for w in workers_of(run_dir)) / steps
+    return sum(w.cpu_s for w in workers_of(run_dir)) / steps
 
 
 def snapshot_share(run_dir: Path) -> float:
     """The snapshot threads' CPU (sender and keepers) as a fraction of all loop CPU."""
     workers = workers_of(run_dir)
-    return sum(w["snapshot_cpu_s"] for w in workers) / sum(w["cpu_s"] for w in workers)
+    return sum(w.snapshot_cpu_s for w in workers) / sum(w.cpu_s for w in workers)
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -113,7 +113,7 @@ def main() -> int:
                 cpu[snapshots] = cpu_per_step(out, args.steps)
                 if snapshots:
                     share = snapshot_share(out)
-            if runs[True]["param_digest"] != runs[False]["param_digest"]:
+            if runs[True].param_digest != runs[False].param_digest:
                 raise SystemExit(f"{dp}x{pp} pair {i}: snapshots changed the parameters")
             with_, without = throughput(runs[True]), throughput(runs[False])
             pairs.append(

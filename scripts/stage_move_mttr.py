@@ -36,6 +36,7 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepCompleted
+from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ("--device", "emulated", "--pp", "2", "--global-batch", "16", "--micro-batch", "2")
@@ -53,9 +54,9 @@ def elastic(out: Path) -> dict[str, float]:
                   "--fault", "kill:2@3:backward", "--fault", KILL)  # fmt: skip
     if proc.returncode:
         raise SystemExit(f"elastic run failed: {proc.stderr[-2000:]}")
-    rec = json.loads((out / "summary.json").read_text())["recoveries"][1]
-    moved = [s["ranks"] for s in rec["plan"]["stages"]]
-    return {"mttr_s": rec["mttr_s"], "bytes": rec["bytes_moved"], "stages": moved}
+    rec = read_summary(out).recoveries[1]
+    moved = [list(s.ranks) for s in rec.plan.stages]
+    return {"mttr_s": rec.mttr_s, "bytes": rec.bytes_moved, "stages": moved}
 
 
 def checkpoint_restart(out: Path, config: Path) -> dict[str, float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import zmq
 
 from elaswave.runtime.core.compare import load_params
 from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.job.results import Summary, WorkerResult, read_summary, read_worker_results
 
 
 @dataclass
@@ -24,11 +24,11 @@ class Run:
     proc: subprocess.CompletedProcess
 
     @property
-    def summary(self) -> dict:
-        return json.loads((self.out / "summary.json").read_text())
+    def summary(self) -> Summary:
+        return read_summary(self.out)
 
-    def workers(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted((self.out / "workers").glob("*.json"))]
+    def workers(self) -> list[WorkerResult]:
+        return read_worker_results(self.out)
 
     def params(self) -> dict[int, dict[str, torch.Tensor]]:
         return load_params(self.out)
@@ -70,11 +70,9 @@ def check_replay(run: Run) -> None:
     result = replay_run(run.out)
     assert result.diverged is None, result.diverged
     # One committed plan per recovery, after the announcements it superseded.
-    recoveries = run.summary["recoveries"]
+    recoveries = run.summary.recoveries
     assert [(p.generation, p.attempt) for p in result.plans] == [
-        (r["generation"], attempt)
-        for r in recoveries
-        for attempt in range(r.get("superseded", 0) + 1)
+        (r.generation, attempt) for r in recoveries for attempt in range(r.get("superseded", 0) + 1)
     ], result.plans
 
 

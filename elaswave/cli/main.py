@@ -194,10 +194,10 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         zygote.close()
     print(
-        f"elaswave: done: {summary['steps_completed']} steps, final loss "
-        f"{summary['loss'][-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
-        f"({summary['timing']}), "
-        f"{summary['events']} events; summary: {out / SUMMARY}"
+        f"elaswave: done: {summary.steps_completed} steps, final loss "
+        f"{summary.loss[-1]:.4f}, {summary.samples_per_s:.1f} samples/s "
+        f"({summary.timing}), "
+        f"{summary.events} events; summary: {out / SUMMARY}"
     )
     return 0
 

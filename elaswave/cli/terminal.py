@@ -35,7 +35,8 @@ from elaswave.bus.schema import (
     StepCompleted,
     WaitingForNodes,
 )
-from elaswave.engine.plan import Plan, plan_from_dict
+from elaswave.engine.change import state_from_json
+from elaswave.engine.plan import Plan
 from elaswave.rundir import CORE_STATE
 
 
@@ -123,7 +124,7 @@ class Progress:
         if self.run_dir is None:
             return None
         try:
-            plan = plan_from_dict(json.loads((self.run_dir / CORE_STATE).read_text())["plan"])
+            plan = state_from_json(json.loads((self.run_dir / CORE_STATE).read_text())).plan
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return layout_text(plan) if plan.generation == generation else None

@@ -45,8 +45,8 @@ def test_a_curve_bus_beyond_loopback_recovers_and_keeps_strangers_out(tmp_path):
             stdout, stderr = job.communicate(timeout=180)
     assert job.returncode == 0, stderr
     run = Run(out, subprocess.CompletedProcess([], 0, stdout, stderr))
-    assert run.summary["steps_completed"] == 12
-    assert [r["ranks"] for r in run.summary["recoveries"]] == [[1]]
+    assert run.summary.steps_completed == 12
+    assert [r.ranks for r in run.summary.recoveries] == [(1,)]
     check_replay(run)
     log = subprocess.run([sys.executable, "-m", "elaswave.cli.main", "events", str(out)],
                          capture_output=True, text=True, check=True, timeout=60).stdout  # fmt: skip

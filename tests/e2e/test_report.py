@@ -26,7 +26,7 @@ def faulted(runs_dir) -> Run:
 
 
 def _layers(stages) -> str:
-    return " ".join(f"[{s['layers'][0]},{s['layers'][1]})" for s in stages)
+    return " ".join(f"[{s.layers[0]},{s.layers[1]})" for s in stages)
 
 
 def test_report_of_a_fail_stop_with_migration(faulted):
@@ -36,9 +36,9 @@ def test_report_of_a_fail_stop_with_migration(faulted):
     assert 400 <= png.width <= 4000 and 300 <= png.height <= 4000, (png.width, png.height)
     assert "EMULATED timings" in png.text["Title"]
 
-    (rec,) = faulted.summary["recoveries"]
-    assert (rec["kind"], rec["step"], rec["ranks"]) == ("fail-stop", 3, [1])
-    after = _layers(rec["plan"]["stages"])
+    (rec,) = faulted.summary.recoveries
+    assert (rec.kind, rec.step, rec.ranks) == ("fail-stop", 3, (1,))
+    after = _layers(rec.plan.stages)
     assert after != "[0,3) [3,6)", "the planner should have moved a layer"
     lines = proc.stdout.splitlines()
     assert "6 steps (steps 0-5)" in lines[0] and "EMULATED timings" in lines[0], lines[0]

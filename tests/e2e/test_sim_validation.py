@@ -12,26 +12,27 @@ import statistics
 import pytest
 
 from elaswave.engine.plan import Plan, StagePlan, initial_plan
+from elaswave.engine.record import PlanSummary
 from elaswave.engine.steptime import plan_step_time
 from elaswave.runtime.job.config import JobConfig
 from tests.runs import train
 
 
-def _plan(summary_plan: dict, global_batch: int) -> Plan:
+def _plan(summary_plan: PlanSummary, global_batch: int) -> Plan:
     stages = tuple(
         StagePlan(
             i,
-            s["layers"][0],
-            s["layers"][1],
-            tuple(s["ranks"]),
-            tuple(s["sizes"]),
-            s["mhz"],
-            s["rotate"],
-            s["block"],
+            s.layers[0],
+            s.layers[1],
+            tuple(s.ranks),
+            tuple(s.sizes),
+            s.mhz,
+            s.rotate,
+            s.block,
         )
-        for i, s in enumerate(summary_plan["stages"])
+        for i, s in enumerate(summary_plan.stages)
     )
-    return Plan(summary_plan["generation"], global_batch, summary_plan["num_micro_batches"], stages)
+    return Plan(summary_plan.generation, global_batch, summary_plan.num_micro_batches, stages)
 
 
 def _measure(runs_dir, dp, batch, micro_batch, rebalance, block):
@@ -44,20 +45,20 @@ def _measure(runs_dir, dp, batch, micro_batch, rebalance, block):
         *("--global-batch", str(batch), "--micro-batch", str(micro_batch)),
         *("--fault", "kill:1@8:backward", "--rebalance", rebalance),
     )
-    times = run.summary["step_time_s"]
+    times = run.summary.step_time_s
     cfg = JobConfig()
     before = initial_plan(
         num_layers=cfg.model.num_layers, dp=dp, pp=2, global_batch=batch, micro_batch=micro_batch
     )
-    (rec,) = run.summary["recoveries"]
-    after = _plan(rec["plan"], batch)
+    (rec,) = run.summary.recoveries
+    after = _plan(rec.plan, batch)
     assert after.stages[0].rotate == (block > 0)
     assert after.stages[0].block == max(block, 1)
     return [
         (plan, measured, plan_step_time(plan, cfg.layer_costs, cfg.cost_device).step_s)
         for plan, measured in (
             (before, statistics.median(times[2:8])),  # past the first steps' warm-up
-            (after, statistics.median(times[rec["step"] + 1 :])),
+            (after, statistics.median(times[rec.step + 1 :])),
         )
     ]
 

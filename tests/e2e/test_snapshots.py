@@ -23,17 +23,16 @@ def test_snapshots_equal_owner_shards_every_step_and_live_on_other_nodes_and_sta
         "2",
         "--verify-snapshots",
     )
-    workers = {w["rank"]: w for w in run.workers()}
+    workers = {w.rank: w for w in run.workers()}
     owners_seen = set()
     for holder, worker in workers.items():
-        for owner, digests in worker["snapshot_digests"].items():
-            owner = int(owner)
+        for owner, digests in worker.snapshot_digests.items():
             owners_seen.add(owner)
             assert node_of(owner, 2) != node_of(holder, 2), (owner, holder)
             # In another stage: losing every rank of a stage loses none of its state.
-            assert workers[owner]["stage"] != worker["stage"], (owner, holder)
+            assert workers[owner].stage != worker.stage, (owner, holder)
             assert len(digests) == 6
-            assert digests == workers[owner]["optimizer_digests"], (owner, holder)
+            assert digests == workers[owner].optimizer_digests, (owner, holder)
     assert owners_seen == set(workers), "every shard has exactly one snapshot"
     # The digests really change step to step (the comparison above is not vacuous).
-    assert len(set(workers[0]["optimizer_digests"])) == 6
+    assert len(set(workers[0].optimizer_digests)) == 6

@@ -7,6 +7,7 @@ import torch
 
 from elaswave.engine.schedule import max_in_flight
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.results import Layout
 from tests.runs import Run, train
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]
@@ -36,7 +37,7 @@ def layout_runs(runs_dir) -> dict[tuple[int, int], Run]:
 @pytest.mark.timeout(600)
 def test_layouts_agree_with_dropout_on(layout_runs):
     ref = layout_runs[(1, 1)]
-    ref_loss = ref.summary["loss"]
+    ref_loss = ref.summary.loss
     assert len(ref_loss) == STEPS
     assert ref_loss[-1] < ref_loss[0] - 1.0, "the tiny model should learn the corpus"
     for layout, run in layout_runs.items():
@@ -52,22 +53,20 @@ def test_dropout_is_on_and_matters(layout_runs, runs_dir):
     run = train(
         runs_dir / "no_dropout", "--dp", "1", "--pp", "1", "--steps", "3", "--config", str(off)
     )
-    on = layout_runs[(1, 1)].summary["loss"][:3]
-    assert run.summary["loss"][1] != pytest.approx(on[1], rel=1e-4)
+    on = layout_runs[(1, 1)].summary.loss[:3]
+    assert run.summary.loss[1] != pytest.approx(on[1], rel=1e-4)
 
 
 def test_summary_contract(layout_runs):
     s = layout_runs[(2, 4)].summary
-    assert s["layout"] == {"dp": 2, "pp": 4, "tp": 1}
-    assert s["global_batch"] == 16 and s["steps_completed"] == STEPS
-    assert len(s["loss"]) == len(s["step_time_s"]) == STEPS
-    assert s["samples_per_s"] > 0 and s["events"] > 0 and s["recoveries"] == []
-    assert len(s["param_digest"]) == 64
+    assert s.layout == Layout(dp=2, pp=4, tp=1)
+    assert s.global_batch == 16 and s.steps_completed == STEPS
+    assert len(s.loss) == len(s.step_time_s) == STEPS
+    assert s.samples_per_s > 0 and s.events > 0 and s.recoveries == ()
+    assert len(s.param_digest) == 64
     # Equal-valued parameters give equal digests only when the runs are bitwise equal;
     # 1x1 and 1x2 do exactly the same arithmetic.
-    assert (
-        layout_runs[(1, 1)].summary["param_digest"] == layout_runs[(1, 2)].summary["param_digest"]
-    )
+    assert layout_runs[(1, 1)].summary.param_digest == layout_runs[(1, 2)].summary.param_digest
 
 
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2)])
@@ -76,28 +75,28 @@ def test_schedule_is_1f1b_from_recorded_traces(layout_runs, layout):
     workers = layout_runs[layout].workers()
     assert len(workers) == dp * pp
     for worker in workers:
-        for trace in worker["traces"]:
-            actions = [(op, mb) for op, mb in trace["actions"]]
+        for trace in worker.traces:
+            actions = [(op, mb) for op, mb in trace.actions]
             num_mb = 16 // (dp * 2)
             assert sorted(actions) == sorted(
                 [("F", m) for m in range(num_mb)] + [("B", m) for m in range(num_mb)]
             )
             peak = max_in_flight(actions)
-            assert peak <= pp - worker["stage"], (worker["rank"], peak)
+            assert peak <= pp - worker.stage, (worker.rank, peak)
             # The bound is tight: 1F1B warms up as deep as the pipeline allows.
-            assert peak == min(pp - worker["stage"], num_mb)
+            assert peak == min(pp - worker.stage, num_mb)
 
 
 def test_zero1_each_rank_holds_only_its_shard(layout_runs):
     workers = layout_runs[(4, 2)].workers()
     for worker in workers:
-        full = worker["stage_param_numel"]
-        shard = worker["optimizer_shard_numel"]
+        full = worker.stage_param_numel
+        shard = worker.optimizer_shard_numel
         # Shard = ceil(numel_layer / 4) summed over the stage's layers: about a quarter.
-        assert full / 4 <= shard <= full / 4 + 8, (worker["rank"], shard, full)
+        assert full / 4 <= shard <= full / 4 + 8, (worker.rank, shard, full)
     by_stage: dict[int, set[int]] = {}
     for worker in workers:
-        by_stage.setdefault(worker["stage"], set()).add(worker["optimizer_shard_numel"])
+        by_stage.setdefault(worker.stage, set()).add(worker.optimizer_shard_numel)
     assert all(len(sizes) == 1 for sizes in by_stage.values())
 
 
@@ -121,11 +120,11 @@ def test_param_digest_matches_params(layout_runs):
     from elaswave.runtime.core.summary import param_digest
 
     run = layout_runs[(2, 2)]
-    assert param_digest(run.params()) == run.summary["param_digest"]
+    assert param_digest(run.params()) == run.summary.param_digest
     perturbed = run.params()
     first = next(iter(perturbed[0].values()))
     first.view(-1)[0] += torch.finfo(torch.float32).eps
-    assert param_digest(perturbed) != run.summary["param_digest"]
+    assert param_digest(perturbed) != run.summary.param_digest
 
 
 def test_trains_on_a_user_token_file(runs_dir):
@@ -148,5 +147,5 @@ def test_trains_on_a_user_token_file(runs_dir):
         "--data-dtype",
         "uint16",
     )
-    loss = run.summary["loss"]
+    loss = run.summary.loss
     assert len(loss) == 6 and loss[-1] < loss[0]

@@ -44,21 +44,20 @@ def check_recovered(
     not yet seen), but a rank no fault touched never is. The detection time is not
     checked: it is the host's load, not the mechanism."""
     s = run.summary
-    assert s["steps_completed"] == STEPS
-    assert [r["ranks"] for r in s["recoveries"]] == failed
+    assert s.steps_completed == STEPS
+    assert [list(r.ranks) for r in s.recoveries] == failed
     fenced_ranks = core_fencings(run.out)
     if fenced:
         assert fenced_ranks, "the hung rank was not fenced"
     else:
         victims = {int(p.stem.removeprefix("rank")) for p in (run.out / "faults").glob("*.json")}
         assert fenced_ranks <= victims, f"ranks {sorted(fenced_ranks - victims)} were fenced alive"
-    for rec in s["recoveries"]:
-        assert rec["kind"] == "fail-stop" and rec["mttr_s"] > 0
-        assert set(rec["phases"]) == {"detect", "plan", "ack", "comm", "remap", "resume", "redo"}
+    for rec in s.recoveries:
+        assert rec.kind == "fail-stop" and rec.mttr_s > 0
         # MTTR runs from the kill to the redone step's completion.
-        phases = rec["phases"]
-        assert phases["redo"] is not None
-        assert rec["mttr_s"] >= phases["detect"] + phases["plan"] + phases["redo"] - 1e-3
+        phases = rec.phases
+        assert phases.redo is not None
+        assert rec.mttr_s >= phases.detect + phases.plan + phases.redo - 1e-3
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= tolerance, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= tolerance, f"parameters differ by {diff.param_rel:.2e}"

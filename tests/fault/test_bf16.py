@@ -15,8 +15,8 @@ LAYOUT = ("--dp", "2", "--pp", "2")
 @pytest.mark.timeout(300)
 def test_fifty_bf16_steps_stay_within_two_percent_of_the_fp32_loss_curve(runs_dir):
     job = (*LAYOUT, "--steps", "50", "--global-batch", "16", "--micro-batch", "2")
-    fp32 = train(runs_dir / "fp32_50", *job).summary["loss"]
-    bf16 = train(runs_dir / "bf16_50", *job, "--precision", "bf16").summary["loss"]
+    fp32 = train(runs_dir / "fp32_50", *job).summary.loss
+    bf16 = train(runs_dir / "bf16_50", *job, "--precision", "bf16").summary.loss
     worst = max(abs(b - f) / f for b, f in zip(bf16, fp32, strict=True))
     assert worst <= 0.02, f"bf16 loss {worst:.2%} from fp32"
     assert bf16 != fp32  # it did compute in bf16

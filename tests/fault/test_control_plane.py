@@ -37,9 +37,9 @@ def _resumes_to_the_reference(crashed, runs_dir, ref: Run, *, first_step: set[in
     minus one: a checkpoint is written in the background) and ends as ``ref`` did."""
     resumed = train(runs_dir / f"{crashed.name}_resumed", "--resume", str(crashed))
     s = resumed.summary
-    assert s["first_step"] in first_step and s["steps_completed"] == STEPS, s["first_step"]
-    first_step = s["first_step"]
-    assert loss_rel_diff(s["loss"], ref.summary["loss"][first_step:]) <= 1e-5
+    assert s.first_step in first_step and s.steps_completed == STEPS, s.first_step
+    first_step = s.first_step
+    assert loss_rel_diff(s.loss, ref.summary.loss[first_step:]) <= 1e-5
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
 
 
@@ -51,8 +51,8 @@ def test_worker_killed_before_acknowledging_the_plan_is_planned_around(runs_dir,
     run = train(runs_dir / "kill_at_plan", *DP4_PP2,
                 "--fault", "kill:1@3:backward", "--fault", "kill:6@3:plan")  # fmt: skip
     check_recovered(run, reference(4, 2), world=8, failed=[[1, 6]])
-    (rec,) = run.summary["recoveries"]
-    assert rec["superseded"] == 1
+    (rec,) = run.summary.recoveries
+    assert rec.superseded == 1
     assert _announcements(run.out) == [(1, 0, [1]), (1, 1, [1, 6])]
     commits = [r.event for r in read_event_log(run.out / "events.log")
                if isinstance(r.event, PlanCommit)]  # fmt: skip
@@ -67,9 +67,9 @@ def test_silent_participant_is_fenced_at_the_ack_deadline(runs_dir, reference):
                 "--fault", "kill:1@3:backward", "--fault", "hang:6@3:plan",
                 "--heartbeat-timeout", "30", "--plan-ack-timeout", "2")  # fmt: skip
     check_recovered(run, reference(4, 2), world=8, failed=[[1, 6]], fenced=True)
-    (rec,) = run.summary["recoveries"]
-    assert rec["superseded"] == 1
-    assert 2.0 <= rec["phases"]["plan"] < 10.0, rec["phases"]  # the ack deadline, not 30 s
+    (rec,) = run.summary.recoveries
+    assert rec.superseded == 1
+    assert 2.0 <= rec.phases.plan < 10.0, rec.phases  # the ack deadline, not 30 s
     assert _announcements(run.out) == [(1, 0, [1]), (1, 1, [1, 6])]
 
 
@@ -100,11 +100,11 @@ def test_recoveries_through_a_lossy_bus_match_the_fault_free_run(runs_dir, refer
                 "--fault", "kill:1@2:backward", "--fault", "kill:6@4:forward",
                 "--bus-faults", "drop=0.1,dup=0.1,reorder=0.1,delay=0.005,seed=1")  # fmt: skip
     check_recovered(run, reference(4, 2), world=8, failed=[[1], [6]])
-    bus = run.summary["bus"]
-    for side in ("core", "workers"):
-        assert bus[side]["injected_dropped"] > 0 and bus[side]["injected_duplicated"] > 0
-        assert bus[side]["duplicates"] > 0 and bus[side]["asked"] > 0, bus
-    assert bus["workers"]["fetched"] > 0, bus  # from the Core's log service
+    bus = run.summary.bus
+    for counts in (bus.core, bus.workers):
+        assert counts["injected_dropped"] > 0 and counts["injected_duplicated"] > 0
+        assert counts["duplicates"] > 0 and counts["asked"] > 0, bus
+    assert bus.workers["fetched"] > 0, bus  # from the Core's log service
 
 
 def _worker_pids(out) -> list[int]:

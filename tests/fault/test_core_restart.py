@@ -92,7 +92,7 @@ def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, 
     killed_at = time.time()
     run = _finished(out, proc)
     s = run.summary
-    assert s["core_incarnations"] == 2 and s["recoveries"] == []
+    assert s.core_incarnations == 2 and s.recoveries == ()
     diff = compare_runs(out, longer_reference.out)
     assert diff.loss_rel <= 1e-6 and diff.param_rel <= 1e-6, diff
     _started_once(out, 4)
@@ -132,7 +132,7 @@ def test_core_silent_past_the_bound_pauses_every_worker_at_one_boundary(runs_dir
     time.sleep(3.0)
     os.kill(pid, signal.SIGCONT)
     run = _finished(out, proc)
-    assert run.summary["core_incarnations"] == 1 and run.summary["recoveries"] == []
+    assert run.summary.core_incarnations == 1 and run.summary.recoveries == ()
     paused = [_log_records(out / "logs" / f"rank{r}.log", "core.outage_paused") for r in range(4)]
     resumed = [_log_records(out / "logs" / f"rank{r}.log", "core.outage_resumed") for r in range(4)]
     assert all(len(p) == 1 for p in paused), paused
@@ -158,9 +158,9 @@ def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, re
     proc = launch(out, *DP4_PP2, "--fault", "kill:1@4:backward", env=env)
     run = _finished(out, proc)
     check_recovered(run, reference(4, 2), world=8, failed=[[1]])
-    (rec,) = run.summary["recoveries"]
-    assert rec["superseded"] == (1 if when == "plan" else 0)
-    assert run.summary["core_incarnations"] == 2
+    (rec,) = run.summary.recoveries
+    assert rec.superseded == (1 if when == "plan" else 0)
+    assert run.summary.core_incarnations == 2
     (injected,) = _log_records(out / "logs" / "core0.log", "core.fault_injected")
     assert injected["point"] == when
     (resuming,) = _log_records(out / "logs" / "core1.log", "core.resuming")
@@ -180,7 +180,7 @@ def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(run
     assert "the Core was lost (signal SIGKILL; see logs/core0.log)" in err, err
     assert "--core-restarts 0" in err and f"--resume {out}" in err, err
     resumed = train(runs_dir / "core_restarts_spent_resumed", "--resume", str(out))
-    assert resumed.summary["steps_completed"] == 6
+    assert resumed.summary.steps_completed == 6
     assert param_rel_diff(load_params(resumed.out), load_params(reference(4, 2).out)) <= 1e-5
 
 
@@ -192,7 +192,7 @@ def test_core_lost_after_every_worker_finished_leaves_a_complete_run(runs_dir, r
     env = dict(os.environ, **{CORE_FAULT_ENV: "finished"})
     proc = launch(out, *DP2_PP2, *JOB, "--core-restarts", "0", env=env)
     run = _finished(out, proc)
-    assert run.summary["steps_completed"] == 6
+    assert run.summary.steps_completed == 6
     diff = compare_runs(out, reference(2, 2).out)
     assert diff.loss_rel <= 1e-6 and diff.param_rel <= 1e-6, diff
     assert "host.summarising" in out.with_suffix(".stderr").read_text()

@@ -8,12 +8,11 @@ float reduction order). Emulated-device runs train the same numbers as CPU runs.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from elaswave.bus.schema import RecoveryFinished
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.results import read_summary
 from tests.runs import await_logged, background_job, elaswave, train
 
 JOB = ("--global-batch", "16", "--micro-batch", "2")
@@ -49,19 +48,19 @@ def test_kill_with_layer_migration_matches_the_fault_free_run(runs_dir, migratio
         *("--ranks-per-node", "2", "--fault", "kill-node:2@3:backward"),
         *("--rebalance", "migrate", "--migration", mode),
     )
-    (rec,) = run.summary["recoveries"]
-    layers = [tuple(s["layers"]) for s in rec["plan"]["stages"]]
+    (rec,) = run.summary.recoveries
+    layers = [tuple(s.layers) for s in rec.plan.stages]
     assert layers != [(0, 3), (3, 6)], "the planner should move a layer off the resized stage"
-    assert rec["bytes_moved"] > 0
-    assert "move stages" in rec["reason"]
-    migration = rec["migration"]
-    assert migration["mode"] == mode
+    assert rec.bytes_moved > 0
+    assert "move stages" in rec.reason
+    migration = rec.migration
+    assert migration.decision.mode == mode
     if mode == "nonblocking":
         # Every source replica streamed the layer or paid its shadow gradient back: a
         # lost payback would leave the moved layer's gradient short by the early
         # micro-batches, which the comparison below would see.
-        assert migration["early_micro_batches"] == 2
-        assert migration["bytes_streamed"] > 0
+        assert migration.decision.early_micro_batches == 2
+        assert migration.streamed is not None and migration.streamed.bytes_streamed > 0
     _check_numbers(run.out, migration_ref.out)
 
 
@@ -74,13 +73,13 @@ def test_fail_slow_rank_is_detected_and_given_less_work(runs_dir):
         *("--fault", "slow:1=2@3", "--rebalance", "migrate"),
     )
     summary = run.summary
-    assert summary["timing"] == "emulated"
-    (rec,) = [r for r in summary["recoveries"] if r["kind"] == "fail-slow"]
-    assert rec["ranks"] == [1]
-    stage = rec["plan"]["stages"][0]
-    assert stage["sizes"][stage["ranks"].index(1)] < stage["sizes"][stage["ranks"].index(0)]
+    assert summary.timing == "emulated"
+    (rec,) = [r for r in summary.recoveries if r.kind == "fail-slow"]
+    assert rec.ranks == (1,)
+    stage = rec.plan.stages[0]
+    assert stage.sizes[stage.ranks.index(1)] < stage.sizes[stage.ranks.index(0)]
     # Detected within window // 2 + min_steps (+1 to reach a boundary) of the slowdown.
-    assert rec["step"] <= 3 + 5 // 2 + 2 + 2
+    assert rec.step <= 3 + 5 // 2 + 2 + 2
     _check_numbers(run.out, ref.out)
 
 
@@ -101,11 +100,11 @@ def test_a_failure_during_a_joins_pause_is_recovered(runs_dir):
     ref = train(runs_dir / "pause_ref", *PAUSE_JOB)
     run = train(runs_dir / "pause_kill", *PAUSE_JOB, "--fault", "slow:1=20@4",
                 "--fault", "join@4", "--fault", "kill:1@4:optimizer")  # fmt: skip
-    assert run.summary["steps_completed"] == 12
-    (rec,) = run.summary["recoveries"]
-    assert (rec["kind"], rec["ranks"]) == ("join", [1, 4]), rec
-    stages = rec["plan"]["stages"]
-    assert [sorted(s["ranks"]) for s in stages] == [[0, 4], [2, 3]], stages
+    assert run.summary.steps_completed == 12
+    (rec,) = run.summary.recoveries
+    assert (rec.kind, rec.ranks) == ("join", (1, 4)), rec
+    stages = rec.plan.stages
+    assert [sorted(s.ranks) for s in stages] == [[0, 4], [2, 3]], stages
     _check_numbers(run.out, ref.out)
 
 
@@ -118,7 +117,7 @@ def test_the_reported_join_and_kill_command_completes(runs_dir):
     ref = train(runs_dir / "pause_ref_2", *PAUSE_JOB)
     run = train(runs_dir / "pause_kill_2", *PAUSE_JOB, "--fault", "join@3",
                 "--fault", "kill:1@4:optimizer", "--fault", "join@8")  # fmt: skip
-    assert run.summary["steps_completed"] == 12
+    assert run.summary.steps_completed == 12
     _check_numbers(run.out, ref.out)
 
 
@@ -135,8 +134,8 @@ def test_a_failure_just_before_a_joins_pause_is_recovered(runs_dir):
     ref = train(runs_dir / "pre_pause_ref", *job)
     run = train(runs_dir / "pre_pause", *job, "--fault", "join@2",
                 "--fault", "kill:2@2:snapshot")  # fmt: skip
-    assert run.summary["steps_completed"] == 10
-    assert [r["ranks"] for r in run.summary["recoveries"]] in ([[2, 6]], [[2], [6]])
+    assert run.summary.steps_completed == 10
+    assert [r.ranks for r in run.summary.recoveries] in ([(2, 6)], [(2,), (6,)])
     _check_numbers(run.out, ref.out)
 
 
@@ -158,10 +157,10 @@ def test_a_run_left_to_its_joiner_records_every_step(runs_dir):
     summary = run.summary
     # The join lands before, with or after rank 0's recovery; rank 1's recovery leaves
     # the joiner alone either way.
-    ranks = [r["ranks"] for r in summary["recoveries"]]
+    ranks = [list(r.ranks) for r in summary.recoveries]
     assert ranks in ([[2], [0], [1]], [[0], [2], [1]], [[0, 2], [1]]), ranks
-    assert (summary["first_step"], summary["steps_completed"]) == (0, 12)
-    assert len(summary["loss"]) == len(summary["step_time_s"]) == 12
+    assert (summary.first_step, summary.steps_completed) == (0, 12)
+    assert len(summary.loss) == len(summary.step_time_s) == 12
     _check_numbers(run.out, ref.out)
 
 
@@ -180,13 +179,13 @@ def test_worker_joins_after_a_failure_through_elaswave_scale(runs_dir):
         assert "joined at step" in scale.stdout
         _, stderr = job.communicate(timeout=200)
         assert job.returncode == 0, stderr
-    recoveries = json.loads((out / "summary.json").read_text())["recoveries"]
-    assert [r["kind"] for r in recoveries] == ["fail-stop", "join"]
+    recoveries = read_summary(out).recoveries
+    assert [r.kind for r in recoveries] == ["fail-stop", "join"]
     joined = recoveries[1]
-    assert joined["ranks"] == [4]
-    stages = joined["plan"]["stages"]
-    assert sorted(len(s["ranks"]) for s in stages) == [2, 2], "the job is back to 2 x 2"
-    assert joined["bytes_moved"] > 0, "the new rank's optimizer shards were streamed to it"
+    assert joined.ranks == (4,)
+    stages = joined.plan.stages
+    assert sorted(len(s.ranks) for s in stages) == [2, 2], "the job is back to 2 x 2"
+    assert joined.bytes_moved > 0, "the new rank's optimizer shards were streamed to it"
     _check_numbers(out, ref.out)
 
 

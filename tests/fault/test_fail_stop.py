@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.results import Layout
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, elaswave, train
 
@@ -59,9 +60,9 @@ def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_referen
     run = train(runs_dir / "regroup_kill", *ROTATING_JOB, "--rebalance", "migrate",
                 "--fault", "kill:3@3:backward")  # fmt: skip
     check_recovered(run, rotating_reference, world=6, failed=[[3]])
-    (rec,) = run.summary["recoveries"]
-    assert rec["plan"]["num_micro_batches"] == 4, rec["plan"]
-    assert [s["sizes"] for s in rec["plan"]["stages"]] == [[2, 2, 2], [3, 3]], rec["plan"]
+    (rec,) = run.summary.recoveries
+    assert rec.plan.num_micro_batches == 4, rec.plan
+    assert [s.sizes for s in rec.plan.stages] == [(2, 2, 2), (3, 3)], rec.plan
 
 
 @pytest.mark.timeout(300)
@@ -73,12 +74,12 @@ def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     run = train(runs_dir / "block_kill", *ROTATING_JOB, "--rebalance", "migrate",
                 "--fault", "kill:1@3:backward")  # fmt: skip
     check_recovered(run, rotating_reference, world=6, failed=[[1]])
-    (rec,) = run.summary["recoveries"]
-    stages = rec["plan"]["stages"]
-    assert rec["plan"]["num_micro_batches"] == 8, rec["plan"]
-    assert [(s["sizes"], s["rotate"], s["block"]) for s in stages] == [
-        ([2, 1], True, 2), ([1, 1, 1], False, 1),
-    ], rec["plan"]  # fmt: skip
+    (rec,) = run.summary.recoveries
+    stages = rec.plan.stages
+    assert rec.plan.num_micro_batches == 8, rec.plan
+    assert [(s.sizes, s.rotate, s.block) for s in stages] == [
+        ((2, 1), True, 2), ((1, 1, 1), False, 1),
+    ], rec.plan  # fmt: skip
 
 
 @pytest.mark.long
@@ -121,8 +122,8 @@ def test_a_stage_down_to_one_rank_recovers_again(runs_dir):
     ref = train(runs_dir / "one_member_ref", *args)
     run = train(runs_dir / "one_member", *args,
                 "--fault", "kill:1@3:backward", "--fault", "kill:3@6:backward")  # fmt: skip
-    assert [r["ranks"] for r in run.summary["recoveries"]] == [[1], [3]]
-    assert run.summary["steps_completed"] == 10
+    assert [r.ranks for r in run.summary.recoveries] == [(1,), (3,)]
+    assert run.summary.steps_completed == 10
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
@@ -165,7 +166,7 @@ def test_two_workers_of_different_stages_killed_at_once(runs_dir, reference):
     (a second recovery). Either way the run matches the fault-free one."""
     run = train(runs_dir / "two_at_once", "--dp", "4", "--pp", "2", *JOB,
                 "--fault", "kill:1@3:backward", "--fault", "kill:6@3:backward")  # fmt: skip
-    failed = [r["ranks"] for r in run.summary["recoveries"]]
+    failed = [list(r.ranks) for r in run.summary.recoveries]
     assert failed in ([[1, 6]], [[6], [1]]), failed
     check_recovered(run, reference(4, 2), world=8, failed=failed)
 
@@ -273,7 +274,7 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
         "hang:3@3:backward",
     )
     check_recovered(run, reference(2, 2), world=4, failed=[[3]], fenced=True)
-    detect = run.summary["recoveries"][0]["phases"]["detect"]
+    detect = run.summary.recoveries[0].phases.detect
     # Silence counts from the last heartbeat, up to one interval (0.2 s) before the hang.
     assert 0.75 <= detect < 2.5, f"a hang is seen at the heartbeat timeout, got {detect:.2f} s"
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
@@ -297,7 +298,7 @@ def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(run
     import statistics
 
     def mean_rel(run: Run, ref: Run) -> float:
-        pairs = zip(run.summary["loss"], ref.summary["loss"], strict=True)
+        pairs = zip(run.summary.loss, ref.summary.loss, strict=True)
         return statistics.mean(abs(a - b) / b for a, b in pairs)
 
     fault = ("--fault", "kill:3@2:backward")
@@ -347,11 +348,11 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
     resumed = train(runs_dir / "resumed", "--resume", str(crashed), "--dp", "4", "--pp", "3")
     ref = train(runs_dir / "uninterrupted", "--dp", "1", "--pp", "2", *steps)
     s = resumed.summary
-    assert s["first_step"] == 6 and s["steps_completed"] == 10
-    assert s["layout"] == {"dp": 4, "pp": 3, "tp": 1}
+    assert s.first_step == 6 and s.steps_completed == 10
+    assert s.layout == Layout(dp=4, pp=3, tp=1)
     from elaswave.runtime.core.compare import load_params, loss_rel_diff, param_rel_diff
 
-    assert loss_rel_diff(s["loss"], ref.summary["loss"][6:]) <= 1e-5
+    assert loss_rel_diff(s.loss, ref.summary.loss[6:]) <= 1e-5
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
 
 
@@ -385,15 +386,15 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir, s
     run = train(runs_dir / "stage_lost_whole", *STAGE_JOB,
                 *(x for f in faults for x in ("--fault", f)))  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == 16
-    recs = s["recoveries"]
-    assert [(r["kind"], r["ranks"]) for r in recs] == [
-        ("fail-stop", [2]), ("fail-stop", [3]), ("join", [4]), ("join", [5]),
+    assert s.steps_completed == 16
+    recs = s.recoveries
+    assert [(r.kind, r.ranks) for r in recs] == [
+        ("fail-stop", (2,)), ("fail-stop", (3,)), ("join", (4,)), ("join", (5,)),
     ]  # fmt: skip
-    moved = [st["ranks"] for st in recs[1]["plan"]["stages"]]
+    moved = [st.ranks for st in recs[1].plan.stages]
     assert len(moved) == 2 and all(len(r) == 1 for r in moved), moved
     assert moved[1][0] in (0, 1), f"a stage-0 rank takes stage 1: {moved}"
-    assert sorted(r for st in recs[3]["plan"]["stages"] for r in st["ranks"]) == [0, 1, 4, 5]
+    assert sorted(r for st in recs[3].plan.stages for r in st.ranks) == [0, 1, 4, 5]
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
@@ -412,9 +413,9 @@ def test_a_stage_lost_whole_a_step_ahead_of_its_snapshot_holders_is_taken_over(
     every version from the step before their own committed step."""
     run = train(runs_dir / f"stage_ahead_{phase}", *STAGE_JOB, "--ranks-per-node", "2",
                 "--fault", f"kill-node:1@4:{phase}")  # fmt: skip
-    assert run.summary["steps_completed"] == 16
-    (rec,) = run.summary["recoveries"]
-    assert rec["ranks"] == [2, 3] and rec["committed_step"] == 2, rec
+    assert run.summary.steps_completed == 16
+    (rec,) = run.summary.recoveries
+    assert rec.ranks == (2, 3) and rec.committed_step == 2, rec
     diff = compare_runs(run.out, stage_ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"

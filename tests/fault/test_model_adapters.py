@@ -55,7 +55,7 @@ def _check_layout(hf_runs, family: str, dp: int, pp: int) -> None:
     diff = compare_runs(run.out, one.out)
     assert diff.loss_rel <= 1e-5, f"losses differ from dp1 x pp1 by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-5, f"parameters differ from dp1 x pp1 by {diff.param_rel:.2e}"
-    assert run.summary["steps_completed"] == one.summary["steps_completed"]
+    assert run.summary.steps_completed == one.summary.steps_completed
 
 
 @pytest.mark.timeout(300)

@@ -81,8 +81,8 @@ def test_a_host_lost_whole_is_a_node_failure_and_its_return_a_join(hosts, runs_d
     run = Run(out, subprocess.CompletedProcess(node0.args, 0, "", ""))
     check_replay(run)
     s = run.summary
-    assert s["steps_completed"] == 24
-    kinds = [(r["kind"], sorted(r["ranks"])) for r in s["recoveries"]]
+    assert s.steps_completed == 24
+    kinds = [(r.kind, sorted(r.ranks)) for r in s.recoveries]
     assert kinds[0] == ("fail-stop", [2, 3]), kinds  # node 1 held ranks 2 and 3
     joined = sorted(r for kind, ranks in kinds[1:] if kind == "join" for r in ranks)
     assert joined == [6, 7], kinds  # its return: two joiners (in one change or two)

@@ -74,10 +74,10 @@ def test_a_host_cut_off_the_network_is_fenced_and_recovered(hosts, runs_dir, tmp
     assert proc.returncode == 0, stderr
     run = Run(out, subprocess.CompletedProcess(proc.args, 0, "", stderr))
     check_replay(run)
-    (rec,) = run.summary["recoveries"]
-    assert rec["ranks"] == [1] and rec["kind"] == "fail-stop"
+    (rec,) = run.summary.recoveries
+    assert rec.ranks == (1,) and rec.kind == "fail-stop"
     assert "no heartbeat" in stderr and "fenced" in stderr
-    assert run.summary["steps_completed"] == 10
+    assert run.summary.steps_completed == 10
     # Seen from the missed heartbeats: about the heartbeat deadline after the cut.
     detected = next(
         r.t for r in read_event_log(out / "events.log") if isinstance(r.event, FailureDetected)

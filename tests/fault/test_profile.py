@@ -42,7 +42,7 @@ def test_profile_on_plans_a_hugging_face_model_with_its_measured_layers(profiled
     assert len(cfg.profile) == 6
     assert cfg.profile == measured.costs(device("emulated"))
     assert cfg.layer_costs == list(cfg.profile)
-    predicted = profiled.summary["predicted_step_s"]
+    predicted = profiled.summary.predicted_step_s
     assert isinstance(predicted, float) and predicted > 0
 
 

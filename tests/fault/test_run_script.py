@@ -39,8 +39,8 @@ def example_runs(runs_dir) -> dict[str, Run]:
 @pytest.mark.timeout(300)
 def test_the_readme_command_trains_the_scripts_model_on_its_dataset(example_runs):
     two, one = example_runs["2x2"], example_runs["1x1"]
-    assert two.summary["steps_completed"] == STEPS
-    assert two.summary["loss"][-1] < two.summary["loss"][0] - 0.5  # it learns the counting
+    assert two.summary.steps_completed == STEPS
+    assert two.summary.loss[-1] < two.summary.loss[0] - 0.5  # it learns the counting
     diff = compare_runs(two.out, one.out)  # the dataset is addressed by global sample id
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
     # The script's step hook printed the loss on the last stage's first replica.
@@ -55,8 +55,8 @@ def test_a_kill_is_recovered_inside_the_scripts_train_step(runs_dir, example_run
     run = _run(runs_dir / "run_kill", "--dp", "2", "--pp", "2", "--steps", str(STEPS),
                "--fault", "kill:1@5:backward")  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == STEPS
-    assert [r["ranks"] for r in s["recoveries"]] == [[1]]
+    assert s.steps_completed == STEPS
+    assert [r.ranks for r in s.recoveries] == [(1,)]
     diff = compare_runs(run.out, example_runs["2x2"].out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
     started = [
@@ -74,7 +74,7 @@ def test_a_kill_is_recovered_inside_the_scripts_train_step(runs_dir, example_run
     assert {e.step for e in board.Scalars("train/loss")} == set(range(STEPS))
     assert [e.value for e in board.Scalars("plan/ranks")] == [4.0, 3.0]
     (mttr,) = board.Scalars("recovery/mttr_s")
-    assert mttr.value == pytest.approx(s["recoveries"][0]["mttr_s"], rel=1e-6)
+    assert mttr.value == pytest.approx(s.recoveries[0].mttr_s, rel=1e-6)
 
 
 def test_the_script_outside_a_job_says_how_to_start_it():

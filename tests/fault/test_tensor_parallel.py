@@ -13,6 +13,7 @@ import pytest
 from elaswave.model.config import ModelConfig
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.results import Layout
 from elaswave.runtime.job.sections import LayoutConfig
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, check_replay, elaswave, train
@@ -30,13 +31,13 @@ def tp_reference(runs_dir) -> Run:
 
 def _check_layout(run: Run, ref: Run, dp: int, pp: int, tp: int) -> None:
     s = run.summary
-    assert s["layout"] == {"dp": dp, "pp": pp, "tp": tp}
-    assert s["steps_completed"] == STEPS and s["recoveries"] == []
+    assert s.layout == Layout(dp=dp, pp=pp, tp=tp)
+    assert s.steps_completed == STEPS and s.recoveries == ()
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-5, f"{dp}x{pp}x{tp}: losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-5, f"{dp}x{pp}x{tp}: parameters differ by {diff.param_rel:.2e}"
     workers = run.workers()  # one result per TP group: member 0 reports for it
-    assert sorted(w["rank"] for w in workers) == list(range(dp * pp))
+    assert sorted(w.rank for w in workers) == list(range(dp * pp))
 
 
 @pytest.mark.timeout(300)
@@ -60,9 +61,9 @@ def test_a_killed_tp_member_takes_its_group_out_inside_the_step(runs_dir, tp_ref
     """Process 1 is TP member 1 of rank 0 (ranks: tp fastest, then dp, then pp)."""
     run = train(runs_dir / "tp_kill", *_layout(2, 2, 2), *JOB, "--fault", "kill:1@4:backward")
     check_recovered(run, tp_reference, world=4, failed=[[0]])
-    rec = run.summary["recoveries"][0]
-    assert rec["committed_step"] == 3 and rec["step"] == 4  # inside step 4, no restart
-    assert rec["plan"]["stages"][0]["ranks"] == [1]
+    rec = run.summary.recoveries[0]
+    assert rec.committed_step == 3 and rec.step == 4  # inside step 4, no restart
+    assert rec.plan.stages[0].ranks == (1,)
     # The killed member's record explains the exit; its partner was released, not failed.
     assert json.loads((run.out / "faults" / "rank1.json").read_text())["killed_at"] > 0
 
@@ -89,8 +90,8 @@ def test_a_hung_tp_member_is_fenced_with_its_group(runs_dir, tp_reference):
     group's collectives: the Core still sees the group silent (its most silent member)."""
     run = train(runs_dir / "tp_hang", *_layout(2, 2, 2), *JOB, "--fault", "hang:3@3:backward")
     s = run.summary
-    assert s["steps_completed"] == STEPS
-    assert [r["ranks"] for r in s["recoveries"]] == [[1]]
+    assert s.steps_completed == STEPS
+    assert [r.ranks for r in s.recoveries] == [(1,)]
     diff = compare_runs(run.out, tp_reference.out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
@@ -108,8 +109,8 @@ def test_a_tp_group_joins_after_a_loss(runs_dir, reference):
         "join@3",
     )
     s = run.summary
-    assert s["steps_completed"] == STEPS
-    assert [(r["kind"], r["ranks"]) for r in s["recoveries"]] == [("fail-stop", [2]), ("join", [4])]
+    assert s.steps_completed == STEPS
+    assert [(r.kind, r.ranks) for r in s.recoveries] == [("fail-stop", (2,)), ("join", (4,))]
     diff = compare_runs(run.out, reference(1, 1).out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
@@ -164,8 +165,8 @@ def test_elaswave_run_with_tp_recovers_inside_the_scripts_step(runs_dir, referen
     run = Run(runs_dir / "tp_script", proc)
     check_replay(run)
     s = run.summary
-    assert s["layout"] == {"dp": 2, "pp": 1, "tp": 2} and s["steps_completed"] == STEPS
-    assert [r["ranks"] for r in s["recoveries"]] == [[1]]
+    assert s.layout == Layout(dp=2, pp=1, tp=2) and s.steps_completed == STEPS
+    assert [r.ranks for r in s.recoveries] == [(1,)]
     diff = compare_runs(run.out, reference(1, 1).out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
@@ -179,10 +180,10 @@ def test_a_slow_tp_member_slows_its_group_and_is_rebalanced(runs_dir):
         runs_dir / "tp_slow", "--device", "emulated", *_layout(2, 2, 2), "--steps", "12",
         "--global-batch", "16", "--micro-batch", "2", "--fault", "slow:3=3@2",
     )  # fmt: skip
-    (rec,) = run.summary["recoveries"]
-    assert rec["kind"] == "fail-slow" and rec["ranks"] == [1]
-    first = rec["plan"]["stages"][0]
-    assert first["ranks"] == [0, 1] and first["sizes"][1] < first["sizes"][0]
+    (rec,) = run.summary.recoveries
+    assert rec.kind == "fail-slow" and rec.ranks == (1,)
+    first = rec.plan.stages[0]
+    assert first.ranks == (0, 1) and first.sizes[1] < first.sizes[0]
 
 
 @pytest.mark.long
@@ -191,7 +192,7 @@ def test_a_kill_in_bf16_with_tp_matches_the_bf16_run(runs_dir):
     bf16 = (*_layout(2, 2, 2), *JOB, "--precision", "bf16")
     ref = train(runs_dir / "tp_bf16_ref", *bf16)
     run = train(runs_dir / "tp_bf16_kill", *bf16, "--fault", "kill:6@3:forward")
-    assert [r["ranks"] for r in run.summary["recoveries"]] == [[3]]
+    assert [r.ranks for r in run.summary.recoveries] == [(3,)]
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-3 and diff.param_rel <= 1e-3, diff
 
@@ -212,7 +213,7 @@ def test_a_tp_group_whose_members_stopped_a_step_apart_recovers(runs_dir, refere
         "--fault", "kill:7@3:optimizer",
     )  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == STEPS
+    assert s.steps_completed == STEPS
     diff = compare_runs(run.out, reference(1, 1).out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
@@ -235,8 +236,8 @@ def test_a_loss_in_the_step_after_a_join_recovers(runs_dir):
         "--rebalance", "migrate+dvfs", "--fault", "join@3", "--fault", "kill:6@4:backward",
     )  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == 10
-    kinds = [(r["kind"], r["ranks"]) for r in s["recoveries"]]
+    assert s.steps_completed == 10
+    kinds = [(r.kind, r.ranks) for r in s.recoveries]
     assert kinds in ([("join", [2]), ("fail-stop", [1])], [("join", [1, 2])]), kinds
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
@@ -279,6 +280,6 @@ def test_two_slowed_members_of_one_group_do_not_stretch_each_others_waits(runs_d
         "--ranks-per-node", "4", "--rebalance", "none",
         "--fault", "slow:7=4@3", "--fault", "slow:6=3@3",
     )  # fmt: skip
-    times = run.summary["step_time_s"]
-    assert run.summary["steps_completed"] == 10
+    times = run.summary.step_time_s
+    assert run.summary.steps_completed == 10
     assert max(times[4:]) < 4 * max(times[3], 0.2), times  # no growth from step to step

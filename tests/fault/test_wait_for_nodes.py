@@ -34,11 +34,11 @@ def test_a_pipeline_short_of_a_rank_waits_for_a_joiner_and_matches_the_fault_fre
     run = train(runs_dir / "wait_join", *JOB, "--wait-for-nodes", "60",
                 "--fault", "kill:1@3:backward", "--fault", "join@5")  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == 10
-    (rec,) = s["recoveries"]
-    assert rec["kind"] == "fail-stop" and rec["ranks"] == [1]
-    assert [st["ranks"] for st in rec["plan"]["stages"]] == [[0], [2]]
-    assert 0 <= rec["waited_s"] < 60
+    assert s.steps_completed == 10
+    (rec,) = s.recoveries
+    assert rec.kind == "fail-stop" and rec.ranks == (1,)
+    assert [st.ranks for st in rec.plan.stages] == [(0,), (2,)]
+    assert 0 <= rec.waited_s < 60
     assert "core.waiting_for_nodes" in run.proc.stderr
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
@@ -53,12 +53,12 @@ def test_without_a_wait_the_survivor_runs_every_layer_and_matches_the_fault_free
     run = train(runs_dir / "shorter", *JOB, "--fault", "kill:1@3:backward",
                 "--fault", "join@6")  # fmt: skip
     s = run.summary
-    assert s["steps_completed"] == 10
-    shorten, join = s["recoveries"]
-    assert [st["ranks"] for st in shorten["plan"]["stages"]] == [[0]]
-    assert shorten["migration"]["mode"] == "blocking"
-    assert "the pipeline becomes 1 stages" in shorten["reason"]
-    assert join["kind"] == "join" and [st["ranks"] for st in join["plan"]["stages"]] == [[0, 2]]
+    assert s.steps_completed == 10
+    shorten, join = s.recoveries
+    assert [st.ranks for st in shorten.plan.stages] == [(0,)]
+    assert shorten.migration.decision.mode == "blocking"
+    assert "the pipeline becomes 1 stages" in shorten.reason
+    assert join.kind == "join" and [st.ranks for st in join.plan.stages] == [(0, 2)]
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
@@ -72,9 +72,9 @@ def test_a_three_stage_pipeline_left_with_two_ranks_is_re_pipelined(runs_dir):
            "--global-batch", "8", "--micro-batch", "2")  # fmt: skip
     twin = train(runs_dir / "pp3_ref", *job)
     run = train(runs_dir / "pp3_shorter", *job, "--fault", "kill:1@3:backward")
-    (rec,) = run.summary["recoveries"]
-    assert len(rec["plan"]["stages"]) < 3
-    assert sorted(r for st in rec["plan"]["stages"] for r in st["ranks"]) == [0, 2]
+    (rec,) = run.summary.recoveries
+    assert len(rec.plan.stages) < 3
+    assert sorted(r for st in rec.plan.stages for r in st.ranks) == [0, 2]
     diff = compare_runs(run.out, twin.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
@@ -100,8 +100,8 @@ def test_a_wait_that_runs_out_writes_a_checkpoint_from_memory_that_resumes_on_an
     resumed = train(runs_dir / "wait_out_resumed", "--resume", str(out), *JOB[:2], *layout,
                     *JOB[6:])  # fmt: skip
     s = resumed.summary
-    assert s["first_step"] == 4 and s["steps_completed"] == 10
-    assert loss_rel_diff(s["loss"], ref.summary["loss"][4:]) <= 1e-5
+    assert s.first_step == 4 and s.steps_completed == 10
+    assert loss_rel_diff(s.loss, ref.summary.loss[4:]) <= 1e-5
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
 
 

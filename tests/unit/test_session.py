@@ -165,7 +165,10 @@ async def test_callback_exception_is_logged_and_session_survives(
         raise RuntimeError(f"callback bug at step {event.step}")  # type: ignore[attr-defined]
 
     session.subscribe(broken, kinds=[EventKind.HEARTBEAT])
-    session.subscribe(lambda e: loop.call_soon_threadsafe(later.put_nowait, e))
+    # Heartbeats only: the peer's beacon (every 0.25 s) may come between the two.
+    session.subscribe(
+        lambda e: loop.call_soon_threadsafe(later.put_nowait, e), kinds=[EventKind.HEARTBEAT]
+    )
     with structlog.testing.capture_logs() as logs:
         await peer.publish(Heartbeat(sender="", rank=0, step=1))
         await peer.publish(Heartbeat(sender="", rank=0, step=2))

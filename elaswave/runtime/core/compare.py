@@ -6,13 +6,14 @@ same job run plainly. Relative parameter difference is max |a - b| over max |b|.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from elaswave import rundir
+from elaswave.runtime.job.results import read_summary
 
 Params = dict[int, dict[str, torch.Tensor]]
 
@@ -28,11 +29,7 @@ def load_params(run_dir: Path) -> Params:
     return dict(sorted(params.items()))
 
 
-def load_summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / rundir.SUMMARY).read_text())
-
-
-def loss_rel_diff(loss: list[float], ref: list[float]) -> float:
+def loss_rel_diff(loss: Sequence[float], ref: Sequence[float]) -> float:
     if len(loss) != len(ref):
         raise ValueError(f"runs have {len(loss)} and {len(ref)} steps")
     return max(abs(a - b) / abs(b) for a, b in zip(loss, ref, strict=True))
@@ -58,6 +55,6 @@ class Comparison:
 
 def compare_runs(run_dir: Path, ref_dir: Path) -> Comparison:
     return Comparison(
-        loss_rel=loss_rel_diff(load_summary(run_dir)["loss"], load_summary(ref_dir)["loss"]),
+        loss_rel=loss_rel_diff(read_summary(run_dir).loss, read_summary(ref_dir).loss),
         param_rel=param_rel_diff(load_params(run_dir), load_params(ref_dir)),
     )

@@ -35,7 +35,7 @@ from elaswave.comm.store import connect_store
 from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
 from elaswave.runtime.core.recorder import Core, CorePorts
-from elaswave.runtime.core.summary import build_summary, write_summary
+from elaswave.runtime.core.summary import build_summary
 from elaswave.runtime.core.supervisor import (
     JobFailed,
     Supervisor,
@@ -47,6 +47,7 @@ from elaswave.runtime.core.units import group_units, spawn_unit
 from elaswave.runtime.job.child import die_with_parent, exit_now
 from elaswave.runtime.job.config import JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, CoreLink
+from elaswave.runtime.job.results import write_summary
 
 log = structlog.get_logger(__name__)
 
@@ -174,8 +175,7 @@ def _summarise(
         cost_device=cfg.cost_device,
         tp=cfg.layout.tp,
     )
-    summary["core_incarnations"] = incarnation + 1
-    write_summary(run_dir, summary)
+    write_summary(run_dir, dataclasses.replace(summary, core_incarnations=incarnation + 1))
 
 
 def main(argv: list[str] | None = None) -> int:

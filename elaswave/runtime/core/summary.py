@@ -1,15 +1,11 @@
-"""RUN_DIR/summary.json: the contract that tests, benchmarks and users read.
-
-Later work extends it with new keys; existing keys are never renamed.
-"""
+"""Building a finished run's summary (:class:`~elaswave.runtime.job.results.Summary`,
+RUN_DIR/summary.json) from its workers' results, its parameters and its event log."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,9 +14,16 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepCompleted
 from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.plan import Plan
-from elaswave.engine.record import RecoveryRecord, record_to_json
+from elaswave.engine.record import RecoveryRecord
 from elaswave.engine.steptime import plan_step_time
 from elaswave.runtime.core.compare import load_params
+from elaswave.runtime.job.results import (
+    BusCounts,
+    Layout,
+    Summary,
+    WorkerResult,
+    read_worker_results,
+)
 
 
 def param_digest(params: dict[int, dict[str, torch.Tensor]]) -> str:
@@ -45,7 +48,7 @@ def build_summary(
     layers: Sequence[LayerCost] | None = None,
     cost_device: DeviceSpec | None = None,
     tp: int = 1,
-) -> dict[str, Any]:
+) -> Summary:
     """``recoveries``: the job's changes (summary.json's ``recoveries``,
     :func:`elaswave.engine.record.record_to_json`). ``bus``: the Core's delivery
     counters; the workers' are added from their results.
@@ -53,62 +56,72 @@ def build_summary(
     :attr:`~elaswave.runtime.job.config.JobConfig.layer_costs` and ``cost_device``), for
     ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without).
     ``tp``: the members of each of the plan's ranks (TP groups)."""
-    results = [json.loads(p.read_text()) for p in rundir.worker_results(run_dir)]
-    # Last-stage ranks know the loss of each step they ran in the last stage (a rank
-    # that changed stage, or joined, knows only some steps); the steps no surviving rank
-    # ran there come from the StepCompleted records of the event log (the latest for
-    # each step, which is the redone one after a recovery).
+    results = read_worker_results(run_dir)
+    logged = _logged_steps(run_dir)
+    first, losses = _losses(results, logged)
+    step_time = _step_times(results, logged, first, len(losses))
+    predicted = None
+    if layers is not None and cost_device is not None:
+        predicted = plan_step_time(plan, layers, cost_device).step_s
+    workers_bus = {
+        k: sum(r.bus.get(k, 0) for r in results)
+        for k in sorted({k for r in results for k in r.bus})
+    }
+    return Summary(
+        layout=Layout(dp=plan.stages[0].dp, pp=plan.pp, tp=tp),
+        global_batch=plan.global_batch,
+        steps_completed=first + len(losses),
+        loss=tuple(losses),
+        step_time_s=tuple(step_time),
+        samples_per_s=plan.global_batch * len(losses) / sum(step_time),
+        param_digest=param_digest(load_params(run_dir)),
+        events=num_events,
+        recoveries=tuple(recoveries),
+        device=device,
+        timing="emulated" if device == "emulated" else "measured",
+        first_step=first,
+        predicted_step_s=predicted,
+        bus=BusCounts(core=bus or {}, workers=workers_bus),
+    )
+
+
+def _losses(
+    results: Sequence[WorkerResult], logged: dict[int, StepCompleted]
+) -> tuple[int, list[float]]:
+    """The run's first step and the loss of every step it trained.
+
+    Last-stage ranks know the loss of each step they ran in the last stage (a rank that
+    changed stage, or joined, knows only some steps); the steps no surviving rank ran
+    there come from the StepCompleted records of the event log (the latest for each
+    step, which is the redone one after a recovery)."""
     by_step: dict[int, float] = {}
     for r in results:
-        if r["loss"] is not None:
-            at = r.get("loss_steps") or range(r["first_step"], r["first_step"] + len(r["loss"]))
-            by_step.update(zip(at, r["loss"], strict=True))
-    logged = _logged_steps(run_dir)
+        if r.loss is not None:
+            at = r.loss_steps or range(r.first_step, r.first_step + len(r.loss))
+            by_step.update(zip(at, r.loss, strict=True))
     first, last = min(by_step), max(by_step)
     while first - 1 in logged:
         first -= 1
     missing = [s for s in range(first, last + 1) if s not in by_step and s not in logged]
     if missing:
         raise ValueError(f"no rank and no event log record has the loss of steps {missing}")
-    losses = [by_step[s] if s in by_step else logged[s].loss for s in range(first, last + 1)]
-    trained = len(losses)  # steps this run trained (fewer when resumed)
-    # A step's time is its slowest rank's; a worker that joined mid-run records its
-    # step times from its own first step on.
+    return first, [by_step[s] if s in by_step else logged[s].loss for s in range(first, last + 1)]
+
+
+def _step_times(
+    results: Sequence[WorkerResult], logged: dict[int, StepCompleted], first: int, trained: int
+) -> list[float]:
+    """Each step's time: its slowest rank's (a worker that joined mid-run records its
+    step times from its own first step on); a step no surviving rank trained, the time
+    its last stage reported."""
     slowest: dict[int, float] = {}
     for r in results:
-        for step, seconds in enumerate(r["step_time_s"], start=r["first_step"]):
+        for step, seconds in enumerate(r.step_time_s, start=r.first_step):
             slowest[step] = max(slowest.get(step, 0.0), seconds)
-    # Steps no surviving rank trained: the time their last stage reported.
-    step_time = [
+    return [
         slowest[step] if step in slowest else logged[step].step_time_s
         for step in range(first, first + trained)
     ]
-    params = load_params(run_dir)
-    predicted = None
-    if layers is not None and cost_device is not None:
-        predicted = plan_step_time(plan, layers, cost_device).step_s
-    return {
-        "layout": {"dp": plan.stages[0].dp, "pp": plan.pp, "tp": tp},
-        "global_batch": plan.global_batch,
-        "steps_completed": first + trained,
-        "loss": losses,
-        "step_time_s": step_time,
-        "samples_per_s": plan.global_batch * trained / sum(step_time),
-        "param_digest": param_digest(params),
-        "events": num_events,
-        "recoveries": [record_to_json(r) for r in recoveries],
-        "device": device,
-        "timing": "emulated" if device == "emulated" else "measured",
-        "first_step": first,
-        "predicted_step_s": predicted,
-        "bus": {
-            "core": bus or {},
-            "workers": {
-                k: sum(r.get("bus", {}).get(k, 0) for r in results)
-                for k in sorted({k for r in results for k in r.get("bus", {})})
-            },
-        },
-    }
 
 
 def _logged_steps(run_dir: Path) -> dict[int, StepCompleted]:
@@ -121,7 +134,3 @@ def _logged_steps(run_dir: Path) -> dict[int, StepCompleted]:
         for record in read_event_log(path)
         if isinstance(record.event, StepCompleted)
     }
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2))

@@ -28,7 +28,7 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import Event, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
-from elaswave.engine.record import record_from_json
+from elaswave.engine.change import State, state_from_json
 from elaswave.fabric.checkpoint import latest_complete
 from elaswave.rundir import (
     CHECKPOINTS,
@@ -41,12 +41,11 @@ from elaswave.rundir import (
     LOGS,
     OUTPUTS,
     PROFILE,
-    SUMMARY,
     core_log,
     rank_log,
 )
 from elaswave.runtime.core.process import JOB_FAILED
-from elaswave.runtime.core.summary import build_summary, write_summary
+from elaswave.runtime.core.summary import build_summary
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, JobFailed, exit_text
 from elaswave.runtime.host.nodeagent import JOB_KEY, parse_endpoint
 from elaswave.runtime.host.nodes import RemoteNodes
@@ -55,6 +54,7 @@ from elaswave.runtime.host.tensorboard import ScalarLog
 from elaswave.runtime.host.zygote import ForkedProcess, Zygote
 from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, HostLink, LinkOp
+from elaswave.runtime.job.results import Summary, read_summary, write_summary
 
 log = structlog.get_logger(__name__)
 
@@ -152,21 +152,21 @@ class JobHost:
         finally:
             await self._stop_workers()
 
-    def _state(self) -> dict[str, Any] | None:
+    def _state(self) -> State | None:
         """The lost Core's persisted state; None when it had not started the job."""
         with contextlib.suppress(OSError, ValueError):
-            return json.loads((self.run_dir / CORE_STATE).read_text())
+            return state_from_json(json.loads((self.run_dir / CORE_STATE).read_text()))
         return None
 
-    def _all_finished(self, state: dict[str, Any]) -> bool:
+    def _all_finished(self, state: State) -> bool:
         """Every worker of the last plan exited cleanly: the training is done."""
-        ranks = [r for stage in state["plan"]["stages"] for r in stage["ranks"]]
+        ranks = state.plan.ranks
         tp = self.cfg.layout.tp  # a plan rank is its TP group's processes
         return bool(ranks) and all(
             self.codes.get(self.cfg.layout.physical(r, m)) == 0 for r in ranks for m in range(tp)
         )
 
-    def _summarise(self, state: dict[str, Any], lost: str) -> None:
+    def _summarise(self, state: State, lost: str) -> None:
         """Write the summary a Core would have, from the workers' results on disk."""
         log.warning("host.summarising", reason=f"{lost} after every worker had finished")
         summary = build_summary(
@@ -175,7 +175,7 @@ class JobHost:
             steps=self.cfg.schedule.steps,
             num_events=sum(1 for _ in read_event_log(self.run_dir / EVENT_LOG)),
             device=self.cfg.layout.device,
-            recoveries=[record_from_json(r) for r in state["recoveries"]],
+            recoveries=state.recoveries,
             layers=self.cfg.layer_costs,
             cost_device=self.cfg.cost_device,
             tp=self.cfg.layout.tp,
@@ -351,7 +351,7 @@ async def run_job(
     on_event: Callable[[Event], None] | None = None,
     zygote: Zygote | None = None,
     profile: LayerProfile | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """Train ``cfg`` with dp x pp local worker processes; return the summary.
 
     This process is the job host: it serves the store and owns the workers; the Core
@@ -391,4 +391,4 @@ async def run_job(
         await JobHost(cfg, run_dir, observe, zygote, store).run()
     finally:
         scalars.close()
-    return json.loads((run_dir / SUMMARY).read_text())
+    return read_summary(run_dir)

@@ -13,7 +13,6 @@ object.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import socket
 import time
@@ -37,6 +36,7 @@ from elaswave.comm.spec import CommError
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import layer_index
+from elaswave.runtime.job.results import Trace, WorkerResult, write_worker_result
 from elaswave.runtime.worker import executor
 from elaswave.runtime.worker.executor import Mailbox, PauseBox
 from elaswave.runtime.worker.heartbeat import HeartbeatSender
@@ -98,7 +98,7 @@ class StepLoop:
             self._started(*self.trainer.plan.locate(ctx.rank))
         self.step_times: dict[int, float] = {}
         self.losses: dict[int, float] = {}
-        self.traces: list[dict] = []
+        self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ckpt"
@@ -207,7 +207,7 @@ class StepLoop:
                 self._writer.submit(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
             )
         if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
-            self.traces.append({"step": step, "actions": result.trace})
+            self.traces.append(Trace(step=step, actions=tuple(result.trace)))
         if cfg.state.verify_snapshots:
             self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
         loss = outcome.loss
@@ -263,28 +263,27 @@ class StepLoop:
         if not self.ctx.leader:
             return  # member 0 reports for the TP group
         losses, times, digests = self.losses, self.step_times, self.optimizer_digests
-        result_doc = {
-            "rank": self.rank,
-            "stage": stage,
-            "replica": replica,
-            "step_time_s": [times[s] for s in sorted(times)],
-            "loss": [losses[s] for s in sorted(losses)] if losses else None,
-            "loss_steps": sorted(losses),
-            "traces": self.traces,
-            "optimizer_shard_numel": trainer.optimizer.state.numel(),
-            "stage_param_numel": sum(p.numel() for p in trainer.layers.parameters()),
-            "optimizer_digests": [digests[s] for s in sorted(digests)],
-            "snapshot_digests": {str(k.owner): k.digests() for k in trainer.keepers},
-            "generation": trainer.plan.generation,
-            "first_step": self.first_step,
-            "bus": self.session.client.delivery(),
-            "cpu_s": cpu_s,
-            "snapshot_cpu_s": sum(k.cpu_s for k in trainer.keepers)
-            + (trainer.optimizer.snapshot.cpu_s if trainer.optimizer.snapshot is not None else 0.0),
-        }
-        path = rundir.worker_result(run_dir, self.rank)
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(result_doc))
+        keepers, sender = trainer.keepers, trainer.optimizer.snapshot
+        result = WorkerResult(
+            rank=self.rank,
+            stage=stage,
+            replica=replica,
+            step_time_s=tuple(times[s] for s in sorted(times)),
+            loss=tuple(losses[s] for s in sorted(losses)) if losses else None,
+            loss_steps=tuple(sorted(losses)),
+            traces=tuple(self.traces),
+            optimizer_shard_numel=trainer.optimizer.state.numel(),
+            stage_param_numel=sum(p.numel() for p in trainer.layers.parameters()),
+            optimizer_digests=tuple(digests[s] for s in sorted(digests)),
+            snapshot_digests={k.owner: tuple(k.digests()) for k in keepers},
+            generation=trainer.plan.generation,
+            first_step=self.first_step,
+            bus=self.session.client.delivery(),
+            cpu_s=cpu_s,
+            snapshot_cpu_s=sum(k.cpu_s for k in keepers)
+            + (sender.cpu_s if sender is not None else 0.0),
+        )
+        write_worker_result(run_dir, result)
         self.session.publish(WorkerFinished(sender=self.sender, rank=self.rank, ok=True))
 
 

@@ -41,8 +41,9 @@ from elaswave.engine.replan import replan
 from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.job.inputs import announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
+from elaswave.runtime.worker.reconfigure import reconfigure
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
-from elaswave.runtime.worker.trainer import Trainer, WorkerContext, reconfigure
+from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
 log = structlog.get_logger(__name__)
 

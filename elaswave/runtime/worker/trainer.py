@@ -1,17 +1,14 @@
-"""What a worker trains with, and how a new plan turns one trainer into the next.
+"""What a worker trains with: a :class:`Trainer` and the parts it is built of.
 
 A :class:`Trainer` holds everything a plan change replaces: the plan, the rank's layer
 modules, the ZeRO optimizer shard, the snapshot sender and keepers, and the stage
 runner, all over the current generation of the worker's dynamic communicator.
-:func:`reconfigure` is the recovery executor for every kind of change: roll back to the
-committed step, edit the communicator (only the groups and links the change touched),
-move optimizer shards (live remap of failed ranks' shards, migrating layers), gather
-parameters, re-place snapshots, set the stage clock, and rebuild the runner.
+:mod:`elaswave.runtime.worker.reconfigure` turns one trainer into the next for every kind
+of change; this module builds the parts a trainer is made of.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -25,34 +22,21 @@ from torch import nn
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.dynamic import ChangeStats, DynamicCommunicator
-from elaswave.comm.links import pair
-from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
+from elaswave.comm.dynamic import DynamicCommunicator
+from elaswave.comm.spec import GroupSpec
 from elaswave.data.corpus import SampleLoader
-from elaswave.engine.change import Applied
-from elaswave.engine.migration import NONBLOCKING, Transition, plan_transition
 from elaswave.engine.plan import (
     Plan,
-    StagePlan,
     dp_group_name,
     snapshot_group_specs,
     snapshot_placement,
 )
-from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
-from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.placement import snapshot_link_name
-from elaswave.fabric.remap import (
-    FP32_BYTES,
-    STATE_TENSORS,
-    RemapPlan,
-)
-from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
-from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.rundir import step_dir
@@ -60,7 +44,7 @@ from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_initial_state, owner_layout
-from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
+from elaswave.runtime.worker.migration import ShadowStep
 from elaswave.runtime.worker.pipeline import StageRunner
 from elaswave.runtime.worker.tpgroup import TpLink
 
@@ -142,13 +126,13 @@ class Trainer:
             self.optimizer.snapshot.close()
 
 
-def _snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
+def snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     if not ctx.cfg.state.snapshots:
         return []
     return snapshot_group_specs(plan, ctx.cfg.layout.units_per_node)
 
 
-def _runner(
+def build_runner(
     ctx: WorkerContext,
     plan: Plan,
     comm: Communicator,
@@ -173,7 +157,7 @@ def _runner(
     )
 
 
-def _optimizer(
+def build_optimizer(
     ctx: WorkerContext,
     plan: Plan,
     comm: Communicator,
@@ -199,13 +183,13 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     links = DynamicCommunicator(
         ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort
     )
-    links.build(plan.group_specs() + _snapshot_specs(ctx, plan))
+    links.build(plan.group_specs() + snapshot_specs(ctx, plan))
     comm = links.comm
     layers = ctx.layers
     if ctx.cfg.state.resume_dir is None or ctx.cfg.state.resume_step is None:
-        optimizer = _optimizer(ctx, plan, comm, layers)
-        keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
-        runner = _runner(ctx, plan, comm, layers, optimizer)
+        optimizer = build_optimizer(ctx, plan, comm, layers)
+        keepers = attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
+        runner = build_runner(ctx, plan, comm, layers, optimizer)
         return Trainer(plan, links, optimizer, runner, layers, keepers)
     stage, replica = plan.locate(ctx.rank)
     loaded = load_layers(
@@ -218,7 +202,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
             for param in layer.parameters():
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
-    optimizer = _optimizer(ctx, plan, comm, layers, committed_step=ctx.cfg.state.resume_step)
+    optimizer = build_optimizer(ctx, plan, comm, layers, committed_step=ctx.cfg.state.resume_step)
     cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
     optimizer.state = cut(replica)
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
@@ -229,14 +213,14 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
         held = load_layers(ckpt, [item.layer for item in layout.layers])
         initial[owner] = shard_of_layers(layout, owner_replica, held)
         initial[owner].decay_mask = owner_decay_mask(ctx.cfg, plan, owner)
-    keepers = _attach_snapshots(
+    keepers = attach_snapshots(
         ctx, plan, comm, optimizer, step=ctx.cfg.state.resume_step, initial=initial
     )
-    runner = _runner(ctx, plan, comm, layers, optimizer)
+    runner = build_runner(ctx, plan, comm, layers, optimizer)
     return Trainer(plan, links, optimizer, runner, layers, keepers)
 
 
-def _attach_snapshots(
+def attach_snapshots(
     ctx: WorkerContext,
     plan: Plan,
     comm: Communicator,
@@ -278,319 +262,3 @@ def _attach_snapshots(
         keeper.start()
         keepers.append(keeper)
     return keepers
-
-
-def _exchange_snapshot_states(
-    ctx: WorkerContext,
-    plan: Plan,
-    comm: Communicator,
-    optimizer: ZeroAdamW,
-    step: int,
-) -> dict[int, ShardState]:
-    """Owners send their full committed shard to their (new) holders."""
-    placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
-    tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
-    pending = None
-    holder = placement.holder.get(ctx.rank)
-    if holder is not None:
-        s = optimizer.state
-        payload = torch.stack([s.master, s.exp_avg, s.exp_avg_sq]).contiguous()
-        group = comm.p2p(snapshot_link_name(ctx.rank, holder))
-        pending = (group, group.isend(payload, holder, tag), payload)
-    received = {}
-    for owner in placement.holds(ctx.rank):
-        layout, _ = owner_layout(ctx.cfg, plan, owner)
-        buf = torch.empty(3, layout.shard_numel)
-        comm.p2p(snapshot_link_name(owner, ctx.rank)).recv(buf, owner, tag)
-        received[owner] = ShardState(
-            buf[0].clone(), buf[1].clone(), buf[2].clone(), owner_decay_mask(ctx.cfg, plan, owner)
-        )
-    if pending is not None:
-        pending[0].wait_send(pending[1])
-    return received
-
-
-def _resume(
-    ctx: WorkerContext,
-    plan: Plan,
-    links: DynamicCommunicator,
-    layers: nn.ModuleList,
-    optimizer: ZeroAdamW,
-    committed_step: int,
-    shadow: ShadowStep | None = None,
-) -> Trainer:
-    """The last phase of every change: snapshots re-placed from the owners' committed
-    shards, the stage's clock set (DVFS), and a runner for the plan (which runs the
-    transition step of a non-blocking migration, if any)."""
-    comm = links.comm
-    initial = _exchange_snapshot_states(ctx, plan, comm, optimizer, committed_step)
-    keepers = _attach_snapshots(ctx, plan, comm, optimizer, step=committed_step, initial=initial)
-    if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
-        stage, _ = plan.locate(ctx.rank)
-        ctx.pacer.frequency.set_mhz(0, plan.stages[stage].mhz or ctx.cfg.cost_device.base_mhz)
-    runner = _runner(ctx, plan, comm, layers, optimizer, shadow)
-    return Trainer(plan, links, optimizer, runner, layers, keepers)
-
-
-def _bytes_received(moves: RemapPlan, rank: int) -> int:
-    """Optimizer-state bytes ``rank`` receives from other ranks under ``moves``."""
-    numel = sum(t.numel for t in moves.transfers if t.dst == rank and t.src != rank)
-    return numel * STATE_TENSORS * FP32_BYTES
-
-
-def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> nn.ModuleList:
-    """This rank's layer modules for ``layer_ids``: kept ones as they are, new ones built
-    (their parameters arrive through the optimizer's all-gather)."""
-    have = {layer_index(layer): layer for layer in held}
-    return nn.ModuleList(
-        have[i]
-        if i in have
-        else pipeline_model(ctx.cfg.model)
-        .build_layer(i, seed=ctx.cfg.schedule.seed, tp=ctx.tp_shard)
-        .to(ctx.device)
-        for i in layer_ids
-    )
-
-
-def reconfigure(
-    ctx: WorkerContext,
-    old: Trainer | None,
-    base: Plan,
-    new_plan: Plan,
-    failed: set[int],
-    committed_step: int,
-    *,
-    rebuild: set[str],
-    migration: str,
-) -> tuple[Trainer, Applied]:
-    """The recovery executor: apply ``new_plan`` on this rank, which trains under ``base``
-    (``old``), or joins the job (``old`` is None: an empty trainer, no groups, no layers,
-    no optimizer state).
-
-    One pass for any change of plan: ranks that failed (their shards rebuilt from host
-    snapshots), ranks that join (their shards sent by the owners), micro-batch resizing,
-    layers migrating between stages (their optimizer state moves as D disjoint shard
-    sends under the interleaved layout) and stage clocks (DVFS). Roll back to
-    ``committed_step``, edit the communicator (a joiner builds its groups), move
-    optimizer state, gather parameters, re-place snapshots, set the clock, and rebuild
-    the runner. Returns the new trainer and the phase times (and bytes moved), as the
-    rank reports them in its RecoveryDone.
-
-    Migrating layers' parameters move *blocking* (gathered from the moved optimizer
-    state before resuming) or *non-blocking* (streamed during the transition step while
-    the source computes a shadow for the early micro-batches, see
-    :mod:`elaswave.engine.migration`): ``migration``, the mode the Core decided and
-    announced (:func:`elaswave.runtime.job.inputs.decide_migration`).
-    """
-    a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
-                committed_step=committed_step)  # fmt: skip
-    host_states = _roll_back(a)
-    t0 = time.perf_counter()
-    moves, transition = _plan_moves(a, migration)
-    links, change = _edit_communicator(a, moves, transition, rebuild)
-    t1 = time.perf_counter()
-    held = old.layers if old is not None else nn.ModuleList()
-    layers = _stage_layers(ctx, held, a.stage.layers)
-    shadow = _start_shadow(a, transition, held, layers, links.comm)
-    optimizer, bytes_sent = _move_optimizer_state(a, moves, host_states, layers, links.comm, t1)
-    t_params = time.perf_counter()
-    _gather_params(a, optimizer, shadow, held, t_params)
-    t2 = time.perf_counter()
-    trainer = _resume(ctx, new_plan, links, layers, optimizer, committed_step, shadow)
-    t3 = time.perf_counter()
-    log.info(
-        "recovery.applied",
-        generation=new_plan.generation,
-        committed_step=committed_step,
-        joined=old is None,
-        reused_groups=change.groups_reused,
-        created_groups=change.groups_created,
-        created_links=change.links_created,
-        bytes_sent=bytes_sent,
-        migration=migration,
-    )
-    applied = Applied(comm_s=t1 - t0, remap_s=t2 - t1, resume_s=t3 - t2,
-                      bytes_sent=bytes_sent, params_s=t2 - t_params)  # fmt: skip
-    return trainer, applied
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Change:
-    """One plan change on this rank: what every phase of :func:`reconfigure` reads."""
-
-    ctx: WorkerContext
-    old: Trainer | None
-    """The trainer under ``base``; None: this rank joins."""
-    base: Plan
-    new: Plan
-    failed: frozenset[int]
-    committed_step: int
-
-    @property
-    def stage_index(self) -> int:
-        return self.new.locate(self.ctx.rank)[0]
-
-    @property
-    def stage(self) -> StagePlan:
-        """This rank's stage under the new plan."""
-        return self.new.stages[self.stage_index]
-
-
-def _roll_back(a: _Change) -> dict[int, ShardState]:
-    """Roll the optimizer back to the committed step; return the host snapshots this rank
-    holds of failed owners, at that step."""
-    if a.old is None:
-        return {}
-    timeout = a.ctx.cfg.liveness.comm_timeout_s
-    held = {
-        k.owner: k.take(a.committed_step, timeout) for k in a.old.keepers if k.owner in a.failed
-    }
-    a.old.close_snapshots()
-    a.old.optimizer.rollback(a.committed_step)
-    return held
-
-
-def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | None]:
-    """Which optimizer shards move, and the transition step of a non-blocking migration."""
-    cfg = a.ctx.cfg
-    moves = plan_state_moves(
-        a.base,
-        a.new,
-        a.failed,
-        numels=a.ctx.numels,
-        ranks_per_node=cfg.layout.units_per_node,
-        snapshots=cfg.state.snapshots,
-    )
-    if migration != NONBLOCKING:
-        return moves, None
-    transition = plan_transition(
-        a.base, a.new, layers=cfg.layer_costs, device=cfg.cost_device,
-        early=cfg.elastic.migration_early,
-    )  # fmt: skip
-    if transition is None or a.old is None:
-        raise RuntimeError(
-            f"the plan of generation {a.new.generation} migrates layers non-blocking, "
-            "but this rank finds no transition (or joins): planners disagree"
-        )
-    return moves, transition
-
-
-def _edit_communicator(
-    a: _Change, moves: RemapPlan, transition: Transition | None, rebuild: set[str]
-) -> tuple[DynamicCommunicator, ChangeStats]:
-    """The new plan's groups and the links the moves need: edited in place (only what the
-    change touched), or built by a joiner."""
-    ctx = a.ctx
-    pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
-    if transition is not None:
-        pairs |= migration_pairs(transition)
-    specs = a.new.group_specs() + _snapshot_specs(ctx, a.new)
-    specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
-    if a.old is None:
-        links = DynamicCommunicator(
-            ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
-            generation=a.new.generation, abort=ctx.abort,
-        )  # fmt: skip
-        return links, links.build(specs)
-    links = a.old.links
-    change = links.apply(
-        specs,
-        removed=a.failed,
-        generation=a.new.generation,
-        rebuild=lambda spec: spec.name in rebuild,
-    )
-    return links, change
-
-
-def _start_shadow(
-    a: _Change,
-    transition: Transition | None,
-    held: nn.ModuleList,
-    layers: nn.ModuleList,
-    comm: Communicator,
-) -> ShadowStep | None:
-    """A non-blocking migration's transition step: outgoing layers keep computing as
-    shadows while their parameters stream to the targets (started now, so the streams
-    overlap the rest of the recovery and the step)."""
-    if transition is None or a.old is None:
-        return None
-    have = {layer_index(layer): layer for layer in held}
-    outgoing = [i for i in a.base.stages[a.stage_index].layers if i not in a.stage.layers]
-    shadow = ShadowStep(
-        transition=transition,
-        rank=a.ctx.rank,
-        step=a.committed_step + 1,
-        old_plan=a.base,
-        new_plan=a.new,
-        modules={layer_index(layer): layer for layer in layers},
-        shadows={i: have[i] for i in outgoing},
-        comm=comm,
-        pacer=a.ctx.pacer,
-        timeout_s=a.ctx.cfg.liveness.comm_timeout_s,
-    )
-    shadow.start()
-    return shadow
-
-
-def _move_optimizer_state(
-    a: _Change,
-    moves: RemapPlan,
-    host_states: dict[int, ShardState],
-    layers: nn.ModuleList,
-    comm: Communicator,
-    started: float,
-) -> tuple[ZeroAdamW, int]:
-    """Live remap: the optimizer shards this rank's stage needs under the new plan, from
-    their owners or from host snapshots of failed owners; returns the new optimizer and
-    the bytes this rank sent. Every survivor runs it: a rank whose stage does not change
-    may still be a source."""
-    ctx, old = a.ctx, a.old
-    old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
-    moved_in = a.stage_index in changed_stages(a.base, a.new)
-    new_layout = (
-        InterleavedLayout.build([(i, ctx.numels[i]) for i in a.stage.layers], a.stage.dp)
-        if moved_in
-        else old_layout
-    )
-    result = execute_remap(
-        moves,
-        rank=ctx.rank,
-        old_layout=old_layout,
-        new_layout=new_layout,
-        device_state=old.optimizer.state if old is not None else None,
-        host_states=host_states,
-        host_layouts={o: owner_layout(ctx.cfg, a.base, o)[0] for o in host_states},
-        link=lambda x, y: comm.p2p(remap_link_name(x, y)),
-        generation=a.new.generation,
-        step=a.committed_step,
-    )
-    if moved_in:
-        state = result.state
-    else:
-        assert old is not None  # a joiner's stage gains it
-        state = old.optimizer.state
-    optimizer = _optimizer(ctx, a.new, comm, layers, state=state, committed_step=a.committed_step)
-    # Modelled time of this rank's optimizer-state moves (the emulated device only).
-    ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), started)
-    return optimizer, result.bytes_sent
-
-
-def _gather_params(
-    a: _Change,
-    optimizer: ZeroAdamW,
-    shadow: ShadowStep | None,
-    held: nn.ModuleList,
-    started: float,
-) -> None:
-    """Every replica's parameters at the committed step: all-gathered from the moved
-    optimizer state, or, under a non-blocking migration, kept for the layers that stay
-    and streamed in for the incoming ones (the step waits for them)."""
-    c = a.committed_step
-    if shadow is not None:
-        optimizer.params_step = None if shadow.waiting else c
-        shadow.on_ready = partial(setattr, optimizer, "params_step", c)
-        return
-    optimizer.all_gather_params()
-    kept = {layer_index(layer) for layer in held}
-    incoming = [i for i in a.stage.layers if i not in kept]
-    a.ctx.pacer.transfer(sum(a.ctx.numels[i] * FP32_BYTES for i in incoming), started)

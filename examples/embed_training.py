@@ -31,6 +31,15 @@ from elaswave.bus.schema import (
 from elaswave.bus.session import Session
 
 STEPS = 8
+_PRINTING = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print one whole line: the callback (the session's thread), the dashboard (its own
+    loop's thread) and the training loop print concurrently, and ``print`` writes a
+    line's text and its newline apart."""
+    with _PRINTING:
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -46,10 +55,10 @@ def main() -> None:
 
         def on_recovery(event) -> None:
             if event.KIND is EventKind.RECOVERY_STARTED:
-                print(f"[callback] recovery started at step {event.step}: {event.reason}")
+                say(f"[callback] recovery started at step {event.step}: {event.reason}")
                 resume.clear()
             else:
-                print(f"[callback] recovery finished, MTTR {event.mttr_s:.2f} s")
+                say(f"[callback] recovery finished, MTTR {event.mttr_s:.2f} s")
                 resume.set()
 
         trainer.subscribe(
@@ -62,7 +71,7 @@ def main() -> None:
         async def dashboard() -> None:
             async for event in trainer.events(kinds=[EventKind.STEP_COMPLETED]):
                 seen.append(event.step)
-                print(f"[dashboard] step {event.step} loss {event.loss:.4f}")
+                say(f"[dashboard] step {event.step} loss {event.loss:.4f}")
 
         trainer.start()
         operator.start()
@@ -112,7 +121,7 @@ def main() -> None:
         operator.close()
         trainer.close()  # ends the dashboard's async iterator
         watcher.join(timeout=5)
-        print(f"trained {STEPS} steps; dashboard saw steps {seen}")
+        say(f"trained {STEPS} steps; dashboard saw steps {seen}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elaswave.bus.schema import RecoveryKind, RecoveryPlan
+from elaswave.bus.schema import CORE_SENDER, RecoveryKind, RecoveryPlan
 from elaswave.engine.migration import MigrationMode
 from elaswave.engine.rebalance import Policy
 from elaswave.engine.recovery import Rebalancing
@@ -60,7 +60,7 @@ def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
     """The Core's RecoveryPlan carrying ``inputs`` and ``outcome``."""
     slow = sorted(inputs.slowdowns)
     return RecoveryPlan(
-        sender="core",
+        sender=CORE_SENDER,
         generation=outcome.generation,
         failed=list(inputs.failed),
         committed_step=outcome.committed_step,

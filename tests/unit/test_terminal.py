@@ -22,7 +22,8 @@ from elaswave.bus.schema import (
 )
 from elaswave.cli import terminal
 from elaswave.cli.terminal import Progress, change_line, layout_text, log_line
-from elaswave.engine.plan import Plan, StagePlan, plan_to_dict
+from elaswave.engine.change import initial_state, state_to_json
+from elaswave.engine.plan import Plan, StagePlan
 
 
 class _Stream(io.StringIO):
@@ -64,7 +65,7 @@ def _fresh_screen(monkeypatch):
 
 
 def test_on_a_terminal_a_recovery_gets_its_own_lines_off_the_progress_line(tmp_path):
-    (tmp_path / "core_state.json").write_text(json.dumps({"plan": plan_to_dict(_plan())}))
+    (tmp_path / "core_state.json").write_text(json.dumps(state_to_json(initial_state(_plan()))))
     out = _Stream(tty=True)
     progress = Progress(8, run_dir=tmp_path, stream=out)
     for event in (_step(5), KILL, _step(6), RECOVERED, _step(7)):
@@ -99,7 +100,7 @@ def test_a_stopped_job_ends_the_progress_line_for_the_cli_to_say_why():
 
 
 def test_the_layout_is_left_out_when_the_core_holds_another_generation(tmp_path):
-    (tmp_path / "core_state.json").write_text(json.dumps({"plan": plan_to_dict(_plan(2))}))
+    (tmp_path / "core_state.json").write_text(json.dumps(state_to_json(initial_state(_plan(2)))))
     out = _Stream(tty=True)
     Progress(8, run_dir=tmp_path, stream=out)(RECOVERED)
     assert out.getvalue() == "elaswave: step 6: recovered rank 1 in 235 ms\n"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from elaswave.bus.schema import PlanCommit
+from elaswave.bus.schema import CORE_SENDER, PlanCommit
 from elaswave.engine.actions import Action, Kill, Note, Publish, Stopped
 from elaswave.engine.change import Agreeing, Applying, Change, State
 from elaswave.engine.inputs import Acked, Exited, Input, Restarted, StepDone
@@ -110,7 +110,10 @@ def _acked(
     out.append(
         Publish(
             PlanCommit(
-                sender="core", generation=c.generation + 1, plan_digest=p.digest, attempt=p.attempt
+                sender=CORE_SENDER,
+                generation=c.generation + 1,
+                plan_digest=p.digest,
+                attempt=p.attempt,
             )
         )
     )

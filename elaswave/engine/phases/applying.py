@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.bus.schema import PlanCommit
+from elaswave.bus.schema import CORE_SENDER, PlanCommit
 from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Applied, Applying, Change, Finishing, State
 from elaswave.engine.dataflow import resize_after_failure
@@ -57,7 +57,7 @@ def take(
             out.append(
                 Publish(
                     PlanCommit(
-                        sender="core",
+                        sender=CORE_SENDER,
                         generation=c.generation + 1,
                         plan_digest=p.digest,
                         attempt=p.attempt,

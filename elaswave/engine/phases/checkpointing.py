@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from elaswave.bus.schema import CheckpointRequest
+from elaswave.bus.schema import CORE_SENDER, CheckpointRequest
 from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Change, Checkpointing, State, Waiting
 from elaswave.engine.inputs import Checkpointed, Exited, Input, Restarted
@@ -116,7 +116,7 @@ def _written(r: Rules, s: State, c: Change, p: Checkpointing, rank: int) -> Stat
 def _request(c: Change, step: int, writers: Mapping[int, int]) -> CheckpointRequest:
     owners = sorted(writers)
     return CheckpointRequest(
-        sender="core",
+        sender=CORE_SENDER,
         generation=c.generation + 1,
         step=step,
         owners=owners,

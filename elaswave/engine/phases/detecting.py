@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from elaswave.bus.schema import RecoveryKind, StragglerDetected
+from elaswave.bus.schema import CORE_SENDER, RecoveryKind, StragglerDetected
 from elaswave.engine.actions import Action, Note, Publish, SharePlan, Stopped
 from elaswave.engine.change import Change, Detecting, State
 from elaswave.engine.inputs import Exited, Input, Straggling
@@ -104,7 +104,7 @@ def _straggling(r: Rules, s: State, e: Straggling, now: float, out: list[Action]
     out.append(
         Publish(
             StragglerDetected(
-                sender="core",
+                sender=CORE_SENDER,
                 generation=s.plan.generation,
                 step=e.step,
                 ranks=ranks,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.bus.schema import RecoveryFinished
+from elaswave.bus.schema import CORE_SENDER, RecoveryFinished
 from elaswave.engine.actions import Action, Publish
 from elaswave.engine.change import State
 from elaswave.engine.record import RecoveryRecord, Streamed
@@ -55,7 +55,7 @@ def finish(r: Rules, s: State, now: float, out: list[Action]) -> State:
         out.append(
             Publish(
                 RecoveryFinished(
-                    sender="core",
+                    sender=CORE_SENDER,
                     generation=f.generation,
                     step=f.redo,
                     kind=str(record.kind),

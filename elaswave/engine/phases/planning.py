@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
-from elaswave.bus.schema import RecoveryKind, RecoveryStarted, WaitingForNodes
+from elaswave.bus.schema import CORE_SENDER, RecoveryKind, RecoveryStarted, WaitingForNodes
 from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Agreeing, Change, State, Waiting
 from elaswave.engine.migration import MigrationDecision, decide_migration
@@ -157,7 +157,7 @@ def _started(
     out.append(
         Publish(
             RecoveryStarted(
-                sender="core",
+                sender=CORE_SENDER,
                 generation=c.generation + 1,
                 step=decision.committed_step + 1,
                 kind=c.kind,
@@ -212,7 +212,7 @@ def wait_for_nodes(
     out.append(
         Publish(
             WaitingForNodes(
-                sender="core",
+                sender=CORE_SENDER,
                 generation=c.generation + 1,
                 needed=exc.needed,
                 wait_s=r.wait_for_nodes_s,

@@ -26,7 +26,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elaswave.bus.schema import FailureDetected, PauseRequest, RecoveryKind
+from elaswave.bus.schema import CORE_SENDER, FailureDetected, PauseRequest, RecoveryKind
 from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Change, Detecting, State, Stopping
 from elaswave.engine.inputs import Exited, Input, Ready, Restarted
@@ -235,7 +235,7 @@ def pause_request(c: Change, p: Stopping) -> PauseRequest:
     """The announcement of a pause (a join or a rebalance)."""
     assert p.after_step is not None
     return PauseRequest(
-        sender="core", generation=c.generation, after_step=p.after_step, reason=c.detail
+        sender=CORE_SENDER, generation=c.generation, after_step=p.after_step, reason=c.detail
     )
 
 
@@ -258,7 +258,7 @@ def announce_failures(
         out.append(
             Publish(
                 FailureDetected(
-                    sender="core",
+                    sender=CORE_SENDER,
                     generation=a.generation,
                     ranks=list(a.ranks),
                     source="process-exit",

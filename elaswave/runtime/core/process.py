@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from elaswave import logs
-from elaswave.bus.schema import RunFinished, RunStarted
+from elaswave.bus.schema import CORE_SENDER, RunFinished, RunStarted
 from elaswave.comm.store import connect_store
 from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
@@ -110,7 +110,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         finally:
             await core.publish(
                 RunFinished(
-                    sender="core",
+                    sender=CORE_SENDER,
                     steps_completed=cfg.schedule.steps if ok else 0,
                     ok=ok,
                     reason=reason,
@@ -140,7 +140,7 @@ async def _start_job(
     await link.observe()
     await core.publish(
         RunStarted(
-            sender="core",
+            sender=CORE_SENDER,
             run_id=spec.run_id,
             world_size=lay.num_ranks,
             dp=lay.dp,

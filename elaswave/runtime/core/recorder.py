@@ -37,6 +37,7 @@ from elaswave.bus.keys import BusKeys
 from elaswave.bus.logservice import LogIndex, LogService
 from elaswave.bus.reliable import BusFaults
 from elaswave.bus.schema import (
+    CORE_SENDER,
     Event,
     FailureDetected,
     Heartbeat,
@@ -170,7 +171,7 @@ class Core:
         self.broker.start()
         self.log_service.start()
         self._client = BusClient(
-            "core",
+            CORE_SENDER,
             self.broker.publish_endpoint,
             self.broker.subscribe_endpoint,
             keys=self.keys,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from elaswave.bus.eventlog import LogRecord, format_record, read_event_log
 from elaswave.bus.schema import (
+    CORE_SENDER,
     FailureDetected,
     PauseRequest,
     PlanCommit,
@@ -45,9 +46,6 @@ from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import EVENT_LOG, JOB
 from elaswave.runtime.job.config import JobConfig, JobSpec
 from elaswave.runtime.job.inputs import announced_rebalancing, decide_migration
-
-CORE = "core"
-"""The sender name of the Core, the only process that announces plans."""
 
 _CAUSES = (FailureDetected, StragglerDetected, ScaleRequest, PauseRequest)
 """Events that start a recovery: the divergence report names the latest one."""
@@ -129,13 +127,13 @@ def replay_run(run_dir: Path) -> ReplayResult:
             ready.setdefault(event.generation, {})[event.rank] = event
         elif isinstance(event, _CAUSES):
             cause = record
-        elif isinstance(event, PlanCommit) and event.sender == CORE:
+        elif isinstance(event, PlanCommit) and event.sender == CORE_SENDER:
             key = (event.generation, event.attempt)
             if key in attempts:
                 settled[event.generation] = attempts[key]
                 floors[event.generation] = announced[key]
                 committed.add(event.generation)
-        elif isinstance(event, RecoveryPlan) and event.sender != CORE:
+        elif isinstance(event, RecoveryPlan) and event.sender != CORE_SENDER:
             ignored.append(format_record(record))  # only the Core announces plans
         elif isinstance(event, RecoveryPlan) and (event.generation, event.attempt) not in attempts:
             base = settled.get(event.generation - 1)

@@ -24,12 +24,11 @@ from collections.abc import Callable
 import structlog
 import torch.distributed as dist
 
-from elaswave.bus.schema import Event
+from elaswave.bus.schema import CORE_SENDER, Event
 
 log = structlog.get_logger(__name__)
 
 OUTAGE_KEY = "core/outage"
-CORE = "core"
 
 
 class CoreWatch:
@@ -47,7 +46,7 @@ class CoreWatch:
 
     def heard(self, event: Event) -> None:
         """On the bus thread, for every event: note the Core's."""
-        if event.sender == CORE:
+        if event.sender == CORE_SENDER:
             with self._lock:
                 self._last = time.monotonic()
 

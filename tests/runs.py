@@ -72,7 +72,7 @@ def check_replay(run: Run) -> None:
     # One committed plan per recovery, after the announcements it superseded.
     recoveries = run.summary.recoveries
     assert [(p.generation, p.attempt) for p in result.plans] == [
-        (r.generation, attempt) for r in recoveries for attempt in range(r.get("superseded", 0) + 1)
+        (r.generation, attempt) for r in recoveries for attempt in range(r.superseded + 1)
     ], result.plans
 
 

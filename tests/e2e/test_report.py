@@ -47,7 +47,7 @@ def test_report_of_a_fail_stop_with_migration(faulted):
         f"step 3: fail-stop ranks [1]: layers [0,3) [3,6) → {after}; dp 2 2 → 1 2 "
         "(shrink + resize + migrate; "
     ), lines[2]
-    assert f"{rec['bytes_moved']} bytes moved" in lines[2]
+    assert f"{rec.bytes_moved} bytes moved" in lines[2]
     assert lines[3:] == [f"elaswave: wrote {faulted.out / 'report.png'}"]
     assert png.text["Description"] == "\n".join(lines[:3])
 

@@ -23,7 +23,7 @@ cfg = JobConfig(
     layout=LayoutConfig(dp=1, pp=2), schedule=ScheduleConfig(steps=3, global_batch=8, micro_batch=2)
 )
 summary = uvloop.run(run_job(cfg, Path(sys.argv[1]), on_event=lambda e: kinds.append(e.KIND)))
-print(summary["steps_completed"], summary["core_incarnations"], kinds.count("step_completed"))
+print(summary.steps_completed, summary.core_incarnations, kinds.count("step_completed"))
 """
 
 

@@ -39,11 +39,10 @@ from elaswave.runtime.core.summary import build_summary
 from elaswave.runtime.core.supervisor import (
     JobFailed,
     Supervisor,
-    WorkerProcess,
     fault_point,
     load_state,
 )
-from elaswave.runtime.core.units import group_units, spawn_unit
+from elaswave.runtime.core.units import WorkerProcess, group_units, spawn_unit
 from elaswave.runtime.job.child import die_with_parent, exit_now
 from elaswave.runtime.job.config import JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, CoreLink

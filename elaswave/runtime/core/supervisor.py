@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from elaswave.rundir import CORE_STATE
 from elaswave.runtime.core.observe import exited, to_input
 from elaswave.runtime.core.recorder import Core, ProtocolEvents
 from elaswave.runtime.core.slowwatch import StragglerWatch
+from elaswave.runtime.core.units import WorkerProcess
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
 
@@ -52,7 +53,6 @@ __all__ = [
     "CORE_FAULT_ENV",
     "JobFailed",
     "Supervisor",
-    "WorkerProcess",
     "exit_text",
     "fault_point",
     "load_state",
@@ -73,25 +73,6 @@ class JobFailed(RuntimeError):
 
 class _Over(Exception):
     """Every worker has exited: end the watchers."""
-
-
-class WorkerProcess(Protocol):
-    """A worker as the Core handles it: an ``asyncio.subprocess.Process``, the host
-    link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`, or a TP group's
-    :class:`~elaswave.runtime.core.units.UnitHandle` (which also names the member whose
-    exit ended it, ``exited_member``)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-    def kill(self) -> None: ...
-
-    def terminate(self) -> None: ...
 
 
 def load_state(path: Path) -> State:

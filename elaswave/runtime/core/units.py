@@ -14,14 +14,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Protocol
+
+
+class WorkerProcess(Protocol):
+    """A worker as the Core handles it: an ``asyncio.subprocess.Process``, the host
+    link's :class:`~elaswave.runtime.job.hostlink.WorkerHandle`, or a TP group's
+    :class:`~elaswave.runtime.core.units.UnitHandle` (which also names the member whose
+    exit ended it, ``exited_member``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def send_signal(self, signum: int) -> None: ...
 
 
 class UnitHandle:
     """Plan rank ``rank``'s TP group as one process (``pid``, ``returncode``, ``wait``,
     ``kill``, ``terminate``, ``send_signal``, like its members' handles)."""
 
-    def __init__(self, rank: int, members: Sequence[Any], first: int) -> None:
+    def __init__(self, rank: int, members: Sequence[WorkerProcess], first: int) -> None:
         """``members``: the processes of ranks ``first``, ``first + 1``, ...."""
         self.rank = rank
         self.members = list(members)
@@ -86,7 +107,9 @@ class UnitHandle:
                     member.terminate()
 
 
-async def spawn_unit(spawn: Callable[[int], Awaitable[Any]], rank: int, tp: int) -> Any:
+async def spawn_unit(
+    spawn: Callable[[int], Awaitable[WorkerProcess]], rank: int, tp: int
+) -> WorkerProcess:
     """Start plan rank ``rank``: its one process, or its TP group's ``tp``."""
     if tp == 1:
         return await spawn(rank)
@@ -94,14 +117,14 @@ async def spawn_unit(spawn: Callable[[int], Awaitable[Any]], rank: int, tp: int)
     return UnitHandle(rank, members, rank * tp)
 
 
-def group_units(procs: Mapping[int, Any], tp: int) -> dict[int, Any]:
+def group_units(procs: Mapping[int, WorkerProcess], tp: int) -> dict[int, WorkerProcess]:
     """Process handles by process rank as the Core sees them: by plan rank."""
     if tp == 1:
         return dict(procs)
-    units: dict[int, list[tuple[int, Any]]] = {}
+    units: dict[int, list[tuple[int, WorkerProcess]]] = {}
     for process, proc in procs.items():
         units.setdefault(process // tp, []).append((process, proc))
-    out = {}
+    out: dict[int, WorkerProcess] = {}
     for rank, members in units.items():
         members.sort(key=lambda m: m[0])
         if [p for p, _ in members] != [rank * tp + m for m in range(tp)]:

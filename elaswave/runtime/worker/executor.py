@@ -3,7 +3,7 @@ on the Core's plan (check its digest, acknowledge, wait for the commit, follow a
 superseding announcement), take its generation, apply it and report it done.
 
 A recovery (:func:`recover`) and a join (:func:`join`) are the same change: a joiner
-applies the plan to an empty trainer (:func:`elaswave.runtime.worker.trainer.reconfigure`).
+applies the plan to an empty trainer (:func:`elaswave.runtime.worker.reconfigure.reconfigure`).
 The Core's announcements reach the training thread through a :class:`Mailbox` (plans,
 commits, failures) and a :class:`PauseBox` (the pending pause request).
 """

@@ -4,21 +4,14 @@ malformed one named."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from elaswave.bus.schema import RecoveryKind
 from elaswave.engine.migration import MigrationDecision, MigrationMode
-from elaswave.engine.record import (
-    MigrationRecord,
-    PhaseTimes,
-    PlanSummary,
-    RecoveryRecord,
-    StageSummary,
-    Streamed,
-)
+from elaswave.engine.record import MigrationRecord, Streamed
 from elaswave.runtime.job.results import (
     BusCounts,
     Layout,
@@ -30,38 +23,16 @@ from elaswave.runtime.job.results import (
     write_summary,
     write_worker_result,
 )
+from tests.unit.test_record import sample_record
 
-RECORD = RecoveryRecord(
-    step=4,
-    kind=RecoveryKind.FAIL_STOP,
-    ranks=(1,),
-    generation=1,
-    committed_step=3,
-    reason="stage 0: ranks [1] failed",
-    superseded=0,
+RECORD = sample_record(
     migration=MigrationRecord(
         decision=MigrationDecision(
             mode=MigrationMode.NONBLOCKING, layers=(2,), early_micro_batches=2
         ),
         streamed=Streamed(bytes_streamed=1024, waited_s=0.01),
     ),
-    plan=PlanSummary(
-        generation=1,
-        num_micro_batches=4,
-        stages=(
-            StageSummary(layers=(0, 2), ranks=(0,), sizes=(4,), rotate=False, block=1, mhz=None),
-            StageSummary(
-                layers=(2, 6), ranks=(2, 3), sizes=(2, 2), rotate=False, block=1, mhz=1650.0
-            ),
-        ),
-    ),
-    joined=(),
-    mttr_s=0.25,
-    phases=PhaseTimes(
-        detect=0.01, plan=0.02, ack=0.01, comm=0.001, remap=0.01, resume=0.01, redo=0.1
-    ),
-    bytes_moved=4096,
-    params_s=0.002,
+    phases=dataclasses.replace(sample_record().phases, redo=0.1),
 )
 SUMMARY = Summary(
     layout=Layout(dp=2, pp=2, tp=1),

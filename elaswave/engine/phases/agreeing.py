@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from elaswave.bus.schema import CORE_SENDER, PlanCommit
-from elaswave.engine.actions import Action, Kill, Note, Publish, Stopped
+from elaswave.engine.actions import Action, Kill, Note, Stopped
 from elaswave.engine.change import Agreeing, Applying, Change, State
 from elaswave.engine.inputs import Acked, Exited, Input, Restarted, StepDone
 from elaswave.engine.phases.planning import plan_next
-from elaswave.engine.phases.shared import KILLED, describe, with_phase
+from elaswave.engine.phases.shared import KILLED, commit, describe, with_phase
 from elaswave.engine.rules import Rules
 
 replace = dataclasses.replace
@@ -107,16 +106,7 @@ def _acked(
     p = replace(p, acked=p.acked | {rank})
     if p.acked < p.participants:
         return with_phase(s, c, p)
-    out.append(
-        Publish(
-            PlanCommit(
-                sender=CORE_SENDER,
-                generation=c.generation + 1,
-                plan_digest=p.digest,
-                attempt=p.attempt,
-            )
-        )
-    )
+    out.append(commit(c, p.attempt, p.digest))
     applying = Applying(
         failed=p.failed,
         attempt=p.attempt,

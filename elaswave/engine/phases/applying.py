@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.bus.schema import CORE_SENDER, PlanCommit
-from elaswave.engine.actions import Action, Note, Publish, Stopped
+from elaswave.engine.actions import Action, Note, Stopped
 from elaswave.engine.change import Applied, Applying, Change, Finishing, State
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.inputs import Done, Exited, Input, Restarted, StepDone, Trained
 from elaswave.engine.migration import MigrationMode
 from elaswave.engine.phases.planning import slowdowns_on
-from elaswave.engine.phases.shared import describe, with_phase
+from elaswave.engine.phases.shared import commit, describe, with_phase
 from elaswave.engine.record import PhaseTimes, RecoveryRecord, record_to_json, recorded
 from elaswave.engine.rules import Rules
 from elaswave.fabric.errors import Unrecoverable
@@ -54,16 +53,7 @@ def take(
         case StepDone(step=step, at=at) if at >= p.planned_at:
             return with_phase(s, c, replace(p, completed={**p.completed, step: at}))
         case Restarted():  # every participant acknowledged this plan: commit it again
-            out.append(
-                Publish(
-                    PlanCommit(
-                        sender=CORE_SENDER,
-                        generation=c.generation + 1,
-                        plan_digest=p.digest,
-                        attempt=p.attempt,
-                    )
-                )
-            )
+            out.append(commit(c, p.attempt, p.digest))
             return with_phase(s, c, replace(p, deadline=now + r.stop_timeout_s))
     return s
 

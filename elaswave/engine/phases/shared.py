@@ -7,7 +7,8 @@ import dataclasses
 import signal
 from collections.abc import Mapping
 
-from elaswave.engine.actions import Action, Note, Spawn
+from elaswave.bus.schema import CORE_SENDER, PlanCommit
+from elaswave.engine.actions import Action, Note, Publish, Spawn
 from elaswave.engine.change import Change, PhaseState, State
 from elaswave.engine.rules import Rules
 
@@ -58,3 +59,13 @@ def without_joiner(s: State, c: Change, rank: int) -> State:
         return s
     joined = tuple(x for x in c.joined if x != rank)
     return dataclasses.replace(s, change=dataclasses.replace(c, joined=joined))
+
+
+def commit(c: Change, attempt: int, digest: str) -> Publish:
+    """Publish the commit of attempt ``attempt`` (digest ``digest``) of the plan ``c``
+    leads to: once every participant acknowledged it, and again after a Core restart."""
+    return Publish(
+        PlanCommit(
+            sender=CORE_SENDER, generation=c.generation + 1, plan_digest=digest, attempt=attempt
+        )
+    )

@@ -1,0 +1,307 @@
+"""NCCL's rules on CPU: the process groups of the ``cpu-strict`` device.
+
+ElasWave is developed and tested on CPU machines with gloo, whose semantics are kinder
+than NCCL's. A :class:`StrictProcessGroup` wraps a gloo process group and behaves as a
+NCCL communicator does wherever the difference can break a data plane, so that code
+which passes under it does not rely on gloo's kindness:
+
+* **Tags are ignored.** Point-to-point messages match first-in-first-out per
+  communicator, peer and direction, whatever tag they were posted with.
+* **One stream per communicator.** Operations run one after the other in the order they
+  were issued, as NCCL kernels do on a communicator's stream: a receive that waits for
+  a message stalls every operation issued after it. Send and receive in both directions
+  between two ranks must be issued as one batch (``_start_coalescing`` ...
+  ``_end_coalescing``, what ``batch_isend_irecv`` does); issuing them ungrouped is
+  refused with :class:`StrictViolation` (under NCCL two ranks doing so deadlock).
+* **A dead or stopped peer hangs.** An operation whose peer died or stopped never
+  completes (gloo would end it with an error); only :meth:`StrictProcessGroup.abort`
+  ends it, and every operation queued behind it, with an error.
+* **Device tensors only.** A tensor marked as a host-plane buffer (:func:`mark_host`:
+  snapshots, staging buffers; under NCCL these live in host memory, which NCCL
+  refuses) is refused.
+* **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
+  the same order, which two threads issuing on one communicator cannot promise: the
+  first thread that issues on a communicator owns it, and any other is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+
+FOREVER = timedelta(days=365)
+"""gloo-level timeout of every strict operation: a stopped peer parks it, as under NCCL."""
+
+STRICT_TAG = 0
+"""The one tag every strict point-to-point operation is posted with."""
+
+
+class StrictViolation(RuntimeError):
+    """A use of a communicator that NCCL would refuse, or deadlock on."""
+
+
+_HOST: set[int] = set()
+_HOST_LOCK = threading.Lock()
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor``'s memory as a host-plane buffer until ``tensor`` is freed;
+    returns it. Views share the mark (it is kept by storage)."""
+    key = tensor.untyped_storage().data_ptr()
+    if key == 0:
+        return tensor
+    with _HOST_LOCK:
+        _HOST.add(key)
+    weakref.finalize(tensor, _unmark, key)
+    return tensor
+
+
+def _unmark(key: int) -> None:
+    with _HOST_LOCK:
+        _HOST.discard(key)
+
+
+def is_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in a buffer marked by :func:`mark_host`."""
+    key = tensor.untyped_storage().data_ptr()
+    with _HOST_LOCK:
+        return key != 0 and key in _HOST
+
+
+class StrictWork:
+    """One operation (or batch) on a strict communicator's stream."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._done = threading.Event()
+        self._error: str | None = None
+
+    def finish(self, error: str | None = None) -> None:
+        """Complete it (with ``error``, if any); only the first call counts."""
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the operation; RuntimeError if it timed out or was aborted."""
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self._done.wait(seconds):
+            raise RuntimeError(f"{self.what}: timed out after {timeout} (the operation hangs)")
+        if self._error is not None:
+            raise RuntimeError(f"{self.what}: {self._error}")
+        return True
+
+
+@dataclass
+class _Op:
+    what: str
+    post: Callable[[], list[dist.Work]]
+    work: StrictWork
+    p2p: list[tuple[int, str]] = field(default_factory=list)
+    """(peer, "send" | "recv") of the ungrouped point-to-point operations it holds."""
+
+
+class StrictProcessGroup:
+    """A gloo process group that keeps NCCL's rules (see the module docstring).
+
+    Offers the methods of a torch backend that :class:`elaswave.comm.group.Group` calls.
+    """
+
+    supports_coalescing = True
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, name: str = "") -> None:
+        self._pg = pg
+        self._rank, self._size = rank, size
+        self.name = name or f"strict{id(self):x}"
+        self._owner: int | None = None
+        self._lock = threading.Condition()
+        self._queue: list[_Op] = []
+        self._running: _Op | None = None
+        self._batch: list[Callable[[], list[dist.Work]]] | None = None
+        self._open: dict[tuple[int, str], int] = {}
+        self.aborted = False
+        threading.Thread(target=self._stream, name=f"ew-strict-{self.name}", daemon=True).start()
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    # --- operations torch's backends offer ---------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> StrictWork:
+        self._check("all_reduce", tensors)
+        opts.timeout = FOREVER
+        return self._issue("all_reduce", lambda: [self._pg.allreduce(tensors, opts)])
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    ) -> StrictWork:
+        self._check("reduce_scatter", [output, input])
+        opts.timeout = FOREVER
+        return self._issue(
+            "reduce_scatter", lambda: [self._pg._reduce_scatter_base(output, input, opts)]
+        )
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> StrictWork:
+        self._check("all_gather", [output, input])
+        opts = opts or AllgatherOptions()
+        opts.timeout = FOREVER
+        return self._issue("all_gather", lambda: [self._pg._allgather_base(output, input, opts)])
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> StrictWork:
+        self._check(f"send to {peer}", tensors)
+        return self._issue(
+            f"send to {peer}", lambda: [self._pg.send(tensors, peer, STRICT_TAG)], (peer, "send")
+        )
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> StrictWork:
+        self._check(f"recv from {peer}", tensors)
+        return self._issue(
+            f"recv from {peer}", lambda: [self._pg.recv(tensors, peer, STRICT_TAG)], (peer, "recv")
+        )
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        self._check("batch", [])
+        with self._lock:
+            if self._batch is not None:
+                raise StrictViolation(f"communicator {self.name!r}: a batch is already open")
+            self._batch = []
+
+    def _end_coalescing(self, device: torch.device) -> StrictWork:
+        self._check("batch", [])
+        with self._lock:
+            posts, self._batch = self._batch, None
+        if posts is None:
+            raise StrictViolation(f"communicator {self.name!r}: no batch is open")
+        return self._enqueue(
+            _Op("batch", lambda: [w for p in posts for w in p()], StrictWork("batch"))
+        )
+
+    def abort(self) -> None:
+        """End every queued and running operation with an error; refuse new ones. A
+        gloo operation already posted stays parked on the stream's thread."""
+        with self._lock:
+            self.aborted = True
+            ops = ([self._running] if self._running else []) + self._queue
+            self._queue = []
+            self._lock.notify_all()
+        for op in ops:
+            op.work.finish(f"communicator {self.name!r} aborted")
+
+    # --- the rules --------------------------------------------------------------------
+
+    def _check(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
+        if self.aborted:
+            raise RuntimeError(f"{what} on aborted communicator {self.name!r}")
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner is None:
+                self._owner = me
+        if self._owner != me:
+            raise StrictViolation(
+                f"{what} on communicator {self.name!r} from thread "
+                f"{threading.current_thread().name!r}, not the one that issues its "
+                "operations: NCCL needs one issue order on every rank"
+            )
+        for tensor in tensors:
+            if is_host(tensor):
+                raise StrictViolation(
+                    f"{what} on communicator {self.name!r} was handed a host-plane buffer "
+                    "(a snapshot or staging buffer): device communicators take device "
+                    "tensors only"
+                )
+
+    def _issue(
+        self, what: str, post: Callable[[], list[dist.Work]], p2p: tuple[int, str] | None = None
+    ) -> StrictWork:
+        work = StrictWork(what)
+        with self._lock:
+            if self._batch is not None:
+                self._batch.append(post)
+                return work  # completes with the batch: wait for _end_coalescing's work
+        op = _Op(what, post, work, [p2p] if p2p else [])
+        if p2p is not None:
+            self._refuse_crossing(*p2p)
+        return self._enqueue(op)
+
+    def _refuse_crossing(self, peer: int, kind: str) -> None:
+        other = "recv" if kind == "send" else "send"
+        with self._lock:
+            if self._open.get((peer, other), 0):
+                raise StrictViolation(
+                    f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} on communicator "
+                    f"{self.name!r} while an ungrouped {other} with it is in flight: NCCL runs "
+                    "them one after the other and two ranks doing so deadlock; issue both "
+                    "directions as one batch (batch_isend_irecv)"
+                )
+
+    def _enqueue(self, op: _Op) -> StrictWork:
+        with self._lock:
+            if self.aborted:
+                raise RuntimeError(f"{op.what} on aborted communicator {self.name!r}")
+            for key in op.p2p:
+                self._open[key] = self._open.get(key, 0) + 1
+            self._queue.append(op)
+            self._lock.notify_all()
+        return op.work
+
+    def _stream(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self.aborted:
+                    self._lock.wait()
+                if self.aborted:
+                    return
+                op = self._running = self._queue.pop(0)
+            error = self._run(op)
+            with self._lock:
+                for key in op.p2p:
+                    self._open[key] -= 1
+                if error is not None:  # a dead peer: hang, as NCCL does, until aborted
+                    while not self.aborted:
+                        self._lock.wait()
+                if self.aborted:  # abort() ended the running operation
+                    return
+                self._running = None
+            op.work.finish()
+
+    def _run(self, op: _Op) -> str | None:
+        try:
+            for work in op.post():
+                work.wait(FOREVER)
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+
+class StrictBackend:
+    """The ``cpu-strict`` device's backend: CPU compute, gloo underneath, NCCL's rules."""
+
+    name = "cpu-strict"
+
+    def create(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+    ) -> dist.ProcessGroup:
+        # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
+        pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
+        return StrictProcessGroup(pg, rank, size)  # type: ignore[return-value]  # duck-typed backend
+
+    def device_for(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def devices(self) -> int | None:
+        return None

@@ -1,0 +1,184 @@
+"""The ``cpu-strict`` backend keeps NCCL's rules: one test per rule, each showing that a
+data plane breaking the rule is caught (wrong data, a refusal, or a hang ended only by
+an abort). Two ranks run as two threads of this process over real gloo; the dead-peer
+test kills a real process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elaswave.comm.store import connect_store, serve_store
+from elaswave.comm.strict import StrictProcessGroup, StrictViolation, StrictWork, mark_host
+
+SHORT = timedelta(seconds=0.5)
+CPU = torch.device("cpu")
+
+
+def _pair(strict: bool = True) -> list[Any]:
+    """Two connected members of one 2-rank group (rank 0, rank 1)."""
+    store = dist.HashStore()
+    pgs: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        pg: Any = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=10))
+        pgs[rank] = StrictProcessGroup(pg, rank, 2, f"pair{rank}") if strict else pg
+
+    _both(lambda: make(0), lambda: make(1))
+    return pgs
+
+
+def _both(rank0: Callable[[], Any], rank1: Callable[[], Any]) -> list[Any]:
+    """Run each rank's part on its own thread; returns results, re-raises the first error."""
+    out: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def run(rank: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[rank] = fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r, f)) for r, f in enumerate((rank0, rank1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _tag_swapped_exchange(pgs: list[Any]) -> torch.Tensor:
+    """Rank 0 sends A (tag 5) then B (tag 7); rank 1 receives tag 7 first. Returns what
+    rank 1's tag-7 receive got: B where tags match messages, A where they are ignored."""
+
+    def sender() -> None:
+        a, b = pgs[0].send([torch.tensor([1.0])], 1, 5), pgs[0].send([torch.tensor([2.0])], 1, 7)
+        a.wait(timedelta(seconds=10))
+        b.wait(timedelta(seconds=10))
+
+    def receiver() -> torch.Tensor:
+        first, second = torch.zeros(1), torch.zeros(1)
+        w7 = pgs[1].recv([first], 0, 7)
+        w5 = pgs[1].recv([second], 0, 5)
+        w7.wait(timedelta(seconds=10))
+        w5.wait(timedelta(seconds=10))
+        return first
+
+    return _both(sender, receiver)[1]
+
+
+def test_tags_are_ignored_messages_match_in_order() -> None:
+    assert _tag_swapped_exchange(_pair(strict=False)).item() == 2.0  # gloo: by tag
+    assert _tag_swapped_exchange(_pair(strict=True)).item() == 1.0  # NCCL: first in, first out
+
+
+def test_ungrouped_exchange_is_refused_a_batch_is_not() -> None:
+    pgs = _pair()
+
+    def ungrouped(rank: int) -> None:
+        pgs[rank].send([torch.ones(1)], 1 - rank, 0)
+        pgs[rank].recv([torch.zeros(1)], 1 - rank, 0)
+
+    with pytest.raises(StrictViolation, match="ungrouped send"):
+        _both(lambda: ungrouped(0), lambda: ungrouped(1))
+
+    pgs = _pair()
+
+    def batched(rank: int) -> float:
+        got = torch.zeros(1)
+        pgs[rank]._start_coalescing(CPU)
+        pgs[rank].send([torch.full((1,), float(rank + 10))], 1 - rank, 0)
+        pgs[rank].recv([got], 1 - rank, 0)
+        pgs[rank]._end_coalescing(CPU).wait(timedelta(seconds=10))
+        return got.item()
+
+    assert _both(lambda: batched(0), lambda: batched(1)) == [11.0, 10.0]
+
+
+def test_a_parked_wait_stalls_later_operations_until_abort() -> None:
+    pgs = _pair()
+    works: list[StrictWork] = []
+
+    def parked() -> str:
+        works.append(pgs[0].recv([torch.zeros(1)], 1, 0))  # rank 1 never sends
+        later = pgs[0].allreduce([torch.ones(1)], dist.AllreduceOptions())
+        with pytest.raises(RuntimeError, match="hangs"):
+            later.wait(SHORT)  # rank 1 joins the all-reduce, but it is queued behind
+        pgs[0].abort()
+        with pytest.raises(RuntimeError, match="aborted"):
+            later.wait(SHORT)
+        with pytest.raises(RuntimeError, match="aborted"):
+            works[0].wait(SHORT)
+        with pytest.raises(RuntimeError, match="aborted communicator"):
+            pgs[0].allreduce([torch.ones(1)], dist.AllreduceOptions())
+        return "ok"
+
+    def peer() -> None:
+        work = pgs[1].allreduce([torch.ones(1)], dist.AllreduceOptions())
+        with pytest.raises(RuntimeError, match="hangs"):
+            work.wait(SHORT * 2)
+        pgs[1].abort()
+
+    assert _both(parked, peer)[0] == "ok"
+
+
+def test_a_host_buffer_is_refused() -> None:
+    pgs = _pair()
+    snapshot = mark_host(torch.zeros(4))
+    with pytest.raises(StrictViolation, match="host-plane buffer"):
+        pgs[0].send([snapshot[2:]], 1, 0)  # a view shares the mark
+    pgs[0].send([torch.zeros(4)], 1, 0)  # an unmarked tensor is taken
+
+
+def test_a_second_issuing_thread_is_refused() -> None:
+    pgs = _pair()
+    pgs[0].send([torch.zeros(1)], 1, 0)  # this thread now issues for rank 0
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            pgs[0].send([torch.zeros(1)], 1, 0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other, name="keeper")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], StrictViolation)
+    assert "'keeper'" in str(errors[0])
+
+
+def _die_after_connecting(port: int) -> None:
+    store = connect_store("127.0.0.1", port)
+    dist.ProcessGroupGloo(dist.PrefixStore("dead", store), 1, 2, timedelta(seconds=10))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_dead_peer_hangs_until_abort(strict: bool) -> None:
+    store = serve_store()
+    child = mp.get_context("spawn").Process(target=_die_after_connecting, args=(store.port,))
+    child.start()
+    gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("dead", store), 0, 2, timedelta(seconds=10))
+    child.join(30)
+    pg: Any = StrictProcessGroup(gloo, 0, 2, "dead") if strict else gloo
+    work = pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    with pytest.raises(RuntimeError) as caught:
+        work.wait(timedelta(seconds=2))
+    if not strict:
+        assert "hangs" not in str(caught.value)  # gloo: the dead peer ends the wait
+        return
+    assert "hangs" in str(caught.value)  # NCCL: it hangs
+    pg.abort()
+    with pytest.raises(RuntimeError, match="aborted"):
+        work.wait(SHORT)

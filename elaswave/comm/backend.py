@@ -8,19 +8,44 @@ touches. torch_npu is imported only when an npu backend is asked for.
 from __future__ import annotations
 
 import importlib
+import os
 from datetime import timedelta
 from typing import Protocol
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from elaswave.comm.spec import Device, parse_device
+from elaswave.comm.strict import StrictBackend
+
+log = structlog.get_logger(__name__)
+
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
+"""What torch's NCCL watchdog may do, as ElasWave sets it before any communicator is
+made. torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down when
+an operation outlives the group timeout, which a survivor's parked operation does while
+the Core plans a recovery; ElasWave instead bounds every wait itself and aborts the
+communicators a failure stalls (:mod:`elaswave.comm.release`), so the watchdog handles
+no error (``0``) and its heartbeat monitor, which kills a process whose watchdog is
+stuck, is off. NVLS (NVLink SHARP) communicators are off because they make an abort slow
+(nvidia-resiliency-ext turns them off for in-process restarts too). A different value a
+user set is overridden, with a warning."""
 
 
 class GroupBackend(Protocol):
     """Creates one process group over ``size`` members from a (prefixed) store."""
 
     name: str
+    parks_in_flight: bool
+    """Work that will never complete stalls its communicator until it is aborted
+    (NCCL, HCCL): a group with work in flight is aborted and rebuilt after a failure."""
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta
@@ -35,6 +60,7 @@ class GroupBackend(Protocol):
 
 class GlooBackend:
     name = "gloo"
+    parks_in_flight = False
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta
@@ -52,13 +78,25 @@ class GlooBackend:
 
 class NcclBackend:
     name = "nccl"
+    parks_in_flight = True
+
+    def __init__(self) -> None:
+        for name, value in NCCL_ENV.items():
+            if os.environ.get(name, value) != value:
+                log.warning("nccl.env_overridden", name=name, was=os.environ[name], now=value)
+            os.environ[name] = value
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta
     ) -> dist.ProcessGroup:
+        """A communicator connected now (not inside the first operation of a step) and
+        non-blocking (its initialisation and abort never hang the calling thread)."""
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)  # type: ignore[return-value]  # as gloo
+        opts.config.blocking = 0
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        return pg  # type: ignore[return-value]  # as gloo
 
     def device_for(self, local_rank: int) -> torch.device:
         device = torch.device("cuda", _one_each(local_rank, self.devices(), "CUDA"))
@@ -73,6 +111,7 @@ class HcclBackend:
     """Ascend NPUs. Written against torch_npu's documented API; needs CANN at run time."""
 
     name = "hccl"
+    parks_in_flight = True
 
     def __init__(self) -> None:
         try:
@@ -124,11 +163,20 @@ def check_capacity(backend: GroupBackend, ranks: int, device: str) -> None:
 
 
 def backend_for(device: Device | str) -> GroupBackend:
+    """The backend of ``device``'s device plane (training traffic)."""
     device = parse_device(str(device))
     if device in (Device.CPU, Device.EMULATED):
         return GlooBackend()
+    if device is Device.CPU_STRICT:
+        return StrictBackend()
     if device is Device.CUDA:
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
         return NcclBackend()
     return HcclBackend()
+
+
+def host_backend() -> GroupBackend:
+    """The backend of the host plane (fault-tolerance traffic between host buffers):
+    gloo on every device."""
+    return GlooBackend()

@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import CollectiveGroup, Group, P2PGroup
 from elaswave.comm.links import PairGroup
+from elaswave.comm.release import ABORT_DEADLINE_S, Released, abort_all, release
 from elaswave.comm.ring import RingGroup
 from elaswave.comm.spec import GroupSpec
 
@@ -44,8 +46,13 @@ class Communicator:
         timeout: timedelta,
         generation: int = 0,
         abort: AbortSignal | None = None,
+        device: torch.device | None = None,
+        prefix: str = "",
     ) -> None:
+        self.prefix = prefix
+        """Prepended to every group's store prefix (keeps planes apart)."""
         self.abort = abort
+        self.device = device if device is not None else torch.device("cpu")
         self.store = store
         self.rank = rank
         self.backend = backend
@@ -65,14 +72,17 @@ class Communicator:
         for spec in ordered:
             if self.rank not in spec.ranks:
                 continue
-            prefix = f"g{self.generation}/{spec.name}"
+            prefix = f"{self.prefix}g{self.generation}/{spec.name}"
             pg = self.backend.create(
                 dist.PrefixStore(prefix, self.store),
                 spec.ranks.index(self.rank),
                 len(spec.ranks),
                 self.timeout,
             )
-            self._groups[spec.name] = Group(spec, pg, self.rank, self.timeout, self.abort)
+            self._groups[spec.name] = Group(
+                spec, pg, self.rank, self.timeout, self.abort, self.device,
+                parks=self.backend.parks_in_flight,
+            )  # fmt: skip
         elapsed = time.perf_counter() - started
         log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
         return elapsed
@@ -98,6 +108,8 @@ class Communicator:
             timeout=self.timeout,
             generation=generation,
             abort=self.abort,
+            device=self.device,
+            prefix=self.prefix,
         )
         create = []
         for spec in specs:
@@ -109,7 +121,20 @@ class Communicator:
         new.build(create)
         kept = set(map(id, new._groups.values()))
         self.dropped = [g for g in self._groups.values() if id(g) not in kept]
+        if self.backend.parks_in_flight:  # an idle NCCL communicator holds device memory
+            abort_all([g for g in self.dropped if isinstance(g, Group)])
         return new, sum(1 for g in self._groups.values() if id(g) in kept)
+
+    def release(self, failed: Iterable[int], deadline_s: float = ABORT_DEADLINE_S) -> Released:
+        """Abort the groups that hold a failed rank, or, where work in flight parks
+        (NCCL), that have any (:mod:`elaswave.comm.release`). They stay, ``tainted``,
+        until an :meth:`edit` replaces them."""
+        groups = [g for g in self._groups.values() if isinstance(g, Group)]
+        return release(groups, set(failed), deadline_s=deadline_s)
+
+    def __len__(self) -> int:
+        """The communicators this rank holds."""
+        return len(self._groups)
 
     def put(self, group: CommGroup) -> None:
         """Hold ``group`` under its name (a ring, or a group carried over from another
@@ -131,6 +156,14 @@ class Communicator:
         group = self._groups[name]
         if isinstance(group, PairGroup):
             raise TypeError(f"group {name!r} is a point-to-point pair: it has no collectives")
+        return group
+
+    def group(self, name: str) -> Group:
+        """The process group ``name`` (every group of a device plane is one); TypeError
+        if it is a ring or a pair link."""
+        group = self._groups[name]
+        if not isinstance(group, Group):
+            raise TypeError(f"group {name!r} is a {type(group).__name__}, not a process group")
         return group
 
     def p2p(self, name: str) -> P2PGroup:

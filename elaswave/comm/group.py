@@ -15,16 +15,23 @@ transfer executor uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, cast
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, wait_abortable
 from elaswave.comm.posted import Posted
 from elaswave.comm.spec import CommError, GroupSpec
+
+log = structlog.get_logger(__name__)
+
+Transfer = tuple[torch.Tensor, int]
+"""A point-to-point operation of a batch: the tensor, and the peer's global rank."""
 
 DETACHED = timedelta(days=365)
 """gloo-level timeout of a detached wait: never reached, so the wait never closes its
@@ -128,9 +135,13 @@ class Group:
     timeout: timedelta
     abort: AbortSignal | None = None
     """When set, waits poll it and raise StepAborted instead of blocking on."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the group's tensors live (a batch of point-to-point operations, a barrier)."""
+    parks: bool = False
+    """Work in flight stalls the group until it is aborted (NCCL, HCCL, cpu-strict), so
+    a point-to-point operation that did not complete taints it too."""
     _index: dict[int, int] = field(init=False)
-    tainted: bool = field(init=False, default=False)
-    """A collective on this group did not complete (see :meth:`_collective`)."""
+    aborted: bool = field(init=False, default=False)
     _in_flight: int = field(init=False, default=0)
     """Collectives started and not yet waited."""
     posted: Posted = field(init=False, default_factory=Posted)
@@ -142,6 +153,12 @@ class Group:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def tainted(self) -> bool:
+        """Rebuild the group, do not reuse it: a collective on it did not complete (see
+        :meth:`_collective`), or it parks work in flight that did not."""
+        return self.aborted or self._in_flight > 0 or (self.parks and self.posted.pending() > 0)
 
     @property
     def size(self) -> int:
@@ -159,11 +176,9 @@ class Group:
         per-group sequence out of step, so a tainted group must be rebuilt, not reused.
         P2P traffic never taints: its tags are unique per generation and step.
         """
-        self.tainted = True
         self._in_flight += 1
         self._wait(work, op)
         self._in_flight -= 1
-        self.tainted = self._in_flight > 0
 
     def _wait(self, work: dist.Work, op: str) -> None:
         try:
@@ -213,12 +228,44 @@ class Group:
 
     def _start(self, work: dist.Work, op: str) -> CollectiveWork:
         """The group is ``tainted`` until every started collective is waited."""
-        self.tainted = True
         self._in_flight += 1
         return _GroupWork(self, work, op)
 
     def barrier(self) -> None:
-        self.all_reduce(torch.zeros(1))
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def batch(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], tag: int) -> dist.Work:
+        """Post ``sends`` and ``recvs`` (tensor, global peer rank) as one batch, what
+        ``batch_isend_irecv`` does: under NCCL one grouped launch, so that exchanges in
+        both directions between two ranks cannot deadlock. Messages between two ranks
+        match in the order posted; ``tag`` keeps a gloo batch apart from a stale one
+        (NCCL ignores it: there a group with stale work is rebuilt). Waited with
+        :meth:`wait_recv`."""
+        if not sends and not recvs:
+            return cast(dist.Work, _AllOf([]))
+        if not getattr(self.pg, "supports_coalescing", False):  # gloo: none blocks another
+            works = [self.isend(t, p, tag) for t, p in sends]
+            return cast(dist.Work, _AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
+        try:
+            self.pg._start_coalescing(self.device)
+            for tensor, peer in sends:
+                self.pg.send([tensor], self._index[peer], tag)
+            for tensor, peer in recvs:
+                self.pg.recv([tensor], self._index[peer], tag)
+            return self.posted.hold(self.pg._end_coalescing(self.device))
+        except RuntimeError as exc:
+            raise CommError(self.name, "batch", exc) from exc
+
+    def abort_now(self) -> None:
+        """Abort the group's communicator: work in flight on it ends (or, gloo, stays
+        parked); the group takes no more work. Safe to call more than once."""
+        if self.aborted:
+            return
+        self.aborted = True
+        try:
+            self.pg.abort()
+        except (RuntimeError, AttributeError) as exc:  # no abort: its waits stay parked
+            log.warning("group.abort_failed", group=self.name, error=str(exc))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         try:
@@ -263,6 +310,19 @@ class Group:
             raise CommError(self.name, op, exc) from exc
 
 
+class _AllOf:
+    """Several posted operations waited as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return all(w.wait() if timeout is None else w.wait(timeout) for w in self.works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
 class _GroupWork:
     def __init__(self, group: Group, work: dist.Work, op: str) -> None:
         self.group, self.work, self.op = group, work, op
@@ -274,4 +334,3 @@ class _GroupWork:
         self.group._wait(self.work, self.op)  # raises: the group stays tainted
         self.done = True
         self.group._in_flight -= 1
-        self.group.tainted = self.group._in_flight > 0

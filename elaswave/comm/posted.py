@@ -53,3 +53,8 @@ class Posted:
                 self._works = [w for w in self._works if not w.is_completed()]
                 self._sweep_at = max(_FIRST_SWEEP, 2 * len(self._works))
         return work
+
+    def pending(self) -> int:
+        """Held operations that have not completed."""
+        with self._lock:
+            return sum(1 for w in self._works if not w.is_completed())

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 class Device(enum.StrEnum):
     CPU = "cpu"
+    CPU_STRICT = "cpu-strict"
+    """CPU processes whose training traffic keeps NCCL's rules (:mod:`elaswave.comm.strict`):
+    what the GPU path needs, checked where no GPU is."""
     CUDA = "cuda"
     NPU = "npu"
     EMULATED = "emulated"

@@ -292,6 +292,7 @@ class StrictBackend:
     """The ``cpu-strict`` device's backend: CPU compute, gloo underneath, NCCL's rules."""
 
     name = "cpu-strict"
+    parks_in_flight = True
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta

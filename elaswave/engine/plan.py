@@ -147,6 +147,18 @@ class Plan:
             ]
         return specs
 
+    def device_group_specs(self) -> list[GroupSpec]:
+        """The device plane's groups (training traffic): one per stage for data
+        parallelism, and per stage boundary one for activations (forward) and one for
+        their gradients (backward), each over both stages' ranks. On a communicator a
+        rank then only sends or only receives, so receives posted ahead never hold up
+        its sends (under NCCL a communicator runs its operations one after the other)."""
+        specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
+        for stage in range(self.pp - 1):
+            ranks = self.stages[stage].ranks + self.stages[stage + 1].ranks
+            specs += [GroupSpec(pipe_group_name(stage, back), ranks) for back in (False, True)]
+        return specs
+
 
 def plan_key(generation: int) -> str:
     """The store key under which the Core publishes generation ``generation``'s plan for
@@ -213,6 +225,12 @@ def snapshot_group_specs(plan: Plan, ranks_per_node: int) -> list[GroupSpec]:
 
 def dp_group_name(stage: int) -> str:
     return f"dp.s{stage}"
+
+
+def pipe_group_name(stage: int, backward: bool) -> str:
+    """The device group between stage ``stage`` and the next: activations travel
+    forward on ``fwd.s{stage}``, their gradients back on ``bwd.s{stage}``."""
+    return f"{'bwd' if backward else 'fwd'}.s{stage}"
 
 
 def link_group_name(src: int, dst: int) -> str:

@@ -19,7 +19,7 @@ from tests.runs import elaswave
             ["--dp", "2", "--global-batch", "10", "--micro-batch", "2"],
             "global batch 10 does not divide into micro-batches of 2 on 2 DP replicas",
         ),
-        (["--device", "tpu"], "unknown device 'tpu'; valid devices: cpu, cuda, npu"),
+        (["--device", "tpu"], "unknown device 'tpu'; valid devices: cpu, cpu-strict, cuda, npu"),
         (["--dp", "0"], "dp = 0: must be a positive integer"),
         (["--model", "llama2-7b"], "the llama2-* presets are for the simulator"),
         (

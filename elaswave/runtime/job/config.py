@@ -128,7 +128,7 @@ class JobConfig:
         """Whether the Core watches for fail-slow ranks (by default: off on cpu)."""
         if self.elastic.straggler_detection is not None:
             return self.elastic.straggler_detection
-        return self.layout.device != Device.CPU
+        return self.layout.device not in (Device.CPU, Device.CPU_STRICT)
 
     def _check_profile(self) -> None:
         if not self.profile:

@@ -250,9 +250,10 @@ def recover(
         committed_step=trainer.committed_step,
         cause=str(cause),
     )
+    _release(ctx, trainer, announced)
     report: dict[str, Any] = {
         "committed_step": trainer.committed_step,
-        "tainted": trainer.comm.tainted() + ([TP_GROUP] if ctx.tp and ctx.tp.tainted else []),
+        "tainted": trainer.tainted() + ([TP_GROUP] if ctx.tp and ctx.tp.tainted else []),
         "params_step": -2 if (ps := trainer.optimizer.params_step) is None else ps,
     }
     if ctx.tp is not None:  # the TP group reports as one (its earliest step, every taint)
@@ -289,6 +290,18 @@ def recover(
     )
     assert isinstance(decision, RecoveryPlan)
     return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout, on_checkpoint)
+
+
+def _release(ctx: WorkerContext, trainer: Trainer, announced: Event) -> None:
+    """Free the device plane of the abandoned step's work: abort the groups that hold a
+    failed rank and, where work in flight parks (NCCL), those that have any; they are
+    reported tainted and rebuilt under the next plan (:mod:`elaswave.comm.release`)."""
+    failed = announced.ranks if isinstance(announced, FailureDetected) else []
+    released = trainer.device.release(failed)
+    if ctx.tp is not None:
+        ctx.tp.release()
+    if released.late:
+        log.warning("recovery.abort_late", groups=released.late, seconds=released.seconds)
 
 
 def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:

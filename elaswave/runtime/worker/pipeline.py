@@ -22,7 +22,7 @@ from elaswave.comm.communicator import Communicator
 from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
-from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name
+from elaswave.engine.plan import Plan, Route, dp_group_name, pipe_group_name
 from elaswave.engine.schedule import Op, one_f_one_b
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
@@ -149,41 +149,42 @@ class StageRunner:
             device=self.device,
         )  # fmt: skip
 
-    def _post_recv(self, step: int, backward: bool, mb: int) -> list[tuple]:
+    def _post_recv(self, step: int, backward: bool, mb: int) -> tuple:
         """Post the receives of micro-batch ``mb``'s activations (``backward``: their
-        gradients), one per route in sample order; :meth:`_Receives.take` waits."""
+        gradients) as one batch, one per route in sample order; :meth:`_Receives.take`
+        waits."""
         if backward:
-            routes, peer_of = self.outbound(mb), (lambda r: r.dst)
+            routes, peer_of, stage = self.outbound(mb), (lambda r: r.dst), self.stage
         else:
-            routes, peer_of = self.inbound(mb), (lambda r: r.src)
-        tag = self._tag(step, mb, backward)
-        parts = []
-        for route in sorted(routes, key=lambda r: r.lo):
-            buf = self._activation(route.hi - route.lo)
-            group = self.comm.p2p(link_group_name(route.src, route.dst))
-            parts.append((group, group.irecv(buf, peer_of(route), tag), buf))
-        return parts
+            routes, peer_of, stage = self.inbound(mb), (lambda r: r.src), self.stage - 1
+        group = self.comm.group(pipe_group_name(stage, backward))
+        ordered = sorted(routes, key=lambda r: r.lo)
+        bufs = [self._activation(route.hi - route.lo) for route in ordered]
+        peers = [peer_of(route) for route in ordered]
+        work = group.batch([], list(zip(bufs, peers, strict=True)), self._tag(step, mb, backward))
+        return group, work, bufs
 
     def _send(
         self,
         tensor: torch.Tensor,
         routes: list[Route],
         lo: int,
-        peer_of,
+        backward: bool,
         tag: int,
         pending: list,
     ) -> None:
-        """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``."""
-        for route in routes:
-            chunk = tensor[route.lo - lo : route.hi - lo].contiguous()
-            group = self.comm.p2p(link_group_name(route.src, route.dst))
-            peer = peer_of(route)
-            if self.pacer is not None and self.pacer.emulated:
-                delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
-                post = lambda g=group, c=chunk, p=peer: g.isend(c, p, tag)  # noqa: E731
-                pending.append((group, DelayedSend(post, delay), chunk))
-            else:
-                pending.append((group, group.isend(chunk, peer, tag), chunk))
+        """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``, as
+        one batch (an emulated device paces each route's send by its own link)."""
+        stage, peer_of = (self.stage - 1, _src) if backward else (self.stage, _dst)
+        group = self.comm.group(pipe_group_name(stage, backward))
+        sends = [(tensor[r.lo - lo : r.hi - lo].contiguous(), peer_of(r)) for r in routes]
+        if self.pacer is None or not self.pacer.emulated:
+            pending.append((group, group.batch(sends, [], tag), sends))
+            return
+        for chunk, peer in sends:
+            delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
+            post = lambda c=chunk, p=peer: group.batch([(c, p)], [], tag)  # noqa: E731
+            pending.append((group, DelayedSend(post, delay), chunk))
 
     def run_step(self, step: int) -> StepResult:
         started = time.perf_counter()
@@ -275,7 +276,7 @@ class StageRunner:
                 x.detach(),
                 self.outbound(mb),
                 self.share(mb)[0],
-                lambda r: r.dst,
+                False,
                 self._tag(step, mb, False),
                 pending,
             )
@@ -300,24 +301,33 @@ class StageRunner:
                 x_in.grad,
                 self.inbound(mb),
                 self.share(mb)[0],
-                lambda r: r.src,
+                True,
                 self._tag(step, mb, True),
                 pending,
             )
 
 
+def _src(route: Route) -> int:
+    return route.src
+
+
+def _dst(route: Route) -> int:
+    return route.dst
+
+
 class _Receives:
-    """A step's receives, each posted while the one before it is waited for, so that a
-    micro-batch's activations (or gradients) arrive while the previous micro-batch
-    computes instead of after the receiver asks for them. At most two are posted at a
-    time; a step that is abandoned leaves its posted receives unmatched (their tags
-    carry the step and the plan generation), held by their links until the link goes
-    (:mod:`elaswave.comm.posted`: a freed one would stall its link)."""
+    """A step's receives, each micro-batch's posted as one batch while the one before it
+    is waited for, so that a micro-batch's activations (or gradients) arrive while the
+    previous micro-batch computes instead of after the receiver asks for them. At most
+    two are posted at a time. A step that is abandoned leaves its posted receives
+    unmatched: under gloo their tags carry the step and the plan generation (and their
+    groups hold them: :mod:`elaswave.comm.posted`); under NCCL their groups are aborted
+    and rebuilt (:mod:`elaswave.comm.release`)."""
 
     def __init__(self, runner: StageRunner, step: int) -> None:
         self.runner = runner
         self.step = step
-        self.posted: dict[tuple[bool, int], list[tuple]] = {}
+        self.posted: dict[tuple[bool, int], tuple] = {}
         self.next = 0
         """Index in ``runner.receives`` of the next receive to post."""
         self._post_next()
@@ -336,8 +346,6 @@ class _Receives:
         while key not in self.posted and self.next < len(self.runner.receives):
             self._post_next()
         self._post_next()
-        parts = []
-        for group, work, buf in self.posted.pop(key):
-            group.wait_recv(work)
-            parts.append(buf)
+        group, work, parts = self.posted.pop(key)
+        group.wait_recv(work)
         return torch.cat(parts) if len(parts) > 1 else parts[0]

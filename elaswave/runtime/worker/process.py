@@ -154,6 +154,7 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
         tp = TpLink(
             store, unit=rank, member=member, size=cfg.layout.tp, backend=backend,
             timeout=timedelta(seconds=cfg.liveness.comm_timeout_s), abort=abort,
+            device=device,
         )  # fmt: skip
     shard = TpShard(member, cfg.layout.tp, tp)
     plan = cfg.plan()

@@ -49,6 +49,7 @@ from elaswave.runtime.worker.trainer import (
     attach_snapshots,
     build_optimizer,
     build_runner,
+    device_plane,
     snapshot_specs,
 )
 
@@ -89,6 +90,7 @@ def resume(
     ctx: WorkerContext,
     plan: Plan,
     links: DynamicCommunicator,
+    device: Communicator,
     layers: nn.ModuleList,
     optimizer: ZeroAdamW,
     committed_step: int,
@@ -103,8 +105,8 @@ def resume(
     if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
         stage, _ = plan.locate(ctx.rank)
         ctx.pacer.frequency.set_mhz(0, plan.stages[stage].mhz or ctx.cfg.cost_device.base_mhz)
-    runner = build_runner(ctx, plan, comm, layers, optimizer, shadow)
-    return Trainer(plan, links, optimizer, runner, layers, keepers)
+    runner = build_runner(ctx, plan, device, layers, optimizer, shadow)
+    return Trainer(plan, links, device, optimizer, runner, layers, keepers)
 
 
 def _bytes_received(moves: RemapPlan, rank: int) -> int:
@@ -163,15 +165,18 @@ def reconfigure(
     t0 = time.perf_counter()
     moves, transition = _plan_moves(a, migration)
     links, change = _edit_communicator(a, moves, transition, rebuild)
+    device, device_reused = _edit_device_plane(a, rebuild)
     t1 = time.perf_counter()
     held = old.layers if old is not None else nn.ModuleList()
     layers = _stage_layers(ctx, held, a.stage.layers)
     shadow = _start_shadow(a, transition, held, layers, links.comm)
-    optimizer, bytes_sent = _move_optimizer_state(a, moves, host_states, layers, links.comm, t1)
+    optimizer, bytes_sent = _move_optimizer_state(
+        a, moves, host_states, layers, (links.comm, device), t1
+    )
     t_params = time.perf_counter()
     _gather_params(a, optimizer, shadow, held, t_params)
     t2 = time.perf_counter()
-    trainer = resume(ctx, new_plan, links, layers, optimizer, committed_step, shadow)
+    trainer = resume(ctx, new_plan, links, device, layers, optimizer, committed_step, shadow)
     t3 = time.perf_counter()
     log.info(
         "recovery.applied",
@@ -181,6 +186,8 @@ def reconfigure(
         reused_groups=change.groups_reused,
         created_groups=change.groups_created,
         created_links=change.links_created,
+        device_groups=len(device),
+        device_reused=device_reused,
         bytes_sent=bytes_sent,
         migration=migration,
     )
@@ -259,7 +266,7 @@ def _edit_communicator(
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
-    specs = a.new.group_specs() + snapshot_specs(ctx, a.new)
+    specs = snapshot_specs(ctx, a.new)
     specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
     if a.old is None:
         links = DynamicCommunicator(
@@ -275,6 +282,20 @@ def _edit_communicator(
         rebuild=lambda spec: spec.name in rebuild,
     )
     return links, change
+
+
+def _edit_device_plane(a: _Change, rebuild: set[str]) -> tuple[Communicator, int]:
+    """The new plan's device groups: unchanged ones reused unless some member reported
+    them tainted (work in flight under NCCL, an unfinished collective), the others
+    created under the new generation (a joiner builds them all). Returns the plane and
+    the groups reused."""
+    if a.old is None:
+        return device_plane(a.ctx, a.new), 0
+    return a.old.device.edit(
+        a.new.device_group_specs(),
+        generation=a.new.generation,
+        rebuild=lambda spec: spec.name in rebuild,
+    )
 
 
 def _start_shadow(
@@ -312,14 +333,16 @@ def _move_optimizer_state(
     moves: RemapPlan,
     host_states: dict[int, ShardState],
     layers: nn.ModuleList,
-    comm: Communicator,
+    planes: tuple[Communicator, Communicator],
     started: float,
 ) -> tuple[ZeroAdamW, int]:
     """Live remap: the optimizer shards this rank's stage needs under the new plan, from
     their owners or from host snapshots of failed owners; returns the new optimizer and
     the bytes this rank sent. Every survivor runs it: a rank whose stage does not change
-    may still be a source."""
+    may still be a source. ``planes``: the host plane (the remap's links) and the device
+    plane (the optimizer's DP group)."""
     ctx, old = a.ctx, a.old
+    comm, device = planes
     old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
     moved_in = a.stage_index in changed_stages(a.base, a.new)
     new_layout = (
@@ -345,7 +368,7 @@ def _move_optimizer_state(
         assert old is not None  # a joiner's stage gains it
         state = old.optimizer.state
     optimizer = build_optimizer(
-        ctx, a.new, comm, layers, state=state, committed_step=a.committed_step
+        ctx, a.new, device, layers, state=state, committed_step=a.committed_step
     )
     # Modelled time of this rank's optimizer-state moves (the emulated device only).
     ctx.pacer.transfer(max(result.bytes_sent, _bytes_received(moves, ctx.rank)), started)

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import CollectiveGroup
+from elaswave.comm.group import Group
+from elaswave.comm.release import abort_all
 from elaswave.comm.spec import GroupSpec
 from elaswave.model.tensor_parallel import merge_param, split_dim
 
@@ -55,15 +56,17 @@ class TpLink:
         backend: GroupBackend,
         timeout: timedelta,
         abort: AbortSignal | None,
+        device: torch.device | None = None,
     ) -> None:
         self._store = dist.PrefixStore(f"tp/u{unit}/", store)
+        self._device = device
         self.member, self._size = member, size
         self._backend, self._timeout, self._abort = backend, timeout, abort
         self.generation = 0
         self.waited_s = 0.0
         self.group = self._build(0)
 
-    def _build(self, generation: int) -> CollectiveGroup:
+    def _build(self, generation: int) -> Group:
         comm = Communicator(
             self._store,
             self.member,
@@ -71,9 +74,10 @@ class TpLink:
             timeout=self._timeout,
             generation=generation,
             abort=self._abort,
+            device=self._device,
         )
         comm.build([GroupSpec(TP_GROUP, tuple(range(self._size)))])
-        return comm.collective(TP_GROUP)
+        return comm.group(TP_GROUP)
 
     @property
     def size(self) -> int:
@@ -101,6 +105,12 @@ class TpLink:
         """Seconds spent in the group's collectives so far (the pacer's fail-slow
         emulation stretches compute, not these waits)."""
         return self.waited_s
+
+    def release(self) -> None:
+        """After a failure: abort the group if it has work in flight that parks (NCCL);
+        it is then reported tainted, and every member rebuilds it."""
+        if self.group.parks and self.group.tainted:
+            abort_all([self.group])
 
     def rebuild(self, generation: int) -> None:
         """Every member calls it, with the same ``generation``."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elaswave.comm.abort import AbortSignal
-from elaswave.comm.backend import GroupBackend
+from elaswave.comm.backend import GroupBackend, host_backend
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.spec import GroupSpec
@@ -49,6 +49,9 @@ from elaswave.runtime.worker.pipeline import StageRunner
 from elaswave.runtime.worker.tpgroup import TpLink
 
 log = structlog.get_logger(__name__)
+
+DEVICE_PREFIX = "dev/"
+"""Store prefix of the device plane's groups (the host plane's have none)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,11 @@ class WorkerContext:
 class Trainer:
     plan: Plan
     links: DynamicCommunicator
-    """The worker's groups and links across generations (shared by successive trainers)."""
+    """The host plane: the worker's links for fault-tolerance traffic (snapshots, remap,
+    layer streams, paybacks) between host buffers, over gloo, across generations."""
+    device: Communicator
+    """The device plane: the current generation's groups for training traffic (data
+    parallelism, the pipeline) on the device's backend (:meth:`Plan.device_group_specs`)."""
     optimizer: ZeroAdamW
     runner: StageRunner
     layers: nn.ModuleList
@@ -112,8 +119,12 @@ class Trainer:
 
     @property
     def comm(self) -> Communicator:
-        """The current generation's groups."""
+        """The host plane's current generation of groups."""
         return self.links.comm
+
+    def tainted(self) -> list[str]:
+        """Both planes' groups that must be rebuilt, not reused."""
+        return sorted(self.comm.tainted() + self.device.tainted())
 
     @property
     def committed_step(self) -> int:
@@ -177,20 +188,30 @@ def build_optimizer(
     )
 
 
+def device_plane(ctx: WorkerContext, plan: Plan) -> Communicator:
+    """The device plane of ``plan``, built now (every member builds it together)."""
+    plane = Communicator(
+        ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
+        generation=plan.generation, abort=ctx.abort, device=ctx.device, prefix=DEVICE_PREFIX,
+    )  # fmt: skip
+    plane.build(plan.device_group_specs())
+    return plane
+
+
 def initial_trainer(ctx: WorkerContext) -> Trainer:
     """The trainer at the start of the run, or at a checkpoint when resuming."""
     plan = ctx.cfg.plan()
     links = DynamicCommunicator(
-        ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout, abort=ctx.abort
+        ctx.comm_store, ctx.rank, host_backend(), timeout=ctx.timeout, abort=ctx.abort
     )
-    links.build(plan.group_specs() + snapshot_specs(ctx, plan))
-    comm = links.comm
+    links.build(snapshot_specs(ctx, plan))
+    comm, device = links.comm, device_plane(ctx, plan)
     layers = ctx.layers
     if ctx.cfg.state.resume_dir is None or ctx.cfg.state.resume_step is None:
-        optimizer = build_optimizer(ctx, plan, comm, layers)
+        optimizer = build_optimizer(ctx, plan, device, layers)
         keepers = attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
-        runner = build_runner(ctx, plan, comm, layers, optimizer)
-        return Trainer(plan, links, optimizer, runner, layers, keepers)
+        runner = build_runner(ctx, plan, device, layers, optimizer)
+        return Trainer(plan, links, device, optimizer, runner, layers, keepers)
     stage, replica = plan.locate(ctx.rank)
     loaded = load_layers(
         step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step),
@@ -202,7 +223,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
             for param in layer.parameters():
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
-    optimizer = build_optimizer(ctx, plan, comm, layers, committed_step=ctx.cfg.state.resume_step)
+    optimizer = build_optimizer(ctx, plan, device, layers, committed_step=ctx.cfg.state.resume_step)
     cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
     optimizer.state = cut(replica)
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
@@ -216,8 +237,8 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     keepers = attach_snapshots(
         ctx, plan, comm, optimizer, step=ctx.cfg.state.resume_step, initial=initial
     )
-    runner = build_runner(ctx, plan, comm, layers, optimizer)
-    return Trainer(plan, links, optimizer, runner, layers, keepers)
+    runner = build_runner(ctx, plan, device, layers, optimizer)
+    return Trainer(plan, links, device, optimizer, runner, layers, keepers)
 
 
 def attach_snapshots(

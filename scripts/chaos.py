@@ -31,7 +31,10 @@ The draw
     policy     --rebalance none, resize, migrate or migrate+dvfs
     waiting    --wait-for-nodes 20 in 30% of cases (drawn last): a job left with fewer
                ranks than stages waits for joiners (its join faults start at once)
-    device     cpu (60%) or emulated (40%: there a slow fault is detected and rebalanced)
+    device     cpu (30%), cpu-strict (30%: training traffic under NCCL's rules) or emulated
+               (40%: there a slow fault is detected and rebalanced); a seed draws the
+               same cases as before cpu-strict was drawn, but for it (one of every two
+               earlier cpu cases is a cpu-strict case now)
     timeouts   --heartbeat-timeout 2 (a hang is fenced after 2 s), --plan-ack-timeout 2,
                --comm-timeout 30
 
@@ -148,6 +151,10 @@ FAIL_OUTCOMES = (
 KINDS = ("kill", "kill-node", "hang", "slow", "join", "in-recovery")
 STEP_PHASES = ("forward", "backward", "grad-sync", "snapshot", "optimizer")
 POLICIES = ("none", "resize", "migrate", "migrate+dvfs")
+DEVICES = ("cpu", "cpu-strict", "emulated")
+DEVICE_WEIGHTS = (0.3, 0.3, 0.4)
+"""One random() per case, as when cpu (0.6) and emulated (0.4) were drawn: a seed
+keeps its cases, and half of its former cpu cases are cpu-strict ones."""
 SMOKE = (
     "cli.main",
     "runtime.host.launcher",
@@ -277,8 +284,8 @@ def _draw(rng: random.Random, seed: int, index: int) -> Case:
     dp, pp = rng.choices(layouts, weights=[1 if dp == 1 else 2 for dp, _ in layouts])[0]
     world = dp * pp
     rpn = rng.randint(1, min(3, world))
-    device = rng.choices(["cpu", "emulated"], weights=[0.6, 0.4])[0]
-    steps = 10 if device == "cpu" else 8
+    device = rng.choices(DEVICES, weights=DEVICE_WEIGHTS)[0]
+    steps = 8 if device == "emulated" else 10
     mb = rng.choice([1, 2])
     nodes = -(-world // rpn)
     count = rng.choices([1, 2, 3, 4], weights=[0.3, 0.3, 0.25, 0.15])[0]
@@ -319,8 +326,8 @@ def _draw_tp(rng: random.Random, seed: int, index: int) -> Case:
     rpn = rng.choice(
         [r for r in (1, 2, 4, 6, 8) if r <= processes and (r % tp == 0 or tp % r == 0)]
     )
-    device = rng.choices(["cpu", "emulated"], weights=[0.6, 0.4])[0]
-    steps = 10 if device == "cpu" else 8
+    device = rng.choices(DEVICES, weights=DEVICE_WEIGHTS)[0]
+    steps = 8 if device == "emulated" else 10
     mb = rng.choice([1, 2])
     nodes = -(-processes // rpn)
     count = rng.choices([1, 2, 3, 4], weights=[0.3, 0.3, 0.25, 0.15])[0]

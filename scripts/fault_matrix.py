@@ -2,6 +2,7 @@
 and the last pipeline stage, each compared with the same job run without the fault.
 
     .venv/bin/python scripts/fault_matrix.py [--steps 30] [--kill-step 10] [--mttr-repeats 5]
+        [--device cpu-strict]
 
 Layouts: dp=4 x pp=2 (first and last stage) and dp=4 x pp=3 (middle stage). Also runs
 the RNG comparison (counter-based streams against the stateful per-rank baseline),
@@ -28,12 +29,18 @@ ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = {"first": (4, 2, 1), "middle": (4, 3, 5), "last": (4, 2, 6)}
 
 
+DEVICE = ["--device", "cpu-strict"]
+"""The device of every run (``--device``): by default cpu-strict, whose training traffic
+keeps NCCL's rules."""
+
+
 def train(out: Path, *args: str) -> Summary:
     cmd = [
         sys.executable,
         "-m",
         "elaswave.cli.main",
         "train",
+        *DEVICE,
         "--out",
         str(out),
         "--global-batch",
@@ -63,7 +70,9 @@ def main() -> int:
     parser.add_argument("--mttr-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "matrix")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    parser.add_argument("--device", default="cpu-strict", help="cpu or cpu-strict (default)")
     args = parser.parse_args()
+    DEVICE[1] = args.device
     steps, k = str(args.steps), args.kill_step
     refs: dict[tuple, Path] = {}
 

@@ -34,9 +34,21 @@ class Run:
         return load_params(self.out)
 
 
+DEVICE_ARGS: tuple[str, ...] = ()
+"""Put before the arguments of every job a test starts (a later ``--device`` wins): the
+fault suite runs on ``--device cpu-strict`` (:mod:`tests.fault.conftest`)."""
+
+
+def _job(args: tuple[str, ...]) -> list[str]:
+    """``args`` of an ``elaswave`` command, with :data:`DEVICE_ARGS` for a job."""
+    if args and args[0] in ("train", "run"):
+        return [args[0], *DEVICE_ARGS, *args[1:]]
+    return list(args)
+
+
 def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "elaswave.cli.main", *args],
+        [sys.executable, "-m", "elaswave.cli.main", *_job(args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -48,7 +60,7 @@ def launch(out: Path, *args: str, env: dict[str, str] | None = None) -> subproce
     """``elaswave train`` in the background; its stderr goes to OUT.stderr beside OUT."""
     with out.with_suffix(".stderr").open("w") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args],
+            [sys.executable, "-m", "elaswave.cli.main", *_job(("train", "--out", str(out), *args))],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=env,
@@ -108,7 +120,7 @@ def background_job(out: Path, *args: str) -> Iterator[subprocess.Popen]:
     stdout and stderr are pipes (text). The job is killed if still running on exit.
     """
     job = subprocess.Popen(
-        [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args],
+        [sys.executable, "-m", "elaswave.cli.main", *_job(("train", "--out", str(out), *args))],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -77,6 +77,7 @@ def main() -> None:
         "recoveries": [
             {"kind": str(rec.kind), "ranks": list(rec.ranks), "step": rec.step}
             | {"mttr_s": rec.mttr_s, "bytes_moved": rec.bytes_moved}
+            | {"communicators": rec.communicators}
             | {"stages": [list(s.ranks) for s in rec.plan.stages]}
             for rec in recs
         ],
@@ -102,13 +103,16 @@ def main() -> None:
         "- ranks that changed stage: "
         + (", ".join(f"rank {r} {a} -> {b} at step {s}" for s, r, a, b in moves) or "none"),
         "",
-        "| step | change | ranks | MTTR s | bytes moved | stages after |",
-        "|---|---|---|---|---|---|",
+        "Communicators: the most process groups one participant held open under each",
+        "plan (device groups, pooled host links, TP group), as the workers report them.",
+        "",
+        "| step | change | ranks | MTTR s | bytes moved | communicators | stages after |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['step']} | {r['kind']} | {r['ranks']} | {r['mttr_s']:.2f} | {r['bytes_moved']} "
-        f"| {[s['ranks'] for s in r['plan']['stages']]} |"
-        for r in recs
+        f"| {r['communicators']} | {r['stages']} |"
+        for r in doc["recoveries"]
     ]
     (args.out / "churn_runtime.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

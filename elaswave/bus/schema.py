@@ -376,6 +376,9 @@ class RecoveryDone(Event):
     params_s: float = 0.0
     """Of ``remap_s``, seconds spent delivering parameters before resuming (a gather,
     and a blocking layer migration's copy); non-blocking migration streams them later."""
+    communicators: int = 0
+    """Process groups the rank holds open under the new plan: its device groups, its
+    pooled host links and its TP group (0: not reported)."""
 
 
 @register

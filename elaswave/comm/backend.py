@@ -58,6 +58,20 @@ class GroupBackend(Protocol):
         ...
 
 
+HCCL_ENV = {"HCCL_ASYNC_ERROR_HANDLING": "0"}
+"""torch_npu's watchdog, set as NCCL's is (:data:`NCCL_ENV`): it handles no error, so a
+survivor's parked operation cannot take the process down during a recovery."""
+
+
+def _set_env(env: dict[str, str]) -> None:
+    """Set ``env`` in this process before any communicator is made, warning where a
+    user's different value is overridden."""
+    for name, value in env.items():
+        if os.environ.get(name, value) != value:
+            log.warning("comm.env_overridden", name=name, was=os.environ[name], now=value)
+        os.environ[name] = value
+
+
 class GlooBackend:
     name = "gloo"
     parks_in_flight = False
@@ -81,10 +95,7 @@ class NcclBackend:
     parks_in_flight = True
 
     def __init__(self) -> None:
-        for name, value in NCCL_ENV.items():
-            if os.environ.get(name, value) != value:
-                log.warning("nccl.env_overridden", name=name, was=os.environ[name], now=value)
-            os.environ[name] = value
+        _set_env(NCCL_ENV)
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta
@@ -114,6 +125,7 @@ class HcclBackend:
     parks_in_flight = True
 
     def __init__(self) -> None:
+        _set_env(HCCL_ENV)
         try:
             self._torch_npu = importlib.import_module("torch_npu")
         except Exception as exc:  # ImportError, or OSError when CANN's libhccl.so is missing
@@ -128,7 +140,12 @@ class HcclBackend:
         c10d = self._torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()
         opts._timeout = timeout
-        return c10d.ProcessGroupHCCL(store, rank, size, opts)
+        pg = c10d.ProcessGroupHCCL(store, rank, size, opts)
+        if hasattr(pg, "eager_connect_single_device"):  # connect now, as NCCL's
+            pg.eager_connect_single_device(
+                torch.device("npu", self._torch_npu.npu.current_device())
+            )
+        return pg
 
     def device_for(self, local_rank: int) -> torch.device:
         device = torch.device("npu", _one_each(local_rank, self.devices(), "NPU"))

@@ -60,6 +60,7 @@ class Applied:
     resume_s: float = 0.0
     bytes_sent: int = 0
     params_s: float = 0.0
+    communicators: int = 0
 
 
 # ----------------------------------------------------------------------------- phases

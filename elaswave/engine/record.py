@@ -123,11 +123,14 @@ class RecoveryRecord(PlannedRecovery):
     """Bytes the participants sent to remap state."""
     params_s: float
     """The slowest participant's parameter gather."""
+    communicators: int = 0
+    """The most process groups a participant holds open under the plan (0: none
+    reported)."""
 
 
 def recorded(
     planned: PlannedRecovery, *, mttr_s: float, phases: PhaseTimes, bytes_moved: int,
-    params_s: float,
+    params_s: float, communicators: int = 0,
 ) -> RecoveryRecord:  # fmt: skip
     """``planned``'s record with its times."""
     return RecoveryRecord(
@@ -146,6 +149,7 @@ def recorded(
         phases=phases,
         bytes_moved=bytes_moved,
         params_s=params_s,
+        communicators=communicators,
     )
 
 
@@ -181,6 +185,7 @@ def record_to_json(record: RecoveryRecord) -> dict[str, Any]:
     }
     doc["bytes_moved"] = record.bytes_moved
     doc["params_s"] = record.params_s
+    doc["communicators"] = record.communicators
     return doc
 
 
@@ -213,6 +218,7 @@ def record_from_json(doc: Mapping[str, Any]) -> RecoveryRecord:
             ),
             bytes_moved=int(doc["bytes_moved"]),
             params_s=_number(doc["params_s"]),
+            communicators=int(doc.get("communicators", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed recovery record: {exc!r}") from None

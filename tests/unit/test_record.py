@@ -41,7 +41,9 @@ def sample_record(**changes: object) -> RecoveryRecord:
         joined=(),
     )
     times = PhaseTimes(detect=0.03, plan=0.02, ack=0.01, comm=0.001, remap=0.02, resume=0.03)
-    record = recorded(planned, mttr_s=0.2, phases=times, bytes_moved=615936, params_s=0.01)
+    record = recorded(
+        planned, mttr_s=0.2, phases=times, bytes_moved=615936, params_s=0.01, communicators=5
+    )
     return dataclasses.replace(record, **changes)
 
 
@@ -70,10 +72,12 @@ def test_a_record_is_written_exactly_as_summary_json_holds_it() -> None:
         },
         "bytes_moved": 615936,
         "params_s": 0.01,
+        "communicators": 5,
     }
     assert list(doc) == [
         "step", "kind", "ranks", "generation", "committed_step", "reason", "superseded",
         "migration", "plan", "joined", "mttr_s", "phases", "bytes_moved", "params_s",
+        "communicators",
     ]  # fmt: skip
     assert type(doc["kind"]) is str and type(doc["migration"]["mode"]) is str
 
@@ -134,3 +138,9 @@ def test_a_malformed_record_is_one_clear_error() -> None:
         record_from_json({k: v for k, v in doc.items() if k != "phases"})
     with pytest.raises(ValueError, match="malformed recovery record"):
         record_from_json({**doc, "mttr_s": "fast"})
+
+
+def test_a_record_written_before_communicators_were_reported_reads_as_none_reported() -> None:
+    doc = json.loads(json.dumps(record_to_json(sample_record())))
+    del doc["communicators"]
+    assert record_from_json(doc) == sample_record(communicators=0)

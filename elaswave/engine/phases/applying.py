@@ -170,4 +170,5 @@ def _record(c: Change, p: Applying, now: float) -> RecoveryRecord:
         phases=phases,
         bytes_moved=sum(a.bytes_sent for a in done),
         params_s=max((a.params_s for a in done), default=0.0),
+        communicators=max((a.communicators for a in done), default=0),
     )

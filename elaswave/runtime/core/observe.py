@@ -61,6 +61,7 @@ def to_input(event: Event, t: float, scales: int) -> Input | None:
                 resume_s=event.resume_s,
                 bytes_sent=event.bytes_sent,
                 params_s=event.params_s,
+                communicators=event.communicators,
             )
             return Done(event.rank, event.generation, applied)
         case CheckpointWritten():

@@ -374,6 +374,7 @@ def _apply(
             resume_s=applied.resume_s,
             params_s=applied.params_s,
             bytes_sent=applied.bytes_sent,
+            communicators=trainer.communicators() + (1 if ctx.tp is not None else 0),
         )
     )
     return trainer

@@ -1,6 +1,7 @@
 """The heartbeat sender: a worker's liveness signal on the bus.
 
-A daemon thread publishes a Heartbeat with the worker's current step every interval.
+A daemon thread publishes a Heartbeat with the worker's current step when it starts and
+then every interval.
 Publishing goes through the Session's queue, so it never touches the training thread.
 A worker that hangs (stopped, deadlocked in a driver, swapping) stops heartbeating even
 though its process is alive; the Core's heartbeat monitor then fences it.
@@ -29,8 +30,12 @@ class HeartbeatSender:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        """Beat at once, then every interval: a worker that hangs right after it started
+        (before it told the Core so) has beaten already, and its silence is counted."""
+        while True:
             self.session.publish(Heartbeat(sender=self.sender, rank=self.rank, step=self.step))
+            if self._stop.wait(self.interval_s):
+                return
 
     def close(self) -> None:
         self._stop.set()

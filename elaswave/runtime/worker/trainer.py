@@ -122,6 +122,10 @@ class Trainer:
         """The host plane's current generation of groups."""
         return self.links.comm
 
+    def communicators(self) -> int:
+        """Process groups open on both planes: the device groups and the pooled links."""
+        return len(self.device) + len(self.links.links)
+
     def tainted(self) -> list[str]:
         """Both planes' groups that must be rebuilt, not reused."""
         return sorted(self.comm.tainted() + self.device.tainted())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 from datetime import timedelta
 from typing import Protocol
 
@@ -156,26 +157,56 @@ class HcclBackend:
         return int(self._torch_npu.npu.device_count())
 
 
+SHARE_DEVICE_ENV = "ELASWAVE_SHARE_DEVICE"
+"""Set to ``1`` to let several ranks of one host share an accelerator, for testing only
+(``scripts/gpu_check`` on a machine with fewer GPUs than ranks). NCCL refuses two ranks
+of a group on one device unless each process claims a host of its own, so every worker
+then sets a distinct ``NCCL_HOSTID`` and NCCL's test-only transport: ``NCCL_P2P_DISABLE=1``,
+``NCCL_SHM_DISABLE=1``, ``NCCL_NET=Socket`` (:func:`_as_own_host`). Slow, and never for
+training: without it a rank with no device of its own is refused."""
+
+
+def sharing_devices() -> bool:
+    """Whether :data:`SHARE_DEVICE_ENV` opts this process into sharing a device."""
+    value = os.environ.get(SHARE_DEVICE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SHARE_DEVICE_ENV}={value!r}: expected 1 (share) or 0 (one each)")
+    return value == "1"
+
+
+def _as_own_host(local_rank: int) -> None:
+    """NCCL's test-only mode for a rank that shares its device: its own host identity
+    (so NCCL does not see a duplicate GPU) and only the socket transport between ranks."""
+    os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-elaswave-rank{local_rank}"
+    os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NET="Socket")
+
+
 def _one_each(local_rank: int, count: int | None, what: str) -> int:
     """The device index of ``local_rank``: NCCL and HCCL refuse two ranks of one group
-    on the same device ("Duplicate GPU detected"), so ranks never share one."""
+    on the same device ("Duplicate GPU detected"), so ranks never share one, unless
+    :data:`SHARE_DEVICE_ENV` opts in: then ranks take the devices in turn, and each
+    process is its own NCCL host."""
+    if sharing_devices() and count:
+        _as_own_host(local_rank)
+        return local_rank % count
     if count is None or local_rank < count:
         return local_rank
     raise ValueError(
         f"local rank {local_rank} has no {what} device of its own: this host has {count}, "
-        "and each rank needs one"
+        f"and each rank needs one (testing only: {SHARE_DEVICE_ENV}=1 shares them)"
     )
 
 
 def check_capacity(backend: GroupBackend, ranks: int, device: str) -> None:
     """Refuse, before anything starts, a job that puts more ranks on this host than it
-    has accelerators (otherwise the first collective fails a minute in)."""
+    has accelerators (otherwise the first collective fails a minute in), unless
+    :data:`SHARE_DEVICE_ENV` opts in to sharing them."""
     count = backend.devices()
-    if count is not None and ranks > count:
+    if count is not None and ranks > count and not (count and sharing_devices()):
         raise ValueError(
             f"--device {device}: {ranks} ranks on this host but it has {count} "
             f"{device} device(s), one per rank needed (dp x pp <= {count}; --device cpu or "
-            "emulated runs any number)"
+            f"emulated runs any number; testing only: {SHARE_DEVICE_ENV}=1 shares them)"
         )
 
 

@@ -7,9 +7,17 @@ rank 1 both on CUDA device"). The launcher now refuses it before starting anythi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from elaswave.comm.backend import GlooBackend, _one_each, check_capacity
+from elaswave.comm.backend import (
+    SHARE_DEVICE_ENV,
+    GlooBackend,
+    _one_each,
+    check_capacity,
+    sharing_devices,
+)
 
 
 class _OneDevice(GlooBackend):
@@ -37,3 +45,35 @@ def test_a_rank_never_wraps_onto_another_ranks_device():
     assert _one_each(1, 2, "CUDA") == 1
     with pytest.raises(ValueError, match="local rank 2 has no CUDA device of its own"):
         _one_each(2, 2, "CUDA")
+
+
+def test_sharing_a_device_needs_the_explicit_opt_in(monkeypatch):
+    """scripts/gpu_check puts several ranks on one GPU in NCCL's test-only mode; a job
+    never does so by accident: without ELASWAVE_SHARE_DEVICE=1 the refusal stays."""
+    monkeypatch.delenv(SHARE_DEVICE_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"{SHARE_DEVICE_ENV}=1 shares them"):
+        check_capacity(_OneDevice(), 4, "cuda")
+    monkeypatch.setenv(SHARE_DEVICE_ENV, "0")
+    with pytest.raises(ValueError, match="one per rank needed"):
+        check_capacity(_OneDevice(), 2, "cuda")
+    with pytest.raises(ValueError, match="no CUDA device of its own"):
+        _one_each(1, 1, "CUDA")
+
+
+def test_with_the_opt_in_ranks_take_turns_and_each_is_its_own_nccl_host(monkeypatch):
+    for name in ("NCCL_HOSTID", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(SHARE_DEVICE_ENV, "1")
+    check_capacity(_OneDevice(), 4, "cuda")
+    assert _one_each(3, 2, "CUDA") == 1
+    third = os.environ["NCCL_HOSTID"]
+    assert _one_each(2, 2, "CUDA") == 0
+    assert os.environ["NCCL_HOSTID"] != third and third.endswith("rank3")
+    assert (os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_SHM_DISABLE"]) == ("1", "1")
+    assert os.environ["NCCL_NET"] == "Socket"
+
+
+def test_a_malformed_opt_in_is_named(monkeypatch):
+    monkeypatch.setenv(SHARE_DEVICE_ENV, "yes")
+    with pytest.raises(ValueError, match=r"ELASWAVE_SHARE_DEVICE='yes': expected 1"):
+        sharing_devices()

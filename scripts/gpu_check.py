@@ -1,0 +1,583 @@
+"""Everything a GPU machine can check of ElasWave, in one command.
+
+    scripts/gpu_check [--quick] [--cases NAME|GLOB ...] [--steps N] [--out DIR] [--dry-run]
+                      [--device cuda|cpu] [--budget SECONDS]
+
+Cases (``--dry-run`` lists them):
+
+- ``layout-{tiny,llama}-{dp2,pp2,dp2xpp2,tp2}``: the built-in model and a Hugging Face
+  Llama (config.json only, written here: no download) trained on ``--device cuda`` and
+  on ``--device cpu``; losses and final parameters within 1e-5 (relative, fp32). TP is
+  the built-in model's only.
+- ``{kill,hang}-{phase}``: SIGKILL (``kill``) or SIGSTOP (``hang``) of rank 1 of
+  dp2 x pp2 in each phase of step 3 that fault injection supports; the job must
+  finish every step without restarting a process (one worker start per rank, one Core),
+  match its fault-free run within 1e-4, and every survivor must abandon its step within
+  1 s of the failure's announcement (release, from events.log). Figures: MTTR, release.
+- ``churn``: a 20-change trace on dp4 x pp2 (kills and hangs in every phase, a slow
+  rank, joins: :data:`CHURN`); the two ranks that live through all of it must not gain
+  threads or GPU memory between the first change and the last step (sampled from /proc
+  and nvidia-smi); MTTR median.
+- ``snapshot-overhead``: dp2 x pp2 with and without host snapshots (throughput, the
+  snapshot threads' CPU share; parameters must be identical).
+
+With fewer GPUs than a run's ranks, the ranks share them in NCCL's test-only mode
+(``ELASWAVE_SHARE_DEVICE=1``: see elaswave/comm/backend.py). ``--device cpu`` runs the
+same cases on CPU, as a self-test of this script. Prints one line per case, a summary,
+writes OUT/gpu_check.json (run directories in OUT/runs) and exits 1 if any case failed
+or was not run. The bash wrapper scripts/gpu_check installs .whl/ when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from gpu_probe import Run, events_of, growth, release, run_train
+
+from elaswave.bus.schema import WorkerStarted
+from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.job.faults import StepPhase
+from elaswave.runtime.job.results import Summary, read_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT_TOLERANCE = 1e-5
+"""Device against CPU: losses and parameters, relative, fp32."""
+FAULT_TOLERANCE = 1e-4
+"""A recovered run against its fault-free run (scripts/fault_matrix.py's)."""
+RELEASE_LIMIT_S = 1.0
+THREAD_SLACK = 2
+"""Threads a survivor may gain over the churn trace."""
+GPU_SLACK_MIB = 512
+"""GPU memory a survivor may gain over the churn trace (it may take more samples)."""
+FAULT_RANK, FAULT_STEP = 1, 3
+JOB = ("--global-batch", "8", "--micro-batch", "2", "--profile", "off")
+LAYOUTS = {"dp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2xpp2": (2, 2, 1), "tp2": (1, 1, 2)}
+MODELS = ("tiny", "llama")
+LLAMA: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    tie_word_embeddings=False,
+)  # fmt: skip
+"""tests/fault/test_model_adapters.py's tiny Llama: a config.json, seeded weights."""
+PHASES = tuple(p for p in StepPhase if p not in (StepPhase.PLAN, StepPhase.APPLY))
+CHURN = (
+    "kill:1@2:forward", "join@3", "hang:5@5:backward", "join@6", "kill:2@8:grad-sync", "join@9",
+    "kill:6@11:snapshot", "join@12", "slow:3=2@13", "join@14", "kill:3@15:optimizer", "join@16",
+    "join@17", "hang:7@18:forward", "join@19", "join@21", "join@23", "join@25", "join@27",
+    "join@29", "join@31",
+)  # fmt: skip
+"""A churn trace of 20 changes on dp4 x pp2 (6 failures in every phase, SIGKILL and
+SIGSTOP, a slow rank that then dies, 14 joins) that, unlike scripts/churn_runtime.py's
+(which loses every original rank), leaves ranks 0 and 4 to live through all of them, so
+that their threads and GPU memory can be compared before and after."""
+CHURN_STEPS = 34
+QUICK = (
+    "layout-tiny-dp2xpp2",
+    "layout-tiny-tp2",
+    "layout-llama-dp2xpp2",
+    "kill-backward",
+    "hang-backward",
+    "snapshot-overhead",
+)
+
+Figure = float | int | str | None
+
+
+class Status(enum.StrEnum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    NOT_RUN = "NOT RUN"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    name: str
+    status: Status
+    figures: dict[str, Figure] = field(default_factory=dict)
+    detail: str = ""
+    """Why it failed (empty on a pass)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    device: str
+    """cuda (the check) or cpu (a self-test of this script)."""
+    out: Path
+    steps: int
+    cases: tuple[str, ...]
+    """Names or globs of the cases to run (empty: all)."""
+    dry_run: bool
+    run_timeout_s: float
+    """One ``elaswave train`` run's deadline (churn: three times it)."""
+    budget_s: float
+    """The whole check's: cases not started within it are NOT RUN."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"--device {self.device!r}: expected cuda or cpu")
+        if self.steps < FAULT_STEP + 2:
+            raise ValueError(
+                f"--steps {self.steps}: at least {FAULT_STEP + 2} (faults strike step {FAULT_STEP})"
+            )
+        if self.run_timeout_s <= 0 or self.budget_s <= 0:
+            raise ValueError("--run-timeout and --budget must be positive seconds")
+
+
+class Checker:
+    """Runs ``elaswave train`` for the cases, each run once however many cases use it."""
+
+    def __init__(self, opts: Options, gpus: int) -> None:
+        self.opts, self.gpus = opts, gpus
+        self.deadline = time.monotonic() + opts.budget_s
+        self._lock = threading.Lock()
+        self._runs: dict[str, Future[Run]] = {}
+        self._models: dict[str, str] = {}
+
+    def env(self, device: str, processes: int) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        if device == "cuda" and self.gpus < processes:
+            env["ELASWAVE_SHARE_DEVICE"] = "1"
+        return env
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def train(
+        self,
+        key: str,
+        args: Sequence[str],
+        *,
+        device: str,
+        processes: int,
+        scale: float = 1.0,
+        watch: bool = False,
+    ) -> Run:
+        """The run ``key`` (``elaswave train --device DEVICE ARGS``), started by its
+        first caller; later callers get the same run."""
+        with self._lock:
+            future, mine = self._runs.get(key), False
+            if future is None:
+                future, mine = self._runs.setdefault(key, Future()), True
+        if not mine:
+            return future.result()
+        out = self.opts.out / "runs" / key
+        argv = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out),
+                "--overwrite", "--device", device, *args]  # fmt: skip
+        timeout = max(1.0, min(self.opts.run_timeout_s * scale, self.remaining_s()))
+        env = self.env(device, processes)
+        run = run_train(argv, out, env=env, timeout_s=timeout, watch=watch, gpu=device == "cuda")
+        future.set_result(run)
+        return run
+
+    def model(self, name: str) -> str:
+        """The ``--model`` value of ``name``: a preset, or an HF directory written here."""
+        if name == "tiny":
+            return name
+        with self._lock:
+            if name not in self._models:
+                import transformers  # only for the Hugging Face cases
+
+                directory = self.opts.out / "models" / name
+                transformers.LlamaConfig(**LLAMA).save_pretrained(directory)
+                self._models[name] = f"hf:{directory}"
+            return self._models[name]
+
+
+def _layout_args(layout: str, steps: int) -> tuple[list[str], int]:
+    dp, pp, tp = LAYOUTS[layout]
+    flags = {"--dp": dp, "--pp": pp, "--tp": tp, "--steps": steps}
+    return [*JOB, *(x for flag, value in flags.items() for x in (flag, str(value)))], dp * pp * tp
+
+
+def _summary(run: Run) -> tuple[Summary | None, str]:
+    """The run's summary, or None and why not."""
+    if not run.ok:
+        return None, run.reason
+    try:
+        return read_summary(run.out), ""
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def reference(ck: Checker, model: str, layout: str, device: str, *, twin: bool = False) -> Run:
+    """``model`` on ``layout``, fault-free, on ``device``; ``twin``: the CPU run a device
+    run is compared with (a run of its own also under ``--device cpu``)."""
+    args, processes = _layout_args(layout, ck.opts.steps)
+    key = f"{model}-{layout}-{device}" + ("-twin" if twin and device == ck.opts.device else "")
+    return ck.train(key, ["--model", ck.model(model), *args], device=device, processes=processes)
+
+
+def check_layout(ck: Checker, model: str, layout: str) -> Outcome:
+    name = f"layout-{model}-{layout}"
+    with ThreadPoolExecutor(2) as pool:  # the device run and its CPU twin side by side
+        on_device = pool.submit(reference, ck, model, layout, ck.opts.device)
+        on_cpu = pool.submit(reference, ck, model, layout, "cpu", twin=True)
+        dev, cpu = on_device.result(), on_cpu.result()
+    figures: dict[str, Figure] = {"device_s": round(dev.wall_s, 1), "cpu_s": round(cpu.wall_s, 1)}
+    (ds, why_dev), (cs, why_cpu) = _summary(dev), _summary(cpu)
+    if ds is None or cs is None:
+        detail = f"device run: {why_dev or 'ok'}; cpu run: {why_cpu or 'ok'}"
+        return Outcome(name=name, status=Status.FAIL, figures=figures, detail=detail)
+    diff = compare_runs(dev.out, cpu.out)
+    gaps = [abs(a - b) for a, b in zip(ds.loss, cs.loss, strict=False)]
+    figures |= {
+        "loss_rel": diff.loss_rel,
+        "param_rel": diff.param_rel,
+        "loss_abs": max(gaps, default=0.0),
+        "steps": ds.steps_completed,
+    }
+    problems = []
+    if ds.steps_completed != cs.steps_completed:
+        problems.append(f"{ds.steps_completed} steps on the device, {cs.steps_completed} on cpu")
+    if diff.loss_rel > LAYOUT_TOLERANCE:
+        problems.append(f"losses differ by {diff.loss_rel:.1e}")
+    if diff.param_rel > LAYOUT_TOLERANCE:
+        problems.append(f"parameters differ by {diff.param_rel:.1e}")
+    return _outcome(name, figures, problems)
+
+
+def _outcome(name: str, figures: dict[str, Figure], problems: Sequence[str]) -> Outcome:
+    status = Status.FAIL if problems else Status.PASS
+    return Outcome(name=name, status=status, figures=figures, detail="; ".join(problems))
+
+
+def check_fault(ck: Checker, kind: str, phase: StepPhase) -> Outcome:
+    name = f"{kind}-{phase}"
+    args, processes = _layout_args("dp2xpp2", ck.opts.steps)
+    fault = ["--fault", f"{kind}:{FAULT_RANK}@{FAULT_STEP}:{phase}"]
+    if kind == "hang":
+        fault += ["--heartbeat-timeout", "2"]  # a SIGSTOPped rank is found by its silence
+    run = ck.train(name, [*args, *fault], device=ck.opts.device, processes=processes)
+    ref = reference(ck, "tiny", "dp2xpp2", ck.opts.device)
+    (summary, why), (ref_summary, why_ref) = _summary(run), _summary(ref)
+    figures: dict[str, Figure] = {"wall_s": round(run.wall_s, 1)}
+    if summary is None or ref_summary is None:
+        return Outcome(
+            name=name,
+            status=Status.FAIL,
+            figures=figures,
+            detail=why or f"fault-free run: {why_ref}",
+        )
+    events = events_of(run.out)
+    starts = sum(1 for e in events if isinstance(e, WorkerStarted))
+    released = release(run.out, events)
+    diff = compare_runs(run.out, ref.out)
+    recovered = [r for r in summary.recoveries if FAULT_RANK in r.ranks]
+    figures |= {
+        "steps": summary.steps_completed,
+        "recoveries": len(summary.recoveries),
+        "mttr_s": recovered[0].mttr_s if recovered else None,
+        "detect_s": recovered[0].phases.detect if recovered else None,
+        "release_s": None if released is None else released.from_announcement_s,
+        "release_from_fault_s": None if released is None else released.from_fault_s,
+        "loss_rel": diff.loss_rel,
+        "param_rel": diff.param_rel,
+        "worker_starts": starts,
+    }
+    problems = _fault_problems(summary, ref_summary, bool(recovered), starts, processes, figures)
+    return _outcome(name, figures, problems)
+
+
+def _fault_problems(
+    summary: Summary,
+    ref: Summary,
+    recovered: bool,
+    starts: int,
+    processes: int,
+    figures: dict[str, Figure],
+) -> list[str]:
+    problems = []
+    if summary.steps_completed != ref.steps_completed:
+        problems.append(f"{summary.steps_completed} of {ref.steps_completed} steps")
+    if not recovered:
+        problems.append(f"no recovery of rank {FAULT_RANK} recorded")
+    if starts != processes or (summary.core_incarnations or 1) != 1:
+        problems.append(
+            f"processes restarted: {starts} worker starts for {processes} ranks, "
+            f"{summary.core_incarnations} Core incarnations"
+        )
+    for key in ("loss_rel", "param_rel"):
+        value = figures[key]
+        if isinstance(value, float) and value > FAULT_TOLERANCE:
+            problems.append(f"{key} {value:.1e} against the fault-free run")
+    released = figures["release_s"]
+    if not isinstance(released, float):
+        problems.append("no release measured (a survivor never reported RecoveryReady)")
+    elif released > RELEASE_LIMIT_S:
+        problems.append(f"release took {released:.2f} s (limit {RELEASE_LIMIT_S} s)")
+    return problems
+
+
+def check_churn(ck: Checker) -> Outcome:
+    joins = sum(1 for f in CHURN if f.startswith("join"))
+    faults = [a for f in CHURN for a in ("--fault", f)]
+    args = [*JOB, "--dp", "4", "--pp", "2", "--steps", str(CHURN_STEPS), "--heartbeat-timeout", "2"]
+    run = ck.train("churn", [*args, *faults], device=ck.opts.device, processes=8 + joins,
+                   scale=3.0, watch=True)  # fmt: skip
+    summary, why = _summary(run)
+    figures: dict[str, Figure] = {"wall_s": round(run.wall_s, 1)}
+    if summary is None:
+        return Outcome(name="churn", status=Status.FAIL, figures=figures, detail=why)
+    mttrs = sorted(r.mttr_s for r in summary.recoveries)
+    grown = growth(run.samples, events_of(run.out))
+    figures |= {
+        "steps": summary.steps_completed,
+        "recoveries": len(summary.recoveries),
+        "mttr_median_s": mttrs[len(mttrs) // 2] if mttrs else None,
+    }
+    if grown is not None:
+        figures |= asdict(grown)
+    problems = []
+    if summary.steps_completed != CHURN_STEPS:
+        problems.append(f"{summary.steps_completed} of {CHURN_STEPS} steps")
+    if grown is None:
+        problems.append("no samples before the first change and after the last")
+    else:
+        if grown.threads_after > grown.threads_before + THREAD_SLACK:
+            problems.append(f"survivor threads {grown.threads_before} -> {grown.threads_after}")
+        before, after = grown.gpu_mib_before, grown.gpu_mib_after
+        if before is not None and after is not None and after > before + GPU_SLACK_MIB:
+            problems.append(f"survivor GPU memory {before} -> {after} MiB")
+    return _outcome("churn", figures, problems)
+
+
+def check_snapshots(ck: Checker) -> Outcome:
+    from snapshot_overhead import snapshot_share, throughput  # scripts/snapshot_overhead.py
+
+    args, processes = _layout_args("dp2xpp2", ck.opts.steps)
+    # Its own pair, run one after the other: the layout cases run a device run and its
+    # CPU twin side by side, which would slow one side of the comparison.
+    bare = ck.train(
+        "tiny-dp2xpp2-no-snapshots",
+        [*args, "--no-snapshots"],
+        device=ck.opts.device,
+        processes=processes,
+    )
+    kept = ck.train("tiny-dp2xpp2-snapshots", args, device=ck.opts.device, processes=processes)
+    (with_, why), (without, why_bare) = _summary(kept), _summary(bare)
+    if with_ is None or without is None:
+        detail = f"with snapshots: {why or 'ok'}; without: {why_bare or 'ok'}"
+        return Outcome(name="snapshot-overhead", status=Status.FAIL, detail=detail)
+    fast, slow = throughput(without), throughput(with_)
+    figures: dict[str, Figure] = {
+        "samples_per_s_with": slow,
+        "samples_per_s_without": fast,
+        "overhead": 1 - slow / fast,
+        "snapshot_cpu_share": snapshot_share(kept.out),
+    }
+    same = with_.param_digest == without.param_digest
+    return _outcome(
+        "snapshot-overhead", figures, [] if same else ["snapshots changed the parameters"]
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    name: str
+    what: str
+    check: Callable[[Checker], Outcome]
+
+
+def all_cases() -> list[Case]:
+    cases = [
+        Case(
+            name=f"layout-{model}-{layout}",
+            what=f"{model} on {layout}: device against cpu",
+            check=partial(check_layout, model=model, layout=layout),
+        )
+        for model in MODELS
+        for layout in LAYOUTS
+        if not (model != "tiny" and LAYOUTS[layout][2] > 1)  # TP: the built-in model's
+    ]
+    cases += [
+        Case(
+            name=f"{kind}-{phase}",
+            what=f"{signal} rank {FAULT_RANK} of dp2xpp2 at step {FAULT_STEP}, {phase}",
+            check=partial(check_fault, kind=kind, phase=phase),
+        )
+        for kind, signal in (("kill", "SIGKILL"), ("hang", "SIGSTOP"))
+        for phase in PHASES
+    ]
+    cases.append(
+        Case(
+            name="churn",
+            what="20 changes on dp4xpp2; survivors' threads, GPU memory",
+            check=check_churn,
+        )
+    )
+    cases.append(
+        Case(
+            name="snapshot-overhead",
+            what="dp2xpp2 with and without snapshots",
+            check=check_snapshots,
+        )
+    )
+    return cases
+
+
+def select(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
+    """The cases ``patterns`` name (all when empty); ValueError for a pattern that names none."""
+    if not patterns:
+        return list(cases)
+    names = [c.name for c in cases]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(f"--cases {pattern!r} names no case; valid: {', '.join(names)}")
+    return [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+
+
+def run_case(ck: Checker, case: Case) -> Outcome:
+    """``case``'s outcome; a case that raises fails with the error, never a traceback."""
+    if ck.remaining_s() < 10:
+        return Outcome(
+            name=case.name,
+            status=Status.NOT_RUN,
+            detail=f"the budget of {ck.opts.budget_s:.0f} s was spent",
+        )
+    try:
+        return case.check(ck)
+    except Exception as exc:  # a case's failure is a FAIL line, not a traceback
+        return Outcome(name=case.name, status=Status.FAIL, detail=f"{type(exc).__name__}: {exc}")
+
+
+def _format(outcome: Outcome) -> str:
+    def show(value: Figure) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.1e}"
+        return str(value)
+
+    figures = " ".join(f"{k}={show(v)}" for k, v in outcome.figures.items())
+    line = f"{outcome.status:7} {outcome.name:24} {figures}"
+    return line + (f"\n        {outcome.detail[:600]}" if outcome.detail else "")
+
+
+def machine(device: str) -> dict[str, Figure]:
+    """What ran the check: commit, Python, torch, the GPUs (count and name)."""
+    import torch
+
+    commit = os.environ.get("ELASWAVE_COMMIT") or _git_commit()
+    doc: dict[str, Figure] = {
+        "commit": commit,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": device,
+        "gpus": 0,
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        doc |= {"gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0)}
+    return doc
+
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git; set ELASWAVE_COMMIT)"
+    return head.stdout.strip()
+
+
+def parse(argv: Sequence[str]) -> Options:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu: a self-test")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="names or globs, e.g. 'layout-*' kill-backward (default: all)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 6 steps")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 8)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="for OUT/gpu_check.json and OUT/runs/ (default: a temp dir)",
+    )
+    parser.add_argument("--run-timeout", type=float, default=120.0, help="seconds per run")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check")
+    parser.add_argument("--dry-run", action="store_true", help="list the cases, run nothing")
+    args = parser.parse_args(argv)
+    out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    steps = args.steps if args.steps is not None else (6 if args.quick else 8)
+    cases = tuple(args.cases) if args.cases or not args.quick else QUICK
+    return Options(
+        device=args.device,
+        out=out,
+        steps=steps,
+        cases=cases,
+        dry_run=args.dry_run,
+        run_timeout_s=args.run_timeout,
+        budget_s=args.budget,
+    )
+
+
+def report(opts: Options, header: dict[str, Figure], outcomes: Sequence[Outcome]) -> int:
+    counts = {s: sum(1 for o in outcomes if o.status is s) for s in Status}
+    where = f"{header.get('gpus')} x {header.get('gpu', opts.device)}, torch {header['torch']}"
+    print(
+        f"gpu_check: {counts[Status.PASS]} passed, {counts[Status.FAIL]} failed, "
+        f"{counts[Status.NOT_RUN]} not run, on {where}, commit {header['commit']}"
+    )
+    doc = {**header, "steps": opts.steps, "cases": [asdict(o) for o in outcomes]}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    path = opts.out / "gpu_check.json"
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"gpu_check: figures in {path}")
+    return 0 if counts[Status.PASS] == len(outcomes) else 1
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        opts = parse(argv)
+        cases = select(all_cases(), opts.cases)
+    except ValueError as exc:
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        for case in cases:
+            print(f"{'PLAN':7} {case.name:24} {case.what}")
+        print(f"gpu_check: {len(cases)} cases planned, {opts.steps} steps a run (dry run)")
+        return 0
+    header = machine(opts.device)
+    if opts.device == "cuda" and not header["gpus"]:
+        print(
+            f"FAIL    cuda: torch {header['torch']} (CUDA {header['cuda']}) sees no CUDA device; "
+            "scripts/gpu_check --device cpu self-tests this script"
+        )
+        return 1
+    ck = Checker(opts, int(header["gpus"] or 0))
+    outcomes = []
+    for case in cases:
+        outcome = run_case(ck, case)
+        print(_format(outcome), flush=True)
+        outcomes.append(outcome)
+    return report(opts, header, outcomes)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,249 @@
+"""What scripts/gpu_check measures of one ``elaswave train`` run: the run itself (a
+subprocess with a deadline, its process tree sampled while it runs) and the figures read
+back from its run directory (release latency, survivors' thread and GPU-memory growth).
+
+Sampling reads /proc (threads of every process under the job host) and, where
+``nvidia-smi`` is on the PATH, the GPU memory of each of those processes; elsewhere the
+GPU figures are None. Nothing here imports torch or raises on a run that failed: a
+failed run is a :class:`Run` with ``ok`` False and its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import (
+    Event,
+    FailureDetected,
+    RecoveryReady,
+    RecoveryStarted,
+    StepCompleted,
+    WorkerStarted,
+)
+from elaswave.rundir import EVENT_LOG, fault_record
+
+SAMPLE_EVERY_S = 0.5
+TAIL_CHARS = 1500
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """The job's processes at one moment."""
+
+    t: float
+    """Wall-clock time (seconds since the epoch)."""
+    threads: Mapping[int, int]
+    """Threads of each process under the job host, by pid."""
+    gpu_mib: Mapping[int, int] | None
+    """GPU memory of each process nvidia-smi lists, by pid (None: no nvidia-smi)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One finished (or abandoned) ``elaswave train`` run."""
+
+    out: Path
+    """Its run directory."""
+    ok: bool
+    """Exited 0 within its deadline."""
+    reason: str
+    """Why not ok (empty when ok): the exit code or the deadline, and the output's tail."""
+    wall_s: float
+    samples: tuple[Sample, ...]
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc (pid -> child pids)."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(parent, []).append(int(entry.name))
+    return tree
+
+
+def _threads(pid: int) -> int | None:
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    return next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), None
+    )
+
+
+def _gpu_mib() -> dict[int, int] | None:
+    """GPU memory (MiB) by pid from nvidia-smi; None when it is missing or fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        text = subprocess.run(query, capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    usage: dict[int, int] = {}
+    for line in text.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            usage[int(pid)] = usage.get(int(pid), 0) + int(mib)
+    return usage
+
+
+def sample(root: int, *, gpu: bool) -> Sample:
+    """Threads (and with ``gpu``, GPU memory) of ``root``'s descendants, ``root`` included."""
+    tree, found, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(tree.get(pid, []))
+    threads = {pid: n for pid in found if (n := _threads(pid)) is not None}
+    usage = _gpu_mib() if gpu else None
+    mine = None if usage is None else {pid: usage[pid] for pid in found if pid in usage}
+    return Sample(t=time.time(), threads=threads, gpu_mib=mine)
+
+
+def run_train(
+    argv: Sequence[str],
+    out: Path,
+    *,
+    env: Mapping[str, str],
+    timeout_s: float,
+    watch: bool,
+    gpu: bool,
+) -> Run:
+    """Run ``argv`` (an ``elaswave train`` command writing ``out``) in a session of its
+    own; past ``timeout_s`` its whole process group is SIGKILLed. ``watch``: sample its
+    processes every :data:`SAMPLE_EVERY_S` (``gpu``: their GPU memory too)."""
+    log = out.with_name(out.name + ".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start, samples = time.monotonic(), []
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            list(argv), stdout=sink, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+        )
+        code: int | None = None
+        while code is None and time.monotonic() - start < timeout_s:
+            if watch:
+                samples.append(sample(proc.pid, gpu=gpu))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(timeout=SAMPLE_EVERY_S)
+        if code is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the job's group: host, zygote, Core, workers
+            proc.wait()
+    wall = time.monotonic() - start
+    tail = log.read_text(errors="replace")[-TAIL_CHARS:].strip().replace("\n", " | ")
+    if code is None:
+        reason = f"no exit within {timeout_s:.0f} s (killed); output: {tail}"
+    else:
+        reason = "" if code == 0 else f"exit {code}; output: {tail}"
+    return Run(out=out, ok=code == 0, reason=reason, wall_s=wall, samples=tuple(samples))
+
+
+def events_of(run_dir: Path) -> list[Event]:
+    path = run_dir / EVENT_LOG
+    if not path.exists():
+        return []
+    return [r.event for r in read_event_log(path) if r.event is not None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release:
+    """How fast the survivors of the first failure abandoned their step."""
+
+    from_announcement_s: float
+    """The Core's failure announcement to the last survivor's RecoveryReady."""
+    from_fault_s: float | None
+    """The fault's own time (SIGKILL or SIGSTOP) to the same (None: no fault record)."""
+
+
+def release(run_dir: Path, events: Sequence[Event]) -> Release | None:
+    """The first failure's release, from the event log and the fault record; None when
+    the log has no failure with every survivor's RecoveryReady."""
+    failure = next((e for e in events if isinstance(e, FailureDetected)), None)
+    if failure is None:
+        return None
+    started = {e.rank for e in events if isinstance(e, WorkerStarted) and not e.joining}
+    survivors = started - set(failure.ranks)
+    ready = {
+        e.rank: e.time
+        for e in events
+        if isinstance(e, RecoveryReady)
+        and e.generation == failure.generation
+        and e.rank in survivors
+    }
+    if not survivors or set(ready) != survivors:
+        return None
+    last = max(ready.values())
+    records = (_killed_at(fault_record(run_dir, rank)) for rank in failure.ranks)
+    times = [t for t in records if t is not None]
+    return Release(
+        from_announcement_s=last - failure.time, from_fault_s=last - min(times) if times else None
+    )
+
+
+def _killed_at(path: Path) -> float | None:
+    """The time a fault record (RUN_DIR/faults/rankN.json) gives; None without one."""
+    try:
+        return float(json.loads(path.read_text())["killed_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Growth:
+    """Survivors' resources after the run's changes against before the first of them."""
+
+    survivors: int
+    """Worker processes alive both before the first change and at the end."""
+    threads_before: int
+    threads_after: int
+    """The most threads one survivor had (before, after)."""
+    gpu_mib_before: int | None
+    gpu_mib_after: int | None
+    """The most GPU memory one survivor held (None: not measured)."""
+
+
+def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
+    """Survivors' growth: the last sample before the first RecoveryStarted against the
+    last sample before the last step completed; None without a change or without
+    samples on both sides."""
+    first = next((e.time for e in events if isinstance(e, RecoveryStarted)), None)
+    last = max((e.time for e in events if isinstance(e, StepCompleted)), default=None)
+    workers = {e.pid for e in events if isinstance(e, WorkerStarted)}
+    if first is None or last is None:
+        return None
+    before = [s for s in samples if s.t < first]
+    after = [s for s in samples if first < s.t < last]
+    if not before or not after:
+        return None
+    old, new = before[-1], after[-1]
+    alive = sorted(workers & set(old.threads) & set(new.threads))
+    if not alive:
+        return None
+
+    def most(values: Mapping[int, int] | None) -> int | None:
+        return None if values is None else max((values.get(pid, 0) for pid in alive), default=0)
+
+    return Growth(
+        survivors=len(alive),
+        threads_before=max(old.threads[pid] for pid in alive),
+        threads_after=max(new.threads[pid] for pid in alive),
+        gpu_mib_before=most(old.gpu_mib),
+        gpu_mib_after=most(new.gpu_mib),
+    )

@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from elaswave.comm.group import Group
 
@@ -72,3 +73,20 @@ def abort_all(groups: Sequence[Group], *, deadline_s: float = ABORT_DEADLINE_S) 
     if chosen:
         log.info("device.released", aborted=released.aborted, late=late, seconds=released.seconds)
     return released
+
+
+def device_healthy(device: torch.device, *, deadline_s: float = ABORT_DEADLINE_S) -> bool:
+    """Whether ``device`` finishes the work queued on it within ``deadline_s`` once its
+    communicators are aborted (a kernel that still spins after an abort, or a device
+    that stopped answering, means this rank cannot train on: it should leave the job).
+    A CPU is always healthy."""
+    if device.type != "cuda":
+        return True
+    done = threading.Event()
+
+    def synchronize() -> None:
+        torch.cuda.synchronize(device)
+        done.set()
+
+    threading.Thread(target=synchronize, name="ew-device-check", daemon=True).start()
+    return done.wait(deadline_s)

@@ -34,6 +34,7 @@ from elaswave.bus.schema import (
     sender_name,
 )
 from elaswave.bus.session import Session
+from elaswave.comm.release import ABORT_DEADLINE_S, device_healthy
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.plan_inputs import PlanInputs, decode
 from elaswave.engine.recovery import plan_digest
@@ -300,8 +301,12 @@ def _release(ctx: WorkerContext, trainer: Trainer, announced: Event) -> None:
     released = trainer.device.release(failed)
     if ctx.tp is not None:
         ctx.tp.release()
-    if released.late:
-        log.warning("recovery.abort_late", groups=released.late, seconds=released.seconds)
+    if released.late or not device_healthy(ctx.device):
+        raise RuntimeError(
+            f"the device did not recover from aborting its communicators {list(released.aborted)} "
+            f"(still running after {ABORT_DEADLINE_S:g} s: {list(released.late)}): "
+            "this rank leaves the job"
+        )
 
 
 def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:

@@ -34,6 +34,7 @@ from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.spec import CommError
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
+from elaswave.fabric.hostplane import bind_thread_device
 from elaswave.fabric.snapshot import state_digest
 from elaswave.model.llama import layer_index
 from elaswave.runtime.job.results import Trace, WorkerResult, write_worker_result
@@ -101,7 +102,10 @@ class StepLoop:
         self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt"
+            max_workers=1,
+            thread_name_prefix="ckpt",
+            initializer=bind_thread_device,
+            initargs=(ctx.device,),
         )
         self._writes: list[concurrent.futures.Future] = []
         self.step = self.trainer.committed_step + 1 if join else self.cfg.state.first_step
@@ -247,7 +251,7 @@ class StepLoop:
         if replica == 0:
             params = {
                 layer_index(layer): {
-                    n: whole_param(n, p.detach().cpu(), self.ctx.tp)
+                    n: whole_param(n, p.detach(), self.ctx.tp).cpu()
                     for n, p in layer.named_parameters()
                 }
                 for layer in trainer.layers

@@ -10,8 +10,9 @@ roll back to the committed one, and every version since the step before its own
 committed step (see :func:`kept_versions`); it keeps them as one state and the
 gradients not yet applied to it (:class:`SnapshotKeeper`). Bit-for-bit equality with the
 owner holds because both sides run
-:func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
-may round differently, which the integrity check tolerates by design of the remap).
+:func:`adamw_update` on the same fp32 inputs (on CPU; a device owner's AdamW kernel rounds
+apart from the host's, and ``--verify-snapshots`` then compares within a tolerance:
+:mod:`elaswave.fabric.verify`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from elaswave.fabric.hostplane import (
     host_empty,
     host_state,
 )
+from elaswave.fabric.verify import Fingerprint, state_fingerprint
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +56,12 @@ def state_digest(state: ShardState) -> str:
     for t in (state.master, state.exp_avg, state.exp_avg_sq):
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def state_record(state: ShardState) -> tuple[str, Fingerprint]:
+    """What ``--verify-snapshots`` records of a version: its digest and fingerprint
+    (:mod:`elaswave.fabric.verify`)."""
+    return state_digest(state), state_fingerprint(state)
 
 
 def kept_versions(steps: Iterable[int], holder_step: int | None) -> list[int]:
@@ -107,7 +115,7 @@ class SnapshotKeeper:
     _base_step: int = field(init=False)
     _grads: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     """Gradients of steps ``_base_step + 1`` .. ``newest``, received and not applied."""
-    _digests: list[str] = field(init=False, default_factory=list)
+    _records: list[tuple[str, Fingerprint]] = field(init=False, default_factory=list)
     _spares: list[torch.Tensor] = field(init=False, default_factory=list)
     """Gradients applied: the next receives' buffers."""
     _applying: bool = False
@@ -228,7 +236,7 @@ class SnapshotKeeper:
         try:
             t0 = time.thread_time()
             end = next(pieces, _END) is _END
-            digest = state_digest(self._base) if end and self.record_digests else ""
+            record = state_record(self._base) if end and self.record_digests else None
             self.cpu_s += time.thread_time() - t0
         except BaseException as exc:
             failed = exc
@@ -243,8 +251,8 @@ class SnapshotKeeper:
             self._partial = None
             self._base_step = step
             self._spares.append(self._grads.pop(step))
-            if self.record_digests:
-                self._digests.append(digest)
+            if record is not None:
+                self._records.append(record)
         return True
 
     def _ready(self, step: int, timeout_s: float) -> None:
@@ -314,11 +322,16 @@ class SnapshotKeeper:
     def digests(self) -> list[str]:
         """sha256 of each version after ``initial_step`` (``record_digests`` only),
         versions not yet applied included (computed on a copy)."""
+        return [digest for digest, _ in self.records()]
+
+    def records(self) -> list[tuple[str, Fingerprint]]:
+        """:func:`state_record` of each version after ``initial_step``
+        (``record_digests`` only), versions not yet applied included (on a copy)."""
         with self._done:
             self._whole(timeout_s=60)
-            out = list(self._digests)
+            out = list(self._records)
             if self._grads:
-                self._copy(self.newest, each=lambda state: out.append(state_digest(state)))
+                self._copy(self.newest, each=lambda state: out.append(state_record(state)))
             return out
 
     def _copy(self, step: int, each: Callable[[ShardState], None] | None = None) -> ShardState:

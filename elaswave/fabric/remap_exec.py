@@ -16,6 +16,7 @@ import torch
 from elaswave.comm.group import P2PLink
 from elaswave.comm.spec import TagSpace, p2p_tag
 from elaswave.fabric.adamw import ShardState
+from elaswave.fabric.hostplane import as_host, host_empty
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source
 
@@ -56,16 +57,18 @@ def execute_remap(
     link: Callable[[int, int], P2PLink],
     generation: int,
     step: int,
+    device: torch.device,
 ) -> RemapResult:
     """Run the transfers that involve ``rank``; return its new shard over ``new_layout``.
 
     ``old_layout`` and ``device_state`` are this rank's committed layout and shard
     (``device_state`` None if it owned nothing); ``host_states`` maps an old owner rank
     to the snapshot this rank holds for it, and ``host_layouts`` that owner's committed
-    layout (its stage may be another one; default ``old_layout``).
+    layout (its stage may be another one; default ``old_layout``). The new shard is
+    made on ``device``; what crosses ranks travels in host-plane buffers.
     """
     host_layouts = host_layouts or {}
-    out = [torch.zeros(new_layout.shard_numel) for _ in range(3)]
+    out = [torch.zeros(new_layout.shard_numel, device=device) for _ in range(3)]
     sends, recvs, bytes_sent = [], [], 0
     for index, t in enumerate(plan.transfers):
         if t.src != rank and t.dst != rank:
@@ -86,7 +89,7 @@ def execute_remap(
                     dst[n_lo : n_lo + t.numel] = src
                 continue
             group = link(t.src, t.dst)
-            piece = piece.contiguous()
+            piece = as_host(piece)  # a stack of its own: marked, or copied off the device
             bytes_sent += piece.numel() * piece.element_size()
             sends.append(
                 (
@@ -98,10 +101,12 @@ def execute_remap(
         else:
             recvs.append((index, t, n_lo))
     for index, t, n_lo in recvs:
-        buf = torch.empty(3, t.numel)
+        buf = host_empty((3, t.numel))
         link(t.src, t.dst).recv(buf, t.src, p2p_tag(generation, step, TagSpace.REMAP + index))
         for dst, src in zip(out, buf, strict=True):
             dst[n_lo : n_lo + t.numel] = src
     for group, work, _ in sends:
         group.wait_send(work)
-    return RemapResult(ShardState(out[0], out[1], out[2], torch.zeros(0)), bytes_sent)
+    return RemapResult(
+        ShardState(out[0], out[1], out[2], torch.zeros(0, device=device)), bytes_sent
+    )

@@ -10,8 +10,9 @@ roll back to the committed one, and every version since the step before its own
 committed step (see :func:`kept_versions`); it keeps them as one state and the
 gradients not yet applied to it (:class:`SnapshotKeeper`). Bit-for-bit equality with the
 owner holds because both sides run
-:func:`adamw_update` on the same fp32 inputs (on CPU; a device owner and a host holder
-may round differently, which the integrity check tolerates by design of the remap).
+:func:`adamw_update` on the same fp32 inputs (on CPU; a device owner's AdamW kernel rounds
+apart from the host's, and ``--verify-snapshots`` then compares within a tolerance:
+:mod:`elaswave.fabric.verify`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ from elaswave.comm.group import P2PGroup
 from elaswave.comm.idle import IDLE, IdleTask
 from elaswave.comm.spec import CommError, TagSpace, p2p_tag
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_pieces, adamw_update
+from elaswave.fabric.hostplane import (
+    HostCopy,
+    bind_thread_device,
+    host_copier,
+    host_empty,
+    host_state,
+)
+from elaswave.fabric.verify import Fingerprint, state_fingerprint
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +56,12 @@ def state_digest(state: ShardState) -> str:
     for t in (state.master, state.exp_avg, state.exp_avg_sq):
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def state_record(state: ShardState) -> tuple[str, Fingerprint]:
+    """What ``--verify-snapshots`` records of a version: its digest and fingerprint
+    (:mod:`elaswave.fabric.verify`)."""
+    return state_digest(state), state_fingerprint(state)
 
 
 def kept_versions(steps: Iterable[int], holder_step: int | None) -> list[int]:
@@ -92,12 +107,15 @@ class SnapshotKeeper:
     """The step ``initial`` is the state after (-1: before any step)."""
     record_digests: bool = False
     holder_step: Callable[[], int] | None = None
+    device: torch.device | None = None
+    """This process's training device (its thread's current device); the keeper's
+    own tensors are host-plane buffers."""
     error: BaseException | None = None
     _base: ShardState = field(init=False)
     _base_step: int = field(init=False)
     _grads: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     """Gradients of steps ``_base_step + 1`` .. ``newest``, received and not applied."""
-    _digests: list[str] = field(init=False, default_factory=list)
+    _records: list[tuple[str, Fingerprint]] = field(init=False, default_factory=list)
     _spares: list[torch.Tensor] = field(init=False, default_factory=list)
     """Gradients applied: the next receives' buffers."""
     _applying: bool = False
@@ -116,7 +134,7 @@ class SnapshotKeeper:
     """CPU seconds this keeper's updates have used (on whichever thread ran them)."""
 
     def __post_init__(self) -> None:
-        self._base = self.initial.clone_to("cpu")
+        self._base = host_state(self.initial)
         self._base_step = self.initial_step
 
     @property
@@ -140,6 +158,7 @@ class SnapshotKeeper:
         receive for the next step is posted as soon as the last one is stored. The
         updates are idle work (:mod:`elaswave.comm.idle`); :meth:`catch_up` is the
         training thread's fallback where waits leave them behind."""
+        bind_thread_device(self.device)
         step = self.initial_step
         while not self._closed:
             step += 1
@@ -147,7 +166,7 @@ class SnapshotKeeper:
                 with self._done:
                     grad = self._spares.pop() if self._spares else None
                 if grad is None:
-                    grad = torch.empty_like(self._base.master)
+                    grad = host_empty(self._base.master.shape, self._base.master.dtype)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
@@ -217,7 +236,7 @@ class SnapshotKeeper:
         try:
             t0 = time.thread_time()
             end = next(pieces, _END) is _END
-            digest = state_digest(self._base) if end and self.record_digests else ""
+            record = state_record(self._base) if end and self.record_digests else None
             self.cpu_s += time.thread_time() - t0
         except BaseException as exc:
             failed = exc
@@ -232,8 +251,8 @@ class SnapshotKeeper:
             self._partial = None
             self._base_step = step
             self._spares.append(self._grads.pop(step))
-            if self.record_digests:
-                self._digests.append(digest)
+            if record is not None:
+                self._records.append(record)
         return True
 
     def _ready(self, step: int, timeout_s: float) -> None:
@@ -303,17 +322,22 @@ class SnapshotKeeper:
     def digests(self) -> list[str]:
         """sha256 of each version after ``initial_step`` (``record_digests`` only),
         versions not yet applied included (computed on a copy)."""
+        return [digest for digest, _ in self.records()]
+
+    def records(self) -> list[tuple[str, Fingerprint]]:
+        """:func:`state_record` of each version after ``initial_step``
+        (``record_digests`` only), versions not yet applied included (on a copy)."""
         with self._done:
             self._whole(timeout_s=60)
-            out = list(self._digests)
+            out = list(self._records)
             if self._grads:
-                self._copy(self.newest, each=lambda state: out.append(state_digest(state)))
+                self._copy(self.newest, each=lambda state: out.append(state_record(state)))
             return out
 
     def _copy(self, step: int, each: Callable[[ShardState], None] | None = None) -> ShardState:
         """A copy of ``base`` brought to ``step`` through the held gradients, ``each``
         called after every update (the lock held, no update running)."""
-        state = self._base.clone_to("cpu")
+        state = host_state(self._base)
         for k in range(self._base_step + 1, step + 1):
             adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
             if each is not None:
@@ -332,16 +356,28 @@ class SnapshotKeeper:
 class SnapshotSender:
     """The owner's side: ship each step's reduced gradient shard to the holder.
 
-    :meth:`send` posts the send and hands it to a background thread that waits for it,
-    so the training thread never waits on the snapshot path.
+    :meth:`send` copies the shard into a host-plane buffer (:mod:`~elaswave.fabric.hostplane`)
+    and hands it to a background thread that waits for the send, so the training thread
+    never waits on the snapshot path. A host copy is complete at once, and its send is
+    posted right away; a device's is made on a copy stream, and the thread posts its
+    send once the copy's event has completed.
     """
 
-    def __init__(self, link: P2PGroup, holder: int, generation: int = 0) -> None:
+    def __init__(
+        self,
+        link: P2PGroup,
+        holder: int,
+        generation: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: where the gradient shards live (default: the host)."""
         self.link = link
         self.holder = holder
         self.generation = generation
+        self.device = device
         self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[dist.Work, torch.Tensor, int] | None] = queue.Queue()
+        self._copier = host_copier(device or torch.device("cpu"))
+        self._queue: queue.Queue[tuple[dist.Work | None, HostCopy, int] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._in_flight = 0
         self.cpu_s = 0.0
@@ -351,18 +387,26 @@ class SnapshotSender:
         )
         self._thread.start()
 
+    def _post(self, copy: HostCopy, step: int) -> dist.Work:
+        tag = p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
+        return self.link.isend(copy.tensor, self.holder, tag)
+
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
         """Send ``step``'s gradient shard (not modified afterwards) to the holder."""
-        buf = grad_shard.detach().to("cpu").contiguous()
-        work = self.link.isend(buf, self.holder, p2p_tag(self.generation, step, TagSpace.SNAPSHOT))
+        copy = self._copier.copy(grad_shard)
+        work = self._post(copy, step) if copy.ready else None
         with self._idle:
             self._in_flight += 1
-        self._queue.put((work, buf, step))
+        self._queue.put((work, copy, step))
 
     def _run(self) -> None:
+        bind_thread_device(self.device)
         while (item := self._queue.get()) is not None:
-            work, _buf, step = item  # the buffer stays alive until the send is done
+            work, copy, step = item  # the buffer stays alive until the send is done
             try:
+                if work is None:  # a device copy: post once it has landed
+                    copy.wait()
+                    work = self._post(copy, step)
                 self.link.wait_detached(work, "send")
             except BaseException as exc:
                 log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))

@@ -233,7 +233,9 @@ class ZeroAdamW:
             self._grads = _GradBuffer(self.params, self.layout, self._like)
         n = len(self.params)
         self._reduction = _Reduction(
-            out=torch.empty(self.layout.shard_numel, dtype=self._like.dtype),
+            out=torch.empty(
+                self.layout.shard_numel, dtype=self._like.dtype, device=self._like.device
+            ),
             left=[sum(p.requires_grad for p in ps) for ps in self.params],
             ready=[False] * n,
             next=n - 1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elaswave.fabric.placement import node_of
+from elaswave.fabric.verify import exact_on, versions_agree
 from tests.runs import train
 
 
@@ -33,6 +34,14 @@ def test_snapshots_equal_owner_shards_every_step_and_live_on_other_nodes_and_sta
             assert workers[owner].stage != worker.stage, (owner, holder)
             assert len(digests) == 6
             assert digests == workers[owner].optimizer_digests, (owner, holder)
+            theirs = workers[owner]
+            exact = exact_on(theirs.optimizer_device or "cpu")
+            assert exact, "a host owner: its snapshot is checked bit for bit"
+            assert versions_agree(theirs.optimizer_digests, digests, exact=exact)
+            # The check a device owner gets (fingerprints) passes where digests are equal.
+            mine = (worker.snapshot_fingerprints or {})[owner]
+            prints = theirs.optimizer_fingerprints or ()
+            assert versions_agree((), (), exact=False, owner_prints=prints, snapshot_prints=mine)
     assert owners_seen == set(workers), "every shard has exactly one snapshot"
     # The digests really change step to step (the comparison above is not vacuous).
     assert len(set(workers[0].optimizer_digests)) == 6

@@ -114,6 +114,13 @@ class WorkerResult:
     cpu_s: float
     snapshot_cpu_s: float
     """CPU time its snapshot work took (the keepers' and its own sender's)."""
+    optimizer_device: str | None = None
+    """The device type its optimizer shard lived on (``cpu``, ``cuda``): a host holder's
+    snapshot equals it bit for bit on ``cpu`` only (:func:`elaswave.fabric.verify.exact_on`)."""
+    optimizer_fingerprints: tuple[tuple[float, ...], ...] | None = None
+    """Per-step fingerprints of its optimizer shard (``--verify-snapshots``)."""
+    snapshot_fingerprints: Mapping[int, tuple[tuple[float, ...], ...]] | None = None
+    """Per-step fingerprints of the snapshots it holds, by owner (``--verify-snapshots``)."""
 
 
 def write_summary(run_dir: Path, summary: Summary) -> None:

@@ -36,6 +36,7 @@ from elaswave.comm.group import P2PGroup
 from elaswave.comm.spec import TagSpace, p2p_tag
 from elaswave.engine.migration import Transfer, Transition
 from elaswave.engine.plan import Plan
+from elaswave.fabric.hostplane import as_host, host_empty
 from elaswave.fabric.remap_exec import remap_link_name
 from elaswave.runtime.worker.emulation import DelayedSend, Pacer
 
@@ -133,11 +134,12 @@ class ShadowStep:
         for index, t in enumerate(self.transition.streams):
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
-                self._post_send(t, _flat(params), self._tag(TagSpace.STREAM, index))
+                payload = as_host(_flat(params))
+                self._post_send(t, payload, self._tag(TagSpace.STREAM, index))
         for index, t in enumerate(self.transition.streams):
             if t.dst == self.rank:
                 params = list(self.modules[t.layer].parameters())
-                buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+                buf = host_empty(sum(p.numel() for p in params), params[0].dtype)
                 work = self._link(t).irecv(buf, t.src, self._tag(TagSpace.STREAM, index))
                 self._recvs.append((t, work, buf))
         if not self._recvs:
@@ -188,7 +190,7 @@ class ShadowStep:
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                self._post_send(t, _flat(grads), self._tag(TagSpace.PAYBACK, index))
+                self._post_send(t, as_host(_flat(grads)), self._tag(TagSpace.PAYBACK, index))
 
     def finish(self) -> None:
         """After the last backward: add the paybacks this rank receives to its gradients
@@ -199,10 +201,11 @@ class ShadowStep:
             if t.dst != self.rank:
                 continue
             params = list(self.modules[t.layer].parameters())
-            buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+            buf = host_empty(sum(p.numel() for p in params), params[0].dtype)
             self._link(t).recv(buf, t.src, self._tag(TagSpace.PAYBACK, index))
             for p, piece in zip(params, _pieces(buf, params), strict=True):
-                p.grad = piece.clone() if p.grad is None else p.grad.add_(piece)
+                grad = piece.to(p.device)  # the host-plane buffer stays out of training
+                p.grad = grad.clone() if p.grad is None else p.grad.add_(grad)
         for group, work, _ in self._sends:
             if isinstance(work, DelayedSend):
                 work = work.work(self.timeout_s)

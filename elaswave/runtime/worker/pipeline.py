@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
+from elaswave.comm.group import CollectiveGroup
 from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
@@ -48,6 +49,27 @@ class StepResult:
 
 def _no_fault(phase: StepPhase, step: int) -> None:
     return None
+
+
+class LossSum:
+    """A step's sum of per-sample losses, kept on the device (float64, so that every
+    layout sums the same bits), reduced over the stage's DP group there, and read to the
+    host once per step, after the reduction."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def add(self, per_sample: torch.Tensor) -> None:
+        """Add a micro-batch's per-sample losses (on the device; no host copy)."""
+        self.total += per_sample.detach().double().sum()
+
+    def reduce(self, group: CollectiveGroup) -> None:
+        """Sum every replica's total (a device-plane all-reduce)."""
+        group.all_reduce(self.total)
+
+    def value(self) -> float:
+        """The total on the host (the step's one device-to-host read of it)."""
+        return float(self.total)
 
 
 class StageRunner:
@@ -191,7 +213,7 @@ class StageRunner:
         trace: list[tuple[str, int]] = []
         pending: list[tuple] = []
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list[int]]] = {}
-        loss_sum = torch.zeros(1, dtype=torch.float64)
+        loss_sum = LossSum(self.device)
         if self.pacer is not None:
             self.pacer.begin_step()
         self.optimizer.zero_grad()
@@ -224,8 +246,8 @@ class StageRunner:
             self.pacer.collectives(layout.dp * layout.shard_numel * FP32_BYTES, layout.dp, synced)
         total = None
         if self.is_last:
-            self.comm.collective(dp_group_name(self.stage)).all_reduce(loss_sum)
-            total = float(loss_sum)
+            loss_sum.reduce(self.comm.collective(dp_group_name(self.stage)))
+            total = loss_sum.value()
         self.optimizer.commit(step)
         return StepResult(step, total, time.perf_counter() - started, trace, shadow)
 
@@ -237,7 +259,7 @@ class StageRunner:
         step: int,
         mb: int,
         pending: list,
-        loss_sum: torch.Tensor,
+        loss_sum: LossSum,
         shadow: ShadowStep | None,
         inbox: _Receives,
     ):
@@ -265,7 +287,7 @@ class StageRunner:
         if self.is_last:
             _, targets = self.loader.batch(ids)
             per_sample = self.per_sample_loss(x, targets.to(self.device))
-            loss_sum += per_sample.detach().double().sum().cpu()
+            loss_sum.add(per_sample)
             out = per_sample.sum() / self.plan.global_batch
         else:
             out = x

@@ -30,6 +30,7 @@ from elaswave.engine.plan import (
 )
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.adamw import ShardState
+from elaswave.fabric.hostplane import as_host, host_empty
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.placement import snapshot_link_name
 from elaswave.fabric.remap import (
@@ -63,20 +64,21 @@ def _exchange_snapshot_states(
     optimizer: ZeroAdamW,
     step: int,
 ) -> dict[int, ShardState]:
-    """Owners send their full committed shard to their (new) holders."""
+    """Owners send their full committed shard to their (new) holders (host-plane
+    traffic: the holders' snapshots are host memory)."""
     placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
     tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
     pending = None
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         s = optimizer.state
-        payload = torch.stack([s.master, s.exp_avg, s.exp_avg_sq]).contiguous()
+        payload = as_host(torch.stack([s.master, s.exp_avg, s.exp_avg_sq]))
         group = comm.p2p(snapshot_link_name(ctx.rank, holder))
         pending = (group, group.isend(payload, holder, tag), payload)
     received = {}
     for owner in placement.holds(ctx.rank):
         layout, _ = owner_layout(ctx.cfg, plan, owner)
-        buf = torch.empty(3, layout.shard_numel)
+        buf = host_empty((3, layout.shard_numel))
         comm.p2p(snapshot_link_name(owner, ctx.rank)).recv(buf, owner, tag)
         received[owner] = ShardState(
             buf[0].clone(), buf[1].clone(), buf[2].clone(), owner_decay_mask(ctx.cfg, plan, owner)
@@ -361,6 +363,7 @@ def _move_optimizer_state(
         link=lambda x, y: comm.p2p(remap_link_name(x, y)),
         generation=a.new.generation,
         step=a.committed_step,
+        device=ctx.device,
     )
     if moved_in:
         state = result.state

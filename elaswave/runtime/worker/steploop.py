@@ -34,7 +34,9 @@ from elaswave.bus.session import Session
 from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.spec import CommError
 from elaswave.fabric.checkpoint import shard_pieces, write_pieces
-from elaswave.fabric.snapshot import state_digest
+from elaswave.fabric.hostplane import bind_thread_device
+from elaswave.fabric.snapshot import state_record
+from elaswave.fabric.verify import Fingerprint
 from elaswave.model.llama import layer_index
 from elaswave.runtime.job.results import Trace, WorkerResult, write_worker_result
 from elaswave.runtime.worker import executor
@@ -100,8 +102,12 @@ class StepLoop:
         self.losses: dict[int, float] = {}
         self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
+        self.optimizer_prints: dict[int, Fingerprint] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt"
+            max_workers=1,
+            thread_name_prefix="ckpt",
+            initializer=bind_thread_device,
+            initargs=(ctx.device,),
         )
         self._writes: list[concurrent.futures.Future] = []
         self.step = self.trainer.committed_step + 1 if join else self.cfg.state.first_step
@@ -158,7 +164,12 @@ class StepLoop:
                 self.step = trainer.committed_step + 1
                 if hasattr(ctx.rng, "rewind"):
                     ctx.rng.rewind(self.step)
-                for record in (self.step_times, self.losses, self.optimizer_digests):
+                for record in (
+                    self.step_times,
+                    self.losses,
+                    self.optimizer_digests,
+                    self.optimizer_prints,
+                ):
                     for later in [s for s in record if s >= self.step]:
                         del record[later]
                 recovered = True
@@ -209,7 +220,8 @@ class StepLoop:
         if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
             self.traces.append(Trace(step=step, actions=tuple(result.trace)))
         if cfg.state.verify_snapshots:
-            self.optimizer_digests[step] = state_digest(trainer.optimizer.state)
+            digest, fingerprint = state_record(trainer.optimizer.state)
+            self.optimizer_digests[step], self.optimizer_prints[step] = digest, fingerprint
         loss = outcome.loss
         if loss is not None and trainer.plan.stages[-1].ranks[0] == self.rank:
             self.session.publish(
@@ -247,7 +259,7 @@ class StepLoop:
         if replica == 0:
             params = {
                 layer_index(layer): {
-                    n: whole_param(n, p.detach().cpu(), self.ctx.tp)
+                    n: whole_param(n, p.detach(), self.ctx.tp).cpu()
                     for n, p in layer.named_parameters()
                 }
                 for layer in trainer.layers
@@ -263,6 +275,8 @@ class StepLoop:
         if not self.ctx.leader:
             return  # member 0 reports for the TP group
         losses, times, digests = self.losses, self.step_times, self.optimizer_digests
+        prints = self.optimizer_prints
+        held = {k.owner: k.records() for k in trainer.keepers}
         keepers, sender = trainer.keepers, trainer.optimizer.snapshot
         result = WorkerResult(
             rank=self.rank,
@@ -275,13 +289,16 @@ class StepLoop:
             optimizer_shard_numel=trainer.optimizer.state.numel(),
             stage_param_numel=sum(p.numel() for p in trainer.layers.parameters()),
             optimizer_digests=tuple(digests[s] for s in sorted(digests)),
-            snapshot_digests={k.owner: tuple(k.digests()) for k in keepers},
+            snapshot_digests={o: tuple(d for d, _ in r) for o, r in held.items()},
             generation=trainer.plan.generation,
             first_step=self.first_step,
             bus=self.session.client.delivery(),
             cpu_s=cpu_s,
             snapshot_cpu_s=sum(k.cpu_s for k in keepers)
             + (sender.cpu_s if sender is not None else 0.0),
+            optimizer_device=trainer.optimizer.state.master.device.type,
+            optimizer_fingerprints=tuple(prints[s] for s in sorted(prints)),
+            snapshot_fingerprints={o: tuple(p for _, p in r) for o, r in held.items()},
         )
         write_worker_result(run_dir, result)
         self.session.publish(WorkerFinished(sender=self.sender, rank=self.rank, ok=True))

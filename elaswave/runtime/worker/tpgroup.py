@@ -150,11 +150,12 @@ def unit_report(
 
 def whole_param(name: str, piece: torch.Tensor, tp: TpLink | None) -> torch.Tensor:
     """Parameter ``name`` whole, joined from every member's piece (each member calls it
-    for the same parameters in the same order); ``piece`` itself without TP."""
+    for the same parameters in the same order); ``piece`` itself without TP. The pieces
+    are gathered where ``piece`` lives (a device-plane collective)."""
     if tp is None or split_dim(name) is None:
         return piece
     flat = piece.contiguous().view(-1)
-    out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype)
+    out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
     tp.all_gather(out, flat)
     return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)])
 

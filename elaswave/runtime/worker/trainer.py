@@ -265,7 +265,10 @@ def attach_snapshots(
     holder = placement.holder.get(ctx.rank)
     if holder is not None:
         optimizer.snapshot = SnapshotSender(
-            comm.p2p(snapshot_link_name(ctx.rank, holder)), holder, generation=plan.generation
+            comm.p2p(snapshot_link_name(ctx.rank, holder)),
+            holder,
+            generation=plan.generation,
+            device=ctx.device,
         )
     keepers = []
     for owner in placement.holds(ctx.rank):
@@ -283,6 +286,7 @@ def attach_snapshots(
             initial_step=step,
             record_digests=ctx.cfg.state.verify_snapshots,
             holder_step=lambda: optimizer.committed_step,
+            device=ctx.device,
         )
         keeper.start()
         keepers.append(keeper)

@@ -198,3 +198,18 @@ def test_scale_refuses_a_finished_job_and_bad_counts(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     proc = elaswave("scale", str(tmp_path))
     assert proc.returncode == 2 and "already finished" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_and_a_loss_in_one_change_under_nccls_rules(runs_dir, reference):
+    """On cpu-strict (the fault suite's device), a rank joins while another dies, and
+    the joiner's host links must be gloo as the survivors' are: the joiner once made
+    them with the device's backend, and the change's remap waited for ever (chaos seed
+    35035, cases 29 and 30)."""
+    run = train(runs_dir / "strict_join", "--dp", "2", "--pp", "2", "--steps", "6",
+                "--global-batch", "16", "--micro-batch", "2",
+                "--fault", "join@2", "--fault", "kill:1@2:optimizer")  # fmt: skip
+    s = run.summary
+    assert s.steps_completed == 6
+    assert any(r.kind == "join" for r in s.recoveries), s.recoveries
+    _check_numbers(run.out, reference(2, 2).out)

@@ -272,7 +272,7 @@ def _edit_communicator(
     specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
     if a.old is None:
         links = DynamicCommunicator(
-            ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
+            ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout,
             generation=a.new.generation, abort=ctx.abort,
         )  # fmt: skip
         return links, links.build(specs)

@@ -63,6 +63,8 @@ class WorkerContext:
     run_dir: Path
     store: dist.Store
     backend: GroupBackend
+    """The device plane's backend (training traffic); the host plane's is
+    :attr:`host_backend`."""
     device: torch.device
     layers: nn.ModuleList
     loader: SampleLoader
@@ -87,6 +89,11 @@ class WorkerContext:
     def leader(self) -> bool:
         """Whether this process speaks for its rank on the bus (TP member 0)."""
         return self.member == 0
+
+    @property
+    def host_backend(self) -> GroupBackend:
+        """The host plane's backend (fault-tolerance traffic): gloo on every device."""
+        return host_backend()
 
     @property
     def comm_store(self) -> dist.Store:
@@ -206,7 +213,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     """The trainer at the start of the run, or at a checkpoint when resuming."""
     plan = ctx.cfg.plan()
     links = DynamicCommunicator(
-        ctx.comm_store, ctx.rank, host_backend(), timeout=ctx.timeout, abort=ctx.abort
+        ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout, abort=ctx.abort
     )
     links.build(snapshot_specs(ctx, plan))
     comm, device = links.comm, device_plane(ctx, plan)

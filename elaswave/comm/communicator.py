@@ -62,9 +62,10 @@ class Communicator:
         self.dropped: list[CommGroup] = []
         """Groups an :meth:`edit` did not carry over (they may have work in flight)."""
         self.retired: list[CommGroup] = []
-        """Every group dropped by this plane's edits so far, kept alive: freeing a gloo
-        process group while a wait is parked on it takes the process down (an aborted
-        NCCL communicator has released its resources already)."""
+        """Every group this plane's edits dropped so far, where its backend does not park
+        work (gloo), kept alive: freeing a gloo process group while a wait is parked on
+        it takes the process down. Where work parks (NCCL), a dropped group is aborted,
+        which ends every wait on it, and then freed with its threads."""
 
     def build(self, specs: Iterable[GroupSpec]) -> float:
         """Create every group of ``specs`` that contains this rank. Returns seconds taken."""
@@ -125,9 +126,10 @@ class Communicator:
         new.build(create)
         kept = set(map(id, new._groups.values()))
         self.dropped = [g for g in self._groups.values() if id(g) not in kept]
-        new.retired = [*self.retired, *self.dropped]
         if self.backend.parks_in_flight:  # an idle NCCL communicator holds device memory
             abort_all([g for g in self.dropped if isinstance(g, Group)])
+        else:  # gloo: a wait may be parked on a dropped group
+            new.retired = [*self.retired, *self.dropped]
         return new, sum(1 for g in self._groups.values() if id(g) in kept)
 
     def release(self, failed: Iterable[int], deadline_s: float = ABORT_DEADLINE_S) -> Released:

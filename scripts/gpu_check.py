@@ -1,7 +1,7 @@
 """Everything a GPU machine can check of ElasWave, in one command.
 
     scripts/gpu_check [--quick] [--cases NAME|GLOB ...] [--steps N] [--out DIR] [--dry-run]
-                      [--device cuda|cpu] [--budget SECONDS]
+                      [--device cuda|cpu-strict|cpu] [--budget SECONDS]
 
 Cases (``--dry-run`` lists them):
 
@@ -113,10 +113,14 @@ class Outcome:
     """Why it failed (empty on a pass)."""
 
 
+DEVICES = ("cuda", "cpu-strict", "cpu")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
     device: str
-    """cuda (the check) or cpu (a self-test of this script)."""
+    """cuda (the check), cpu-strict (the same cases under NCCL's rules on CPU) or cpu (a
+    self-test of this script)."""
     out: Path
     steps: int
     cases: tuple[str, ...]
@@ -128,8 +132,8 @@ class Options:
     """The whole check's: cases not started within it are NOT RUN."""
 
     def __post_init__(self) -> None:
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"--device {self.device!r}: expected cuda or cpu")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}")
         if self.steps < FAULT_STEP + 2:
             raise ValueError(
                 f"--steps {self.steps}: at least {FAULT_STEP + 2} (faults strike step {FAULT_STEP})"
@@ -502,7 +506,11 @@ def _git_commit() -> str:
 
 def parse(argv: Sequence[str]) -> Options:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu: a self-test")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (default); cpu-strict: the cases under NCCL's rules on CPU; cpu: a self-test",
+    )
     parser.add_argument(
         "--cases",
         nargs="+",

@@ -183,7 +183,7 @@ def main() -> int:
     lines = [
         f"Fail-stop matrix: kill at step {k} of {args.steps}, tiny model, dropout 0.1, "
         "global batch 16; compared with the same layout without the fault (tolerance "
-        "1e-4). Measured on real processes, 2-core CPU, gloo.",
+        f"1e-4). Measured on real processes, 2-core CPU, --device {args.device}.",
         "",
         "| stage | layout | rank | phase | steps | max rel loss diff | rel param diff | "
         "MTTR s | detect | plan | comm | remap | resume | redo |",

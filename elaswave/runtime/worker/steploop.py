@@ -13,6 +13,7 @@ object.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import socket
 import time
@@ -183,6 +184,11 @@ class StepLoop:
         self.step = step + 1
         for keeper in trainer.keepers:  # updates no wait for communication has done
             keeper.catch_up()
+        if recovered:
+            # The groups the change replaced sit in reference cycles (an aborted
+            # communicator and its last operation), each holding a process group and its
+            # threads: free them now, after the redone step (not inside the recovery).
+            gc.collect()
         for hook in self.hooks:
             hook(outcome)
         return outcome

@@ -28,6 +28,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.group import P2PGroup
 from elaswave.comm.idle import IDLE, IdleTask
 from elaswave.comm.spec import CommError, TagSpace, p2p_tag
@@ -353,14 +354,19 @@ class SnapshotKeeper:
             self._done.notify_all()
 
 
+_ABORT_POLL_S = 0.05
+"""How often a wait for a snapshot's delivery looks at the abort signal."""
+
+
 class SnapshotSender:
     """The owner's side: ship each step's reduced gradient shard to the holder.
 
     :meth:`send` copies the shard into a host-plane buffer (:mod:`~elaswave.fabric.hostplane`)
-    and hands it to a background thread that waits for the send, so the training thread
-    never waits on the snapshot path. A host copy is complete at once, and its send is
-    posted right away; a device's is made on a copy stream, and the thread posts its
-    send once the copy's event has completed.
+    and hands it to a background thread that waits for the send. A host copy is complete
+    at once, and its send is posted right away; a device's is made on a copy stream, and
+    the thread posts its send once the copy's event has completed. The training thread
+    waits for the delivery only before the step's all-gather (:meth:`wait_delivered`),
+    with the optimizer update done meanwhile.
     """
 
     def __init__(
@@ -369,8 +375,11 @@ class SnapshotSender:
         holder: int,
         generation: int = 0,
         device: torch.device | None = None,
+        abort: AbortSignal | None = None,
     ) -> None:
-        """``device``: where the gradient shards live (default: the host)."""
+        """``device``: where the gradient shards live (default: the host). ``abort``:
+        ends :meth:`wait_delivered` when the Core announces a failure."""
+        self.abort = abort
         self.link = link
         self.holder = holder
         self.generation = generation
@@ -418,6 +427,28 @@ class SnapshotSender:
                 self._in_flight -= 1
                 self.cpu_s = time.thread_time()
                 self._idle.notify_all()
+
+    def wait_delivered(self, timeout_s: float) -> None:
+        """Wait until the holder has every gradient sent so far (a holder that failed
+        ends the wait: the Core announces it, and the snapshots are placed again).
+
+        Called before the step's all-gather: no rank can commit a step before the
+        owner's all-gather of it, so a recovery's roll-back step always has its
+        snapshot at the holder. Without this wait a holder whose receiving thread fell
+        behind (a loaded host) lacked the step every survivor rolled back to, and the
+        job stopped (scripts/chaos --seed 6502 --case 97: the holder had step 4 of an
+        owner that died in step 7's snapshot phase)."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._in_flight and self.error is None:
+                if self.abort is not None and self.abort.is_set():
+                    raise StepAborted(self.abort.reason)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommError(
+                        self.link.name, "snapshot send", f"not delivered within {timeout_s:g} s"
+                    )
+                self._idle.wait(min(left, _ABORT_POLL_S))
 
     def flush(self, timeout_s: float) -> None:
         """Wait until every queued gradient has been delivered (at the end of training)."""

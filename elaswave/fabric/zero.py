@@ -29,6 +29,10 @@ class SnapshotSink(Protocol):
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None: ...
 
+    def wait_delivered(self, timeout_s: float) -> None:
+        """Return once the holder has every gradient sent (before the all-gather)."""
+        ...
+
     def flush(self, timeout_s: float) -> None: ...
 
     def close(self) -> None: ...
@@ -341,7 +345,8 @@ class ZeroAdamW:
     # ------------------------------------------------------------------ steps
 
     def step(self, step: int, hook: Callable[[str], None] | None = None) -> None:
-        """Reduce-scatter, snapshot send, out-of-place update, all-gather; then commit()."""
+        """Reduce-scatter, snapshot send, out-of-place update, the snapshot's delivery,
+        all-gather; then commit()."""
         grad = self.reduce_scatter_grads()
         if self.snapshot is not None:
             self.snapshot.send(grad, step)
@@ -353,6 +358,8 @@ class ZeroAdamW:
         adamw_update(pending, grad, step=step, cfg=self.cfg)
         if hook is not None:
             hook("optimizer")
+        if self.snapshot is not None:  # a step commits only with its snapshot held
+            self.snapshot.wait_delivered(self.dp_group.timeout.total_seconds())
         self.all_gather_params(pending.master)
         self.params_step = step
         self.pending = pending

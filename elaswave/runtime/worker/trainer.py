@@ -276,6 +276,7 @@ def attach_snapshots(
             holder,
             generation=plan.generation,
             device=ctx.device,
+            abort=ctx.abort,
         )
     keepers = []
     for owner in placement.holds(ctx.rank):

@@ -120,6 +120,10 @@ class P2PGroup(GroupMember, P2PLink, Protocol):
     """A group that carries point-to-point traffic: :class:`Group` or a
     :class:`~elaswave.comm.links.PairGroup`."""
 
+    def batch(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], tag: int) -> dist.Work:
+        """Post ``sends`` and ``recvs`` (tensor, global peer rank) as one batch."""
+        ...
+
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work: ...
     def wait_recv(self, work: dist.Work) -> None: ...
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
@@ -242,10 +246,10 @@ class Group:
         (NCCL ignores it: there a group with stale work is rebuilt). Waited with
         :meth:`wait_recv`."""
         if not sends and not recvs:
-            return cast(dist.Work, _AllOf([]))
+            return cast(dist.Work, AllOf([]))
         if not getattr(self.pg, "supports_coalescing", False):  # gloo: none blocks another
             works = [self.isend(t, p, tag) for t, p in sends]
-            return cast(dist.Work, _AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
+            return cast(dist.Work, AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
         try:
             self.pg._start_coalescing(self.device)
             for tensor, peer in sends:
@@ -310,8 +314,8 @@ class Group:
             raise CommError(self.name, op, exc) from exc
 
 
-class _AllOf:
-    """Several posted operations waited as one."""
+class AllOf:
+    """Several posted operations waited as one (a batch where none blocks another)."""
 
     def __init__(self, works: list[dist.Work]) -> None:
         self.works = works

@@ -17,9 +17,10 @@ keep apart by tag (:class:`elaswave.comm.group.TagSpace`; ring tags set bit 30).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import cast
 
 import structlog
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import WAITERS, AbortSignal, await_future
 from elaswave.comm.backend import GroupBackend
-from elaswave.comm.group import DETACHED
+from elaswave.comm.group import DETACHED, AllOf, Transfer
 from elaswave.comm.posted import Posted
 from elaswave.comm.spec import CommError, GroupSpec
 
@@ -197,6 +198,14 @@ class PairGroup:
 
     def wait_send(self, work: dist.Work) -> None:
         self._wait(work, "send")
+
+    def batch(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], tag: int) -> dist.Work:
+        """Post ``sends`` and ``recvs`` (tensor, the peer) on the link: under gloo none
+        blocks another. Waited with :meth:`wait_recv`."""
+        works = [self.isend(t, p, tag) for t, p in sends] + [
+            self.irecv(t, p, tag) for t, p in recvs
+        ]
+        return cast(dist.Work, AllOf(works))
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self.wait_recv(self.irecv(tensor, peer, tag))

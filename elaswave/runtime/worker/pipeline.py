@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import CollectiveGroup
+from elaswave.comm.group import CollectiveGroup, P2PGroup
 from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
-from elaswave.engine.plan import Plan, Route, dp_group_name, pipe_group_name
+from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name, pipe_group_name
 from elaswave.engine.schedule import Op, one_f_one_b
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
@@ -89,11 +89,15 @@ class StageRunner:
         pacer: Pacer | None = None,
         shadow: ShadowStep | None = None,
         bf16: bool = False,
+        per_route: bool = False,
     ) -> None:
         """``shadow``: a non-blocking layer migration that its step runs (once).
         ``bf16``: compute in bfloat16 (torch autocast; parameters, gradients and the
         optimizer stay fp32) and send activations and their gradients in bfloat16."""
         self.bf16 = bf16
+        self.per_route = per_route
+        """Pipeline traffic takes each route's pair link (gloo) rather than its stage
+        boundary's group."""
         self.act_dtype = torch.bfloat16 if bf16 else torch.float32
         self.fault_hook = fault_hook
         self.shadow = shadow
@@ -171,20 +175,34 @@ class StageRunner:
             device=self.device,
         )  # fmt: skip
 
+    def _route_group(self, route: Route, backward: bool) -> P2PGroup:
+        """The group ``route``'s traffic takes: its stage boundary's forward or backward
+        group on a device plane of its own; under gloo the pooled link of its pair
+        (:func:`elaswave.runtime.worker.trainer.own_device_plane`)."""
+        if self.per_route:
+            return self.comm.p2p(link_group_name(route.src, route.dst))
+        return self.comm.group(pipe_group_name(self.plan.locate(route.src)[0], backward))
+
+    def _batches(
+        self, routes: list[Route], tensors: list[torch.Tensor], backward: bool, receiving: bool
+    ) -> list[tuple[P2PGroup, list[tuple[torch.Tensor, int]]]]:
+        """``tensors`` (one per route) with their peers, by group, in route order."""
+        peer_of = _src if backward != receiving else _dst
+        by_group: dict[int, tuple[P2PGroup, list[tuple[torch.Tensor, int]]]] = {}
+        for route, tensor in zip(routes, tensors, strict=True):
+            group = self._route_group(route, backward)
+            by_group.setdefault(id(group), (group, []))[1].append((tensor, peer_of(route)))
+        return list(by_group.values())
+
     def _post_recv(self, step: int, backward: bool, mb: int) -> tuple:
         """Post the receives of micro-batch ``mb``'s activations (``backward``: their
-        gradients) as one batch, one per route in sample order; :meth:`_Receives.take`
-        waits."""
-        if backward:
-            routes, peer_of, stage = self.outbound(mb), (lambda r: r.dst), self.stage
-        else:
-            routes, peer_of, stage = self.inbound(mb), (lambda r: r.src), self.stage - 1
-        group = self.comm.group(pipe_group_name(stage, backward))
-        ordered = sorted(routes, key=lambda r: r.lo)
-        bufs = [self._activation(route.hi - route.lo) for route in ordered]
-        peers = [peer_of(route) for route in ordered]
-        work = group.batch([], list(zip(bufs, peers, strict=True)), self._tag(step, mb, backward))
-        return group, work, bufs
+        gradients), one per route in sample order, as one batch per group;
+        :meth:`_Receives.take` waits."""
+        routes = sorted(self.outbound(mb) if backward else self.inbound(mb), key=lambda r: r.lo)
+        bufs = [self._activation(route.hi - route.lo) for route in routes]
+        tag = self._tag(step, mb, backward)
+        batches = self._batches(routes, bufs, backward, receiving=True)
+        return [(group, group.batch([], ops, tag)) for group, ops in batches], bufs
 
     def _send(
         self,
@@ -196,17 +214,16 @@ class StageRunner:
         pending: list,
     ) -> None:
         """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``, as
-        one batch (an emulated device paces each route's send by its own link)."""
-        stage, peer_of = (self.stage - 1, _src) if backward else (self.stage, _dst)
-        group = self.comm.group(pipe_group_name(stage, backward))
-        sends = [(tensor[r.lo - lo : r.hi - lo].contiguous(), peer_of(r)) for r in routes]
-        if self.pacer is None or not self.pacer.emulated:
-            pending.append((group, group.batch(sends, [], tag), sends))
-            return
-        for chunk, peer in sends:
-            delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
-            post = lambda c=chunk, p=peer: group.batch([(c, p)], [], tag)  # noqa: E731
-            pending.append((group, DelayedSend(post, delay), chunk))
+        one batch per group (an emulated device paces each route's send by itself)."""
+        chunks = [tensor[r.lo - lo : r.hi - lo].contiguous() for r in routes]
+        for group, sends in self._batches(routes, chunks, backward, receiving=False):
+            if self.pacer is None or not self.pacer.emulated:
+                pending.append((group, group.batch(sends, [], tag), sends))
+                continue
+            for chunk, peer in sends:
+                delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
+                post = lambda g=group, c=chunk, p=peer: g.batch([(c, p)], [], tag)  # noqa: E731
+                pending.append((group, DelayedSend(post, delay), chunk))
 
     def run_step(self, step: int) -> StepResult:
         started = time.perf_counter()
@@ -368,6 +385,7 @@ class _Receives:
         while key not in self.posted and self.next < len(self.runner.receives):
             self._post_next()
         self._post_next()
-        group, work, parts = self.posted.pop(key)
-        group.wait_recv(work)
+        works, parts = self.posted.pop(key)
+        for group, work in works:
+            group.wait_recv(work)
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -51,7 +51,8 @@ from elaswave.runtime.worker.trainer import (
     build_optimizer,
     build_runner,
     device_plane,
-    snapshot_specs,
+    host_specs,
+    own_device_plane,
 )
 
 log = structlog.get_logger(__name__)
@@ -167,7 +168,7 @@ def reconfigure(
     t0 = time.perf_counter()
     moves, transition = _plan_moves(a, migration)
     links, change = _edit_communicator(a, moves, transition, rebuild)
-    device, device_reused = _edit_device_plane(a, rebuild)
+    device, device_reused = _edit_device_plane(a, links, rebuild)
     t1 = time.perf_counter()
     held = old.layers if old is not None else nn.ModuleList()
     layers = _stage_layers(ctx, held, a.stage.layers)
@@ -268,7 +269,7 @@ def _edit_communicator(
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
-    specs = snapshot_specs(ctx, a.new)
+    specs = host_specs(ctx, a.new)
     specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
     if a.old is None:
         links = DynamicCommunicator(
@@ -286,13 +287,15 @@ def _edit_communicator(
     return links, change
 
 
-def _edit_device_plane(a: _Change, rebuild: set[str]) -> tuple[Communicator, int]:
+def _edit_device_plane(
+    a: _Change, links: DynamicCommunicator, rebuild: set[str]
+) -> tuple[Communicator, int]:
     """The new plan's device groups: unchanged ones reused unless some member reported
     them tainted (work in flight under NCCL, an unfinished collective), the others
-    created under the new generation (a joiner builds them all). Returns the plane and
-    the groups reused."""
-    if a.old is None:
-        return device_plane(a.ctx, a.new), 0
+    created under the new generation (a joiner builds them all); under gloo the dynamic
+    communicator's, edited already. Returns the plane and the groups reused."""
+    if a.old is None or not own_device_plane(a.ctx):
+        return device_plane(a.ctx, a.new, links), 0
     return a.old.device.edit(
         a.new.device_group_specs(),
         generation=a.new.generation,

@@ -130,12 +130,14 @@ class Trainer:
         return self.links.comm
 
     def communicators(self) -> int:
-        """Process groups open on both planes: the device groups and the pooled links."""
-        return len(self.device) + len(self.links.links)
+        """Process groups open: the pooled links, and the device plane's groups where
+        it has its own (under gloo its groups are views over the links)."""
+        own = 0 if self.device is self.comm else len(self.device)
+        return own + len(self.links.links)
 
     def tainted(self) -> list[str]:
         """Both planes' groups that must be rebuilt, not reused."""
-        return sorted(self.comm.tainted() + self.device.tainted())
+        return sorted(set(self.comm.tainted()) | set(self.device.tainted()))
 
     @property
     def committed_step(self) -> int:
@@ -176,6 +178,7 @@ def build_runner(
         pacer=ctx.pacer,
         shadow=shadow,
         bf16=ctx.cfg.schedule.precision == "bf16",
+        per_route=not own_device_plane(ctx),
     )
 
 
@@ -199,8 +202,28 @@ def build_optimizer(
     )
 
 
-def device_plane(ctx: WorkerContext, plan: Plan) -> Communicator:
-    """The device plane of ``plan``, built now (every member builds it together)."""
+def own_device_plane(ctx: WorkerContext) -> bool:
+    """Whether training traffic gets a plane of its own: where work in flight parks
+    (NCCL, HCCL, cpu-strict), one communicator per group. Under gloo, training traffic
+    rides the dynamic communicator with the host plane's traffic, as the paper's design
+    has it (DP rings and pipeline routes over pooled links, edited rather than rebuilt):
+    whole gloo groups cost a change twice the communicator time, and gloo's own
+    reduce-scatter cost dp2 a tenth of its steady-state throughput."""
+    return ctx.backend.parks_in_flight
+
+
+def host_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
+    """The groups of the dynamic communicator under ``plan`` (without a change's remap
+    links): the snapshot links, and under gloo the plan's DP rings and route links."""
+    training = [] if own_device_plane(ctx) else plan.group_specs()
+    return training + snapshot_specs(ctx, plan)
+
+
+def device_plane(ctx: WorkerContext, plan: Plan, links: DynamicCommunicator) -> Communicator:
+    """The device plane of ``plan``, built now (every member builds it together); under
+    gloo the dynamic communicator's current groups (:func:`own_device_plane`)."""
+    if not own_device_plane(ctx):
+        return links.comm
     plane = Communicator(
         ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
         generation=plan.generation, abort=ctx.abort, device=ctx.device, prefix=DEVICE_PREFIX,
@@ -215,8 +238,8 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     links = DynamicCommunicator(
         ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout, abort=ctx.abort
     )
-    links.build(snapshot_specs(ctx, plan))
-    comm, device = links.comm, device_plane(ctx, plan)
+    links.build(host_specs(ctx, plan))
+    comm, device = links.comm, device_plane(ctx, plan, links)
     layers = ctx.layers
     if ctx.cfg.state.resume_dir is None or ctx.cfg.state.resume_step is None:
         optimizer = build_optimizer(ctx, plan, device, layers)

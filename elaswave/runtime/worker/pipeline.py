@@ -175,22 +175,24 @@ class StageRunner:
             device=self.device,
         )  # fmt: skip
 
-    def _route_group(self, route: Route, backward: bool) -> P2PGroup:
-        """The group ``route``'s traffic takes: its stage boundary's forward or backward
-        group on a device plane of its own; under gloo the pooled link of its pair
+    def _route_group(self, route: Route, boundary: int, backward: bool) -> P2PGroup:
+        """The group ``route`` (between stages ``boundary`` and ``boundary + 1``) takes:
+        the boundary's forward or backward group on a device plane of its own; under
+        gloo the pooled link of its pair
         (:func:`elaswave.runtime.worker.trainer.own_device_plane`)."""
         if self.per_route:
             return self.comm.p2p(link_group_name(route.src, route.dst))
-        return self.comm.group(pipe_group_name(self.plan.locate(route.src)[0], backward))
+        return self.comm.group(pipe_group_name(boundary, backward))
 
     def _batches(
         self, routes: list[Route], tensors: list[torch.Tensor], backward: bool, receiving: bool
     ) -> list[tuple[P2PGroup, list[tuple[torch.Tensor, int]]]]:
         """``tensors`` (one per route) with their peers, by group, in route order."""
-        peer_of = _src if backward != receiving else _dst
+        upstream = backward != receiving  # the peer is in the stage before this one
+        peer_of, boundary = (_src, self.stage - 1) if upstream else (_dst, self.stage)
         by_group: dict[int, tuple[P2PGroup, list[tuple[torch.Tensor, int]]]] = {}
         for route, tensor in zip(routes, tensors, strict=True):
-            group = self._route_group(route, backward)
+            group = self._route_group(route, boundary, backward)
             by_group.setdefault(id(group), (group, []))[1].append((tensor, peer_of(route)))
         return list(by_group.values())
 

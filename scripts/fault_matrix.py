@@ -29,18 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = {"first": (4, 2, 1), "middle": (4, 3, 5), "last": (4, 2, 6)}
 
 
-DEVICE = ["--device", "cpu-strict"]
-"""The device of every run (``--device``): by default cpu-strict, whose training traffic
-keeps NCCL's rules."""
-
-
 def train(out: Path, *args: str) -> Summary:
     cmd = [
         sys.executable,
         "-m",
         "elaswave.cli.main",
         "train",
-        *DEVICE,
         "--out",
         str(out),
         "--global-batch",
@@ -72,7 +66,10 @@ def main() -> int:
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
     parser.add_argument("--device", default="cpu-strict", help="cpu or cpu-strict (default)")
     args = parser.parse_args()
-    DEVICE[1] = args.device
+
+    def train_on_device(out: Path, *more: str) -> Summary:
+        return train(out, "--device", args.device, *more)
+
     steps, k = str(args.steps), args.kill_step
     refs: dict[tuple, Path] = {}
 
@@ -80,7 +77,7 @@ def main() -> int:
         key = (dp, pp, *extra)
         if key not in refs:
             out = args.out / ("ref_" + "_".join(map(str, key)).replace("-", ""))
-            train(out, "--dp", str(dp), "--pp", str(pp), "--steps", steps, *extra)
+            train_on_device(out, "--dp", str(dp), "--pp", str(pp), "--steps", steps, *extra)
             refs[key] = out
         return refs[key]
 
@@ -88,7 +85,7 @@ def main() -> int:
     for position, (dp, pp, rank) in POSITIONS.items():
         for phase in STEP_PHASES:
             out = args.out / f"{position}_{phase}"
-            s = train(
+            s = train_on_device(
                 out,
                 "--dp",
                 str(dp),
@@ -122,7 +119,7 @@ def main() -> int:
     rng = {}
     for kind in ("counter", "stateful"):
         out = args.out / f"rng_{kind}"
-        s = train(
+        s = train_on_device(
             out,
             "--dp",
             "4",
@@ -145,7 +142,7 @@ def main() -> int:
     ]:
         out = args.out / name.replace(" ", "_").replace("(", "").replace(")", "")
         fault_args = [a for f in faults for a in ("--fault", f)]
-        train(
+        train_on_device(
             out,
             "--dp",
             str(dp),
@@ -171,7 +168,7 @@ def main() -> int:
     for i in range(args.mttr_repeats):
         out = args.out / f"mttr_{i}"
         fault = f"kill:5@{k}:backward"
-        s = train(out, "--dp", "4", "--pp", "2", "--steps", steps, "--fault", fault)
+        s = train_on_device(out, "--dp", "4", "--pp", "2", "--steps", steps, "--fault", fault)
         diff = compare_runs(out, ref(4, 2))
         rec = s.recoveries[0]
         phases = dataclasses.asdict(rec.phases)

@@ -130,6 +130,8 @@ class Options:
     """One ``elaswave train`` run's deadline (churn: three times it)."""
     budget_s: float
     """The whole check's: cases not started within it are NOT RUN."""
+    jobs: int = 1
+    """Cases run at once (the snapshot-overhead case, a timing, always runs alone, last)."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -140,6 +142,8 @@ class Options:
             )
         if self.run_timeout_s <= 0 or self.budget_s <= 0:
             raise ValueError("--run-timeout and --budget must be positive seconds")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs {self.jobs}: at least 1")
 
 
 class Checker:
@@ -528,6 +532,9 @@ def parse(argv: Sequence[str]) -> Options:
     )
     parser.add_argument("--run-timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="cases at once (timing cases still run alone)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the cases, run nothing")
     args = parser.parse_args(argv)
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="gpu_check-"))
@@ -541,6 +548,7 @@ def parse(argv: Sequence[str]) -> Options:
         dry_run=args.dry_run,
         run_timeout_s=args.run_timeout,
         budget_s=args.budget,
+        jobs=args.jobs,
     )
 
 
@@ -578,13 +586,29 @@ def main(argv: Sequence[str]) -> int:
             "scripts/gpu_check --device cpu self-tests this script"
         )
         return 1
+    print(f"gpu_check: {len(cases)} cases, {opts.jobs} at a time, on {header}", flush=True)
     ck = Checker(opts, int(header["gpus"] or 0))
-    outcomes = []
-    for case in cases:
+    return report(opts, header, run_cases(ck, cases))
+
+
+TIMINGS = ("snapshot-overhead",)
+"""Cases whose figures are timings: run alone, after the others."""
+
+
+def run_cases(ck: Checker, cases: Sequence[Case]) -> list[Outcome]:
+    """Every case's outcome, in ``cases``' order; up to ``jobs`` at once, each line
+    printed as its case ends."""
+
+    def one(case: Case) -> Outcome:
         outcome = run_case(ck, case)
         print(_format(outcome), flush=True)
-        outcomes.append(outcome)
-    return report(opts, header, outcomes)
+        return outcome
+
+    shared = [c for c in cases if c.name not in TIMINGS]
+    with ThreadPoolExecutor(ck.opts.jobs) as pool:
+        done = dict(zip((c.name for c in shared), pool.map(one, shared), strict=True))
+    done |= {c.name: one(c) for c in cases if c.name in TIMINGS}
+    return [done[c.name] for c in cases]
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def _as_own_host(local_rank: int) -> None:
     (so NCCL does not see a duplicate GPU) and only the socket transport between ranks."""
     os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-elaswave-rank{local_rank}"
     os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NET="Socket")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the ranks sharing a device share a host
 
 
 def _one_each(local_rank: int, count: int | None, what: str) -> int:

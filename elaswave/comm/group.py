@@ -251,12 +251,12 @@ class Group:
             works = [self.isend(t, p, tag) for t, p in sends]
             return cast(dist.Work, AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
         try:
-            self.pg._start_coalescing(self.device)
+            self.pg._start_coalescing()  # a backend's: the group's own device
             for tensor, peer in sends:
                 self.pg.send([tensor], self._index[peer], tag)
             for tensor, peer in recvs:
                 self.pg.recv([tensor], self._index[peer], tag)
-            return self.posted.hold(self.pg._end_coalescing(self.device))
+            return self.posted.hold(self.pg._end_coalescing())
         except RuntimeError as exc:
             raise CommError(self.name, "batch", exc) from exc
 

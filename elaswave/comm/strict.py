@@ -140,15 +140,19 @@ class StrictProcessGroup:
 
     # --- operations torch's backends offer ---------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> StrictWork:
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> StrictWork:
         self._check("all_reduce", tensors)
+        opts = opts or dist.AllreduceOptions()
         opts.timeout = FOREVER
         return self._issue("all_reduce", lambda: [self._pg.allreduce(tensors, opts)])
 
     def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
     ) -> StrictWork:
         self._check("reduce_scatter", [output, input])
+        opts = opts or ReduceScatterOptions()
         opts.timeout = FOREVER
         return self._issue(
             "reduce_scatter", lambda: [self._pg._reduce_scatter_base(output, input, opts)]
@@ -162,26 +166,26 @@ class StrictProcessGroup:
         opts.timeout = FOREVER
         return self._issue("all_gather", lambda: [self._pg._allgather_base(output, input, opts)])
 
-    def send(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> StrictWork:
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> StrictWork:
         self._check(f"send to {peer}", tensors)
         return self._issue(
             f"send to {peer}", lambda: [self._pg.send(tensors, peer, STRICT_TAG)], (peer, "send")
         )
 
-    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> StrictWork:
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> StrictWork:
         self._check(f"recv from {peer}", tensors)
         return self._issue(
             f"recv from {peer}", lambda: [self._pg.recv(tensors, peer, STRICT_TAG)], (peer, "recv")
         )
 
-    def _start_coalescing(self, device: torch.device) -> None:
+    def _start_coalescing(self) -> None:
         self._check("batch", [])
         with self._lock:
             if self._batch is not None:
                 raise StrictViolation(f"communicator {self.name!r}: a batch is already open")
             self._batch = []
 
-    def _end_coalescing(self, device: torch.device) -> StrictWork:
+    def _end_coalescing(self) -> StrictWork:
         self._check("batch", [])
         with self._lock:
             posts, self._batch = self._batch, None

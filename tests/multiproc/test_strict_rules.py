@@ -20,7 +20,6 @@ from elaswave.comm.store import connect_store, serve_store
 from elaswave.comm.strict import StrictProcessGroup, StrictViolation, StrictWork, mark_host
 
 SHORT = timedelta(seconds=0.5)
-CPU = torch.device("cpu")
 
 
 def _pair(strict: bool = True) -> list[Any]:
@@ -96,10 +95,10 @@ def test_ungrouped_exchange_is_refused_a_batch_is_not() -> None:
 
     def batched(rank: int) -> float:
         got = torch.zeros(1)
-        pgs[rank]._start_coalescing(CPU)
+        pgs[rank]._start_coalescing()
         pgs[rank].send([torch.full((1,), float(rank + 10))], 1 - rank, 0)
         pgs[rank].recv([got], 1 - rank, 0)
-        pgs[rank]._end_coalescing(CPU).wait(timedelta(seconds=10))
+        pgs[rank]._end_coalescing().wait(timedelta(seconds=10))
         return got.item()
 
     assert _both(lambda: batched(0), lambda: batched(1)) == [11.0, 10.0]

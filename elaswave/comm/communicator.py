@@ -84,10 +84,11 @@ class Communicator:
                 len(spec.ranks),
                 self.timeout,
             )
-            self._groups[spec.name] = Group(
+            group = self._groups[spec.name] = Group(
                 spec, pg, self.rank, self.timeout, self.abort, self.device,
                 parks=self.backend.parks_in_flight,
             )  # fmt: skip
+            group.connect()
         elapsed = time.perf_counter() - started
         log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
         return elapsed

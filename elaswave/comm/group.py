@@ -34,6 +34,8 @@ Transfer = tuple[torch.Tensor, int]
 """A point-to-point operation of a batch: the tensor, and the peer's global rank."""
 
 DETACHED = timedelta(days=365)
+CONNECT_TAG = 0
+"""The tag of :meth:`Group.connect`'s batch (no step's traffic uses tag 0 on a group)."""
 """gloo-level timeout of a detached wait: never reached, so the wait never closes its
 pair (a gloo wait that times out does)."""
 
@@ -259,6 +261,19 @@ class Group:
             return self.posted.hold(self.pg._end_coalescing())
         except RuntimeError as exc:
             raise CommError(self.name, "batch", exc) from exc
+
+    def connect(self) -> None:
+        """Open the group's point-to-point connections (``spec.p2p``) with one batch
+        that every member issues. Under NCCL the first batch on a communicator connects
+        its ranks and needs every member to issue one: a step's first batches, on
+        different communicators at different ranks (a receive posted ahead on one, a
+        send on another), would wait for each other forever. Called when the group is
+        built, in the order every member builds its groups."""
+        me = self.rank
+        sends = [(torch.zeros(1, device=self.device), b) for a, b in self.spec.p2p if a == me]
+        recvs = [(torch.zeros(1, device=self.device), a) for a, b in self.spec.p2p if b == me]
+        if sends or recvs:
+            self._wait(self.batch(sends, recvs, CONNECT_TAG), "connect")
 
     def abort_now(self) -> None:
         """Abort the group's communicator: work in flight on it ends (or, gloo, stays

@@ -50,10 +50,17 @@ class GroupSpec:
 
     name: str
     ranks: tuple[int, ...]
+    p2p: tuple[tuple[int, int], ...] = ()
+    """The (sender, receiver) pairs of its point-to-point traffic, connected when the
+    group is built (under NCCL the first batch on a communicator needs every member:
+    :meth:`elaswave.comm.group.Group.connect`). Empty for collective-only groups."""
 
     def __post_init__(self) -> None:
         if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
             raise ValueError(f"group {self.name!r}: ranks {self.ranks} must be distinct, non-empty")
+        strangers = {r for pair in self.p2p for r in pair} - set(self.ranks)
+        if strangers:
+            raise ValueError(f"group {self.name!r}: p2p pairs name non-members {sorted(strangers)}")
 
 
 class TagSpace(enum.IntEnum):

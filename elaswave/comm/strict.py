@@ -19,6 +19,13 @@ which passes under it does not rely on gloo's kindness:
 * **Device tensors only.** A tensor marked as a host-plane buffer (:func:`mark_host`:
   snapshots, staging buffers; under NCCL these live in host memory, which NCCL
   refuses) is refused.
+* **The first batch is collective.** NCCL connects two ranks for point-to-point traffic
+  inside their first batch on a communicator, and the issuing thread waits there (up to
+  the communicator's timeout) until every member has issued its first batch (torch:
+  "if this API is the first collective call in the group ..., all ranks of the group
+  must participate"). Two ranks whose first batches are on different communicators
+  deadlock; the strict communicator blocks the issuing thread the same way, so they
+  time out (:meth:`elaswave.comm.group.Group.connect` connects a group when it is built).
 * **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
   the same order, which two threads issuing on one communicator cannot promise: the
   first thread that issues on a communicator owns it, and any other is refused.
@@ -119,9 +126,18 @@ class StrictProcessGroup:
 
     supports_coalescing = True
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, name: str = "") -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        name: str = "",
+        timeout: timedelta = FOREVER,
+    ) -> None:
         self._pg = pg
         self._rank, self._size = rank, size
+        self._timeout = timeout
+        self._connected = False
         self.name = name or f"strict{id(self):x}"
         self._owner: int | None = None
         self._lock = threading.Condition()
@@ -191,9 +207,28 @@ class StrictProcessGroup:
             posts, self._batch = self._batch, None
         if posts is None:
             raise StrictViolation(f"communicator {self.name!r}: no batch is open")
+        if posts and not self._connected:
+            self._connect()
         return self._enqueue(
             _Op("batch", lambda: [w for p in posts for w in p()], StrictWork("batch"))
         )
+
+    def _connect(self) -> None:
+        """The first batch's connection: wait, on the issuing thread, until every member
+        has issued its first batch (RuntimeError after the communicator's timeout)."""
+        self._connected = True
+        opts = dist.BarrierOptions()
+        opts.timeout = FOREVER
+        connect = self._enqueue(
+            _Op("first batch (connect)", lambda: [self._pg.barrier(opts)], StrictWork("connect"))
+        )
+        try:
+            connect.wait(self._timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"communicator {self.name!r}: {exc}; under NCCL every member must issue its "
+                "first batch on a communicator before any can go on"
+            ) from None
 
     def abort(self) -> None:
         """End every queued and running operation with an error; refuse new ones. A
@@ -303,7 +338,7 @@ class StrictBackend:
     ) -> dist.ProcessGroup:
         # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
         pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
-        return StrictProcessGroup(pg, rank, size)  # type: ignore[return-value]  # duck-typed backend
+        return StrictProcessGroup(pg, rank, size, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend
 
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")

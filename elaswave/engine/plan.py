@@ -152,11 +152,16 @@ class Plan:
         parallelism, and per stage boundary one for activations (forward) and one for
         their gradients (backward), each over both stages' ranks. On a communicator a
         rank then only sends or only receives, so receives posted ahead never hold up
-        its sends (under NCCL a communicator runs its operations one after the other)."""
+        its sends (under NCCL a communicator runs its operations one after the other).
+        A boundary's groups connect every rank of one stage with every rank of the
+        other when built, in the direction of their traffic: a route may join any two."""
         specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
         for stage in range(self.pp - 1):
-            ranks = self.stages[stage].ranks + self.stages[stage + 1].ranks
-            specs += [GroupSpec(pipe_group_name(stage, back), ranks) for back in (False, True)]
+            up, down = self.stages[stage].ranks, self.stages[stage + 1].ranks
+            ahead = tuple((a, b) for a in up for b in down)  # any route may join any two
+            for back in (False, True):
+                pairs = tuple((b, a) for a, b in ahead) if back else ahead
+                specs.append(GroupSpec(pipe_group_name(stage, back), up + down, p2p=pairs))
         return specs
 
 

@@ -256,7 +256,11 @@ def check_layout(ck: Checker, model: str, layout: str) -> Outcome:
         "loss_abs": max(gaps, default=0.0),
         "steps": ds.steps_completed,
     }
-    problems = []
+    problems = [
+        f"the {where} run recovered from {len(s.recoveries)} failure(s); it has no fault"
+        for where, s in (("device", ds), ("cpu", cs))
+        if s.recoveries  # elastic recovery keeps the losses: it would hide a crash
+    ]
     if ds.steps_completed != cs.steps_completed:
         problems.append(f"{ds.steps_completed} steps on the device, {cs.steps_completed} on cpu")
     if diff.loss_rel > LAYOUT_TOLERANCE:

@@ -49,8 +49,10 @@ class GroupBackend(Protocol):
     (NCCL, HCCL): a group with work in flight is aborted and rebuilt after a failure."""
 
     def create(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta
-    ) -> dist.ProcessGroup: ...
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
+    ) -> dist.ProcessGroup:
+        """``name``: the group's, for messages (the strict device's refusals)."""
+        ...
 
     def device_for(self, local_rank: int) -> torch.device: ...
 
@@ -78,7 +80,7 @@ class GlooBackend:
     parks_in_flight = False
 
     def create(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
         # torch's stubs declare ProcessGroupGloo a bare Backend, without the collective
         # and point-to-point methods it has at runtime (and that Group calls).
@@ -99,7 +101,7 @@ class NcclBackend:
         _set_env(NCCL_ENV)
 
     def create(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
         """A communicator connected now (not inside the first operation of a step) and
         non-blocking (its initialisation and abort never hang the calling thread)."""
@@ -136,7 +138,7 @@ class HcclBackend:
             ) from None
 
     def create(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
         c10d = self._torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()

@@ -83,6 +83,7 @@ class Communicator:
                 spec.ranks.index(self.rank),
                 len(spec.ranks),
                 self.timeout,
+                name=spec.name,
             )
             group = self._groups[spec.name] = Group(
                 spec, pg, self.rank, self.timeout, self.abort, self.device,

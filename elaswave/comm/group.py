@@ -27,6 +27,7 @@ import torch.distributed as dist
 from elaswave.comm.abort import AbortSignal, wait_abortable
 from elaswave.comm.posted import Posted
 from elaswave.comm.spec import CommError, GroupSpec
+from elaswave.comm.strict import StrictViolation
 
 log = structlog.get_logger(__name__)
 
@@ -192,6 +193,8 @@ class Group:
                 ok = work.wait(self.timeout)
             else:
                 ok = wait_abortable(work, self.timeout, self.abort)
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, op, exc) from exc
         if ok is False:
@@ -253,12 +256,14 @@ class Group:
             works = [self.isend(t, p, tag) for t, p in sends]
             return cast(dist.Work, AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
         try:
-            self.pg._start_coalescing()  # a backend's: the group's own device
+            self.pg._start_coalescing()  # type: ignore[call-arg]  # a Backend's: no device
             for tensor, peer in sends:
                 self.pg.send([tensor], self._index[peer], tag)
             for tensor, peer in recvs:
                 self.pg.recv([tensor], self._index[peer], tag)
-            return self.posted.hold(self.pg._end_coalescing())
+            return self.posted.hold(self.pg._end_coalescing())  # type: ignore[call-arg]
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, "batch", exc) from exc
 
@@ -289,6 +294,8 @@ class Group:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         try:
             return self.posted.hold(self.pg.send([tensor], self._index[peer], tag))
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, "send", exc) from exc
 
@@ -302,6 +309,8 @@ class Group:
         """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
         try:
             return self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
 
@@ -317,6 +326,8 @@ class Group:
         """
         try:
             work = self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, "recv", exc) from exc
         self.wait_detached(work, "recv")
@@ -325,6 +336,8 @@ class Group:
         """Wait for posted work on the calling thread; see :meth:`recv_detached`."""
         try:
             work.wait(DETACHED)
+        except StrictViolation:
+            raise  # a broken rule is a bug to stop on, not a failure to recover from
         except RuntimeError as exc:
             raise CommError(self.name, op, exc) from exc
 

@@ -26,6 +26,10 @@ which passes under it does not rely on gloo's kindness:
   must participate"). Two ranks whose first batches are on different communicators
   deadlock; the strict communicator blocks the issuing thread the same way, so they
   time out (:meth:`elaswave.comm.group.Group.connect` connects a group when it is built).
+* **A waiting receive stalls the device.** While a receive posted on one communicator
+  waits for its message, nothing may be issued on another: under NCCL the receive's
+  kernel spins, and the rank's next device allocation or launch can wait behind it,
+  so work the peer needs from this rank never runs. Receives are posted when needed.
 * **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
   the same order, which two threads issuing on one communicator cannot promise: the
   first thread that issues on a communicator owns it, and any other is refused.
@@ -82,6 +86,10 @@ def is_host(tensor: torch.Tensor) -> bool:
         return key != 0 and key in _HOST
 
 
+_LIVE: weakref.WeakSet[StrictProcessGroup] = weakref.WeakSet()
+"""This process's strict communicators (the rule on receives spans all of them)."""
+
+
 class StrictWork:
     """One operation (or batch) on a strict communicator's stream."""
 
@@ -115,6 +123,8 @@ class _Op:
     post: Callable[[], list[dist.Work]]
     work: StrictWork
     p2p: list[tuple[int, str]] = field(default_factory=list)
+    receives: int = 0
+    """Receives it holds (a batch's, or an ungrouped one)."""
     """(peer, "send" | "recv") of the ungrouped point-to-point operations it holds."""
 
 
@@ -133,8 +143,13 @@ class StrictProcessGroup:
         size: int,
         name: str = "",
         timeout: timedelta = FOREVER,
+        device: object = None,
     ) -> None:
+        """``device``: the device whose work this communicator's operations share (by
+        default this process's one); tests running two ranks in one process give each
+        rank its own."""
         self._pg = pg
+        self._device = device
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._connected = False
@@ -145,6 +160,10 @@ class StrictProcessGroup:
         self._running: _Op | None = None
         self._batch: list[Callable[[], list[dist.Work]]] | None = None
         self._open: dict[tuple[int, str], int] = {}
+        self._receiving = 0
+        """Receives queued or running on the stream (see :meth:`_refuse_while_receiving`)."""
+        self._batch_receives = 0
+        _LIVE.add(self)
         self.aborted = False
         threading.Thread(target=self._stream, name=f"ew-strict-{self.name}", daemon=True).start()
 
@@ -200,6 +219,7 @@ class StrictProcessGroup:
             if self._batch is not None:
                 raise StrictViolation(f"communicator {self.name!r}: a batch is already open")
             self._batch = []
+            self._batch_receives = 0
 
     def _end_coalescing(self) -> StrictWork:
         self._check("batch", [])
@@ -210,7 +230,12 @@ class StrictProcessGroup:
         if posts and not self._connected:
             self._connect()
         return self._enqueue(
-            _Op("batch", lambda: [w for p in posts for w in p()], StrictWork("batch"))
+            _Op(
+                "batch",
+                lambda: [w for p in posts for w in p()],
+                StrictWork("batch"),
+                receives=self._batch_receives,
+            )
         )
 
     def _connect(self) -> None:
@@ -235,6 +260,7 @@ class StrictProcessGroup:
         gloo operation already posted stays parked on the stream's thread."""
         with self._lock:
             self.aborted = True
+            self._receiving = 0
             ops = ([self._running] if self._running else []) + self._queue
             self._queue = []
             self._lock.notify_all()
@@ -256,6 +282,7 @@ class StrictProcessGroup:
                 f"{threading.current_thread().name!r}, not the one that issues its "
                 "operations: NCCL needs one issue order on every rank"
             )
+        self._refuse_while_receiving(what)
         for tensor in tensors:
             if is_host(tensor):
                 raise StrictViolation(
@@ -264,6 +291,24 @@ class StrictProcessGroup:
                     "tensors only"
                 )
 
+    def _refuse_while_receiving(self, what: str) -> None:
+        """Refuse an operation while a receive posted on another communicator of this
+        process still waits. Under NCCL that receive's kernel spins until its message
+        comes, and a device allocation (cudaMalloc synchronises the device) or a
+        launch behind it waits for the kernel: if the message depends on what this
+        rank still has to compute or send, nothing moves again."""
+        waiting = [
+            g.name
+            for g in list(_LIVE)
+            if g is not self and g._device == self._device and g._receiving and not g.aborted
+        ]
+        if waiting:
+            raise StrictViolation(
+                f"{what} on communicator {self.name!r} while a receive posted on "
+                f"{waiting[0]!r} waits: under NCCL its kernel blocks this rank's later "
+                "device work; post a receive when it is needed and wait for it"
+            )
+
     def _issue(
         self, what: str, post: Callable[[], list[dist.Work]], p2p: tuple[int, str] | None = None
     ) -> StrictWork:
@@ -271,8 +316,10 @@ class StrictProcessGroup:
         with self._lock:
             if self._batch is not None:
                 self._batch.append(post)
+                self._batch_receives += p2p is not None and p2p[1] == "recv"
                 return work  # completes with the batch: wait for _end_coalescing's work
-        op = _Op(what, post, work, [p2p] if p2p else [])
+        receives = int(p2p is not None and p2p[1] == "recv")
+        op = _Op(what, post, work, [p2p] if p2p else [], receives=receives)
         if p2p is not None:
             self._refuse_crossing(*p2p)
         return self._enqueue(op)
@@ -294,6 +341,7 @@ class StrictProcessGroup:
                 raise RuntimeError(f"{op.what} on aborted communicator {self.name!r}")
             for key in op.p2p:
                 self._open[key] = self._open.get(key, 0) + 1
+            self._receiving += op.receives
             self._queue.append(op)
             self._lock.notify_all()
         return op.work
@@ -310,6 +358,7 @@ class StrictProcessGroup:
             with self._lock:
                 for key in op.p2p:
                     self._open[key] -= 1
+                self._receiving -= op.receives
                 if error is not None:  # a dead peer: hang, as NCCL does, until aborted
                     while not self.aborted:
                         self._lock.wait()
@@ -334,11 +383,11 @@ class StrictBackend:
     parks_in_flight = True
 
     def create(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
         # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
         pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
-        return StrictProcessGroup(pg, rank, size, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend
+        return StrictProcessGroup(pg, rank, size, name, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend
 
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")

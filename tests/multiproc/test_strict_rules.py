@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +30,7 @@ def _pair(strict: bool = True) -> list[Any]:
 
     def make(rank: int) -> None:
         pg: Any = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=10))
-        pgs[rank] = StrictProcessGroup(pg, rank, 2, f"pair{rank}") if strict else pg
+        pgs[rank] = StrictProcessGroup(pg, rank, 2, f"pair{rank}", device=rank) if strict else pg
 
     _both(lambda: make(0), lambda: make(1))
     return pgs
@@ -181,3 +182,87 @@ def test_a_dead_peer_hangs_until_abort(strict: bool) -> None:
     pg.abort()
     with pytest.raises(RuntimeError, match="aborted"):
         work.wait(SHORT)
+
+
+def _groups(count: int) -> list[list[Any]]:
+    """``count`` two-rank communicators, each member [rank 0's, rank 1's], with rank 0's
+    all on one device and rank 1's on another (as two processes' would be)."""
+    store = dist.HashStore()
+    made: list[list[Any]] = [[None, None] for _ in range(count)]
+
+    def make(rank: int) -> None:
+        for i in range(count):
+            pg: Any = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"g{i}", store), rank, 2, timedelta(seconds=10)
+            )
+            made[i][rank] = StrictProcessGroup(
+                pg, rank, 2, f"g{i}.{rank}", timeout=timedelta(seconds=1), device=rank
+            )
+
+    _both(lambda: make(0), lambda: make(1))
+    return made
+
+
+def _batch(pg: Any, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> StrictWork:
+    pg._start_coalescing()
+    for tensor in sends:
+        pg.send([tensor], 1 - pg.rank(), 0)
+    for tensor in recvs:
+        pg.recv([tensor], 1 - pg.rank(), 0)
+    return pg._end_coalescing()
+
+
+def test_first_batches_on_different_communicators_deadlock() -> None:
+    """The first batch on a communicator connects its ranks and waits for every member:
+    rank 0 posting a receive on one communicator first and rank 1 on another time out
+    (a pipeline that posts receives ahead on its backward and forward groups); both
+    members connecting the same communicator first go on."""
+    (a, b) = _groups(2)
+
+    def first(pg: Any) -> str:
+        with pytest.raises(RuntimeError, match="every member must issue its first batch"):
+            _batch(pg, [], [torch.zeros(1)])
+        return "timed out"
+
+    assert _both(lambda: first(a[0]), lambda: first(b[1])) == ["timed out", "timed out"]
+    (c,) = _groups(1)
+    sent, got = torch.full((1,), 3.0), torch.zeros(1)
+    done = _both(lambda: _batch(c[0], [sent], []), lambda: _batch(c[1], [], [got]))
+    done[1].wait(timedelta(seconds=10))
+    assert got.item() == 3.0
+
+
+def test_nothing_is_issued_while_a_receive_waits() -> None:
+    """A receive posted on one communicator that still waits refuses an operation on
+    another communicator of the same device (under NCCL its spinning kernel can hold up
+    that device's later work, which the awaited message may depend on); other devices'
+    communicators, and the same one, are not held up; once the receive completes,
+    nothing is refused. Each rank issues from a thread of its own."""
+    (fwd, bwd) = _groups(2)
+    ranks = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]
+
+    def on(rank: int, fn: Callable[[], Any]) -> Any:
+        return ranks[rank].submit(fn).result(timeout=30)
+
+    def connect(pgs: list[Any]) -> None:
+        first = [
+            ranks[r].submit(_batch, pgs[r], [torch.zeros(1)], [torch.zeros(1)]) for r in (0, 1)
+        ]
+        for done in first:
+            done.result(timeout=30).wait(timedelta(seconds=10))
+
+    connect(fwd)
+    connect(bwd)
+    waiting = on(0, lambda: _batch(bwd[0], [], [torch.zeros(1)]))  # rank 1 has not sent yet
+    with pytest.raises(StrictViolation, match=r"while a receive posted on 'g1\.0' waits"):
+        on(0, lambda: _batch(fwd[0], [torch.ones(1)], []))
+    queued = on(0, lambda: _batch(bwd[0], [], [torch.zeros(1)]))  # the same one: queued
+    for _ in range(2):  # another device is not held up by rank 0's receive
+        on(1, lambda: _batch(bwd[1], [torch.ones(1)], [])).wait(timedelta(seconds=10))
+    waiting.wait(timedelta(seconds=10))
+    queued.wait(timedelta(seconds=10))
+    sent = on(0, lambda: _batch(fwd[0], [torch.ones(1)], []))  # nothing waits now
+    on(1, lambda: _batch(fwd[1], [], [torch.zeros(1)])).wait(timedelta(seconds=10))
+    sent.wait(timedelta(seconds=10))
+    for pool in ranks:
+        pool.shutdown()

@@ -44,6 +44,7 @@ from elaswave.runtime.core.observe import exited, to_input
 from elaswave.runtime.core.recorder import Core, ProtocolEvents
 from elaswave.runtime.core.slowwatch import StragglerWatch
 from elaswave.runtime.core.units import WorkerProcess
+from elaswave.runtime.job.child import RULE_BROKEN
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
 
@@ -227,7 +228,10 @@ class Supervisor:
         self.core.forget_worker(rank, self.cfg.layout.tp)
         # A TP group's exit is explained by the member that ended it.
         process = getattr(proc, "exited_member", None)
-        await self.inputs.put(exited(self.run_dir, rank, code, process=process))
+        gone = exited(self.run_dir, rank, code, process=process)
+        if code == RULE_BROKEN:  # a bug that a recovery would hide: stop and name it
+            raise JobFailed(f"rank {rank} broke a rule of its device's backend: {gone.why}")
+        await self.inputs.put(gone)
 
     async def _watch_bus(self, events: ProtocolEvents) -> None:
         """Feed the events the protocol takes: those read back from a predecessor's

@@ -9,6 +9,11 @@ import signal
 import sys
 from typing import NoReturn
 
+RULE_BROKEN = 4
+"""A worker's exit code when it broke a rule of its device's backend (the ``cpu-strict``
+device's :class:`~elaswave.comm.strict.StrictViolation`): a bug in the data plane that
+recovering would hide, so the job stops and names it."""
+
 
 def die_with_parent() -> None:
     """Have the kernel SIGKILL this process if the job host dies, so nothing trains (or

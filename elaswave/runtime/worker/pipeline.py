@@ -90,6 +90,7 @@ class StageRunner:
         shadow: ShadowStep | None = None,
         bf16: bool = False,
         per_route: bool = False,
+        receive_ahead: bool = True,
     ) -> None:
         """``shadow``: a non-blocking layer migration that its step runs (once).
         ``bf16``: compute in bfloat16 (torch autocast; parameters, gradients and the
@@ -98,6 +99,12 @@ class StageRunner:
         self.per_route = per_route
         """Pipeline traffic takes each route's pair link (gloo) rather than its stage
         boundary's group."""
+        self.receive_ahead = receive_ahead
+        """Post a micro-batch's receives while the one before it computes (gloo). Not
+        where a posted receive parks on the device (NCCL): there a receive waiting for
+        a peer blocks its kernel, and any device allocation (cudaMalloc synchronises
+        the device) then waits for it, so the forward that would produce what the peer
+        waits for never runs: receives are posted when they are needed."""
         self.act_dtype = torch.bfloat16 if bf16 else torch.float32
         self.fault_hook = fault_hook
         self.shadow = shadow
@@ -360,10 +367,11 @@ class _Receives:
     """A step's receives, each micro-batch's posted as one batch while the one before it
     is waited for, so that a micro-batch's activations (or gradients) arrive while the
     previous micro-batch computes instead of after the receiver asks for them. At most
-    two are posted at a time. A step that is abandoned leaves its posted receives
-    unmatched: under gloo their tags carry the step and the plan generation (and their
-    groups hold them: :mod:`elaswave.comm.posted`); under NCCL their groups are aborted
-    and rebuilt (:mod:`elaswave.comm.release`)."""
+    two are posted at a time (one, posted when taken, without ``receive_ahead``). A step
+    that is abandoned leaves its posted receives unmatched: under gloo their tags carry
+    the step and the plan generation (and their groups hold them:
+    :mod:`elaswave.comm.posted`); under NCCL their groups are aborted and rebuilt
+    (:mod:`elaswave.comm.release`)."""
 
     def __init__(self, runner: StageRunner, step: int) -> None:
         self.runner = runner
@@ -371,7 +379,8 @@ class _Receives:
         self.posted: dict[tuple[bool, int], tuple] = {}
         self.next = 0
         """Index in ``runner.receives`` of the next receive to post."""
-        self._post_next()
+        if runner.receive_ahead:
+            self._post_next()
 
     def _post_next(self) -> None:
         order = self.runner.receives
@@ -386,7 +395,8 @@ class _Receives:
         key = (backward, mb)
         while key not in self.posted and self.next < len(self.runner.receives):
             self._post_next()
-        self._post_next()
+        if self.runner.receive_ahead:
+            self._post_next()
         works, parts = self.posted.pop(key)
         for group, work in works:
             group.wait_recv(work)

@@ -35,12 +35,13 @@ from elaswave.comm.backend import backend_for
 from elaswave.comm.idle import IDLE
 from elaswave.comm.spec import Device, parse_device
 from elaswave.comm.store import connect_store
+from elaswave.comm.strict import StrictViolation
 from elaswave.data.corpus import SampleLoader, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.model.tensor_parallel import TpShard
-from elaswave.runtime.job.child import die_with_parent, exit_now
+from elaswave.runtime.job.child import RULE_BROKEN, die_with_parent, exit_now
 from elaswave.runtime.job.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.job.faults import validate_faults
 from elaswave.runtime.worker.emulation import Pacer
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args.run_dir, args.rank, join=args.join)
     except Exception as exc:
         log.error("worker.failed", error=str(exc), traceback=traceback.format_exc())
-        return 1
+        return RULE_BROKEN if isinstance(exc, StrictViolation) else 1
     return 0
 
 

@@ -179,6 +179,7 @@ def build_runner(
         shadow=shadow,
         bf16=ctx.cfg.schedule.precision == "bf16",
         per_route=not own_device_plane(ctx),
+        receive_ahead=not own_device_plane(ctx),
     )
 
 

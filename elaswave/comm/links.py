@@ -93,8 +93,10 @@ class LinkPool:
         self.prefix = prefix
         self._links: dict[Pair, Link] = {}
         self.retired: list[Link] = []
-        """Links no longer in the pool. Kept alive: destroying a process group while a
-        parked wait is blocked on it aborts the process."""
+        """Links no longer in the pool that an operation may still wait on. Kept alive:
+        destroying a process group while a parked wait is blocked on it aborts the
+        process. One with nothing pending is let go at the next retirement (with it its
+        process group and gloo's threads), so that they do not pile up over changes."""
 
     def __contains__(self, key: object) -> bool:
         return key in self._links
@@ -137,6 +139,8 @@ class LinkPool:
     def retire(self, ranks: Collection[int] | None = None) -> list[Pair]:
         """Take the links touching any of ``ranks`` (all links if None) out of the pool."""
         keys = [k for k in self._links if ranks is None or k[0] in ranks or k[1] in ranks]
+        # A wait blocks only on an operation that has not completed: the others can go.
+        self.retired = [link for link in self.retired if link.posted.pending()]
         for key in sorted(keys):
             self.retired.append(self._links.pop(key))
         return sorted(keys)

@@ -55,6 +55,12 @@ class StragglerWatch:
                 for t in self._reports.get(s, {}).values()
                 if t.rank in alive and t.expected_s > 0
             ]
+            if not any(r.step == step for r in reports):
+                # No rank has modelled work at this step (each got no samples, or has
+                # no model of its device): nothing to compare, and the detector takes
+                # only a step newer than the last it evaluated.
+                self.evaluated = step
+                continue
             verdict = detect_stragglers(
                 reports,
                 window=self.window,

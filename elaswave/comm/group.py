@@ -35,10 +35,10 @@ Transfer = tuple[torch.Tensor, int]
 """A point-to-point operation of a batch: the tensor, and the peer's global rank."""
 
 DETACHED = timedelta(days=365)
-CONNECT_TAG = 0
-"""The tag of :meth:`Group.connect`'s batch (no step's traffic uses tag 0 on a group)."""
 """gloo-level timeout of a detached wait: never reached, so the wait never closes its
 pair (a gloo wait that times out does)."""
+CONNECT_TAG = 0
+"""The tag of :meth:`Group.connect`'s batch (no step's traffic uses tag 0 on a group)."""
 
 
 class GroupMember(Protocol):

@@ -151,8 +151,9 @@ class Plan:
         """The device plane's groups (training traffic): one per stage for data
         parallelism, and per stage boundary one for activations (forward) and one for
         their gradients (backward), each over both stages' ranks. On a communicator a
-        rank then only sends or only receives, so receives posted ahead never hold up
-        its sends (under NCCL a communicator runs its operations one after the other).
+        rank then only sends or only receives, so a receive waiting on one never holds
+        up a send on the other (under NCCL a communicator runs its operations one after
+        the other).
         A boundary's groups connect every rank of one stage with every rank of the
         other when built, in the direction of their traffic: a route may join any two."""
         specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]

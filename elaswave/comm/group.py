@@ -15,7 +15,8 @@ transfer executor uses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, cast
@@ -188,15 +189,11 @@ class Group:
         self._in_flight -= 1
 
     def _wait(self, work: dist.Work, op: str) -> None:
-        try:
+        with _comm_errors(self.name, op):
             if self.abort is None:
                 ok = work.wait(self.timeout)
             else:
                 ok = wait_abortable(work, self.timeout, self.abort)
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, op, exc) from exc
         if ok is False:
             raise CommError(self.name, op, f"timed out after {self.timeout}")
 
@@ -255,17 +252,13 @@ class Group:
         if not getattr(self.pg, "supports_coalescing", False):  # gloo: none blocks another
             works = [self.isend(t, p, tag) for t, p in sends]
             return cast(dist.Work, AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
-        try:
+        with _comm_errors(self.name, "batch"):
             self.pg._start_coalescing()  # type: ignore[call-arg]  # a Backend's: no device
             for tensor, peer in sends:
                 self.pg.send([tensor], self._index[peer], tag)
             for tensor, peer in recvs:
                 self.pg.recv([tensor], self._index[peer], tag)
             return self.posted.hold(self.pg._end_coalescing())  # type: ignore[call-arg]
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, "batch", exc) from exc
 
     def connect(self) -> None:
         """Open the group's point-to-point connections (``spec.p2p``) with one batch
@@ -292,12 +285,8 @@ class Group:
             log.warning("group.abort_failed", group=self.name, error=str(exc))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        try:
+        with _comm_errors(self.name, "send"):
             return self.posted.hold(self.pg.send([tensor], self._index[peer], tag))
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, "send", exc) from exc
 
     def wait_send(self, work: dist.Work) -> None:
         self._wait(work, "send")
@@ -307,12 +296,8 @@ class Group:
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         """Post a receive; :meth:`wait_recv` waits for it (bounded, abortable)."""
-        try:
+        with _comm_errors(self.name, "recv"):
             return self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, "recv", exc) from exc
 
     def wait_recv(self, work: dist.Work) -> None:
         self._wait(work, "recv")
@@ -324,22 +309,26 @@ class Group:
         holding this group, which must therefore never be destroyed). A dead peer still
         ends the wait with :class:`CommError`.
         """
-        try:
+        with _comm_errors(self.name, "recv"):
             work = self.posted.hold(self.pg.recv([tensor], self._index[peer], tag))
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, "recv", exc) from exc
         self.wait_detached(work, "recv")
 
     def wait_detached(self, work: dist.Work, op: str) -> None:
         """Wait for posted work on the calling thread; see :meth:`recv_detached`."""
-        try:
+        with _comm_errors(self.name, op):
             work.wait(DETACHED)
-        except StrictViolation:
-            raise  # a broken rule is a bug to stop on, not a failure to recover from
-        except RuntimeError as exc:
-            raise CommError(self.name, op, exc) from exc
+
+
+@contextmanager
+def _comm_errors(group: str, op: str) -> Iterator[None]:
+    """A backend's RuntimeError as :class:`CommError` (a failure to recover from); a
+    broken rule of the strict device passes through (a bug to stop on)."""
+    try:
+        yield
+    except StrictViolation:
+        raise
+    except RuntimeError as exc:
+        raise CommError(group, op, exc) from exc
 
 
 class AllOf:

@@ -27,6 +27,7 @@ NCCL_ENV = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
     "TORCH_NCCL_BLOCKING_WAIT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
     "NCCL_NVLS_ENABLE": "0",
 }
 """What torch's NCCL watchdog may do, as ElasWave sets it before any communicator is
@@ -35,7 +36,11 @@ an operation outlives the group timeout, which a survivor's parked operation doe
 the Core plans a recovery; ElasWave instead bounds every wait itself and aborts the
 communicators a failure stalls (:mod:`elaswave.comm.release`), so the watchdog handles
 no error (``0``) and its heartbeat monitor, which kills a process whose watchdog is
-stuck, is off. NVLS (NVLink SHARP) communicators are off because they make an abort slow
+stuck, is off. After seeing a failed operation the watchdog waits four times
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s by default) for a debug dump that nothing
+writes here, and destroying its process group (a group a recovery dropped) waits for
+the watchdog: 0.4 s instead of a training thread stalled for a minute. NVLS (NVLink
+SHARP) communicators are off because they make an abort slow
 (nvidia-resiliency-ext turns them off for in-process restarts too). A different value a
 user set is overridden, with a warning."""
 
@@ -61,7 +66,7 @@ class GroupBackend(Protocol):
         ...
 
 
-HCCL_ENV = {"HCCL_ASYNC_ERROR_HANDLING": "0"}
+HCCL_ENV = {"HCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_HCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100"}
 """torch_npu's watchdog, set as NCCL's is (:data:`NCCL_ENV`): it handles no error, so a
 survivor's parked operation cannot take the process down during a recovery."""
 

@@ -15,7 +15,7 @@ transfer executor uses.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -177,16 +177,23 @@ class Group:
         """This process's position in the group."""
         return self._index[self.rank]
 
-    def _collective(self, work: dist.Work, op: str) -> None:
-        """Wait for a collective; if it does not complete, the group stays ``tainted``.
+    def _collective(self, launch: Callable[[], dist.Work], op: str) -> None:
+        """Launch a collective and wait for it; if it does not complete (or its launch
+        fails), the group stays ``tainted``.
 
         A collective that one member abandoned while others entered it leaves gloo's
         per-group sequence out of step, so a tainted group must be rebuilt, not reused.
         P2P traffic never taints: its tags are unique per generation and step.
         """
         self._in_flight += 1
-        self._wait(work, op)
+        self._wait(self._launch(launch, op), op)
         self._in_flight -= 1
+
+    def _launch(self, launch: Callable[[], dist.Work], op: str) -> dist.Work:
+        """Issue an operation: a backend that already knows a peer is gone (NCCL, once
+        its proxy saw the connection close) refuses it at launch, not at its wait."""
+        with _comm_errors(self.name, op):
+            return launch()
 
     def _wait(self, work: dist.Work, op: str) -> None:
         with _comm_errors(self.name, op):
@@ -200,7 +207,7 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        self._collective(self.pg.allreduce([tensor], opts), "all_reduce")
+        self._collective(lambda: self.pg.allreduce([tensor], opts), "all_reduce")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum ``input`` (``size`` chunks) over members; chunk ``index`` lands in ``output``."""
@@ -209,14 +216,16 @@ class Group:
             return
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        self._collective(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
+        self._collective(
+            lambda: self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter"
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every member's ``input`` into ``output`` in group order."""
         if self.size == 1:
             output.copy_(input)
             return
-        self._collective(self.pg._allgather_base(output, input), "all_gather")
+        self._collective(lambda: self.pg._allgather_base(output, input), "all_gather")
 
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
         if self.size == 1:
@@ -224,18 +233,21 @@ class Group:
             return DONE
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        return self._start(self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter")
+        return self._start(
+            lambda: self.pg._reduce_scatter_base(output, input, opts), "reduce_scatter"
+        )
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor) -> CollectiveWork:
         if self.size == 1:
             output.copy_(input)
             return DONE
-        return self._start(self.pg._allgather_base(output, input), "all_gather")
+        return self._start(lambda: self.pg._allgather_base(output, input), "all_gather")
 
-    def _start(self, work: dist.Work, op: str) -> CollectiveWork:
-        """The group is ``tainted`` until every started collective is waited."""
+    def _start(self, launch: Callable[[], dist.Work], op: str) -> CollectiveWork:
+        """The group is ``tainted`` until every started collective is waited (one whose
+        launch failed, for good)."""
         self._in_flight += 1
-        return _GroupWork(self, work, op)
+        return _GroupWork(self, self._launch(launch, op), op)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
@@ -254,11 +266,24 @@ class Group:
             return cast(dist.Work, AllOf(works + [self.irecv(t, p, tag) for t, p in recvs]))
         with _comm_errors(self.name, "batch"):
             self.pg._start_coalescing()  # type: ignore[call-arg]  # a Backend's: no device
-            for tensor, peer in sends:
-                self.pg.send([tensor], self._index[peer], tag)
-            for tensor, peer in recvs:
-                self.pg.recv([tensor], self._index[peer], tag)
+            try:
+                for tensor, peer in sends:
+                    self.pg.send([tensor], self._index[peer], tag)
+                for tensor, peer in recvs:
+                    self.pg.recv([tensor], self._index[peer], tag)
+            except BaseException:
+                self._close_batch()
+                raise
             return self.posted.hold(self.pg._end_coalescing())  # type: ignore[call-arg]
+
+    def _close_batch(self) -> None:
+        """End a batch whose posting failed. NCCL's group is per thread, not per
+        communicator: left open, it swallows this thread's next NCCL calls (a new
+        communicator's connection fails with "ncclGroupEnd: not in a group call")."""
+        try:
+            self.pg._end_coalescing()  # type: ignore[call-arg]
+        except RuntimeError as exc:  # the communicator's own failure, already raised
+            log.debug("group.batch_closed", group=self.name, error=str(exc))
 
     def connect(self) -> None:
         """Open the group's point-to-point connections (``spec.p2p``) with one batch

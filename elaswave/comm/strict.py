@@ -30,6 +30,14 @@ which passes under it does not rely on gloo's kindness:
   waits for its message, nothing may be issued on another: under NCCL the receive's
   kernel spins, and the rank's next device allocation or launch can wait behind it,
   so work the peer needs from this rank never runs. Receives are posted when needed.
+* **A failed communicator refuses new work.** Once an operation failed because a peer
+  is gone, every later launch on the communicator raises (NCCL's proxy saw the
+  connection close: ``ncclRemoteError`` at launch), while the failed operation itself
+  still hangs until the communicator is aborted.
+* **A batch is per thread.** NCCL's group (``ncclGroupStart`` ... ``ncclGroupEnd``)
+  belongs to the issuing thread, not to a communicator: a batch left open (its posting
+  failed half-way) swallows the thread's next NCCL calls, so opening another batch or
+  creating a communicator on that thread is refused until it is closed.
 * **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
   the same order, which two threads issuing on one communicator cannot promise: the
   first thread that issues on a communicator owns it, and any other is refused.
@@ -163,6 +171,8 @@ class StrictProcessGroup:
         self._receiving = 0
         """Receives queued or running on the stream (see :meth:`_refuse_while_receiving`)."""
         self._batch_receives = 0
+        self._failed: str | None = None
+        """Why an operation on the stream failed (a peer is gone): launches then raise."""
         _LIVE.add(self)
         self.aborted = False
         threading.Thread(target=self._stream, name=f"ew-strict-{self.name}", daemon=True).start()
@@ -215,18 +225,22 @@ class StrictProcessGroup:
 
     def _start_coalescing(self) -> None:
         self._check("batch", [])
+        refuse_open_batch(f"batch on communicator {self.name!r}")
         with self._lock:
             if self._batch is not None:
                 raise StrictViolation(f"communicator {self.name!r}: a batch is already open")
             self._batch = []
             self._batch_receives = 0
+        _THREAD.batch = (id(self), self.name)
 
     def _end_coalescing(self) -> StrictWork:
-        self._check("batch", [])
+        if getattr(_THREAD, "batch", None) == (id(self), self.name):
+            _THREAD.batch = None  # ncclGroupEnd ends the thread's group, even when it fails
         with self._lock:
             posts, self._batch = self._batch, None
         if posts is None:
             raise StrictViolation(f"communicator {self.name!r}: no batch is open")
+        self._check("batch", [])
         if posts and not self._connected:
             self._connect()
         return self._enqueue(
@@ -272,6 +286,11 @@ class StrictProcessGroup:
     def _check(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
         if self.aborted:
             raise RuntimeError(f"{what} on aborted communicator {self.name!r}")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{what} on communicator {self.name!r}, where an operation failed "
+                f"({self._failed}): a communicator that saw a peer go refuses new work"
+            )
         me = threading.get_ident()
         with self._lock:
             if self._owner is None:
@@ -360,6 +379,7 @@ class StrictProcessGroup:
                     self._open[key] -= 1
                 self._receiving -= op.receives
                 if error is not None:  # a dead peer: hang, as NCCL does, until aborted
+                    self._failed = error
                     while not self.aborted:
                         self._lock.wait()
                 if self.aborted:  # abort() ended the running operation
@@ -376,6 +396,21 @@ class StrictProcessGroup:
         return None
 
 
+_THREAD = threading.local()
+"""The batch open on this thread (``batch``: its communicator's id and name, or None)."""
+
+
+def refuse_open_batch(what: str) -> None:
+    """Refuse ``what`` on a thread that left a batch open (see the module docstring)."""
+    open_on = getattr(_THREAD, "batch", None)
+    if open_on is not None:
+        raise StrictViolation(
+            f"{what} while a batch on communicator {open_on[1]!r} is still open on this thread: "
+            "NCCL's group belongs to the thread, and one left open swallows its next calls "
+            "(end a batch whose posting failed)"
+        )
+
+
 class StrictBackend:
     """The ``cpu-strict`` device's backend: CPU compute, gloo underneath, NCCL's rules."""
 
@@ -385,6 +420,7 @@ class StrictBackend:
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
+        refuse_open_batch(f"creating communicator {name!r}")
         # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
         pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
         return StrictProcessGroup(pg, rank, size, name, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -179,6 +180,11 @@ def test_a_dead_peer_hangs_until_abort(strict: bool) -> None:
         assert "hangs" not in str(caught.value)  # gloo: the dead peer ends the wait
         return
     assert "hangs" in str(caught.value)  # NCCL: it hangs
+    deadline = time.monotonic() + 10  # and, once it saw the peer go, refuses new work
+    while pg._failed is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="refuses new work"):
+        pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
     pg.abort()
     with pytest.raises(RuntimeError, match="aborted"):
         work.wait(SHORT)

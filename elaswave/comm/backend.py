@@ -29,6 +29,7 @@ NCCL_ENV = {
     "TORCH_NCCL_BLOCKING_WAIT": "0",
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
     "NCCL_NVLS_ENABLE": "0",
+    "NCCL_RUNTIME_CONNECT": "0",
 }
 """What torch's NCCL watchdog may do, as ElasWave sets it before any communicator is
 made. torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down when
@@ -41,8 +42,12 @@ stuck, is off. After seeing a failed operation the watchdog waits four times
 writes here, and destroying its process group (a group a recovery dropped) waits for
 the watchdog: 0.4 s instead of a training thread stalled for a minute. NVLS (NVLink
 SHARP) communicators are off because they make an abort slow
-(nvidia-resiliency-ext turns them off for in-process restarts too). A different value a
-user set is overridden, with a warning."""
+(nvidia-resiliency-ext turns them off for in-process restarts too). A communicator
+connects its collectives' transports when it is created (``NCCL_RUNTIME_CONNECT=0``),
+not inside its first collective: there the launch waits for every member, and a member
+that hung in between (a rebuilt group's first step) holds the training thread inside a
+launch, where no abort signal reaches it, for the whole group timeout. A different value
+a user set is overridden, with a warning."""
 
 
 class GroupBackend(Protocol):
@@ -104,22 +109,27 @@ class NcclBackend:
 
     def __init__(self) -> None:
         _set_env(NCCL_ENV)
+        self._device: torch.device | None = None
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
         """A communicator connected now (not inside the first operation of a step) and
-        non-blocking (its initialisation and abort never hang the calling thread)."""
+        non-blocking (its initialisation and abort never hang the calling thread), on
+        this rank's device whatever thread creates it."""
+        device = self._device or torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # the current device is per thread
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         opts.config.blocking = 0
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-        pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        pg.eager_connect_single_device(device)
         return pg  # type: ignore[return-value]  # as gloo
 
     def device_for(self, local_rank: int) -> torch.device:
         device = torch.device("cuda", _one_each(local_rank, self.devices(), "CUDA"))
         torch.cuda.set_device(device)
+        self._device = device
         return device
 
     def devices(self) -> int | None:
@@ -134,6 +144,7 @@ class HcclBackend:
 
     def __init__(self) -> None:
         _set_env(HCCL_ENV)
+        self._device: torch.device | None = None
         try:
             self._torch_npu = importlib.import_module("torch_npu")
         except Exception as exc:  # ImportError, or OSError when CANN's libhccl.so is missing
@@ -148,16 +159,17 @@ class HcclBackend:
         c10d = self._torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()
         opts._timeout = timeout
+        device = self._device or torch.device("npu", self._torch_npu.npu.current_device())
+        self._torch_npu.npu.set_device(device)  # the current device is per thread
         pg = c10d.ProcessGroupHCCL(store, rank, size, opts)
         if hasattr(pg, "eager_connect_single_device"):  # connect now, as NCCL's
-            pg.eager_connect_single_device(
-                torch.device("npu", self._torch_npu.npu.current_device())
-            )
+            pg.eager_connect_single_device(device)
         return pg
 
     def device_for(self, local_rank: int) -> torch.device:
         device = torch.device("npu", _one_each(local_rank, self.devices(), "NPU"))
         self._torch_npu.npu.set_device(device)
+        self._device = device
         return device
 
     def devices(self) -> int | None:

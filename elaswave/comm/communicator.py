@@ -10,9 +10,12 @@ it also holds :class:`~elaswave.comm.ring.RingGroup` objects here, under their n
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from functools import partial
+from typing import TypeVar
 
 import structlog
 import torch
@@ -28,12 +31,39 @@ from elaswave.comm.spec import GroupSpec
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 CommGroup = Group | RingGroup | PairGroup
 """A gloo process group; a ring over pooled links with the same collectives; or a
 2-rank view over a pooled link with the same point-to-point methods. Callers that use a
 group take it as a :class:`~elaswave.comm.group.CollectiveGroup` or a
 :class:`~elaswave.comm.group.P2PGroup` (:meth:`Communicator.collective`,
 :meth:`Communicator.p2p`)."""
+
+
+def on_fresh_thread(make: Callable[[], T], *, name: str) -> T:
+    """``make()`` run on a thread of its own (its result, or its error raised here).
+
+    NCCL's group state belongs to a thread, and so does torch's count of the groups a
+    thread has open, which a batch that failed half-way leaves one too high for good: a
+    communicator created on the thread that issued it is refused ("ncclGroupEnd: not in
+    a group call"). The training thread issues batches, so communicators are created on
+    fresh threads; the caller still waits, as for any other creation."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(make())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
 
 
 class Communicator:
@@ -78,13 +108,15 @@ class Communicator:
             if self.rank not in spec.ranks:
                 continue
             prefix = f"{self.prefix}g{self.generation}/{spec.name}"
-            pg = self.backend.create(
+            create = partial(
+                self.backend.create,
                 dist.PrefixStore(prefix, self.store),
                 spec.ranks.index(self.rank),
                 len(spec.ranks),
                 self.timeout,
                 name=spec.name,
             )
+            pg = on_fresh_thread(create, name=f"ew-create-{spec.name}")
             group = self._groups[spec.name] = Group(
                 spec, pg, self.rank, self.timeout, self.abort, self.device,
                 parks=self.backend.parks_in_flight,

@@ -37,7 +37,9 @@ which passes under it does not rely on gloo's kindness:
 * **A batch is per thread.** NCCL's group (``ncclGroupStart`` ... ``ncclGroupEnd``)
   belongs to the issuing thread, not to a communicator: a batch left open (its posting
   failed half-way) swallows the thread's next NCCL calls, so opening another batch or
-  creating a communicator on that thread is refused until it is closed.
+  creating a communicator on that thread is refused until it is closed. And torch
+  counts a thread's open groups: a batch that failed leaves the count one too high for
+  good, and creating a communicator on that thread is refused from then on.
 * **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
   the same order, which two threads issuing on one communicator cannot promise: the
   first thread that issues on a communicator owns it, and any other is refused.
@@ -224,7 +226,7 @@ class StrictProcessGroup:
         )
 
     def _start_coalescing(self) -> None:
-        self._check("batch", [])
+        self._check("batch", [], launch=False)  # opening a group launches nothing
         refuse_open_batch(f"batch on communicator {self.name!r}")
         with self._lock:
             if self._batch is not None:
@@ -240,7 +242,11 @@ class StrictProcessGroup:
             posts, self._batch = self._batch, None
         if posts is None:
             raise StrictViolation(f"communicator {self.name!r}: no batch is open")
-        self._check("batch", [])
+        try:
+            self._check("batch", [])
+        except RuntimeError:
+            _THREAD.broken = self.name
+            raise
         if posts and not self._connected:
             self._connect()
         return self._enqueue(
@@ -283,14 +289,9 @@ class StrictProcessGroup:
 
     # --- the rules --------------------------------------------------------------------
 
-    def _check(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
-        if self.aborted:
-            raise RuntimeError(f"{what} on aborted communicator {self.name!r}")
-        if self._failed is not None:
-            raise RuntimeError(
-                f"{what} on communicator {self.name!r}, where an operation failed "
-                f"({self._failed}): a communicator that saw a peer go refuses new work"
-            )
+    def _check(self, what: str, tensors: Iterable[torch.Tensor], *, launch: bool = True) -> None:
+        if launch:
+            self._refuse_if_failed(what)
         me = threading.get_ident()
         with self._lock:
             if self._owner is None:
@@ -309,6 +310,19 @@ class StrictProcessGroup:
                     "(a snapshot or staging buffer): device communicators take device "
                     "tensors only"
                 )
+
+    def _refuse_if_failed(self, what: str) -> None:
+        """A launch on an aborted communicator, or one that saw a peer go, raises; inside
+        a batch that leaves the thread's group count broken (see the module docstring)."""
+        if (self.aborted or self._failed is not None) and self._batch is not None:
+            _THREAD.broken = self.name
+        if self.aborted:
+            raise RuntimeError(f"{what} on aborted communicator {self.name!r}")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{what} on communicator {self.name!r}, where an operation failed "
+                f"({self._failed}): a communicator that saw a peer go refuses new work"
+            )
 
     def _refuse_while_receiving(self, what: str) -> None:
         """Refuse an operation while a receive posted on another communicator of this
@@ -397,7 +411,8 @@ class StrictProcessGroup:
 
 
 _THREAD = threading.local()
-"""The batch open on this thread (``batch``: its communicator's id and name, or None)."""
+"""The batch open on this thread (``batch``: its communicator's id and name, or None),
+and the communicator whose batch failed on it (``broken``, or None)."""
 
 
 def refuse_open_batch(what: str) -> None:
@@ -411,6 +426,19 @@ def refuse_open_batch(what: str) -> None:
         )
 
 
+def refuse_creation(what: str) -> None:
+    """Refuse creating a communicator on a thread with a batch open, or where a batch
+    failed half-way (see the module docstring)."""
+    refuse_open_batch(what)
+    broken = getattr(_THREAD, "broken", None)
+    if broken is not None:
+        raise StrictViolation(
+            f"{what} on a thread where a batch on communicator {broken!r} failed half-way: "
+            "torch's count of the thread's open NCCL groups stays one too high, and NCCL "
+            "refuses a communicator created there (create communicators on a fresh thread)"
+        )
+
+
 class StrictBackend:
     """The ``cpu-strict`` device's backend: CPU compute, gloo underneath, NCCL's rules."""
 
@@ -420,7 +448,7 @@ class StrictBackend:
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
     ) -> dist.ProcessGroup:
-        refuse_open_batch(f"creating communicator {name!r}")
+        refuse_creation(f"creating communicator {name!r}")
         # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
         pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
         return StrictProcessGroup(pg, rank, size, name, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend

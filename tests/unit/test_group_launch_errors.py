@@ -8,15 +8,24 @@ belongs to the thread, and one left open broke the next communicator's connectio
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from elaswave.comm.communicator import Communicator
 from elaswave.comm.group import Group
 from elaswave.comm.spec import CommError, GroupSpec
-from elaswave.comm.strict import StrictViolation, refuse_open_batch
+from elaswave.comm.strict import (
+    StrictBackend,
+    StrictProcessGroup,
+    StrictViolation,
+    refuse_creation,
+    refuse_open_batch,
+)
 
 
 class RefusingBackend:
@@ -78,28 +87,59 @@ def test_a_batch_that_fails_half_way_is_closed() -> None:
     assert not pg.open and pg.closed == 1
 
 
+def _on_own_thread(fn: Any) -> None:
+    """Run ``fn`` on a thread of its own (the strict device's per-thread state stays
+    there), re-raising its error."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    if errors:
+        raise errors[0]
+
+
+def _solo(name: str) -> Any:
+    gloo: Any = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    return StrictProcessGroup(gloo, 0, 1, name)
+
+
 def test_a_strict_batch_left_open_refuses_the_threads_next_communicator() -> None:
-    """The strict device holds the thread's batch as NCCL does; Group.batch closes a
-    batch whose posting failed, so the thread can build communicators again."""
-    import torch.distributed as dist
+    def body() -> None:
+        strict = _solo("solo")
+        strict._start_coalescing()
+        with pytest.raises(StrictViolation, match="still open on this thread"):
+            refuse_creation("creating communicator 'next'")
+        strict._end_coalescing()
+        refuse_creation("creating communicator 'next'")  # closed: allowed
 
-    from elaswave.comm.strict import StrictProcessGroup
+    _on_own_thread(body)
 
-    store = dist.HashStore()
-    gloo: Any = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5))
-    strict: Any = StrictProcessGroup(gloo, 0, 1, "solo")
-    strict._start_coalescing()
-    with pytest.raises(StrictViolation, match="still open on this thread"):
-        refuse_open_batch("creating communicator 'next'")
-    strict._end_coalescing()
-    refuse_open_batch("creating communicator 'next'")  # closed: allowed
 
-    def refuse(*args: Any) -> Any:
-        raise RuntimeError("ncclRemoteError: remote process exited")
+def test_after_a_failed_batch_communicators_are_created_on_a_fresh_thread() -> None:
+    """A batch that fails half-way leaves torch's count of the thread's NCCL groups one
+    too high for good (on the GPU: "ncclGroupEnd: not in a group call" when the next
+    plan's communicator connected): the strict device refuses creating a communicator
+    on that thread, and the Communicator creates its groups on fresh threads."""
 
-    strict.send = refuse
-    with pytest.raises(CommError):
-        Group(GroupSpec("pair", (0, 1)), strict, 0, timedelta(seconds=1)).batch(
-            [(torch.ones(1), 1)], [], tag=3
-        )
-    refuse_open_batch("creating communicator 'next'")
+    def body() -> None:
+        strict = _solo("failing")
+        strict._failed = "remote process exited"  # what its stream records when a peer goes
+        with pytest.raises(CommError):
+            Group(GroupSpec("pair", (0, 1)), strict, 0, timedelta(seconds=1)).batch(
+                [(torch.ones(1), 1)], [], tag=3
+            )
+        refuse_open_batch("a batch")  # the batch was closed
+        with pytest.raises(StrictViolation, match="failed half-way"):
+            StrictBackend().create(dist.HashStore(), 0, 1, timedelta(seconds=5), name="next")
+        comm = Communicator(dist.HashStore(), 0, StrictBackend(), timeout=timedelta(seconds=5))
+        comm.build([GroupSpec("next", (0,))])
+        assert comm.names == ["next"]
+
+    _on_own_thread(body)

@@ -29,7 +29,6 @@ NCCL_ENV = {
     "TORCH_NCCL_BLOCKING_WAIT": "0",
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
     "NCCL_NVLS_ENABLE": "0",
-    "NCCL_RUNTIME_CONNECT": "0",
 }
 """What torch's NCCL watchdog may do, as ElasWave sets it before any communicator is
 made. torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down when
@@ -42,12 +41,11 @@ stuck, is off. After seeing a failed operation the watchdog waits four times
 writes here, and destroying its process group (a group a recovery dropped) waits for
 the watchdog: 0.4 s instead of a training thread stalled for a minute. NVLS (NVLink
 SHARP) communicators are off because they make an abort slow
-(nvidia-resiliency-ext turns them off for in-process restarts too). A communicator
-connects its collectives' transports when it is created (``NCCL_RUNTIME_CONNECT=0``),
-not inside its first collective: there the launch waits for every member, and a member
-that hung in between (a rebuilt group's first step) holds the training thread inside a
-launch, where no abort signal reaches it, for the whole group timeout. A different value
-a user set is overridden, with a warning."""
+(nvidia-resiliency-ext turns them off for in-process restarts too). A different value a
+user set is overridden, with a warning. (``NCCL_RUNTIME_CONNECT=0``, which would connect
+a communicator's collectives when it is created rather than inside its first collective,
+was tried on one H200 with eight ranks sharing it: every rank went silent for over 2 s
+while its communicators connected, and the Core fenced them all; docs/gpu_check.md.)"""
 
 
 class GroupBackend(Protocol):

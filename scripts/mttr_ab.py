@@ -12,23 +12,28 @@ the medians.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from elaswave.runtime.job.results import read_summary
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mttr(python: str, tree: Path, out: Path, args: argparse.Namespace) -> float:
+def mttr(python: str, tree: Path, out: Path, args: argparse.Namespace) -> tuple[float, Phases]:
+    """The run's MTTR and its phases (read as plain JSON: the base's summary schema may
+    differ from this tree's)."""
     cmd = [python, "-m", "elaswave.cli.main", "train", "--dp", "4", "--pp", "2"]
     cmd += ["--steps", str(args.steps), "--fault", args.fault, "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=tree)
-    (rec,) = read_summary(out).recoveries
-    return rec.mttr_s
+    (rec,) = json.loads((out / "summary.json").read_text())["recoveries"]
+    phases = {k: float(v) for k, v in rec.get("phases", {}).items() if v is not None}
+    return float(rec["mttr_s"]), phases
+
+
+Phases = dict[str, float]
 
 
 def main() -> None:
@@ -51,17 +56,27 @@ def main() -> None:
         (site / "base.pth").write_text(f"{base}\n{packages}\n")  # no editable install
         try:
             times: dict[str, list[float]] = {"base": [], "this": []}
+            phases: dict[str, list[Phases]] = {"base": [], "this": []}
             pythons = {"base": str(venv / "bin" / "python"), "this": sys.executable}
             for i in range(args.runs):
                 for name, tree in (("base", base), ("this", ROOT)):
-                    times[name].append(mttr(pythons[name], tree, Path(tmp) / f"{name}{i}", args))
+                    t, p = mttr(pythons[name], tree, Path(tmp) / f"{name}{i}", args)
+                    times[name].append(t)
+                    phases[name].append(p)
                 print(f"pair {i}: base {times['base'][-1]:.3f} s, this {times['this'][-1]:.3f} s")
             for name, values in times.items():
                 print(
                     f"{name}: median MTTR {statistics.median(values):.3f} s over {len(values)} runs"
                 )
+                print(f"{name}: median phases (s) {_median_phases(phases[name])}")
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
+
+
+def _median_phases(runs: list[Phases]) -> str:
+    names = sorted({k for run in runs for k in run})
+    medians = {n: statistics.median(run[n] for run in runs if n in run) for n in names}
+    return " ".join(f"{n}={v:.3f}" for n, v in medians.items())
 
 
 if __name__ == "__main__":

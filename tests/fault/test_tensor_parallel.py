@@ -13,6 +13,7 @@ import pytest
 from elaswave.model.config import ModelConfig
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.inputs import rules_of
 from elaswave.runtime.job.results import Layout
 from elaswave.runtime.job.sections import LayoutConfig
 from tests.fault.recovery import JOB, STEPS, check_recovered
@@ -115,6 +116,37 @@ def test_a_tp_group_joins_after_a_loss(runs_dir, reference):
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
+@pytest.mark.timeout(300)
+def test_a_tp_group_lost_whole_waits_for_a_joining_group(runs_dir, reference):
+    """dp1 x pp2 x tp2: process 2 (member 0 of rank 1, all of stage 1) is killed in step
+    2, so its TP group, and with it stage 1, is lost whole: one group is left for two
+    stages. With --wait-for-nodes the job keeps its state in memory and waits; the
+    joining group (join@3, two processes) takes stage 1, rebuilt from rank 0's host
+    snapshot, and every step matches the fault-free run."""
+    run = train(
+        runs_dir / "tp_wait", *_layout(1, 2, 2), *JOB, "--wait-for-nodes", "60",
+        "--fault", "kill:2@2:backward", "--fault", "join@3",
+    )  # fmt: skip
+    s = run.summary
+    assert s.steps_completed == STEPS
+    (rec,) = s.recoveries
+    assert rec.kind == "fail-stop" and rec.ranks == (1,)
+    assert [st.ranks for st in rec.plan.stages] == [(0,), (2,)]
+    assert rec.waited_s is not None and 0 <= rec.waited_s < 60
+    assert "core.waiting_for_nodes" in run.proc.stderr
+    diff = compare_runs(run.out, reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+def test_a_tp_wait_that_runs_out_writes_no_checkpoint_and_says_so(tmp_path):
+    """Tensor-parallel jobs write no checkpoint yet: a wait that runs out stops at once,
+    naming that (instead of asking the members for a checkpoint they cannot write)."""
+    cfg = JobConfig.from_dict({"layout": {"tp": 2}, "elastic": {"wait_for_nodes_s": 5.0}})
+    rules = rules_of(cfg, tmp_path, can_spawn=True)
+    assert rules.wait_for_nodes_s == 5.0 and rules.resume_command == ""
+    assert "tp = 2 jobs write none" in rules.resume_hint
+
+
 def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
     proc = elaswave("train", "--out", str(tmp_path / "run"), "--tp", "3", timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
@@ -128,10 +160,6 @@ def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
         (
             {"layout": {"tp": 2}, "state": {"checkpoint_every": 2}},
             "does not combine with --checkpoint-every",
-        ),
-        (
-            {"layout": {"tp": 2}, "elastic": {"wait_for_nodes_s": 5.0}},
-            "does not combine with --wait-for-nodes",
         ),
         ({"layout": {"tp": 2, "ranks_per_node": 3}}, "a TP group must fill whole nodes"),
         ({"layout": {"tp": 2, "world_size": 4}}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),

@@ -114,7 +114,6 @@ class JobConfig:
             "--nnodes > 1": self.layout.nnodes > 1,
             "--checkpoint-every": self.state.checkpoint_every > 0,
             "--resume": self.state.resume_dir is not None,
-            "--wait-for-nodes": self.elastic.wait_for_nodes_s > 0,
         }
         for flag, used in unsupported.items():
             if used:

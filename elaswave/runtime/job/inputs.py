@@ -72,6 +72,9 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         if cfg.state.checkpoint_every
         else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
     )
+    checkpoints = cfg.layout.tp == 1
+    if not checkpoints:  # a wait that runs out cannot write one either
+        resume = f"it wrote no checkpoint (tp = {cfg.layout.tp} jobs write none in this version)"
     return Rules(
         steps=cfg.schedule.steps,
         recovery=cfg.elastic.recovery,
@@ -87,5 +90,5 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         resume_hint=resume,
         first_step=cfg.state.resume_step if cfg.state.resume_step is not None else -1,
         wait_for_nodes_s=cfg.elastic.wait_for_nodes_s,
-        resume_command=f"--resume {run_dir}",
+        resume_command=f"--resume {run_dir}" if checkpoints else "",
     )

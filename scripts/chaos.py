@@ -131,7 +131,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,6 +204,9 @@ class Case:
     train_seed: int = 0
     wait_for_nodes: float = 0.0
     tp: int = 1
+    snapshot_copies: int = 1
+    """``--snapshot-copies`` (the campaign's, not drawn: the same seed draws the same
+    cases with any number of copies)."""
 
     @property
     def world(self) -> int:
@@ -231,6 +234,8 @@ class Case:
     def args(self) -> list[str]:
         out = [*self.job_args(), "--ranks-per-node", str(self.ranks_per_node)]
         out += ["--rebalance", self.policy]
+        if self.snapshot_copies > 1:
+            out += ["--snapshot-copies", str(self.snapshot_copies)]
         if self.wait_for_nodes:
             out += ["--wait-for-nodes", f"{self.wait_for_nodes:g}"]
         for fault in self.faults:
@@ -252,6 +257,7 @@ class Case:
             f"mb={self.micro_batch} steps={self.steps} faults=[{', '.join(self.faults)}] "
             f"policy={self.policy} device={self.device}"
             + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
+            + (f" copies={self.snapshot_copies}" if self.snapshot_copies > 1 else "")
         )
 
 
@@ -677,8 +683,8 @@ def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
             return Verdict("stopped-ok", short)
         return Verdict("unexplained-stop", short, f"ranks {bad} were not fault victims")
     if "optimizer state lost" in msg:
-        pairs = re.findall(r"owner (\d+), snapshot holder (\d+|none)", msg)
-        named = [int(x) for pair in pairs for x in pair if x != "none"]
+        pairs = re.findall(r"owner (\d+), snapshot holders? \[?([\d, ]+|none)\]?", msg)
+        named = [int(x) for o, hs in pairs for x in (o, *re.findall(r"\d+", hs))]
         bad = unknown(named)
         if pairs and not bad:
             return Verdict("stopped-ok", short)
@@ -808,6 +814,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         "command": cmd,
         "rerun": f"scripts/chaos --seed {case.seed} --case {case.index}"
         + (f" --tp-weight {tp_weight:g}" if tp_weight else "")
+        + (f" --snapshot-copies {case.snapshot_copies}" if case.snapshot_copies > 1 else "")
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -881,6 +888,13 @@ def main(argv: list[str] | None = None) -> int:
         "of campaigns before --tp; a case that draws no tp is the same for every weight)",
     )
     parser.add_argument(
+        "--snapshot-copies",
+        dest="copies",
+        type=int,
+        default=1,
+        help="copies of every snapshot in every case (default 1; the draws do not change)",
+    )
+    parser.add_argument(
         "--snapshot",
         action="store_true",
         help="copy elaswave/ once at the start and run every job (and the checks) on the "
@@ -889,6 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.tp_weight <= 1:
         parser.error(f"--tp-weight {args.tp_weight:g}: must be from 0 to 1")
+    if args.copies < 1:
+        parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -929,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     started = time.monotonic()
     for index in indices:
-        case = draw_case(args.seed, index, args.tp_weight)
+        case = replace(draw_case(args.seed, index, args.tp_weight), snapshot_copies=args.copies)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
@@ -997,13 +1013,16 @@ def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> No
 
 
 def _tp_flag(args: argparse.Namespace) -> str:
-    return f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
+    """The campaign's flags besides the seed (what reproduces its draws)."""
+    copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
+    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:
     doc = {
         "seed": args.seed,
         **({"tp_weight": args.tp_weight} if args.tp_weight else {}),
+        **({"snapshot_copies": args.copies} if args.copies > 1 else {}),
         "code": args.code,
         "cases": len(records),
         "failed": sum(1 for r in records if not r["ok"]),

@@ -408,6 +408,21 @@ def stage_memory(
     return (2.0 * param_bytes + optimizer_bytes / dp) * params + live * micro_batch * activations
 
 
+SNAPSHOT_GRAD_BUFFERS = 2
+"""Gradient buffers a snapshot keeper holds besides the shard state, in steady state
+(:class:`~elaswave.fabric.snapshot.SnapshotKeeper`: one received, one spare)."""
+
+
+def snapshot_host_bytes(params: int, *, dp: int, copies: int = 1) -> float:
+    """Host bytes one rank holds for snapshots when it keeps ``copies`` of them, each of
+    a shard of a stage with ``params`` parameters over ``dp`` replicas (the placement
+    spreads copies evenly: each rank holds about ``copies``): the shard's fp32 master
+    weights and two moments, and the keeper's gradient buffers."""
+    if dp < 1 or copies < 1:
+        raise ValueError(f"dp = {dp}, copies = {copies}: both must be at least 1")
+    return copies * (STATE_TENSORS + SNAPSHOT_GRAD_BUFFERS) * FP32_BYTES * params / dp
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageSpec:
     """One pipeline stage as the planner sees it."""

@@ -215,17 +215,17 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
-def snapshot_placement(plan: Plan, ranks_per_node: int) -> SnapshotPlacement:
-    """Where every rank's optimizer-shard snapshot lives: in another stage, on another
-    node (:func:`~elaswave.fabric.placement.place_snapshots_across`)."""
-    return place_snapshots_across([s.ranks for s in plan.stages], ranks_per_node)
+def snapshot_placement(plan: Plan, ranks_per_node: int, copies: int = 1) -> SnapshotPlacement:
+    """Where every rank's optimizer-shard snapshot (``copies`` of it) lives: in another
+    stage, on another node (:func:`~elaswave.fabric.placement.place_snapshots_across`)."""
+    return place_snapshots_across([s.ranks for s in plan.stages], ranks_per_node, copies)
 
 
-def snapshot_group_specs(plan: Plan, ranks_per_node: int) -> list[GroupSpec]:
-    """One owner -> holder link per optimizer shard."""
+def snapshot_group_specs(plan: Plan, ranks_per_node: int, copies: int = 1) -> list[GroupSpec]:
+    """One owner -> holder link per copy of each optimizer shard."""
     return [
         GroupSpec(snapshot_link_name(owner, holder), (owner, holder))
-        for owner, holder in sorted(snapshot_placement(plan, ranks_per_node).holder.items())
+        for owner, holder in snapshot_placement(plan, ranks_per_node, copies).links()
     ]
 
 

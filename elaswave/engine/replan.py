@@ -83,6 +83,7 @@ def plan_fail_stop(
     *,
     ranks_per_node: int,
     snapshots: bool,
+    copies: int = 1,
     rebalancing: Rebalancing | None = None,
     joined: Sequence[int] = (),
     floor: int = -1,
@@ -122,7 +123,7 @@ def plan_fail_stop(
             new, reason = replan(plan, failed, rebalancing, joined=joined)
         except TooFewRanks as exc:  # raised once no state is found lost (below)
             too_few, new, reason = exc, plan, ""
-        placement = snapshot_placement(plan, ranks_per_node)
+        placement = snapshot_placement(plan, ranks_per_node, copies)
     else:  # no copy of a failed rank's state exists: an emptied stage is lost
         new, reason = next_plan(plan, failed, rebalancing, joined=joined)
         placement = SnapshotPlacement({}, node_safe=False)

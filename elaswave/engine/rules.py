@@ -20,6 +20,8 @@ class Rules:
     """False: the first failure stops the job."""
     ranks_per_node: int = 1
     snapshots: bool = True
+    snapshot_copies: int = 1
+    """Copies of each optimizer shard's host snapshot, each on another rank."""
     rebalancing: Rebalancing = field(default_factory=Rebalancing)
     """The throughput planner's inputs without the measured slowdowns (the state's)."""
     migration: str = "nonblocking"

@@ -35,12 +35,15 @@ def plan_state_moves(
     numels: Mapping[int, int],
     ranks_per_node: int,
     snapshots: bool,
+    copies: int = 1,
 ) -> RemapPlan:
     """Every optimizer-shard transfer from ``old`` to ``new``. ``numels``: each layer's
     parameter count (every layer of the model); ``snapshots``: whether failed owners'
-    shards have host snapshots (placed by ``ranks_per_node``) to be rebuilt from."""
+    shards have host snapshots (``copies`` of each, placed by ``ranks_per_node``) to be
+    rebuilt from."""
     changed = changed_stages(old, new)
-    holder_of = snapshot_placement(old, ranks_per_node).holder if snapshots else {}
+    placement = snapshot_placement(old, ranks_per_node, copies)
+    holder_of = {o: placement.holders_of(o) for o in placement.holder} if snapshots else {}
     items = []
     for layer in sorted(numels):
         src = next(s for s in old.stages if layer in s.layers)

@@ -13,7 +13,7 @@ says so).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
@@ -25,26 +25,60 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 @dataclass(frozen=True)
 class SnapshotPlacement:
     holder: dict[int, int]
-    """Owner rank -> rank holding its snapshot in host memory."""
+    """Owner rank -> rank holding its (first) snapshot in host memory."""
     node_safe: bool
-    """True when every snapshot is on a different node from its owner."""
+    """True when every snapshot is on a different node from its owner, and an owner's
+    copies on different nodes from each other."""
     stage_safe: bool = False
     """True when every snapshot is in a different stage from its owner's (losing a
     whole stage then loses none of its state)."""
+    more: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Owner rank -> the ranks holding its further copies (``--snapshot-copies K``: K-1
+    of them), in order of preference."""
+
+    def holders_of(self, owner: int) -> tuple[int, ...]:
+        """Every rank holding a copy of ``owner``'s snapshot, the first copy's first."""
+        first = self.holder.get(owner)
+        return () if first is None else (first, *self.more.get(owner, ()))
 
     def holds(self, rank: int) -> list[int]:
-        """Owners whose snapshot ``rank`` holds."""
-        return sorted(owner for owner, holder in self.holder.items() if holder == rank)
+        """Owners of which ``rank`` holds a copy."""
+        return sorted(owner for owner in self.holder if rank in self.holders_of(owner))
+
+    def links(self) -> list[tuple[int, int]]:
+        """Every (owner, holder) pair a snapshot is shipped over, sorted."""
+        return sorted((owner, h) for owner in self.holder for h in self.holders_of(owner))
 
 
-def place_snapshots(ranks: Sequence[int], ranks_per_node: int) -> SnapshotPlacement:
-    """Holder of each DP member's snapshot.
+def place_snapshots(
+    ranks: Sequence[int], ranks_per_node: int, copies: int = 1
+) -> SnapshotPlacement:
+    """Holder of each DP member's snapshot (and of its further ``copies - 1``).
 
     Preference order: (1) a uniform ring shift by the smallest k that puts every holder
     on another node: balanced, each rank holds exactly one snapshot; (2) per owner, the
     next rank in ring order on another node: node-safe but possibly unbalanced; (3) the
     paper's plain ring neighbour, when some owner has no other node in its stage.
     """
+    first = _place_first(ranks, ranks_per_node)
+    if copies <= 1 or len(ranks) <= 2:
+        return first
+    node = {r: node_of(r, ranks_per_node) for r in ranks}
+    more = {}
+    for i, owner in enumerate(ranks):  # further copies: on yet other nodes, in ring order
+        ring = [ranks[(i + step) % len(ranks)] for step in range(1, len(ranks))]
+        chosen = [first.holder[owner]]
+        for _ in range(copies - 1):
+            left = [r for r in ring if r not in chosen]
+            used = {node[owner], *(node[h] for h in chosen)}
+            if not left:
+                break
+            chosen.append(next((r for r in left if node[r] not in used), left[0]))
+        more[owner] = tuple(chosen[1:])
+    return _with_more(first, more, node, None)
+
+
+def _place_first(ranks: Sequence[int], ranks_per_node: int) -> SnapshotPlacement:
     n = len(ranks)
     if n == 1:
         return SnapshotPlacement({}, node_safe=False)
@@ -62,6 +96,22 @@ def place_snapshots(ranks: Sequence[int], ranks_per_node: int) -> SnapshotPlacem
     return SnapshotPlacement(holder, node_safe=safe)
 
 
+def _with_more(
+    first: SnapshotPlacement,
+    more: dict[int, tuple[int, ...]],
+    node: dict[int, int],
+    stage: dict[int, int] | None,
+) -> SnapshotPlacement:
+    """``first`` with the further copies ``more``; safety judged over every copy."""
+    placed = SnapshotPlacement(first.holder, node_safe=False, more=more)
+    node_safe = all(
+        len({node[o], *(node[h] for h in placed.holders_of(o))}) == 1 + len(placed.holders_of(o))
+        for o in placed.holder
+    )
+    stage_safe = stage is not None and all(stage[h] != stage[o] for o, h in placed.links())
+    return SnapshotPlacement(first.holder, node_safe, stage_safe, more)
+
+
 HOLDS_AT_MOST = 2
 """Snapshots one rank holds while another rank of the owner's best class holds fewer."""
 
@@ -76,7 +126,7 @@ def _weight(owner: int, holder: int) -> int:
 
 
 def place_snapshots_across(
-    stages: Sequence[Sequence[int]], ranks_per_node: int
+    stages: Sequence[Sequence[int]], ranks_per_node: int, copies: int = 1
 ) -> SnapshotPlacement:
     """Holder of every rank's snapshot, over a pipeline's stages (each a list of ranks).
 
@@ -91,10 +141,14 @@ def place_snapshots_across(
     tests/unit/test_replan.py); a rank that joins takes those it outweighs. So few
     snapshot links are opened and few keepers restart. A one-stage pipeline is
     :func:`place_snapshots` (no other stage exists); a single rank has no holder.
+
+    ``copies`` > 1: each owner's further copies go, one by one, to the best class left
+    (:func:`_place_more`), so that its K holders sit on K nodes other than its own
+    where the layout has them: losing any K nodes (or K ranks) then loses no state.
     """
     stages = [list(ranks) for ranks in stages if ranks]
     if len(stages) <= 1:
-        return place_snapshots(stages[0] if stages else [], ranks_per_node)
+        return place_snapshots(stages[0] if stages else [], ranks_per_node, copies)
     ranks = sorted(r for ranks in stages for r in ranks)
     stage = {r: k for k, members in enumerate(stages) for r in members}
     node = {r: node_of(r, ranks_per_node) for r in ranks}
@@ -119,11 +173,51 @@ def place_snapshots_across(
         room = [r for r in fit if held[r] < HOLDS_AT_MOST] or fit
         holder[owner] = max(room, key=lambda r: _weight(owner, r))
         held[holder[owner]] += 1
-    return SnapshotPlacement(
+    first = SnapshotPlacement(
         holder,
         node_safe=all(apart(o, h)[1] for o, h in holder.items()),
         stage_safe=all(apart(o, h)[0] for o, h in holder.items()),
     )
+    if copies <= 1:
+        return first
+    return _with_more(first, _place_more(first, stage, node, copies, held), node, stage)
+
+
+def _place_more(
+    first: SnapshotPlacement,
+    stage: dict[int, int],
+    node: dict[int, int],
+    copies: int,
+    held: dict[int, int],
+) -> dict[int, tuple[int, ...]]:
+    """Each owner's copies after the first: every one on a node none of the owner's
+    copies is on yet (and, among those, in another stage) where one is left; within the
+    class the rank of highest weight holding fewer than ``HOLDS_AT_MOST`` per copy."""
+    more: dict[int, tuple[int, ...]] = {}
+    for owner in sorted(first.holder):
+        chosen = [first.holder[owner]]
+        for k in range(2, copies + 1):
+            left = [r for r in node if r != owner and r not in chosen]
+            if not left:
+                break
+            used = {node[owner], *(node[h] for h in chosen)}
+            fit = left
+            for want_stage, want_node in ((True, True), (False, True), (True, False)):
+                ok = [
+                    r
+                    for r in left
+                    if (stage[r] != stage[owner] or not want_stage)
+                    and (node[r] not in used or not want_node)
+                ]
+                if ok:
+                    fit = ok
+                    break
+            room = [r for r in fit if held[r] < HOLDS_AT_MOST * k] or fit
+            pick = max(room, key=lambda r: _weight(owner, r))
+            chosen.append(pick)
+            held[pick] += 1
+        more[owner] = tuple(chosen[1:])
+    return more
 
 
 def snapshot_link_name(owner: int, holder: int) -> str:

@@ -100,31 +100,41 @@ def check_integrity(
         if owner not in failed:
             sources[replica] = (owner, Source.DEVICE)
             continue
-        holder = placement.holder.get(owner)
-        if holder is not None and holder not in failed:
-            sources[replica] = (holder, Source.HOST)
+        holders = placement.holders_of(owner)
+        alive = [h for h in holders if h not in failed]
+        if alive:
+            sources[replica] = (alive[0], Source.HOST)
         else:
-            lost.append(
-                f"shard {replica} of ranks {list(old_ranks)} (owner {owner}, "
-                f"snapshot holder {holder if holder is not None else 'none'})"
-            )
+            lost.append(f"shard {replica} of ranks {list(old_ranks)} ({_who(owner, holders)})")
     if lost:
-        raise Unrecoverable(
-            "optimizer state lost: " + "; ".join(lost) + " — the owner and its snapshot "
-            "holder both failed, so no copy of it is left in memory"
-        )
+        raise Unrecoverable(_lost(lost))
     return sources
+
+
+def _who(owner: int, holders: Sequence[int]) -> str:
+    """An owner and its snapshot holders, as a lost shard's message names them."""
+    if len(holders) > 1:
+        return f"owner {owner}, snapshot holders {list(holders)}"
+    return f"owner {owner}, snapshot holder {holders[0] if holders else 'none'}"
+
+
+def _lost(shards: Sequence[str]) -> str:
+    return (
+        "optimizer state lost: " + "; ".join(shards) + " — the owner and every holder of "
+        "its snapshot failed, so no copy of it is left in memory"
+    )
 
 
 def plan_reshard(
     layers: Sequence[LayerShards],
     *,
     failed: Collection[int] = (),
-    holder_of: Mapping[int, int] | None = None,
+    holder_of: Mapping[int, Sequence[int]] | None = None,
 ) -> RemapPlan:
     """Transfers that move every layer's shards from its old owners to its new ones.
 
-    ``holder_of`` maps an owner rank to the rank holding its host snapshot. Raises
+    ``holder_of`` maps an owner rank to the ranks holding copies of its host snapshot
+    (a failed owner's shard is read from the first that survives). Raises
     Unrecoverable naming every shard with neither a surviving owner nor a surviving
     holder. Transfers are ordered by layer, old shard, new shard: every rank derives the
     same list, so a transfer's position can name its message.
@@ -139,14 +149,13 @@ def plan_reshard(
             if owner not in failed:
                 src, kind = owner, Source.DEVICE
             else:
-                holder = holder_of.get(owner)
-                if holder is None or holder in failed:
-                    lost.append(
-                        f"shard {j} of ranks {list(item.old_ranks)} (owner {owner}, snapshot "
-                        f"holder {holder if holder is not None else 'none'})"
-                    )
+                holders = holder_of.get(owner, ())
+                alive = [h for h in holders if h not in failed]
+                if not alive:
+                    shard = f"shard {j} of ranks {list(item.old_ranks)}"
+                    lost.append(f"{shard} ({_who(owner, holders)})")
                     continue
-                src, kind = holder, Source.HOST
+                src, kind = alive[0], Source.HOST
             olo, ohi = shard_bounds(item.numel, d_old, j)
             for jn in range(d_new):
                 nlo, nhi = shard_bounds(item.numel, d_new, jn)
@@ -156,11 +165,7 @@ def plan_reshard(
                         Transfer(item.layer, lo, hi, src, kind, item.new_ranks[jn], owner)
                     )
     if lost:
-        unique = list(dict.fromkeys(lost))
-        raise Unrecoverable(
-            "optimizer state lost: " + "; ".join(unique) + " — the owner and its snapshot "
-            "holder both failed, so no copy of it is left in memory"
-        )
+        raise Unrecoverable(_lost(list(dict.fromkeys(lost))))
     return RemapPlan(tuple(transfers))
 
 
@@ -179,5 +184,5 @@ def plan_remap(
     return plan_reshard(
         [LayerShards(layer, n, tuple(old_ranks), tuple(new_ranks)) for layer, n in layer_numels],
         failed=failed,
-        holder_of=placement.holder,
+        holder_of={owner: placement.holders_of(owner) for owner in placement.holder},
     )

@@ -21,7 +21,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -137,6 +137,15 @@ class SnapshotKeeper:
     def __post_init__(self) -> None:
         self._base = host_state(self.initial)
         self._base_step = self.initial_step
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this keeper holds: the owner's shard state (master weights and
+        two moments) and the gradient buffers it keeps (received, or spare)."""
+        with self._done:
+            tensors = [self._base.master, self._base.exp_avg, self._base.exp_avg_sq]
+            tensors += [*self._grads.values(), *self._spares]
+            return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def newest(self) -> int:
@@ -359,7 +368,8 @@ _ABORT_POLL_S = 0.05
 
 
 class SnapshotSender:
-    """The owner's side: ship each step's reduced gradient shard to the holder.
+    """The owner's side: ship each step's reduced gradient shard to the holder (and to
+    the holders of its further copies, ``more``: one host copy, sent to each).
 
     :meth:`send` copies the shard into a host-plane buffer (:mod:`~elaswave.fabric.hostplane`)
     and hands it to a background thread that waits for the send. A host copy is complete
@@ -376,17 +386,22 @@ class SnapshotSender:
         generation: int = 0,
         device: torch.device | None = None,
         abort: AbortSignal | None = None,
+        more: Sequence[tuple[P2PGroup, int]] = (),
     ) -> None:
         """``device``: where the gradient shards live (default: the host). ``abort``:
-        ends :meth:`wait_delivered` when the Core announces a failure."""
+        ends :meth:`wait_delivered` when the Core announces a failure. ``more``: the
+        link and holder of each further copy."""
         self.abort = abort
         self.link = link
         self.holder = holder
+        self._targets = [(link, holder), *more]
         self.generation = generation
         self.device = device
         self.error: BaseException | None = None
         self._copier = host_copier(device or torch.device("cpu"))
-        self._queue: queue.Queue[tuple[dist.Work | None, HostCopy, int] | None] = queue.Queue()
+        self._queue: queue.Queue[
+            tuple[list[tuple[P2PGroup, dist.Work]] | None, HostCopy, int] | None
+        ] = queue.Queue()
         self._idle = threading.Condition()
         self._in_flight = 0
         self.cpu_s = 0.0
@@ -396,9 +411,9 @@ class SnapshotSender:
         )
         self._thread.start()
 
-    def _post(self, copy: HostCopy, step: int) -> dist.Work:
+    def _post(self, copy: HostCopy, step: int) -> list[tuple[P2PGroup, dist.Work]]:
         tag = p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
-        return self.link.isend(copy.tensor, self.holder, tag)
+        return [(link, link.isend(copy.tensor, holder, tag)) for link, holder in self._targets]
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
         """Send ``step``'s gradient shard (not modified afterwards) to the holder."""
@@ -416,7 +431,8 @@ class SnapshotSender:
                 if work is None:  # a device copy: post once it has landed
                     copy.wait()
                     work = self._post(copy, step)
-                self.link.wait_detached(work, "send")
+                for link, posted in work:
+                    link.wait_detached(posted, "send")
             except BaseException as exc:
                 log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))
                 with self._idle:

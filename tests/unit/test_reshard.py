@@ -49,9 +49,9 @@ def changes(draw):
         for i, owner in enumerate(members):
             if len(members) > 1 and draw(st.booleans()) and len(failed) < len(members) - 1:
                 holder = members[(i + 1) % len(members)]
-                if holder not in failed and all(h != owner for h in holder_of.values()):
+                if holder not in failed and all(owner not in h for h in holder_of.values()):
                     failed.add(owner)
-                    holder_of[owner] = holder
+                    holder_of[owner] = (holder,)
     survivors = [r for r in old_ranks if r not in failed] + list(range(12, 15))  # joiners
     new = _stages(draw, num_layers, num_stages, survivors, 3)
     return numels, old, new, failed, holder_of
@@ -86,7 +86,7 @@ def test_transfers_rebuild_every_new_shard_exactly(change) -> None:
     for t in plan.transfers:
         assert t.src not in failed and t.dst not in failed
         if t.kind is Source.HOST:
-            assert holder_of[t.owner] == t.src and t.owner in failed
+            assert holder_of[t.owner] == (t.src,) and t.owner in failed
         else:
             assert t.owner == t.src
         # The source reads the owner's vector (its own, or the snapshot of the owner's).
@@ -126,4 +126,14 @@ def test_interleaved_migration_is_d_disjoint_sends(dp: int, numel: int) -> None:
 
 def test_lost_shard_names_owner_and_holder() -> None:
     with pytest.raises(Unrecoverable, match=r"owner 1, snapshot holder 2"):
-        plan_reshard([LayerShards(0, 10, (0, 1, 2), (0,))], failed={1, 2}, holder_of={1: 2})
+        plan_reshard([LayerShards(0, 10, (0, 1, 2), (0,))], failed={1, 2}, holder_of={1: (2,)})
+
+
+def test_a_failed_owners_shard_is_read_from_its_first_surviving_copy() -> None:
+    """Two copies of rank 1's snapshot (on 2, then 3): with 1 and 2 lost, 3's is read;
+    with 1, 2 and 3 lost, every holder is named."""
+    items = [LayerShards(0, 12, (0, 1), (0, 4))]
+    plan = plan_reshard(items, failed={1, 2}, holder_of={1: (2, 3)})
+    assert {t.src for t in plan.transfers if t.owner == 1} == {3}
+    with pytest.raises(Unrecoverable, match=r"owner 1, snapshot holders \[2, 3\]"):
+        plan_reshard(items, failed={1, 2, 3}, holder_of={1: (2, 3)})

@@ -67,6 +67,7 @@ SAMPLE = {
     },
     "state": {
         "snapshots": False,
+        "snapshot_copies": 2,
         "verify_snapshots": True,
         "checkpoint_every": 2,
         "resume_dir": "/runs/before",
@@ -88,7 +89,8 @@ FLAGS = [
     *("--straggler-threshold", "1.5", "--straggler-min-steps", "3", "--wait-for-nodes", "5"),
     *("--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--plan-ack-timeout", "6"),
     *("--comm-timeout", "30", "--core-restarts", "2", "--core-restart-delay", "1"),
-    *("--core-outage", "20", "--no-snapshots", "--verify-snapshots", "--checkpoint-every", "2"),
+    *("--core-outage", "20", "--no-snapshots", "--snapshot-copies", "2"),
+    *("--verify-snapshots", "--checkpoint-every", "2"),
     *("--bus-host", "192.0.2.2", "--bus-keys", "/keys"),
     *("--fault", "kill:1@4", "--fault", "join@6", "--bus-faults", "drop=0.1,seed=3"),
 ]

@@ -29,7 +29,11 @@ def begin_checkpoint(
     roll back to, from their own state and the snapshots they hold (the job stops once
     every part is written; at once, naming the last periodic checkpoint, when no such
     checkpoint can be written)."""
-    writers = checkpoint_writers(s, p.members, p.step, r.ranks_per_node) if p.step >= 0 else None
+    writers = (
+        checkpoint_writers(s, p.members, p.step, r.ranks_per_node, r.snapshot_copies)
+        if p.step >= 0
+        else None
+    )
     if writers is None or not r.resume_command:
         raise Stopped(_waited_out(r, s, c, p.failed, p.needed, r.resume_hint))
     q = Checkpointing(
@@ -60,7 +64,7 @@ def take(
         ) and rank in p.writers:
             return _written(r, s, c, p, rank)
         case Restarted():  # ask again (a part is written idempotently)
-            writers = checkpoint_writers(s, p.members, p.step, r.ranks_per_node)
+            writers = checkpoint_writers(s, p.members, p.step, r.ranks_per_node, r.snapshot_copies)
             assert writers is not None, "the writers were found before"
             out.append(Publish(_request(c, p.step, writers)))
             return with_phase(s, c, replace(p, deadline=now + r.stop_timeout_s))
@@ -75,19 +79,19 @@ def due(r: Rules, s: State, c: Change, p: Checkpointing, now: float, out: list[A
 
 
 def checkpoint_writers(
-    s: State, members: frozenset[int], step: int, ranks_per_node: int
+    s: State, members: frozenset[int], step: int, ranks_per_node: int, copies: int = 1
 ) -> dict[int, int] | None:
     """Who writes each shard of the plan's ranks at ``step``: the owner, when it is
     among ``members`` and stopped at that step or the next (it keeps the shard of the
     step before its committed one, for a one-step rollback); else the holder of its
     host snapshot. None when a shard has no stopped writer."""
-    placement = snapshot_placement(s.plan, ranks_per_node)
+    placement = snapshot_placement(s.plan, ranks_per_node, copies)
     out = {}
     for owner in s.plan.ranks:
         if owner in members and s.reports[owner].committed_step in (step, step + 1):
             out[owner] = owner
-        elif (holder := placement.holder.get(owner)) is not None and holder in members:
-            out[owner] = holder
+        elif held := [h for h in placement.holders_of(owner) if h in members]:
+            out[owner] = held[0]
         else:
             return None
     return out

@@ -121,6 +121,7 @@ def _plan(r: Rules, s: State, inputs: PlanInputs, members: frozenset[int]) -> Re
         newest={x: s.reports[x].newest for x in members},
         ranks_per_node=r.ranks_per_node,
         snapshots=r.snapshots,
+        copies=r.snapshot_copies,
         rebalancing=rebalancing(inputs, r.rebalancing),
         joined=inputs.joined,
         floor=s.recoveries[-1].committed_step if s.recoveries else r.first_step,

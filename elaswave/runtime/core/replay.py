@@ -190,6 +190,7 @@ def _replay_one(
             newest=newest,
             ranks_per_node=cfg.layout.units_per_node,
             snapshots=cfg.state.snapshots,
+            copies=cfg.state.snapshot_copies,
             rebalancing=announced_rebalancing(cfg, inputs),
             joined=inputs.joined,
             floor=floor,

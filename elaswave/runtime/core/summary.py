@@ -82,7 +82,13 @@ def build_summary(
         first_step=first,
         predicted_step_s=predicted,
         bus=BusCounts(core=bus or {}, workers=workers_bus),
+        snapshot_host_bytes={r.rank: r.snapshot_host_bytes for r in sorted(results, key=_rank)}
+        or None,
     )
+
+
+def _rank(result: WorkerResult) -> int:
+    return result.rank
 
 
 def _losses(

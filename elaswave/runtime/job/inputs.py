@@ -80,6 +80,7 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         recovery=cfg.elastic.recovery,
         ranks_per_node=cfg.layout.units_per_node,
         snapshots=cfg.state.snapshots,
+        snapshot_copies=cfg.state.snapshot_copies,
         rebalancing=rebalancing_of(cfg, {}),
         migration=cfg.elastic.migration,
         migration_early=cfg.elastic.migration_early,

@@ -76,6 +76,9 @@ class Summary:
     bus: BusCounts
     core_incarnations: int | None = None
     """How many Cores ran the job (None: its host wrote the summary, the Core lost)."""
+    snapshot_host_bytes: Mapping[int, int] | None = None
+    """Host memory each rank's snapshots of other ranks' shards took at the end, by rank
+    (grows with ``--snapshot-copies``; None: no worker reported it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +124,9 @@ class WorkerResult:
     """Per-step fingerprints of its optimizer shard (``--verify-snapshots``)."""
     snapshot_fingerprints: Mapping[int, tuple[tuple[float, ...], ...]] | None = None
     """Per-step fingerprints of the snapshots it holds, by owner (``--verify-snapshots``)."""
+    snapshot_host_bytes: int = 0
+    """Host memory its snapshots of other ranks' shards took at the end (every copy it
+    holds: shard states and gradient buffers)."""
 
 
 def write_summary(run_dir: Path, summary: Summary) -> None:

@@ -410,6 +410,14 @@ class StateConfig:
         help="keep no host snapshots of optimizer shards (a lost shard is then unrecoverable)",
     )
     """Keep per-step host snapshots of every optimizer shard on another rank."""
+    snapshot_copies: int = setting(
+        1,
+        help="copies of each optimizer shard's host snapshot, each on another rank and, "
+        "where the layout has them, on another node and stage (default 1; 2 survives "
+        "losing any two ranks or nodes)",
+    )
+    """Copies of each shard's host snapshot: losing any K ranks (or K nodes) loses no
+    state where the layout has K other nodes for every owner."""
     verify_snapshots: bool = setting(
         False, help="record per-step digests of every optimizer shard and its snapshot"
     )
@@ -430,6 +438,7 @@ class StateConfig:
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every = {self.checkpoint_every}: must be >= 0")
+        check_positive_int(self, "snapshot_copies")
 
     @property
     def first_step(self) -> int:

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from elaswave.engine.plan import Plan
+from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.layout import InterleavedLayout
+from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.job.config import JobConfig
+
+
+def placement_of(cfg: JobConfig, plan: Plan) -> SnapshotPlacement:
+    """Where the snapshots of ``plan``'s shards live, for this job (its nodes, its copies)."""
+    return snapshot_placement(plan, cfg.layout.units_per_node, cfg.state.snapshot_copies)
 
 
 def owner_layout(cfg: JobConfig, plan: Plan, owner: int) -> tuple[InterleavedLayout, int]:

@@ -26,7 +26,6 @@ from elaswave.engine.migration import NONBLOCKING, Transition, plan_transition
 from elaswave.engine.plan import (
     Plan,
     StagePlan,
-    snapshot_placement,
 )
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.adamw import ShardState
@@ -42,7 +41,7 @@ from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
-from elaswave.runtime.worker.holders import owner_decay_mask, owner_layout
+from elaswave.runtime.worker.holders import owner_decay_mask, owner_layout, placement_of
 from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
 from elaswave.runtime.worker.trainer import (
     Trainer,
@@ -67,15 +66,16 @@ def _exchange_snapshot_states(
 ) -> dict[int, ShardState]:
     """Owners send their full committed shard to their (new) holders (host-plane
     traffic: the holders' snapshots are host memory)."""
-    placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
+    placement = placement_of(ctx.cfg, plan)
     tag = p2p_tag(plan.generation, step, TagSpace.SNAPSHOT_STATE)
-    pending = None
-    holder = placement.holder.get(ctx.rank)
-    if holder is not None:
+    pending = []
+    holders = placement.holders_of(ctx.rank)
+    if holders:
         s = optimizer.state
         payload = as_host(torch.stack([s.master, s.exp_avg, s.exp_avg_sq]))
-        group = comm.p2p(snapshot_link_name(ctx.rank, holder))
-        pending = (group, group.isend(payload, holder, tag), payload)
+        for holder in holders:
+            group = comm.p2p(snapshot_link_name(ctx.rank, holder))
+            pending.append((group, group.isend(payload, holder, tag)))
     received = {}
     for owner in placement.holds(ctx.rank):
         layout, _ = owner_layout(ctx.cfg, plan, owner)
@@ -84,8 +84,8 @@ def _exchange_snapshot_states(
         received[owner] = ShardState(
             buf[0].clone(), buf[1].clone(), buf[2].clone(), owner_decay_mask(ctx.cfg, plan, owner)
         )
-    if pending is not None:
-        pending[0].wait_send(pending[1])
+    for group, work in pending:
+        group.wait_send(work)
     return received
 
 
@@ -245,6 +245,7 @@ def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | Non
         numels=a.ctx.numels,
         ranks_per_node=cfg.layout.units_per_node,
         snapshots=cfg.state.snapshots,
+        copies=cfg.state.snapshot_copies,
     )
     if migration != NONBLOCKING:
         return moves, None

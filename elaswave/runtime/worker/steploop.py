@@ -305,6 +305,7 @@ class StepLoop:
             optimizer_device=trainer.optimizer.state.master.device.type,
             optimizer_fingerprints=tuple(prints[s] for s in sorted(prints)),
             snapshot_fingerprints={o: tuple(p for _, p in r) for o, r in held.items()},
+            snapshot_host_bytes=sum(k.host_bytes for k in keepers),
         )
         write_worker_result(run_dir, result)
         self.session.publish(WorkerFinished(sender=self.sender, rank=self.rank, ok=True))

@@ -29,7 +29,6 @@ from elaswave.engine.plan import (
     Plan,
     dp_group_name,
     snapshot_group_specs,
-    snapshot_placement,
 )
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
@@ -43,7 +42,12 @@ from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.faults import FaultInjector
-from elaswave.runtime.worker.holders import owner_decay_mask, owner_initial_state, owner_layout
+from elaswave.runtime.worker.holders import (
+    owner_decay_mask,
+    owner_initial_state,
+    owner_layout,
+    placement_of,
+)
 from elaswave.runtime.worker.migration import ShadowStep
 from elaswave.runtime.worker.pipeline import StageRunner
 from elaswave.runtime.worker.tpgroup import TpLink
@@ -153,7 +157,7 @@ class Trainer:
 def snapshot_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     if not ctx.cfg.state.snapshots:
         return []
-    return snapshot_group_specs(plan, ctx.cfg.layout.units_per_node)
+    return snapshot_group_specs(plan, ctx.cfg.layout.units_per_node, ctx.cfg.state.snapshot_copies)
 
 
 def build_runner(
@@ -264,7 +268,7 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
     optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
     initial = {}  # the snapshots this rank holds (of owners in another stage) at the step
     ckpt = step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step)
-    for owner in snapshot_placement(plan, ctx.cfg.layout.units_per_node).holds(ctx.rank):
+    for owner in placement_of(ctx.cfg, plan).holds(ctx.rank):
         layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
         held = load_layers(ckpt, [item.layer for item in layout.layers])
         initial[owner] = shard_of_layers(layout, owner_replica, held)
@@ -292,16 +296,14 @@ def attach_snapshots(
     """
     if not ctx.cfg.state.snapshots:
         return []
-    placement = snapshot_placement(plan, ctx.cfg.layout.units_per_node)
-    holder = placement.holder.get(ctx.rank)
-    if holder is not None:
+    placement = placement_of(ctx.cfg, plan)
+    holders = placement.holders_of(ctx.rank)
+    if holders:
+        links = [(comm.p2p(snapshot_link_name(ctx.rank, h)), h) for h in holders]
         optimizer.snapshot = SnapshotSender(
-            comm.p2p(snapshot_link_name(ctx.rank, holder)),
-            holder,
-            generation=plan.generation,
-            device=ctx.device,
-            abort=ctx.abort,
-        )
+            *links[0], generation=plan.generation, device=ctx.device, abort=ctx.abort,
+            more=links[1:],
+        )  # fmt: skip
     keepers = []
     for owner in placement.holds(ctx.rank):
         state = (

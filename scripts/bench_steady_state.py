@@ -75,8 +75,8 @@ MODEL_TOML = "[model]\n" + "".join(  # the fields MODEL sets, for elaswave train
     for name in ModelConfig.field_names()
     if getattr(MODEL, name) != getattr(ModelConfig(), name)
 )
-LAYOUTS = {"dp2": (2, 1), "pp2": (1, 2)}
-BASELINE_NAME = {"dp2": "DDP", "pp2": "pipelining 1F1B"}
+LAYOUTS = {"dp2": (2, 1), "dp4": (4, 1), "pp2": (1, 2)}
+BASELINE_NAME = {"dp2": "DDP", "dp4": "DDP", "pp2": "pipelining 1F1B"}
 
 
 def job_config(dp: int, pp: int, steps: int) -> JobConfig:
@@ -103,7 +103,7 @@ def steady_throughput(step_times: list[float]) -> float:
 
 
 def run_elaswave(
-    work: Path, config: Path, dp: int, pp: int, steps: int, snapshots: bool
+    work: Path, config: Path, dp: int, pp: int, steps: int, snapshots: bool, copies: int = 1
 ) -> dict[str, Any]:
     out = work / f"elaswave-{dp}x{pp}-{'on' if snapshots else 'off'}"
     cmd = [
@@ -131,6 +131,8 @@ def run_elaswave(
     ]
     if not snapshots:
         cmd.append("--no-snapshots")
+    elif copies > 1:
+        cmd += ["--snapshot-copies", str(copies)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -188,10 +190,10 @@ def _loader() -> SampleLoader:
     return SampleLoader(source, seed=data.seed)
 
 
-def _init(rank: int, store_path: str) -> None:
+def _init(rank: int, store_path: str, world: int = 2) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def _leave() -> None:
@@ -203,18 +205,18 @@ def _leave() -> None:
     os._exit(0)
 
 
-def ddp_worker(rank: int, store_path: str, steps: int, result: str) -> None:
-    _init(rank, store_path)
+def ddp_worker(rank: int, store_path: str, steps: int, result: str, world: int = 2) -> None:
+    _init(rank, store_path, world)
     model = nn.parallel.DistributedDataParallel(Stack(0, MODEL.num_layers))
     opt, sched = make_optimizer(model)
     loader = _loader()
-    num_micro = GLOBAL_BATCH // (2 * MICRO_BATCH)
+    num_micro = GLOBAL_BATCH // (world * MICRO_BATCH)
     sampler = GlobalBatchSampler(GLOBAL_BATCH, num_micro)
     rng = make_rng("counter", seed=SEED, rank=rank)
     times, losses = [], []
     for step in range(steps):
         start = time.perf_counter()
-        slots = sampler.slots(step, [MICRO_BATCH, MICRO_BATCH])[rank]
+        slots = sampler.slots(step, [MICRO_BATCH] * world)[rank]
         total = torch.zeros(())
         for mb, slot in enumerate(slots):
             ids = tuple(slot.sample_ids)
@@ -223,8 +225,8 @@ def ddp_worker(rank: int, store_path: str, steps: int, result: str) -> None:
             sync = model.no_sync() if mb < len(slots) - 1 else contextlib.nullcontext()
             with sync:
                 per_sample = per_sample_loss(model(x, ctx), y)
-                # DDP averages over its 2 replicas; x2 makes it the sum over the global batch.
-                (per_sample.sum() * 2 / GLOBAL_BATCH).backward()
+                # DDP averages over its replicas; x world makes it the global batch's sum.
+                (per_sample.sum() * world / GLOBAL_BATCH).backward()
             total += per_sample.detach().sum()
         opt.step()
         sched.step()
@@ -278,9 +280,10 @@ def run_baseline(work: Path, kind: str, steps: int) -> dict[str, Any]:
         store = str(Path(tmp) / "store")
         result = str(Path(tmp) / "result.json")
         os.environ["OMP_NUM_THREADS"] = "1"
-        if kind == "dp2":
+        if kind in ("dp2", "dp4"):
+            world = LAYOUTS[kind][0]
             mp.start_processes(
-                ddp_worker, args=(store, steps, result), nprocs=2, start_method="spawn"
+                ddp_worker, args=(store, steps, result, world), nprocs=world, start_method="spawn"
             )
             raw = json.loads(Path(result).read_text())
             times, loss = raw["step_time_s"], raw["loss"]
@@ -391,6 +394,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["dp2", "pp2"])
+    parser.add_argument(
+        "--snapshot-copies",
+        dest="copies",
+        type=int,
+        default=1,
+        help="copies of every snapshot on the snapshots-on side (dp2 has one other rank "
+        "only: use dp4 for two)",
+    )
     args = parser.parse_args()
     if args.steps <= SKIP_STEPS + 1:
         raise SystemExit(f"--steps must exceed {SKIP_STEPS + 1}")
@@ -408,6 +419,7 @@ def main() -> int:
         "skip_steps": SKIP_STEPS,
         "pairs": args.pairs,
         "pp2_split": stage_split(1, 2),
+        "snapshot_copies": args.copies,
         "host_cpus": os.cpu_count(),
         "torch": torch.__version__,
         "runs": {},
@@ -429,8 +441,9 @@ def main() -> int:
                         pair["baseline"] = run_baseline(work, name, args.steps)
                     else:
                         pair[f"elaswave_{side}"] = run_elaswave(
-                            work, config, dp, pp, args.steps, snapshots=side == "on"
-                        )
+                            work, config, dp, pp, args.steps, snapshots=side == "on",
+                            copies=args.copies,
+                        )  # fmt: skip
                 ref, mine = pair["baseline"]["loss"], pair["elaswave_on"]["loss"]
                 pair["max_loss_rel_diff"] = max(
                     abs(a - b) / abs(b) for a, b in zip(mine, ref, strict=True)

@@ -32,6 +32,7 @@ def test_an_owner_and_its_first_holder_lost_together_are_rebuilt_from_the_second
     check_recovered(run, reference(2, 2), world=4, failed=[sorted([0, first])])
 
 
+@pytest.mark.long  # the one-copy stop is tests/fault/test_fail_stop.py's by default
 def test_with_one_copy_the_same_faults_stop_naming_the_lost_shard(tmp_path):
     (first,) = _holders(0, 1)
     proc = elaswave(
@@ -62,6 +63,7 @@ def test_a_bad_copy_count_gets_one_clear_line(tmp_path):
     assert "snapshot_copies = 0: must be a positive integer" in proc.stderr, proc.stderr
 
 
+@pytest.mark.long  # two dp4 runs; scripts/test_long
 def test_host_memory_grows_with_the_copies_as_the_model_prices_it(runs_dir):
     """dp4 x pp1 (equal shards): each rank's snapshot memory, reported in summary.json,
     doubles with a second copy and is what the memory model prices, within the keeper's

@@ -358,6 +358,10 @@ def check_churn(ck: Checker) -> Outcome:
         "steps": summary.steps_completed,
         "recoveries": len(summary.recoveries),
         "mttr_median_s": mttrs[len(mttrs) // 2] if mttrs else None,
+        # the most process groups a participant held, as the workers report them: at the
+        # first change and at the last (bounded by the groups a rank belongs to)
+        "communicators_first": summary.recoveries[0].communicators if mttrs else None,
+        "communicators_last": summary.recoveries[-1].communicators if mttrs else None,
     }
     if grown is not None:
         figures |= asdict(grown)

@@ -805,6 +805,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         "victims": {str(r): f for r, f in sorted(fired.items())},
         **({"victim_units": units} if case.tp > 1 else {}),
         "outcome": verdict.outcome,
+        **({"how": finished_how(out)} if verdict.outcome == "recovered" else {}),
         "ok": verdict.ok,
         "detail": verdict.detail,
         "note": verdict.note,
@@ -821,6 +822,18 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
     if verdict.ok and not keep:
         shutil.rmtree(out, ignore_errors=True)
     return record
+
+
+def finished_how(out: Path) -> str:
+    """How a recovered job finished: ``in-step`` (every change inside the step), or
+    ``after a wait`` (a change waited for joining ranks, its state in memory)."""
+    from elaswave.runtime.job.results import read_summary
+
+    try:
+        recoveries = read_summary(out).recoveries
+    except ValueError:
+        return "unknown"
+    return "after a wait" if any(r.waited_s is not None for r in recoveries) else "in-step"
 
 
 def table(records: list[dict]) -> str:
@@ -1003,13 +1016,19 @@ def _write_md(args: argparse.Namespace, records: list[dict], total: float) -> No
         table(records),
         "",
         f"{len(records)} cases in {total:.0f} s ({total / len(records):.1f} s per case); "
-        f"{len(failed)} failed.",
+        f"{len(failed)} failed. Recovered: {_hows(records)}.",
     ]
     if failed:
         lines += ["", "| case | outcome | reproduce |", "|---|---|---|"]
         lines += [f"| {r['case']} | {r['outcome']} | `{r['command']}` |" for r in failed]
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text("\n".join(lines) + "\n")
+
+
+def _hows(records: list[dict]) -> str:
+    """How the recovered cases finished, counted."""
+    hows = Counter(r["how"] for r in records if r["outcome"] == "recovered")
+    return ", ".join(f"{n} {how}" for how, n in sorted(hows.items())) or "none"
 
 
 def _tp_flag(args: argparse.Namespace) -> str:

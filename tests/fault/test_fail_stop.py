@@ -293,6 +293,7 @@ def test_a_worker_hung_before_its_first_heartbeat_is_fenced(runs_dir, reference)
     assert "no heartbeat for" in run.proc.stderr and "fenced" in run.proc.stderr
 
 
+@pytest.mark.long  # a comparison of RNG modes, not a recovery path: scripts/test_long
 @pytest.mark.timeout(400)
 def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(runs_dir, reference):
     import statistics

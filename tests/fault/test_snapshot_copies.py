@@ -43,6 +43,7 @@ def test_with_one_copy_the_same_faults_stop_naming_the_lost_shard(tmp_path):
     assert f"(owner 0, snapshot holder {first})" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.long  # the message's form is tests/unit/test_reshard.py's by default
 def test_an_owner_and_every_holder_lost_names_them_all(tmp_path):
     """dp4 x pp1 (no pipeline, so every rank reaches its backward and its fault): rank
     0 and both holders of its snapshot are killed; rank 3 is left without a copy."""

@@ -12,8 +12,9 @@ says so).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
@@ -103,13 +104,29 @@ def _with_more(
     stage: dict[int, int] | None,
 ) -> SnapshotPlacement:
     """``first`` with the further copies ``more``; safety judged over every copy."""
-    placed = SnapshotPlacement(first.holder, node_safe=False, more=more)
+    copies = {o: (h, *more.get(o, ())) for o, h in first.holder.items()}
     node_safe = all(
-        len({node[o], *(node[h] for h in placed.holders_of(o))}) == 1 + len(placed.holders_of(o))
-        for o in placed.holder
+        len({node[o], *(node[h] for h in hs)}) == 1 + len(hs) for o, hs in copies.items()
     )
-    stage_safe = stage is not None and all(stage[h] != stage[o] for o, h in placed.links())
+    stage_safe = stage is not None and all(
+        stage[h] != stage[o] for o, hs in copies.items() for h in hs
+    )
     return SnapshotPlacement(first.holder, node_safe, stage_safe, more)
+
+
+CLASSES = ((True, True), (False, True), (True, False))
+"""Holder classes in order of preference: (another stage, another node) both, then
+another node, then another stage."""
+
+
+def _best_class(candidates: list[int], apart: Callable[[int], tuple[bool, bool]]) -> list[int]:
+    """The candidates of the best class that has any (``apart(r)``: whether r is in
+    another stage, on another node); all of them when none is apart at all."""
+    for want in CLASSES:
+        ok = [r for r in candidates if all(a or not w for a, w in zip(apart(r), want, strict=True))]
+        if ok:
+            return ok
+    return candidates
 
 
 HOLDS_AT_MOST = 2
@@ -159,17 +176,7 @@ def place_snapshots_across(
     holder: dict[int, int] = {}
     held = dict.fromkeys(ranks, 0)
     for owner in ranks:
-        others = [r for r in ranks if r != owner]
-        fit = others
-        for want in ((True, True), (False, True), (True, False)):
-            ok = [
-                r
-                for r in others
-                if all(a or not w for a, w in zip(apart(owner, r), want, strict=True))
-            ]
-            if ok:
-                fit = ok
-                break
+        fit = _best_class([r for r in ranks if r != owner], partial(apart, owner))
         room = [r for r in fit if held[r] < HOLDS_AT_MOST] or fit
         holder[owner] = max(room, key=lambda r: _weight(owner, r))
         held[holder[owner]] += 1
@@ -181,6 +188,13 @@ def place_snapshots_across(
     if copies <= 1:
         return first
     return _with_more(first, _place_more(first, stage, node, copies, held), node, stage)
+
+
+def _apart_from(
+    stage: dict[int, int], node: dict[int, int], owner_stage: int, used: set[int], r: int
+) -> tuple[bool, bool]:
+    """Whether ``r`` is in another stage than the owner's, on a node no copy is on."""
+    return stage[r] != owner_stage, node[r] not in used
 
 
 def _place_more(
@@ -201,17 +215,7 @@ def _place_more(
             if not left:
                 break
             used = {node[owner], *(node[h] for h in chosen)}
-            fit = left
-            for want_stage, want_node in ((True, True), (False, True), (True, False)):
-                ok = [
-                    r
-                    for r in left
-                    if (stage[r] != stage[owner] or not want_stage)
-                    and (node[r] not in used or not want_node)
-                ]
-                if ok:
-                    fit = ok
-                    break
+            fit = _best_class(left, partial(_apart_from, stage, node, stage[owner], used))
             room = [r for r in fit if held[r] < HOLDS_AT_MOST * k] or fit
             pick = max(room, key=lambda r: _weight(owner, r))
             chosen.append(pick)

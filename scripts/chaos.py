@@ -77,7 +77,11 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     Accepted messages: "stage S (...) lost all its ranks [R...]: no
                     replica holds its layers" with every R a victim; "optimizer state
                     lost: ... (owner O, snapshot holder H)" with O and H victims (H may be
-                    none); "no worker survives" with every launched rank (unit) a victim
+                    none); "no worker survives" with every launched rank (unit) a victim.
+                    With --checkpoint-every K (tp 1) a lost-state stop also needs the
+                    message's "no complete checkpoint of step N or before to restore",
+                    and no complete checkpoint of step N - K or before on disk: a job
+                    that could restore one must (inside the job)
     stopped-window  exit 1 with the documented stop for a failure after a plan's commit
                     ("while waiting for every rank to apply the recovery plan: ... (a
                     failure in that window is not recovered: the job stops; ...)", see
@@ -207,6 +211,9 @@ class Case:
     snapshot_copies: int = 1
     """``--snapshot-copies`` (the campaign's, not drawn: the same seed draws the same
     cases with any number of copies)."""
+    checkpoint_every: int = 0
+    """``--checkpoint-every`` (the campaign's, not drawn, as the copies): lost state is
+    then restored from a checkpoint inside the job."""
 
     @property
     def world(self) -> int:
@@ -236,6 +243,8 @@ class Case:
         out += ["--rebalance", self.policy]
         if self.snapshot_copies > 1:
             out += ["--snapshot-copies", str(self.snapshot_copies)]
+        if self.checkpoint_every:
+            out += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.wait_for_nodes:
             out += ["--wait-for-nodes", f"{self.wait_for_nodes:g}"]
         for fault in self.faults:
@@ -258,6 +267,7 @@ class Case:
             f"policy={self.policy} device={self.device}"
             + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
             + (f" copies={self.snapshot_copies}" if self.snapshot_copies > 1 else "")
+            + (f" checkpoint-every={self.checkpoint_every}" if self.checkpoint_every else "")
         )
 
 
@@ -633,7 +643,37 @@ def victim_units(case: Case, hit: dict[int, str]) -> set[int]:
 
 
 def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
-    """``hit``: the victim units (the job's messages name plan ranks)."""
+    """``hit``: the victim units (the job's messages name plan ranks). A stop for lost
+    state is acceptable only when no checkpoint could be restored (:func:`_unrestored`)."""
+    verdict = _judge_stop(case, job, hit)
+    if verdict.outcome == "stopped-ok" and "no worker survives" not in job.stderr:
+        return _unrestored(case, job, verdict)
+    return verdict
+
+
+def _unrestored(case: Case, job: Job, verdict: Verdict) -> Verdict:
+    """A lost-state stop of a job that writes checkpoints (tp 1: TP jobs write none) is
+    acceptable when its message says no checkpoint was complete at the survivors' step
+    N, and the disk agrees: none of step N - K or before (one period earlier: complete
+    before the failure, whatever a writer did after) is complete."""
+    if not case.checkpoint_every or case.tp > 1:
+        return verdict
+    from elaswave.fabric.checkpoint import complete_steps
+    from elaswave.runtime.job.config import JobSpec
+
+    said = re.search(r"no complete checkpoint of step (-?\d+) or before to restore", job.stderr)
+    if said is None:
+        return Verdict("unexplained-stop", verdict.detail, "state was lost, and no restore tried")
+    layers = JobSpec.read(job.out).config.model.num_layers
+    older = sorted(
+        s for s in complete_steps(job.out, layers) if s <= int(said[1]) - case.checkpoint_every
+    )
+    if older:
+        return Verdict("unexplained-stop", verdict.detail, f"checkpoints {older} were complete")
+    return verdict
+
+
+def _judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
     lines = [ln for ln in job.stderr.splitlines() if ln.startswith("elaswave: job failed: ")]
     if job.code != 1 or len(lines) != 1:
         tail = job.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
@@ -816,6 +856,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         "rerun": f"scripts/chaos --seed {case.seed} --case {case.index}"
         + (f" --tp-weight {tp_weight:g}" if tp_weight else "")
         + (f" --snapshot-copies {case.snapshot_copies}" if case.snapshot_copies > 1 else "")
+        + (f" --checkpoint-every {case.checkpoint_every}" if case.checkpoint_every else "")
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -825,14 +866,18 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
 
 
 def finished_how(out: Path) -> str:
-    """How a recovered job finished: ``in-step`` (every change inside the step), or
-    ``after a wait`` (a change waited for joining ranks, its state in memory)."""
+    """How a recovered job finished: ``in-step`` (every change inside the step),
+    ``from a checkpoint`` (state was lost, and a change restored a disk checkpoint
+    inside the job), or ``after a wait`` (a change waited for joining ranks, its state
+    in memory)."""
     from elaswave.runtime.job.results import read_summary
 
     try:
         recoveries = read_summary(out).recoveries
     except ValueError:
         return "unknown"
+    if any(r.restored for r in recoveries):
+        return "from a checkpoint"
     return "after a wait" if any(r.waited_s is not None for r in recoveries) else "in-step"
 
 
@@ -908,6 +953,13 @@ def main(argv: list[str] | None = None) -> int:
         help="copies of every snapshot in every case (default 1; the draws do not change)",
     )
     parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="write a checkpoint every K steps in every case (default 0: none; lost state "
+        "is then restored inside the job; the draws do not change)",
+    )
+    parser.add_argument(
         "--snapshot",
         action="store_true",
         help="copy elaswave/ once at the start and run every job (and the checks) on the "
@@ -918,6 +970,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tp-weight {args.tp_weight:g}: must be from 0 to 1")
     if args.copies < 1:
         parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -958,7 +1012,11 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     started = time.monotonic()
     for index in indices:
-        case = replace(draw_case(args.seed, index, args.tp_weight), snapshot_copies=args.copies)
+        case = replace(
+            draw_case(args.seed, index, args.tp_weight),
+            snapshot_copies=args.copies,
+            checkpoint_every=args.checkpoint_every,
+        )
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
@@ -1034,7 +1092,8 @@ def _hows(records: list[dict]) -> str:
 def _tp_flag(args: argparse.Namespace) -> str:
     """The campaign's flags besides the seed (what reproduces its draws)."""
     copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
-    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies
+    every = f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""
+    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies + every
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:
@@ -1042,6 +1101,7 @@ def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> 
         "seed": args.seed,
         **({"tp_weight": args.tp_weight} if args.tp_weight else {}),
         **({"snapshot_copies": args.copies} if args.copies > 1 else {}),
+        **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}),
         "code": args.code,
         "cases": len(records),
         "failed": sum(1 for r in records if not r["ok"]),

@@ -313,6 +313,10 @@ class RecoveryPlan(Event):
     """How layers move, decided once by the Core: ``none``, ``blocking`` (gathered before
     resuming) or ``nonblocking`` (streamed during the transition step); workers follow
     it, replay checks it."""
+    restore: bool = False
+    """State was lost: every participant loads its part of the disk checkpoint of
+    ``committed_step`` (instead of rolling back and remapping), and the job trains the
+    steps after it again."""
 
 
 @register

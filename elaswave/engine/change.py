@@ -283,6 +283,8 @@ class State:
     scales_done: int = 0
     stopped: str = ""
     """Why the job stopped (empty: it runs)."""
+    checkpoints: tuple[int, ...] = ()
+    """Steps of the complete disk checkpoints (restored when state is lost)."""
 
 
 def initial_state(plan: Plan) -> State:

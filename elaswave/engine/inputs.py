@@ -54,6 +54,14 @@ class Straggling:
 
 
 @dataclass(frozen=True)
+class OnDisk:
+    """The steps of the complete disk checkpoints the job has (the Core's watcher reads
+    the pieces' manifests, :func:`elaswave.fabric.checkpoint.complete_steps`)."""
+
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Ready:
     """A member stopped and reported (RecoveryReady of ``generation``)."""
 
@@ -132,5 +140,5 @@ class Restarted:
 
 Input = (
     Exited | Silent | Joining | ScaleUp | Straggling | Ready | Acked | Done | Trained
-    | StepDone | Migrated | Checkpointed | Tick | Restarted
+    | StepDone | Migrated | Checkpointed | OnDisk | Tick | Restarted
 )  # fmt: skip

@@ -54,6 +54,8 @@ class PlanOutcome:
     reason: str
     rebuild: tuple[str, ...] = ()
     """Surviving groups to rebuild (tainted on some member)."""
+    restore: bool = False
+    """Every participant loads the disk checkpoint of ``committed_step``."""
 
 
 def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
@@ -75,6 +77,7 @@ def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
         stale=list(inputs.stale),
         attempt=outcome.attempt,
         migration=str(inputs.migration),
+        restore=outcome.restore,
     )
 
 

@@ -12,7 +12,9 @@ A change leaves generation ``g`` for ``g + 1`` (docs/protocol.md), phase by phas
    member stops at a step boundary and reports (``RecoveryReady``). A member lost
    meanwhile widens the announced failed set.
 3. **Plan** (:mod:`~elaswave.engine.phases.planning`): the pure planner computes plan
-   ``g + 1``; it is announced (``RecoveryPlan``, attempt ``a``). Too few ranks for the
+   ``g + 1``; it is announced (``RecoveryPlan``, attempt ``a``). State lost: the plan
+   **restores** the newest usable disk checkpoint inside the job (``OnDisk`` tells the
+   protocol which are complete), or the job stops. Too few ranks for the
    stages: the change **waits** for joiners (:mod:`~elaswave.engine.phases.waiting`),
    and a wait that runs out **checkpoints** and stops the job
    (:mod:`~elaswave.engine.phases.checkpointing`).
@@ -59,6 +61,7 @@ from elaswave.engine.inputs import (
     Input,
     Joining,
     Migrated,
+    OnDisk,
     Ready,
     Restarted,
     ScaleUp,
@@ -147,6 +150,8 @@ def _learn(r: Rules, s: State, e: Input, now: float, out: list[Action]) -> State
             return _take(r, s, e, now, out)
         case StepDone(step=step, at=at):
             return _take(r, _step_done(r, s, step, at, out), e, now, out)
+        case OnDisk(steps=steps):
+            return replace(s, checkpoints=tuple(sorted(set(steps))))
         case Migrated(rank=rank, generation=g):
             streamed = Streamed(bytes_streamed=e.bytes_streamed, waited_s=e.waited_s)
             return replace(s, migrated={**s.migrated, (g, rank): streamed})

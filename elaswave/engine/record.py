@@ -108,6 +108,9 @@ class PlannedRecovery:
     joined: tuple[int, ...]
     waited_s: float | None = None
     """How long the change waited for joiners (None: it did not wait)."""
+    restored: bool = False
+    """State was lost: every participant restored the disk checkpoint of
+    ``committed_step`` inside the job (the steps after it are trained again)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +148,7 @@ def recorded(
         plan=planned.plan,
         joined=planned.joined,
         waited_s=planned.waited_s,
+        restored=planned.restored,
         mttr_s=mttr_s,
         phases=phases,
         bytes_moved=bytes_moved,
@@ -172,6 +176,8 @@ def record_to_json(record: RecoveryRecord) -> dict[str, Any]:
     }
     if record.waited_s is not None:
         doc["waited_s"] = record.waited_s
+    if record.restored:
+        doc["restored"] = True
     p = record.phases
     doc["mttr_s"] = record.mttr_s
     doc["phases"] = {
@@ -206,6 +212,7 @@ def record_from_json(doc: Mapping[str, Any]) -> RecoveryRecord:
             plan=_summary_from_json(doc["plan"]),
             joined=tuple(int(r) for r in doc["joined"]),
             waited_s=_maybe_number(doc.get("waited_s")),
+            restored=bool(doc.get("restored", False)),
             mttr_s=_number(doc["mttr_s"]),
             phases=PhaseTimes(
                 detect=_number(p["detect"]),

@@ -76,6 +76,35 @@ def replan(
     return shaped.plan, f"{lost}; {shaped.reason}"
 
 
+def plan_restore(
+    plan: Plan,
+    failed: Collection[int],
+    step: int,
+    lost: Unrecoverable,
+    rebalancing: Rebalancing | None = None,
+    joined: Sequence[int] = (),
+) -> RecoveryDecision:
+    """The decision when :func:`plan_fail_stop` finds state lost (``lost``) and the job
+    restores the disk checkpoint of ``step`` inside its running processes: the plan the
+    survivors and ``joined`` form (every layer's state read from the checkpoint, so a
+    stage lost whole is taken over as from snapshots). TooFewRanks when the ranks
+    cannot fill the stages."""
+    new, reason = replan(plan, failed, rebalancing, joined=joined)
+    why = f"{lost}; restored from the checkpoint of step {step} inside the job; {reason}"
+    return _decision(plan, new, failed, step, f"{why}; every rank resumes after step {step}")
+
+
+def _decision(
+    plan: Plan, new: Plan, failed: Collection[int], committed: int, reason: str
+) -> RecoveryDecision:
+    """The change from ``plan`` to ``new``. A plan that does not change (the joiners it
+    was for are gone, say) still takes the next generation: the members are stopped all
+    the same, and every change advances it."""
+    if new.generation == plan.generation:
+        new = dataclasses.replace(new, generation=plan.generation + 1)
+    return RecoveryDecision(new, tuple(sorted(failed)), committed, reason)
+
+
 def plan_fail_stop(
     plan: Plan,
     failed: Collection[int],
@@ -143,13 +172,6 @@ def plan_fail_stop(
         committed = max(max(tops) - 1, min(floor, committed))
     if too_few is not None:
         raise TooFewRanks(str(too_few), too_few.needed, committed_step=committed)
-    if new.generation == plan.generation:
-        # Nothing changes (the joiners it was for are gone, say): the members are stopped
-        # all the same and take the next generation, so that every change advances it.
-        new = dataclasses.replace(new, generation=plan.generation + 1)
-    return RecoveryDecision(
-        new,
-        tuple(sorted(failed)),
-        committed,
-        f"{reason}; every survivor resumes after step {committed}",
+    return _decision(
+        plan, new, failed, committed, f"{reason}; every survivor resumes after step {committed}"
     )

@@ -22,6 +22,9 @@ class Rules:
     snapshots: bool = True
     snapshot_copies: int = 1
     """Copies of each optimizer shard's host snapshot, each on another rank."""
+    restore: bool = False
+    """Whether lost state is restored from the newest disk checkpoint inside the job
+    (the job writes checkpoints its ranks can load)."""
     rebalancing: Rebalancing = field(default_factory=Rebalancing)
     """The throughput planner's inputs without the measured slowdowns (the state's)."""
     migration: str = "nonblocking"

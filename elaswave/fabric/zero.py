@@ -408,13 +408,18 @@ class ZeroAdamW:
         self._spare = dropped
         self._prepare()
 
-    def rollback(self, to_step: int) -> None:
-        """Drop any uncommitted update and, if needed, the last committed step."""
+    def abandon(self) -> None:
+        """Drop any uncommitted update and the work of the abandoned step (reduction
+        hooks, the copy prepared for the next update, the kept gather buffer)."""
         self.pending = None
         self._drop_prepared()
         self._disarm()
         self._reduction = None
         self._gather = None  # an abandoned gather may still write it
+
+    def rollback(self, to_step: int) -> None:
+        """Drop any uncommitted update and, if needed, the last committed step."""
+        self.abandon()
         if to_step == self.committed_step:
             return
         if to_step == self.committed_step - 1 and self.previous is not None:

@@ -316,6 +316,7 @@ def test_counter_rng_keeps_the_fault_free_trajectory_where_stateful_does_not(run
     assert without > 10 * with_resharding and without > 1e-6
 
 
+@pytest.mark.long  # a stop then --resume on another layout: test_wait_for_nodes.py's too
 @pytest.mark.timeout(400)
 def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_dir):
     steps = ("--steps", "10", "--global-batch", "16", "--micro-batch", "2")
@@ -331,12 +332,15 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
         *steps,
         "--checkpoint-every",
         "3",
-        "--no-snapshots",  # stage 1's state is lost with it (else it would be re-pipelined)
+        # Every rank lost: the job stops (with a survivor it would restore the checkpoint
+        # inside the job, tests/fault/test_restore_in_job.py).
+        "--fault",
+        "kill:0@7:backward",
         "--fault",
         "kill:1@7:backward",
         timeout=200,
     )
-    assert proc.returncode == 1 and "unrecoverable" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "no worker survives" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step2", "step5"]
     # Training into it again would clear what can continue it: refused, nothing touched.
     again = elaswave("train", "--out", str(crashed), *steps, timeout=60)

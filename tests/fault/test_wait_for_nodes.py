@@ -105,6 +105,7 @@ def test_a_wait_that_runs_out_writes_a_checkpoint_from_memory_that_resumes_on_an
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
 
 
+@pytest.mark.long  # joins while waiting: this module's join@STEP case; scale: test_elastic.py
 def test_a_waiting_job_takes_a_worker_added_by_elaswave_scale(runs_dir, ref):
     """No joiner is scheduled: the job waits until an operator adds one with ``elaswave
     scale``, which reports it joined; the run then matches the fault-free one."""

@@ -88,10 +88,14 @@ def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
 
 
 class World(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]))
-    def start(self, layout: tuple[int, int], wait: float) -> None:
+    @initialize(
+        layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]), restore=st.booleans()
+    )
+    def start(self, layout: tuple[int, int], wait: float, restore: bool = False) -> None:
         cfg, rules = _job(*layout)
-        self.rules = _waiting(rules, wait)
+        self.rules = dataclasses.replace(_waiting(rules, wait), restore=restore)
+        self.on_disk: set[int] = set()
+        """Steps of the complete disk checkpoints the Core was told of."""
         self.state = ch.initial_state(cfg.plan())
         self.now = 1000.0
         self.procs = set(self.state.alive)
@@ -133,6 +137,11 @@ class World(RuleBasedStateMachine):
                     report = ch.Report(committed_step=self.step_no, params_step=self.step_no)
                     self.pool.append(inp.Ready(rank, e.generation, report))
             case act.Publish(event=RecoveryPlan() as e):
+                if e.restore:  # state was lost: a checkpoint the Core knows, none too new
+                    assert self.rules.restore, "restored although the job restores none"
+                    assert e.committed_step in before.checkpoints
+                    reports = [r.committed_step for r in self.state.reports.values()]
+                    assert all(e.committed_step <= c for c in reports), (e, reports)
                 key = (e.generation, e.attempt)
                 assert key not in self.announced, f"attempt announced twice: {key}"
                 self.announced[key] = e
@@ -237,6 +246,12 @@ class World(RuleBasedStateMachine):
         for rank in sorted(self.procs & set(self.state.plan.ranks)):
             self.pool.append(inp.Trained(rank, g, self.step_no))
         self.pool.append(inp.StepDone(self.step_no, self.now))
+
+    @rule(data=st.data())
+    def checkpoint_completes(self, data: st.DataObject) -> None:
+        """A disk checkpoint of some step so far is complete (the Core's watcher)."""
+        self.on_disk.add(data.draw(st.integers(0, self.step_no), label="checkpoint"))
+        self._feed(inp.OnDisk(tuple(sorted(self.on_disk))))
 
     @rule(add=st.integers(1, 2))
     def scale_request(self, add: int) -> None:
@@ -624,3 +639,36 @@ def test_checkpoint_writers_are_owners_at_the_step_or_the_next_else_snapshot_hol
     assert {holder[4], holder[5]} <= set(commits)
     lost_holder = members - {holder[4]}
     assert checkpoint_writers(state, lost_holder, 2, rules.ranks_per_node) is None
+
+
+@pytest.mark.parametrize("on_disk", [(), (1, 3), (1, 3, 5)])
+def test_lost_state_restores_the_newest_checkpoint_no_member_is_behind(on_disk) -> None:
+    """dp 2 x pp 2 loses owner 0 and the holder of its snapshot (rank 3) in one step:
+    with checkpoints on disk the Core restores the newest one no survivor is behind
+    (step 5 is not yet committed by rank 1); with none it stops naming the lost shard."""
+    cfg, rules = _job(2, 2)
+    rules = dataclasses.replace(rules, restore=True)
+    state = ch.initial_state(cfg.plan())
+    state, _ = protocol.step(rules, state, inp.OnDisk(on_disk), 999.0)
+    for rank in (0, 3):
+        state, out = protocol.step(rules, state, inp.Exited(rank, -9), 1000.0)
+    reports = {1: 4, 2: 4}
+    actions: list[act.Action] = []
+    for rank, step in reports.items():
+        report = ch.Report(committed_step=step, params_step=step)
+        state, out = protocol.step(rules, state, inp.Ready(rank, 0, report), 1000.1)
+        actions += out
+    if not on_disk:
+        (stop,) = [a for a in actions if isinstance(a, act.Stop)]
+        assert "no copy of it is left in memory" in stop.reason
+        return
+    (plan,) = _published(actions, RecoveryPlan)
+    assert plan.restore and plan.committed_step == 3 and plan.failed == [0, 3]
+    assert "restored from the checkpoint of step 3 inside the job" in plan.reason
+    for event in (
+        *(inp.Acked(r, 1, 0, plan.plan_digest) for r in (1, 2)),
+        *(inp.Done(r, 1, ch.Applied()) for r in (1, 2)),
+    ):
+        state, _ = protocol.step(rules, state, event, 1001.0)
+    (record,) = state.recoveries
+    assert record.restored and record.step == 4 and state.done_step == 3

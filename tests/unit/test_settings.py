@@ -70,6 +70,7 @@ SAMPLE = {
         "snapshot_copies": 2,
         "verify_snapshots": True,
         "checkpoint_every": 2,
+        "restore_in_job": False,
         "resume_dir": "/runs/before",
         "resume_step": 3,
     },
@@ -90,7 +91,7 @@ FLAGS = [
     *("--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--plan-ack-timeout", "6"),
     *("--comm-timeout", "30", "--core-restarts", "2", "--core-restart-delay", "1"),
     *("--core-outage", "20", "--no-snapshots", "--snapshot-copies", "2"),
-    *("--verify-snapshots", "--checkpoint-every", "2"),
+    *("--verify-snapshots", "--checkpoint-every", "2", "--no-restore-in-job"),
     *("--bus-host", "192.0.2.2", "--bus-keys", "/keys"),
     *("--fault", "kill:1@4", "--fault", "join@6", "--bus-faults", "drop=0.1,seed=3"),
 ]

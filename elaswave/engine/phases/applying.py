@@ -145,6 +145,8 @@ def _applied(
     return replace(
         s,
         plan=p.plan,
+        # A restored checkpoint's steps are trained again: the job completed its step.
+        done_step=record.committed_step if record.restored else s.done_step,
         slowdowns=slowdowns_on(s, p.plan.ranks),
         change=None,
         reports={},

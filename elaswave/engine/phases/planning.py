@@ -2,6 +2,12 @@
 ``g + 1`` and announces an attempt of it (the change is then agreeing), or, when too
 few ranks are left for the stages and the job may wait, waits for joiners.
 
+When the planner finds state lost (a shard and every copy of its snapshot failed) and
+the job restores checkpoints, the decision restores the newest complete disk checkpoint
+no member is behind (``State.checkpoints``, which the Core's shell keeps current) inside
+the running job (:func:`elaswave.engine.replan.plan_restore`; ``RecoveryPlan.restore``);
+without one the job stops naming what was lost.
+
 The planner (:func:`elaswave.engine.replan.plan_fail_stop`) takes the failed and joining
 ranks, the policy and the measured slowdowns (:class:`~elaswave.engine.plan_inputs.
 PlanInputs`, announced in the RecoveryPlan exactly as the Core plans from them), the
@@ -23,12 +29,12 @@ from collections.abc import Collection, Mapping
 from elaswave.bus.schema import CORE_SENDER, RecoveryKind, RecoveryStarted, WaitingForNodes
 from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Agreeing, Change, State, Waiting
-from elaswave.engine.migration import MigrationDecision, decide_migration
+from elaswave.engine.migration import MigrationDecision, MigrationMode, decide_migration
 from elaswave.engine.phases.shared import spawn, with_phase
 from elaswave.engine.plan_inputs import PlanInputs, PlanOutcome, announcement, rebalancing
 from elaswave.engine.record import MigrationRecord, PlannedRecovery, PlanSummary
 from elaswave.engine.recovery import Rebalancing, plan_digest
-from elaswave.engine.replan import RecoveryDecision, plan_fail_stop
+from elaswave.engine.replan import RecoveryDecision, plan_fail_stop, plan_restore
 from elaswave.engine.rules import Rules
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 
@@ -66,8 +72,14 @@ def plan_next(
         policy=r.rebalancing.policy,
         slowdowns=slowdowns_on(s, members | set(c.joined)),
     )
+    restore = False
     try:
-        decision = _plan(r, s, inputs, members)
+        try:
+            decision = _plan(r, s, inputs, members)
+        except TooFewRanks:
+            raise  # no state is lost: wait for joiners, or stop
+        except Unrecoverable as exc:  # state is lost: restore a checkpoint, or stop
+            decision, restore = restored(r, s, inputs, members, exc), True
     except TooFewRanks as exc:
         if r.wait_for_nodes_s > 0:
             since = now if waited_since is None else waited_since
@@ -84,8 +96,14 @@ def plan_next(
     except Unrecoverable as exc:
         raise Stopped(f"unrecoverable: {c.detail}; {exc}") from None
     attempt += 1
-    stale = tuple(sorted(x for x in members if s.reports[x].params_step != decision.committed_step))
-    migration = _migration(r, s, inputs, decision, stale)
+    stale: tuple[int, ...] = ()
+    if restore:  # every layer's state is read from the checkpoint: none migrates
+        migration = MigrationDecision(mode=MigrationMode.NONE, layers=())
+    else:
+        stale = tuple(
+            sorted(x for x in members if s.reports[x].params_step != decision.committed_step)
+        )
+        migration = _migration(r, s, inputs, decision, stale)
     inputs = replace(inputs, stale=stale, migration=migration.mode)
     if attempt == 0:
         c = _started(s, c, inputs, decision, out)
@@ -94,7 +112,7 @@ def plan_next(
     outcome = PlanOutcome(
         generation=c.generation + 1, attempt=attempt, kind=c.kind,
         committed_step=decision.committed_step, plan_digest=digest, reason=decision.reason,
-        rebuild=rebuild,
+        rebuild=rebuild, restore=restore,
     )  # fmt: skip
     out.append(Publish(announcement(inputs, outcome)))
     agreeing = Agreeing(
@@ -104,7 +122,10 @@ def plan_next(
         digest=digest,
         plan=decision.plan,
         participants=members | set(c.joined),
-        record=_planned(c, inputs, decision, migration, attempt, waited_since, now),
+        record=replace(
+            _planned(c, inputs, decision, migration, attempt, waited_since, now),
+            restored=restore,
+        ),
         planned_at=now,
         completed=completed,
         waited_since=waited_since,
@@ -126,6 +147,22 @@ def _plan(r: Rules, s: State, inputs: PlanInputs, members: frozenset[int]) -> Re
         joined=inputs.joined,
         floor=s.recoveries[-1].committed_step if s.recoveries else r.first_step,
     )
+
+
+def restored(
+    r: Rules, s: State, inputs: PlanInputs, members: frozenset[int], lost: Unrecoverable
+) -> RecoveryDecision:
+    """State is lost (``lost``): the decision that restores, inside the job, the newest
+    complete disk checkpoint no newer than any member's committed step; ``lost`` again
+    when the job restores none, or no member survives."""
+    if not r.restore or not members:
+        raise lost
+    oldest = min(s.reports[x].committed_step for x in members)
+    usable = [x for x in s.checkpoints if x <= oldest]
+    if not usable:
+        raise Unrecoverable(f"{lost}; no complete checkpoint of step {oldest} or before to restore")
+    rebalance = rebalancing(inputs, r.rebalancing)
+    return plan_restore(s.plan, inputs.failed, max(usable), lost, rebalance, inputs.joined)
 
 
 def _migration(

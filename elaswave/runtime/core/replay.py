@@ -38,10 +38,11 @@ from elaswave.bus.schema import (
     ScaleRequest,
     StragglerDetected,
 )
+from elaswave.engine.migration import MigrationMode
 from elaswave.engine.plan import Plan
 from elaswave.engine.plan_inputs import decode
 from elaswave.engine.recovery import plan_digest
-from elaswave.engine.replan import plan_fail_stop
+from elaswave.engine.replan import plan_fail_stop, plan_restore
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.rundir import EVENT_LOG, JOB
 from elaswave.runtime.job.config import JobConfig, JobSpec
@@ -183,18 +184,29 @@ def _replay_one(
     newest = {r: max(e.committed_step, e.newest_step) for r, e in reports.items() if r in survivors}
     try:
         inputs = decode(event)
-        decision = plan_fail_stop(
-            plan,
-            inputs.failed,
-            commits,
-            newest=newest,
-            ranks_per_node=cfg.layout.units_per_node,
-            snapshots=cfg.state.snapshots,
-            copies=cfg.state.snapshot_copies,
-            rebalancing=announced_rebalancing(cfg, inputs),
-            joined=inputs.joined,
-            floor=floor,
-        )
+        rebalance = announced_rebalancing(cfg, inputs)
+        try:
+            decision = plan_fail_stop(
+                plan,
+                inputs.failed,
+                commits,
+                newest=newest,
+                ranks_per_node=cfg.layout.units_per_node,
+                snapshots=cfg.state.snapshots,
+                copies=cfg.state.snapshot_copies,
+                rebalancing=rebalance,
+                joined=inputs.joined,
+                floor=floor,
+            )
+        except Unrecoverable as lost:
+            if not event.restore or event.committed_step > min(commits.values(), default=-1):
+                raise
+            decision = plan_restore(
+                plan, inputs.failed, event.committed_step, lost, rebalance, inputs.joined
+            )
+        else:
+            if event.restore:
+                return None, ("restore: announced, but the replayed plan loses no state",), None
     except (ValueError, Unrecoverable) as exc:
         return None, (f"inputs: replay cannot plan from the logged events ({exc})",), None
     digest = plan_digest(decision.plan)
@@ -207,7 +219,11 @@ def _replay_one(
         )
     if decision.reason != event.reason:
         problems.append(f"reason: announced {event.reason!r}, replayed {decision.reason!r}")
-    mode = decide_migration(cfg, plan, decision.plan, inputs.stale, inputs.joined).mode
+    mode = (
+        MigrationMode.NONE  # a restore reads every layer from the checkpoint
+        if event.restore
+        else decide_migration(cfg, plan, decision.plan, inputs.stale, inputs.joined).mode
+    )
     if mode != inputs.migration:
         problems.append(f"migration: announced {event.migration!r}, replayed {str(mode)!r}")
     return digest, tuple(problems), None if problems else decision.plan

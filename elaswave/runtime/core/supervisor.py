@@ -34,11 +34,12 @@ from elaswave.engine.change import (
     state_from_json,
     state_to_json,
 )
-from elaswave.engine.inputs import Input, Restarted, Silent, Straggling, Tick
+from elaswave.engine.inputs import Input, OnDisk, Ready, Restarted, Silent, Straggling, Tick
 from elaswave.engine.phases.shared import exit_text
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
 from elaswave.engine.protocol import deadline, step
 from elaswave.engine.record import RecoveryRecord
+from elaswave.fabric.checkpoint import complete_steps
 from elaswave.rundir import CORE_STATE
 from elaswave.runtime.core.observe import exited, to_input
 from elaswave.runtime.core.recorder import Core, ProtocolEvents
@@ -66,6 +67,9 @@ host does not pass it to a restarted Core."""
 
 FINISH_WAIT_S = 1.0
 """How long, once every worker has exited, a redone step's completion is waited for."""
+
+CHECKPOINT_POLL_S = 0.5
+"""How often the Core looks for newly completed disk checkpoints."""
 
 
 class JobFailed(RuntimeError):
@@ -148,6 +152,8 @@ class Supervisor:
                     group.create_task(self._watch_heartbeats())
                     if self.cfg.detects_stragglers:
                         group.create_task(self._watch_stragglers())
+                    if self.rules.restore:
+                        group.create_task(self._watch_checkpoints())
                     await self._loop()
                     raise _Over
         except BaseExceptionGroup as group_error:
@@ -188,6 +194,12 @@ class Supervisor:
             return Tick()
 
     async def _step(self, event: Input) -> None:
+        if isinstance(event, Ready) and self.rules.restore:
+            # A member stopped for a change, which may find state lost: plan it knowing
+            # every checkpoint completed until now (the watcher looks every 0.5 s).
+            steps = await asyncio.to_thread(self._complete_steps)
+            if steps != frozenset(self.state.checkpoints):
+                await self._step(OnDisk(tuple(sorted(steps))))
         state, actions = step(self.rules, self.state, event, time.time())
         if state != self.state:
             self.state = state
@@ -275,6 +287,19 @@ class Supervisor:
             slowdowns = {s.rank: s.factor for s in verdict.stragglers}
             straggling = Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
             await self.inputs.put(straggling)
+
+    async def _watch_checkpoints(self) -> None:
+        """Tell the protocol which disk checkpoints are complete: it restores the newest
+        one it can when state is lost (read from the pieces' manifests, off the loop)."""
+        while True:
+            steps = await asyncio.to_thread(self._complete_steps)
+            if steps != frozenset(self.state.checkpoints):
+                await self.inputs.put(OnDisk(tuple(sorted(steps))))  # stepped in turn
+            await asyncio.sleep(CHECKPOINT_POLL_S)
+
+    def _complete_steps(self) -> frozenset[int]:
+        known = frozenset(self.state.checkpoints)
+        return complete_steps(self.run_dir, self.cfg.model.num_layers, known)
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

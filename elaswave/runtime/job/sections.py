@@ -424,6 +424,13 @@ class StateConfig:
     """Record per-step digests of every shard and snapshot in the worker results."""
     checkpoint_every: int = setting(0, help="write a checkpoint every K steps")
     """Write a disk checkpoint every K steps, in the background (0: never)."""
+    restore_in_job: bool = setting(
+        True,
+        help="when state is lost, restore the newest checkpoint inside the running job "
+        "(off: the job stops, and --resume continues it)",
+    )
+    """Restore lost state from the newest complete checkpoint inside the running
+    processes (with ``checkpoint_every``); off, the job stops naming ``--resume``."""
     resume_dir: str | None = setting(
         None,
         set_by="--resume RUN_DIR",

@@ -42,7 +42,7 @@ from elaswave.engine.replan import replan
 from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.job.inputs import announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
-from elaswave.runtime.worker.reconfigure import reconfigure
+from elaswave.runtime.worker.reconfigure import reconfigure, restore
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
 from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
@@ -349,16 +349,22 @@ def _apply(
     # thread's stack goes to this worker's log.
     faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
     try:
-        trainer, applied = reconfigure(
-            ctx,
-            trainer,
-            base,
-            new_plan,
-            set(decision.failed),
-            decision.committed_step,
-            rebuild=set(decision.rebuild),
-            migration=inputs.migration,
-        )
+        if decision.restore:  # state was lost: from the disk checkpoint
+            trainer, applied = restore(
+                ctx, trainer, base, new_plan, set(decision.failed), decision.committed_step,
+                rebuild=set(decision.rebuild),
+            )  # fmt: skip
+        else:
+            trainer, applied = reconfigure(
+                ctx,
+                trainer,
+                base,
+                new_plan,
+                set(decision.failed),
+                decision.committed_step,
+                rebuild=set(decision.rebuild),
+                migration=inputs.migration,
+            )
     finally:
         faulthandler.cancel_dump_traceback_later()
     if ctx.tp is not None:  # the plan is applied when every member has applied it: a

@@ -42,5 +42,5 @@ def write_part(
             state = keeper.wait(request.step, timeout_s)
             layout, replica = owner_layout(ctx.cfg, trainer.plan, owner)
             pieces = shard_pieces(layout, replica, state)
-        write_pieces(ctx.run_dir, request.step, owner, pieces)
+        write_pieces(ctx.run_dir, request.step, owner, pieces, trainer.plan.generation)
     return mine

@@ -4,7 +4,8 @@ roll back to the committed step, plan the state moves, edit the communicator (on
 groups and links the change touched), start a non-blocking migration's shadow step,
 move optimizer shards (live remap of failed ranks' shards, migrating layers), gather
 parameters, then re-place snapshots, set the stage clock and rebuild the runner
-(:func:`resume`).
+(:func:`resume`). When state was lost, :func:`restore` applies the plan from the disk
+checkpoint instead.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
+from elaswave.rundir import step_dir
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_layout, placement_of
 from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
 from elaswave.runtime.worker.trainer import (
@@ -51,6 +53,7 @@ from elaswave.runtime.worker.trainer import (
     build_runner,
     device_plane,
     host_specs,
+    load_checkpoint,
     own_device_plane,
 )
 
@@ -401,3 +404,43 @@ def _gather_params(
     kept = {layer_index(layer) for layer in held}
     incoming = [i for i in a.stage.layers if i not in kept]
     a.ctx.pacer.transfer(sum(a.ctx.numels[i] * FP32_BYTES for i in incoming), started)
+
+
+def restore(
+    ctx: WorkerContext,
+    old: Trainer | None,
+    base: Plan,
+    new_plan: Plan,
+    failed: set[int],
+    step: int,
+    *,
+    rebuild: set[str],
+) -> tuple[Trainer, Applied]:
+    """Apply ``new_plan`` from the disk checkpoint of ``step`` (state was lost, so the
+    job restores it inside the running processes): the rank's optimizer state and
+    snapshots are dropped, the communicator edited as for any change, and the stage's
+    layers, optimizer shard and held snapshots loaded from the checkpoint, which is
+    layout-independent (:mod:`elaswave.fabric.checkpoint`). The steps after ``step``
+    are trained again."""
+    a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
+                committed_step=step)  # fmt: skip
+    if old is not None:
+        old.close_snapshots()
+        old.optimizer.abandon()
+    t0 = time.perf_counter()
+    links, _ = _edit_communicator(a, RemapPlan(()), None, rebuild)
+    device, _ = _edit_device_plane(a, links, rebuild)
+    t1 = time.perf_counter()
+    held = old.layers if old is not None else nn.ModuleList()
+    layers = _stage_layers(ctx, held, a.stage.layers)
+    ckpt = step_dir(ctx.run_dir, step)
+    optimizer, initial = load_checkpoint(ctx, new_plan, device, layers, ckpt, step)
+    t2 = time.perf_counter()
+    keepers = attach_snapshots(ctx, new_plan, links.comm, optimizer, step=step, initial=initial)
+    if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
+        ctx.pacer.frequency.set_mhz(0, a.stage.mhz or ctx.cfg.cost_device.base_mhz)
+    runner = build_runner(ctx, new_plan, device, layers, optimizer)
+    t3 = time.perf_counter()
+    log.warning("recovery.restored", generation=new_plan.generation, step=step, joined=old is None)
+    applied = Applied(comm_s=t1 - t0, remap_s=t2 - t1, resume_s=t3 - t2, params_s=t2 - t1)
+    return Trainer(new_plan, links, device, optimizer, runner, layers, keepers), applied

@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -220,9 +221,8 @@ class StepLoop:
         if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
             _, replica = trainer.plan.locate(self.rank)
             pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
-            self._writes.append(
-                self._writer.submit(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
-            )
+            write = partial(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
+            self._writes.append(self._writer.submit(write, trainer.plan.generation))
         if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
             self.traces.append(Trace(step=step, actions=tuple(result.trace)))
         if cfg.state.verify_snapshots:

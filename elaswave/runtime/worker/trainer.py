@@ -251,33 +251,46 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
         keepers = attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
         runner = build_runner(ctx, plan, device, layers, optimizer)
         return Trainer(plan, links, device, optimizer, runner, layers, keepers)
-    stage, replica = plan.locate(ctx.rank)
-    loaded = load_layers(
-        step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step),
-        plan.stages[stage].layers,
-    )
-    with torch.no_grad():
-        for layer in ctx.layers:
-            master, offset = loaded[layer_index(layer)][0], 0
-            for param in layer.parameters():
-                param.copy_(master[offset : offset + param.numel()].view_as(param))
-                offset += param.numel()
-    optimizer = build_optimizer(ctx, plan, device, layers, committed_step=ctx.cfg.state.resume_step)
-    cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
-    optimizer.state = cut(replica)
-    optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
-    initial = {}  # the snapshots this rank holds (of owners in another stage) at the step
     ckpt = step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step)
-    for owner in placement_of(ctx.cfg, plan).holds(ctx.rank):
-        layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
-        held = load_layers(ckpt, [item.layer for item in layout.layers])
-        initial[owner] = shard_of_layers(layout, owner_replica, held)
-        initial[owner].decay_mask = owner_decay_mask(ctx.cfg, plan, owner)
+    optimizer, initial = load_checkpoint(ctx, plan, device, layers, ckpt, ctx.cfg.state.resume_step)
     keepers = attach_snapshots(
         ctx, plan, comm, optimizer, step=ctx.cfg.state.resume_step, initial=initial
     )
     runner = build_runner(ctx, plan, device, layers, optimizer)
     return Trainer(plan, links, device, optimizer, runner, layers, keepers)
+
+
+def load_checkpoint(
+    ctx: WorkerContext,
+    plan: Plan,
+    device: Communicator,
+    layers: nn.ModuleList,
+    ckpt: Path,
+    step: int,
+) -> tuple[ZeroAdamW, dict[int, ShardState]]:
+    """This rank's part of ``plan`` from the disk checkpoint ``ckpt`` of ``step``: its
+    stage's layers get the checkpoint's master weights, its optimizer the shard of its
+    replica; returns the optimizer and the host snapshots it holds (of owners in
+    another stage) at the step."""
+    stage, replica = plan.locate(ctx.rank)
+    loaded = load_layers(ckpt, plan.stages[stage].layers)
+    with torch.no_grad():
+        for layer in layers:
+            master, offset = loaded[layer_index(layer)][0], 0
+            for param in layer.parameters():
+                param.copy_(master[offset : offset + param.numel()].view_as(param))
+                offset += param.numel()
+    optimizer = build_optimizer(ctx, plan, device, layers, committed_step=step)
+    cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
+    optimizer.state = cut(replica)
+    optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
+    initial = {}
+    for owner in placement_of(ctx.cfg, plan).holds(ctx.rank):
+        layout, owner_replica = owner_layout(ctx.cfg, plan, owner)
+        held = load_layers(ckpt, [item.layer for item in layout.layers])
+        initial[owner] = shard_of_layers(layout, owner_replica, held)
+        initial[owner].decay_mask = owner_decay_mask(ctx.cfg, plan, owner)
+    return optimizer, initial
 
 
 def attach_snapshots(

@@ -956,8 +956,8 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint-every",
         type=int,
         default=0,
-        help="write a checkpoint every K steps in every case (default 0: none; lost state "
-        "is then restored inside the job; the draws do not change)",
+        help="write a checkpoint every K steps in every case without TP (default 0: none; "
+        "lost state is then restored inside the job; the draws do not change)",
     )
     parser.add_argument(
         "--snapshot",
@@ -1012,11 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     started = time.monotonic()
     for index in indices:
-        case = replace(
-            draw_case(args.seed, index, args.tp_weight),
-            snapshot_copies=args.copies,
-            checkpoint_every=args.checkpoint_every,
-        )
+        case = draw_case(args.seed, index, args.tp_weight)
+        every = args.checkpoint_every if case.tp == 1 else 0  # TP jobs write none yet
+        case = replace(case, snapshot_copies=args.copies, checkpoint_every=every)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")

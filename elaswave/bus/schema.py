@@ -277,6 +277,9 @@ class RecoveryReady(Event):
     than ``committed_step`` (the members' earliest): that member keeps no step before
     ``newest_step - 1``, so neither can the rank roll back further. -2 when the members
     agree (and without TP)."""
+    torn: bool = False
+    """This rank was applying the plan of ``generation`` when a participant failed: its
+    state is not whole, so the next plan restores a checkpoint."""
 
 
 @register

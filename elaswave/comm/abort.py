@@ -171,3 +171,35 @@ def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> 
     # gloo's own timeout ends the wait; the margin only guards against a stuck waiter.
     done, ok = await_future(future, timeout.total_seconds() + 5.0, signal)
     return bool(ok) if done else False
+
+
+def on_fresh_thread(make: Callable[[], T], *, name: str, abort: AbortSignal | None = None) -> T:
+    """``make()`` run on a thread of its own (its result, or its error raised here).
+
+    NCCL's group state belongs to a thread, and so does torch's count of the groups a
+    thread has open, which a batch that failed half-way leaves one too high for good: a
+    communicator created on the thread that issued it is refused ("ncclGroupEnd: not in
+    a group call"). The training thread issues batches, so communicators are created on
+    fresh threads; the caller still waits, as for any other creation.
+
+    A creation waits at the store for every member; with ``abort``, a failure announced
+    meanwhile ends the caller's wait (StepAborted) instead of the store's timeout: the
+    creation is left to end on its own thread, its result dropped."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(make())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+        if abort is not None and thread.is_alive():
+            abort.check()
+    if errors:
+        raise errors[0]
+    return out[0]

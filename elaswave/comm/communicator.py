@@ -10,7 +10,6 @@ it also holds :class:`~elaswave.comm.ring.RingGroup` objects here, under their n
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -21,7 +20,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.abort import AbortSignal
+from elaswave.comm.abort import AbortSignal, on_fresh_thread
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import CollectiveGroup, Group, P2PGroup
 from elaswave.comm.links import PairGroup
@@ -39,31 +38,6 @@ CommGroup = Group | RingGroup | PairGroup
 group take it as a :class:`~elaswave.comm.group.CollectiveGroup` or a
 :class:`~elaswave.comm.group.P2PGroup` (:meth:`Communicator.collective`,
 :meth:`Communicator.p2p`)."""
-
-
-def on_fresh_thread(make: Callable[[], T], *, name: str) -> T:
-    """``make()`` run on a thread of its own (its result, or its error raised here).
-
-    NCCL's group state belongs to a thread, and so does torch's count of the groups a
-    thread has open, which a batch that failed half-way leaves one too high for good: a
-    communicator created on the thread that issued it is refused ("ncclGroupEnd: not in
-    a group call"). The training thread issues batches, so communicators are created on
-    fresh threads; the caller still waits, as for any other creation."""
-    out: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(make())
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 class Communicator:
@@ -116,7 +90,7 @@ class Communicator:
                 self.timeout,
                 name=spec.name,
             )
-            pg = on_fresh_thread(create, name=f"ew-create-{spec.name}")
+            pg = on_fresh_thread(create, name=f"ew-create-{spec.name}", abort=self.abort)
             group = self._groups[spec.name] = Group(
                 spec, pg, self.rank, self.timeout, self.abort, self.device,
                 parks=self.backend.parks_in_flight,

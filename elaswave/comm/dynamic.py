@@ -210,7 +210,7 @@ class DynamicCommunicator:
         self.timeout = timeout
         self.abort = abort
         self.is_ring = is_ring
-        self.links = LinkPool(store, rank, backend, timeout=timeout)
+        self.links = LinkPool(store, rank, backend, timeout=timeout, abort=abort)
         self._comm = self._communicator(generation)
         self.retired: list[CommGroup] = []
         """Groups no change carried over. Kept alive: one may have a wait parked on it."""

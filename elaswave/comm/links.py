@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import cast
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.abort import WAITERS, AbortSignal, await_future
+from elaswave.comm.abort import WAITERS, AbortSignal, await_future, on_fresh_thread
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import DETACHED, AllOf, Transfer
 from elaswave.comm.posted import Posted
@@ -85,7 +86,10 @@ class LinkPool:
         *,
         timeout: timedelta,
         prefix: str = "link",
+        abort: AbortSignal | None = None,
     ) -> None:
+        self.abort = abort
+        """A failure announced while a link is created ends the wait for it."""
         self.store = store
         self.rank = rank
         self.backend = backend
@@ -125,10 +129,12 @@ class LinkPool:
                 raise ValueError(f"rank {self.rank} cannot create link {key} it is not part of")
             lo, hi = key
             prefix = f"{self.prefix}/{lo}-{hi}/g{generation}"
+            create = partial(
+                self.backend.create,
+                dist.PrefixStore(prefix, self.store), key.index(self.rank), 2, self.timeout,
+            )  # fmt: skip
             try:
-                pg = self.backend.create(
-                    dist.PrefixStore(prefix, self.store), key.index(self.rank), 2, self.timeout
-                )
+                pg = on_fresh_thread(create, name=f"ew-link-{lo}-{hi}", abort=self.abort)
             except RuntimeError as exc:
                 raise CommError(f"link.{lo}-{hi}", "connect", exc) from exc
             self._links[key] = Link(key, pg, generation)

@@ -24,3 +24,11 @@ def serve_store(
 
 def connect_store(host: str, port: int, *, timeout_s: float = 60.0) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def fresh_client(store: dist.Store) -> dist.Store:
+    """A new client of ``store``'s server (its own connection; a prefix store keeps its
+    prefix): a wait another thread left blocked on ``store``'s connection does not
+    hold it up."""
+    clone: dist.Store = store.clone()  # type: ignore[attr-defined]  # not in torch's stubs
+    return clone

@@ -44,6 +44,9 @@ class Report:
     tainted: tuple[str, ...] = ()
     newest_step: int = -2
     """A TP member's newer committed step (see RecoveryReady.newest_step); -2: none."""
+    torn: bool = False
+    """The member was applying the last plan when a participant failed: it holds no
+    state to recover from in memory (the change restores a checkpoint)."""
 
     @property
     def newest(self) -> int:

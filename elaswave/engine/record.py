@@ -111,6 +111,9 @@ class PlannedRecovery:
     restored: bool = False
     """State was lost: every participant restored the disk checkpoint of
     ``committed_step`` inside the job (the steps after it are trained again)."""
+    torn: bool = False
+    """A participant failed while the others applied the plan: it became current with
+    some participants' state not whole, and the next change restores a checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +152,7 @@ def recorded(
         joined=planned.joined,
         waited_s=planned.waited_s,
         restored=planned.restored,
+        torn=planned.torn,
         mttr_s=mttr_s,
         phases=phases,
         bytes_moved=bytes_moved,
@@ -178,6 +182,8 @@ def record_to_json(record: RecoveryRecord) -> dict[str, Any]:
         doc["waited_s"] = record.waited_s
     if record.restored:
         doc["restored"] = True
+    if record.torn:
+        doc["torn"] = True
     p = record.phases
     doc["mttr_s"] = record.mttr_s
     doc["phases"] = {
@@ -213,6 +219,7 @@ def record_from_json(doc: Mapping[str, Any]) -> RecoveryRecord:
             joined=tuple(int(r) for r in doc["joined"]),
             waited_s=_maybe_number(doc.get("waited_s")),
             restored=bool(doc.get("restored", False)),
+            torn=bool(doc.get("torn", False)),
             mttr_s=_number(doc["mttr_s"]),
             phases=PhaseTimes(
                 detect=_number(p["detect"]),

@@ -117,6 +117,7 @@ def plan_fail_stop(
     joined: Sequence[int] = (),
     floor: int = -1,
     newest: Mapping[int, int] | None = None,
+    torn: Collection[int] = (),
 ) -> RecoveryDecision:
     """The decision for ``plan`` after ``failed`` leave and ``joined`` arrive, given each
     survivor's committed step (``commits``). ``floor``: the step no survivor can roll
@@ -132,9 +133,17 @@ def plan_fail_stop(
     newest, not before ``floor``), which the lost stage's snapshots also hold, and the
     new pipeline redoes the step after it.
 
+    ``torn``: survivors that were applying ``plan`` when a participant failed, whose
+    state is not whole: no state is recovered from memory then.
+
     Raises Unrecoverable naming the state that is gone; TooFewRanks when none is but
     fewer ranks than stages are left.
     """
+    if torn:
+        raise Unrecoverable(
+            f"ranks {sorted(torn)} were applying the plan of generation {plan.generation} "
+            "when a participant failed: their state is not whole"
+        )
     failed = set(failed)
     survivors = set(plan.ranks) - failed
     missing = survivors - set(commits)

@@ -5,8 +5,9 @@ its announcements (reports, acknowledgements, RecoveryDone) through a network th
 delivers in any order, twice, or never; processes that exit with any code at any moment
 (before an acknowledgement, after it, after the commit); hangs (fenced); joiners; jobs
 that may wait for joiners when too few ranks are left for the stages, or not; the
-fail-slow detector; steps completing; timers firing early and late; and a Core that
-dies and restarts from its persisted state (a JSON round trip of ``State``).
+fail-slow detector; steps completing; timers firing early and late; checkpoints
+completing on disk; participants dying while a committed plan is applied; and a Core
+that dies and restarts from its persisted state (a JSON round trip of ``State``).
 
 After every event it checks:
 
@@ -16,7 +17,11 @@ After every event it checks:
 - a commit only with an acknowledgement of that attempt, delivered to the Core, from
   every participant of the attempt (the survivors and the joiners it announces);
 - a plan becomes current only after its commit, with the committed digest, and only
-  once every participant has applied it (or gone past it);
+  once every participant has applied it (or gone past it), or, in a job that restores
+  checkpoints, torn by a participant that died while it was applied, with a change for
+  that failure under way;
+- a plan that restores a checkpoint is announced only by a job that restores them, with
+  a checkpoint the Core was told of, no newer than any member's committed step;
 - a persisted state reads back equal, so a restarted Core decides as the one that died
   would have; an attempt's plan depends only on its inputs;
 - each phase's own state is consistent: the participants of a plan are its survivors
@@ -67,6 +72,8 @@ from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_check: more
 LENGTHS: list[int] = []
 """Events of each sequence run, the last one last (for the broken-rule test)."""
+REACHED: list[str] = []
+"""Rare paths the sequences reached (``torn``: a plan adopted torn)."""
 
 LAYOUTS = [(2, 1), (2, 2), (3, 2), (1, 2), (4, 1)]
 
@@ -112,6 +119,10 @@ class World(RuleBasedStateMachine):
         """(rank, generation) of every RecoveryDone or step of that generation delivered;
         (rank, -1): it finished cleanly."""
         LENGTHS.append(0)
+        if restore:  # the job wrote a checkpoint before it started (step 0), as a
+            # restoring job that has run a while has
+            self.on_disk.add(0)
+            self._feed(inp.OnDisk((0,)))
 
     # ------------------------------------------------------------------ the Core
 
@@ -133,8 +144,15 @@ class World(RuleBasedStateMachine):
     def _act(self, before: ch.State, action: act.Action) -> None:
         match action:
             case act.Publish(event=FailureDetected() | PauseRequest() as e):
+                recs = self.state.recoveries
                 for rank in sorted(self.procs & set(self.state.plan.ranks)):
-                    report = ch.Report(committed_step=self.step_no, params_step=self.step_no)
+                    # A participant of a torn plan that never applied it reports torn.
+                    torn = (
+                        bool(recs) and recs[-1].torn and (rank, e.generation) not in self.went_past
+                    )
+                    report = ch.Report(
+                        committed_step=self.step_no, params_step=self.step_no, torn=torn
+                    )
                     self.pool.append(inp.Ready(rank, e.generation, report))
             case act.Publish(event=RecoveryPlan() as e):
                 if e.restore:  # state was lost: a checkpoint the Core knows, none too new
@@ -197,6 +215,15 @@ class World(RuleBasedStateMachine):
         assert plan_digest(new) == digest, "the current plan is not the committed one"
         past = {r for r, g in self.went_past if g in (-1,) or g >= new.generation}
         missing = self.participants[(new.generation, attempt)] - past
+        if self.state.recoveries and self.state.recoveries[-1].torn:
+            # Adopted torn: a participant failed while the others applied it; only a job
+            # that restores checkpoints does that, and the failure is the next change's.
+            assert self.rules.restore, "a torn plan adopted by a job that restores none"
+            assert self.state.later or self.state.change is not None, (
+                "a torn plan adopted without a change for the failure that tore it"
+            )
+            REACHED.append("torn")
+            return
         assert not missing, f"a plan became current before ranks {missing} applied it"
 
     # ------------------------------------------------------------------ the world
@@ -226,6 +253,24 @@ class World(RuleBasedStateMachine):
             rank = data.draw(st.sampled_from(sorted(self.procs)), label="rank")
             self.procs.discard(rank)
             self.pool.append(inp.Exited(rank, code, why="boom" if code else ""))
+
+    @precondition(lambda self: isinstance(getattr(self.state.change, "phase", None), ch.Agreeing))
+    @rule(data=st.data())
+    def dies_while_applying(self, data: st.DataObject) -> None:
+        """Every acknowledgement on its way is delivered (the plan may be committed), then a
+        participant dies before it reports the plan applied: the apply window."""
+        for message in [m for m in self.pool if isinstance(m, inp.Acked)]:
+            self.pool.remove(message)
+            self._feed(message)
+        c = self.state.change
+        if c is None or not isinstance(c.phase, ch.Applying):
+            return
+        left = sorted((c.phase.participants - set(c.phase.applied)) & self.procs)
+        if left:
+            rank = data.draw(st.sampled_from(left), label="applying")
+            self.pool = [m for m in self.pool if not (isinstance(m, inp.Done) and m.rank == rank)]
+            self.procs.discard(rank)
+            self.pool.append(inp.Exited(rank, KILLED))
 
     @rule(data=st.data())
     def hangs(self, data: st.DataObject) -> None:
@@ -345,6 +390,17 @@ class _FewFaults(World):
     def hangs(self, data: st.DataObject) -> None:
         self.fault_count = self._faults() + 1
         World.hangs(self, data)
+
+    @precondition(
+        lambda self: (
+            self._faults() < 2
+            and isinstance(getattr(self.state.change, "phase", None), ch.Applying)
+        )
+    )
+    @rule(data=st.data())
+    def dies_while_applying(self, data: st.DataObject) -> None:
+        self.fault_count = self._faults() + 1
+        World.dies_while_applying(self, data)
 
 
 class CalmWorld(_FewFaults):
@@ -672,3 +728,29 @@ def test_lost_state_restores_the_newest_checkpoint_no_member_is_behind(on_disk) 
         state, _ = protocol.step(rules, state, event, 1001.0)
     (record,) = state.recoveries
     assert record.restored and record.step == 4 and state.done_step == 3
+
+
+def test_a_participant_lost_while_a_plan_is_applied_tears_it_and_the_next_change_restores() -> None:
+    """dp2 x pp1 applies the join of rank 2 when rank 1 dies: with a checkpoint on disk
+    the plan becomes current torn, rank 1's loss starts the next change, and since the
+    ranks caught mid-apply report torn, its plan restores the checkpoint; without a
+    checkpoint the job stops in the window, as before."""
+    for on_disk in ((), (1,)):
+        state, rules = _applying_a_join()
+        rules = dataclasses.replace(rules, restore=True)
+        state, _ = protocol.step(rules, state, inp.OnDisk(on_disk), 1000.0)
+        state, _ = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+        state, actions = protocol.step(rules, state, inp.Tick(), 1000.0 + rules.exit_grace_s)
+        if not on_disk:
+            (stop,) = [a for a in actions if isinstance(a, act.Stop)]
+            assert "a failure in that window is not recovered" in stop.reason
+            continue
+        assert state.plan.generation == 1 and state.recoveries[-1].torn
+        (failure,) = _published(actions, FailureDetected)
+        assert failure.generation == 1 and failure.ranks == [1]
+        torn = ch.Report(committed_step=1, params_step=1, torn=True)
+        for rank in (0, 2):
+            state, actions = protocol.step(rules, state, inp.Ready(rank, 1, torn), 1000.6)
+        (plan,) = _published(actions, RecoveryPlan)
+        assert plan.restore and plan.committed_step == 1 and plan.generation == 2
+        assert "ranks [0, 2] were applying the plan of generation 1" in plan.reason

@@ -59,9 +59,12 @@ def take(
 
 
 def due(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action]) -> State:
-    """A participant that exited and did not report within ``exit_grace_s``, or one that
-    has not applied the plan by the deadline, stops the job."""
+    """A participant that exited and did not report within ``exit_grace_s`` tears the
+    apply (:func:`torn`), or stops the job; one that has not applied the plan by the
+    deadline stops it."""
     if any(now >= t + r.exit_grace_s for _, t in p.exited.values()):
+        if r.restore and any(x <= p.record.committed_step for x in s.checkpoints):
+            return torn(r, s, c, p, now, out)
         raise Stopped(window(r, s, c, p))
     if now >= p.deadline:
         missing = sorted(p.participants - set(p.applied))
@@ -70,6 +73,26 @@ def due(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action
             f"within {r.stop_timeout_s:g} s"
         )
     return s
+
+
+def torn(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action]) -> State:
+    """A participant failed while the others applied the plan, and the job has a
+    checkpoint no newer than its committed step: the plan becomes current as it stands
+    (its record ``torn``), and the failure is the next change's. Participants caught
+    mid-apply report ``torn`` (their state is not whole) and that change restores the
+    checkpoint inside the job (:func:`elaswave.engine.phases.planning.plan_next`)."""
+    gone = {x: code for x, (code, _) in p.exited.items()}
+    record = replace(_record(c, p, now), torn=True)
+    out.append(Note("core.torn", {"generation": c.generation + 1, "failed": sorted(gone)}))
+    return replace(
+        s,
+        plan=p.plan,
+        slowdowns=slowdowns_on(s, p.plan.ranks),
+        change=None,
+        reports={},
+        recoveries=(*s.recoveries, record),
+        later={**s.later, **gone},
+    )
 
 
 def every_member_lost(r: Rules, s: State, c: Change, p: Applying, e: Exited, now: float) -> str:

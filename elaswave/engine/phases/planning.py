@@ -146,6 +146,7 @@ def _plan(r: Rules, s: State, inputs: PlanInputs, members: frozenset[int]) -> Re
         rebalancing=rebalancing(inputs, r.rebalancing),
         joined=inputs.joined,
         floor=s.recoveries[-1].committed_step if s.recoveries else r.first_step,
+        torn=[x for x in members if s.reports[x].torn],
     )
 
 

@@ -197,6 +197,7 @@ def _replay_one(
                 rebalancing=rebalance,
                 joined=inputs.joined,
                 floor=floor,
+                torn=[r for r, e in reports.items() if r in survivors and e.torn],
             )
         except Unrecoverable as lost:
             if not event.restore or event.committed_step > min(commits.values(), default=-1):

@@ -123,6 +123,13 @@ class JobConfig:
                 )
 
     @property
+    def restores_in_job(self) -> bool:
+        """Whether lost state is restored from the newest disk checkpoint inside the
+        running job: checkpoints are written (TP jobs write none yet) and restoring is on."""
+        checkpoints = bool(self.state.checkpoint_every) and self.layout.tp == 1
+        return checkpoints and self.state.restore_in_job
+
+    @property
     def detects_stragglers(self) -> bool:
         """Whether the Core watches for fail-slow ranks (by default: off on cpu)."""
         if self.elastic.straggler_detection is not None:

@@ -81,7 +81,7 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         ranks_per_node=cfg.layout.units_per_node,
         snapshots=cfg.state.snapshots,
         snapshot_copies=cfg.state.snapshot_copies,
-        restore=bool(cfg.state.checkpoint_every) and cfg.state.restore_in_job and checkpoints,
+        restore=cfg.restores_in_job,
         rebalancing=rebalancing_of(cfg, {}),
         migration=cfg.elastic.migration,
         migration_early=cfg.elastic.migration_early,

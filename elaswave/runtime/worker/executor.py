@@ -34,7 +34,10 @@ from elaswave.bus.schema import (
     sender_name,
 )
 from elaswave.bus.session import Session
+from elaswave.comm.abort import StepAborted
 from elaswave.comm.release import ABORT_DEADLINE_S, device_healthy
+from elaswave.comm.spec import CommError
+from elaswave.engine.change import Applied
 from elaswave.engine.plan import Plan, plan_from_dict, plan_key
 from elaswave.engine.plan_inputs import PlanInputs, decode
 from elaswave.engine.recovery import plan_digest
@@ -281,6 +284,18 @@ def recover(
             )
         )
 
+    decision = _next_plan(inbox, gen, timeout, on_checkpoint)
+    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout, on_checkpoint)
+
+
+def _next_plan(
+    inbox: Mailbox,
+    gen: int,
+    timeout: float,
+    on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
+) -> RecoveryPlan:
+    """The Core's plan of generation ``gen + 1`` (its wait extended while it waits for
+    nodes; a checkpoint it asks for meanwhile written by ``on_checkpoint``)."""
     decision = _await_event(
         inbox,
         lambda e: isinstance(e, RecoveryPlan) and e.generation == gen + 1,
@@ -290,7 +305,45 @@ def recover(
         on_checkpoint=on_checkpoint,
     )
     assert isinstance(decision, RecoveryPlan)
-    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout, on_checkpoint)
+    return decision
+
+
+def _after_torn_apply(
+    ctx: WorkerContext,
+    session: Session,
+    inbox: Mailbox,
+    decision: RecoveryPlan,
+    new_plan: Plan,
+    cause: Exception,
+    timeout: float,
+) -> Trainer:
+    """A participant failed while this rank applied ``decision``'s plan: its state is
+    not whole. It reports ``torn`` to the change that failure starts (the Core adopts
+    the plan as it stands, then plans again), and takes that change's plan, which
+    restores a checkpoint inside the job. (The Core takes this path only with a
+    checkpoint on disk; else it stops the job, a failure in the apply window.)"""
+    gen = decision.generation
+    log.warning("recovery.torn", generation=gen, cause=f"{type(cause).__name__}: {cause}")
+    _await_event(
+        inbox,
+        lambda e: isinstance(e, FailureDetected) and e.generation == gen,
+        timeout,
+        f"failure announcement after a torn apply ({type(cause).__name__}: {cause})",
+    )
+    if ctx.leader:
+        session.publish(
+            RecoveryReady(
+                sender=sender_name(ctx.rank, ctx.member), generation=gen, rank=ctx.rank,
+                committed_step=decision.committed_step, torn=True,
+            )
+        )  # fmt: skip
+    answer = _next_plan(inbox, gen, timeout)
+    if not answer.restore:
+        raise RuntimeError(
+            f"rank {ctx.rank}'s apply of generation {gen} was torn, and the plan of "
+            f"generation {gen + 1} restores no checkpoint"
+        )
+    return _apply(ctx, session, inbox, answer, new_plan, None, timeout)
 
 
 def _release(ctx: WorkerContext, trainer: Trainer, announced: Event) -> None:
@@ -337,7 +390,7 @@ def _apply(
     """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
     generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
     decision, inputs, new_plan = _agree(ctx, session, inbox, decision, base, timeout, on_checkpoint)
-    if trainer is None and ctx.rank not in decision.joined:
+    if trainer is None and ctx.rank not in decision.joined and not decision.restore:
         raise RuntimeError(
             f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
         )
@@ -348,14 +401,14 @@ def _apply(
     # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
     # thread's stack goes to this worker's log.
     faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
+    result: tuple[Trainer, Applied] | Exception
     try:
         if decision.restore:  # state was lost: from the disk checkpoint
-            trainer, applied = restore(
-                ctx, trainer, base, new_plan, set(decision.failed), decision.committed_step,
-                rebuild=set(decision.rebuild),
-            )  # fmt: skip
+            result = restore(
+                ctx, trainer, base, new_plan, set(decision.failed), decision.committed_step
+            )
         else:
-            trainer, applied = reconfigure(
+            result = reconfigure(
                 ctx,
                 trainer,
                 base,
@@ -365,8 +418,15 @@ def _apply(
                 rebuild=set(decision.rebuild),
                 migration=inputs.migration,
             )
+    except (CommError, StepAborted) as exc:  # a participant failed meanwhile
+        if not ctx.cfg.restores_in_job:
+            raise  # the Core stops the job: a failure in the apply window
+        result = exc
     finally:
         faulthandler.cancel_dump_traceback_later()
+    if isinstance(result, Exception):
+        return _after_torn_apply(ctx, session, inbox, decision, new_plan, result, timeout)
+    trainer, applied = result
     if ctx.tp is not None:  # the plan is applied when every member has applied it: a
         # member lost before then is a failure in the apply window, as a rank is
         unit_barrier(

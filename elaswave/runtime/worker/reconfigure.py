@@ -22,6 +22,7 @@ from elaswave.comm.communicator import Communicator
 from elaswave.comm.dynamic import ChangeStats, DynamicCommunicator
 from elaswave.comm.links import pair
 from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
+from elaswave.comm.store import fresh_client
 from elaswave.engine.change import Applied
 from elaswave.engine.migration import NONBLOCKING, Transition, plan_transition
 from elaswave.engine.plan import (
@@ -413,23 +414,33 @@ def restore(
     new_plan: Plan,
     failed: set[int],
     step: int,
-    *,
-    rebuild: set[str],
 ) -> tuple[Trainer, Applied]:
     """Apply ``new_plan`` from the disk checkpoint of ``step`` (state was lost, so the
     job restores it inside the running processes): the rank's optimizer state and
     snapshots are dropped, the communicator edited as for any change, and the stage's
     layers, optimizer shard and held snapshots loaded from the checkpoint, which is
     layout-independent (:mod:`elaswave.fabric.checkpoint`). The steps after ``step``
-    are trained again."""
+    are trained again.
+
+    Every participant builds both planes afresh (the old ones' device groups aborted):
+    a participant whose apply of the last plan was torn (``old`` None) holds groups in
+    no known state, so none is reused; restores are rare, and this keeps them simple."""
     a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
                 committed_step=step)  # fmt: skip
     if old is not None:
         old.close_snapshots()
         old.optimizer.abandon()
+        old.device.release(old.plan.ranks)  # where work parks, every group is aborted
     t0 = time.perf_counter()
-    links, _ = _edit_communicator(a, RemapPlan(()), None, rebuild)
-    device, _ = _edit_device_plane(a, links, rebuild)
+    # A new connection to the store: a group creation a torn apply abandoned (its peer
+    # dead) may still hold the worker's own in a wait until the store's timeout.
+    store = fresh_client(ctx.comm_store)
+    links = DynamicCommunicator(
+        store, ctx.rank, ctx.host_backend, timeout=ctx.timeout,
+        generation=new_plan.generation, abort=ctx.abort,
+    )  # fmt: skip
+    links.build(host_specs(ctx, new_plan))
+    device = device_plane(ctx, new_plan, links, store)
     t1 = time.perf_counter()
     held = old.layers if old is not None else nn.ModuleList()
     layers = _stage_layers(ctx, held, a.stage.layers)

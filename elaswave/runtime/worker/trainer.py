@@ -224,13 +224,16 @@ def host_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     return training + snapshot_specs(ctx, plan)
 
 
-def device_plane(ctx: WorkerContext, plan: Plan, links: DynamicCommunicator) -> Communicator:
+def device_plane(
+    ctx: WorkerContext, plan: Plan, links: DynamicCommunicator, store: dist.Store | None = None
+) -> Communicator:
     """The device plane of ``plan``, built now (every member builds it together); under
-    gloo the dynamic communicator's current groups (:func:`own_device_plane`)."""
+    gloo the dynamic communicator's current groups (:func:`own_device_plane`).
+    ``store``: where its groups meet (default the worker's)."""
     if not own_device_plane(ctx):
         return links.comm
     plane = Communicator(
-        ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
+        store or ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
         generation=plan.generation, abort=ctx.abort, device=ctx.device, prefix=DEVICE_PREFIX,
     )  # fmt: skip
     plane.build(plan.device_group_specs())

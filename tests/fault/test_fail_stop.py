@@ -406,7 +406,8 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir, s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", [pytest.param("snapshot", marks=pytest.mark.long), "optimizer"])
+@pytest.mark.long  # taken over: the case above; a step ahead: test_replan, test_snapshot_keeper
+@pytest.mark.parametrize("phase", ["snapshot", "optimizer"])
 def test_a_stage_lost_whole_a_step_ahead_of_its_snapshot_holders_is_taken_over(
     runs_dir, stage_ref, phase
 ):

@@ -5,10 +5,12 @@ the change is recorded (:class:`~elaswave.engine.record.RecoveryRecord`); its re
 step and its migration's reports are then awaited (:mod:`.finishing`).
 
 A participant that exits now (a failure after the commit) is given ``exit_grace_s`` for
-its report to arrive; then the job stops (resumably): participants are mid-reconfigure,
-and a failure in that window is not recovered (docs/protocol.md, "Still open"). A
-failure of a rank that is no participant waits for the next change. A restarted Core
-sends the commit again.
+its report to arrive. Then, in a job that restores checkpoints and has one no newer
+than the change's committed step, the plan becomes current torn (:func:`torn`) and the
+failure is the next change's, which restores the checkpoint; otherwise the job stops
+(resumably): participants are mid-reconfigure, and without a checkpoint a failure in
+that window is not recovered (docs/protocol.md, "Still open"). A failure of a rank that
+is no participant waits for the next change. A restarted Core sends the commit again.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 
 import structlog
@@ -284,9 +283,12 @@ def load_checkpoint(
                 param.copy_(master[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
     optimizer = build_optimizer(ctx, plan, device, layers, committed_step=step)
-    cut = partial(shard_of_layers, optimizer.layout, layers=loaded)
-    optimizer.state = cut(replica)
-    optimizer.state.decay_mask = optimizer.decay_mask_of(replica)
+    shard = shard_of_layers(optimizer.layout, replica, loaded)
+    where = optimizer.state.master.device  # the parameters' device (the checkpoint's: host)
+    optimizer.state = ShardState(
+        shard.master.to(where), shard.exp_avg.to(where), shard.exp_avg_sq.to(where),
+        optimizer.decay_mask_of(replica),
+    )  # fmt: skip
     initial = {}
     for owner in placement_of(ctx.cfg, plan).holds(ctx.rank):
         layout, owner_replica = owner_layout(ctx.cfg, plan, owner)

@@ -217,6 +217,11 @@ class FailureDetected(Event):
     source: str
     """How it was detected: "process-exit", "heartbeat", "comm-error"."""
     detail: str = ""
+    rollback: bool = False
+    """A participant failed while the plan after ``generation`` was applied: that plan
+    is taken back, and every member rolls back to the state it committed under the
+    plan before it (``generation``'s layout: what it kept while applying) and reports
+    that state's step."""
 
 
 @register
@@ -278,8 +283,8 @@ class RecoveryReady(Event):
     ``newest_step - 1``, so neither can the rank roll back further. -2 when the members
     agree (and without TP)."""
     torn: bool = False
-    """This rank was applying the plan of ``generation`` when a participant failed: its
-    state is not whole, so the next plan restores a checkpoint."""
+    """This rank was applying the plan after ``generation`` when a participant failed
+    (the change rolls it back to the state it committed before; for the log)."""
 
 
 @register
@@ -320,6 +325,9 @@ class RecoveryPlan(Event):
     """State was lost: every participant loads its part of the disk checkpoint of
     ``committed_step`` (instead of rolling back and remapping), and the job trains the
     steps after it again."""
+    rollback: bool = False
+    """The change rolls back a torn apply (see FailureDetected.rollback): its plan is
+    planned from the layout before the torn plan, under the torn plan's generation."""
 
 
 @register

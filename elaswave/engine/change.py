@@ -44,9 +44,6 @@ class Report:
     tainted: tuple[str, ...] = ()
     newest_step: int = -2
     """A TP member's newer committed step (see RecoveryReady.newest_step); -2: none."""
-    torn: bool = False
-    """The member was applying the last plan when a participant failed: it holds no
-    state to recover from in memory (the change restores a checkpoint)."""
 
     @property
     def newest(self) -> int:
@@ -288,6 +285,10 @@ class State:
     """Why the job stopped (empty: it runs)."""
     checkpoints: tuple[int, ...] = ()
     """Steps of the complete disk checkpoints (restored when state is lost)."""
+    rolled_back: bool = False
+    """``plan`` is the layout before a torn plan (:func:`~elaswave.engine.plan.
+    taken_back`): its members hold what they committed under it, kept while they
+    applied the torn plan, and the change under way rolls them back to it."""
 
 
 def initial_state(plan: Plan) -> State:

@@ -166,6 +166,13 @@ class Plan:
         return specs
 
 
+def taken_back(plan: Plan, generation: int) -> Plan:
+    """``plan``'s layout as generation ``generation``: what a change rolls every member
+    back to when the plan after ``plan`` was torn (a participant failed while it was
+    applied). Generations only grow, so the layout taken back gets the torn plan's."""
+    return dataclasses.replace(plan, generation=generation)
+
+
 def plan_key(generation: int) -> str:
     """The store key under which the Core publishes generation ``generation``'s plan for
     workers that join (they have not seen the changes that led to it)."""

@@ -56,6 +56,8 @@ class PlanOutcome:
     """Surviving groups to rebuild (tainted on some member)."""
     restore: bool = False
     """Every participant loads the disk checkpoint of ``committed_step``."""
+    rollback: bool = False
+    """The change rolls back a torn apply (``State.rolled_back``)."""
 
 
 def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
@@ -78,6 +80,7 @@ def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
         attempt=outcome.attempt,
         migration=str(inputs.migration),
         restore=outcome.restore,
+        rollback=outcome.rollback,
     )
 
 

@@ -111,9 +111,10 @@ class PlannedRecovery:
     restored: bool = False
     """State was lost: every participant restored the disk checkpoint of
     ``committed_step`` inside the job (the steps after it are trained again)."""
-    torn: bool = False
-    """A participant failed while the others applied the plan: it became current with
-    some participants' state not whole, and the next change restores a checkpoint."""
+    rolled_back: bool = False
+    """A participant failed while the others applied the plan: it never became current;
+    every member rolled back to the plan before it, and the next change answers both
+    failures."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,7 @@ def recorded(
         joined=planned.joined,
         waited_s=planned.waited_s,
         restored=planned.restored,
-        torn=planned.torn,
+        rolled_back=planned.rolled_back,
         mttr_s=mttr_s,
         phases=phases,
         bytes_moved=bytes_moved,
@@ -182,8 +183,8 @@ def record_to_json(record: RecoveryRecord) -> dict[str, Any]:
         doc["waited_s"] = record.waited_s
     if record.restored:
         doc["restored"] = True
-    if record.torn:
-        doc["torn"] = True
+    if record.rolled_back:
+        doc["rolled_back"] = True
     p = record.phases
     doc["mttr_s"] = record.mttr_s
     doc["phases"] = {
@@ -219,7 +220,7 @@ def record_from_json(doc: Mapping[str, Any]) -> RecoveryRecord:
             joined=tuple(int(r) for r in doc["joined"]),
             waited_s=_maybe_number(doc.get("waited_s")),
             restored=bool(doc.get("restored", False)),
-            torn=bool(doc.get("torn", False)),
+            rolled_back=bool(doc.get("rolled_back", False)),
             mttr_s=_number(doc["mttr_s"]),
             phases=PhaseTimes(
                 detect=_number(p["detect"]),

@@ -94,15 +94,21 @@ def plan_restore(
     return _decision(plan, new, failed, step, f"{why}; every rank resumes after step {step}")
 
 
+def advanced(plan: Plan, new: Plan) -> Plan:
+    """``new``, the plan a change from ``plan`` leads to, in the generation after
+    ``plan``'s even when nothing changed (the joiners it was for are gone, say): the
+    members are stopped all the same, and every change advances it. The Core, every
+    worker and replay number a plan so."""
+    if new.generation == plan.generation:
+        return dataclasses.replace(new, generation=plan.generation + 1)
+    return new
+
+
 def _decision(
     plan: Plan, new: Plan, failed: Collection[int], committed: int, reason: str
 ) -> RecoveryDecision:
-    """The change from ``plan`` to ``new``. A plan that does not change (the joiners it
-    was for are gone, say) still takes the next generation: the members are stopped all
-    the same, and every change advances it."""
-    if new.generation == plan.generation:
-        new = dataclasses.replace(new, generation=plan.generation + 1)
-    return RecoveryDecision(new, tuple(sorted(failed)), committed, reason)
+    """The change from ``plan`` to ``new`` (:func:`advanced`)."""
+    return RecoveryDecision(advanced(plan, new), tuple(sorted(failed)), committed, reason)
 
 
 def plan_fail_stop(
@@ -117,7 +123,6 @@ def plan_fail_stop(
     joined: Sequence[int] = (),
     floor: int = -1,
     newest: Mapping[int, int] | None = None,
-    torn: Collection[int] = (),
 ) -> RecoveryDecision:
     """The decision for ``plan`` after ``failed`` leave and ``joined`` arrive, given each
     survivor's committed step (``commits``). ``floor``: the step no survivor can roll
@@ -133,17 +138,9 @@ def plan_fail_stop(
     newest, not before ``floor``), which the lost stage's snapshots also hold, and the
     new pipeline redoes the step after it.
 
-    ``torn``: survivors that were applying ``plan`` when a participant failed, whose
-    state is not whole: no state is recovered from memory then.
-
     Raises Unrecoverable naming the state that is gone; TooFewRanks when none is but
     fewer ranks than stages are left.
     """
-    if torn:
-        raise Unrecoverable(
-            f"ranks {sorted(torn)} were applying the plan of generation {plan.generation} "
-            "when a participant failed: their state is not whole"
-        )
     failed = set(failed)
     survivors = set(plan.ranks) - failed
     missing = survivors - set(commits)

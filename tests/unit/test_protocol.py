@@ -17,9 +17,9 @@ After every event it checks:
 - a commit only with an acknowledgement of that attempt, delivered to the Core, from
   every participant of the attempt (the survivors and the joiners it announces);
 - a plan becomes current only after its commit, with the committed digest, and only
-  once every participant has applied it (or gone past it), or, in a job that restores
-  checkpoints, torn by a participant that died while it was applied, with a change for
-  that failure under way;
+  once every participant has applied it (or gone past it); a plan torn by a participant
+  that died while it was applied is taken back instead: the layout before it becomes
+  current again under its generation, with the change for that failure under way;
 - a plan that restores a checkpoint is announced only by a job that restores them, with
   a checkpoint the Core was told of, no newer than any member's committed step;
 - a persisted state reads back equal, so a restarted Core decides as the one that died
@@ -73,7 +73,7 @@ EXAMPLES = int(os.environ.get("ELASWAVE_MODEL_CHECK", "500"))  # scripts/model_c
 LENGTHS: list[int] = []
 """Events of each sequence run, the last one last (for the broken-rule test)."""
 REACHED: list[str] = []
-"""Rare paths the sequences reached (``torn``: a plan adopted torn)."""
+"""Rare paths the sequences reached (``rolled_back``: a torn plan taken back)."""
 
 LAYOUTS = [(2, 1), (2, 2), (3, 2), (1, 2), (4, 1)]
 
@@ -144,17 +144,13 @@ class World(RuleBasedStateMachine):
     def _act(self, before: ch.State, action: act.Action) -> None:
         match action:
             case act.Publish(event=FailureDetected() | PauseRequest() as e):
-                recs = self.state.recoveries
+                if isinstance(e, FailureDetected):
+                    assert e.rollback == self.state.rolled_back, "a roll-back not announced"
                 for rank in sorted(self.procs & set(self.state.plan.ranks)):
-                    # A participant of a torn plan that never applied it reports torn.
-                    torn = (
-                        bool(recs) and recs[-1].torn and (rank, e.generation) not in self.went_past
-                    )
-                    report = ch.Report(
-                        committed_step=self.step_no, params_step=self.step_no, torn=torn
-                    )
+                    report = ch.Report(committed_step=self.step_no, params_step=self.step_no)
                     self.pool.append(inp.Ready(rank, e.generation, report))
             case act.Publish(event=RecoveryPlan() as e):
+                assert e.rollback == before.rolled_back, "a roll-back's plan not announced so"
                 if e.restore:  # state was lost: a checkpoint the Core knows, none too new
                     assert self.rules.restore, "restored although the job restores none"
                     assert e.committed_step in before.checkpoints
@@ -212,18 +208,21 @@ class World(RuleBasedStateMachine):
         committed = self.commits.get(new.generation, set())
         assert committed, "a plan became current without a commit"
         ((attempt, digest),) = committed
+        if self.state.rolled_back:
+            # Taken back: a participant failed while the others applied the plan; the
+            # layout before it is current again, and the change for that failure is on.
+            assert self.state.recoveries[-1].rolled_back, "taken back, not recorded so"
+            assert dataclasses.replace(new, generation=0) == dataclasses.replace(
+                before.plan, generation=0
+            ), "the layout taken back is not the one before the torn plan"
+            assert self.state.change is not None or self.state.stopped, (
+                "a plan taken back without a change for the failure that tore it"
+            )
+            REACHED.append("rolled_back")
+            return
         assert plan_digest(new) == digest, "the current plan is not the committed one"
         past = {r for r, g in self.went_past if g in (-1,) or g >= new.generation}
         missing = self.participants[(new.generation, attempt)] - past
-        if self.state.recoveries and self.state.recoveries[-1].torn:
-            # Adopted torn: a participant failed while the others applied it; only a job
-            # that restores checkpoints does that, and the failure is the next change's.
-            assert self.rules.restore, "a torn plan adopted by a job that restores none"
-            assert self.state.later or self.state.change is not None, (
-                "a torn plan adopted without a change for the failure that tore it"
-            )
-            REACHED.append("torn")
-            return
         assert not missing, f"a plan became current before ranks {missing} applied it"
 
     # ------------------------------------------------------------------ the world
@@ -498,10 +497,11 @@ def test_a_join_whose_joiner_died_still_advances_the_generation() -> None:
     assert state.plan.generation == 1
 
 
-def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_stops_the_job() -> None:
+def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_rolls_it_back() -> None:
     """Found by the model check (20,000 sequences): a joiner that died after the commit
     left the change waiting for it until the apply deadline; it is a participant lost
-    after the commit, like any other (the job stops naming it)."""
+    after the commit, like any other: the plan is taken back. No rank of the layout
+    taken back failed, so the members are stopped by an announcement of no rank."""
     report = ch.Report(committed_step=1, params_step=1)
     state, actions = _drive(
         (2, 1), inp.ScaleUp(0, 1), inp.Joining(2), *(inp.Ready(r, 0, report) for r in (0, 1))
@@ -515,9 +515,14 @@ def test_a_joiner_lost_while_the_plan_that_adds_it_is_applied_stops_the_job() ->
     state, _ = protocol.step(rules, state, inp.Exited(2, -9), 1000.0)
     assert state.change.phase.participants <= set(state.plan.ranks) | set(state.change.joined)
     state, actions = protocol.step(rules, state, inp.Tick(), 1000.0 + rules.exit_grace_s)
-    (stop,) = [a for a in actions if isinstance(a, act.Stop)]
-    assert "rank 2 exited with signal SIGKILL" in stop.reason
-    assert "while waiting for every rank to apply the recovery plan" in stop.reason
+    assert not any(isinstance(a, act.Stop) for a in actions)
+    (failure,) = _published(actions, FailureDetected)
+    assert failure.ranks == [] and failure.rollback and failure.generation == 1
+    assert "a joining rank failed while the plan was applied" in failure.detail
+    for rank in (0, 1):
+        state, actions = protocol.step(rules, state, inp.Ready(rank, 1, report), 1000.6)
+    (again,) = _published(actions, RecoveryPlan)
+    assert again.rollback and again.failed == [] and again.generation == 2
 
 
 def _applying_a_join() -> tuple[ch.State, ch.Rules]:
@@ -565,7 +570,7 @@ def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_win
     state, actions = protocol.step(rules, state, inp.Exited(0, 1, why), 1000.1)
     (stop,) = [a for a in actions if isinstance(a, act.Stop)]
     assert "rank 1 exited with signal SIGKILL; then ranks [0] stopped on errors" in stop.reason
-    assert "a failure in that window is not recovered" in stop.reason
+    assert "no member of the plan is left to roll back" in stop.reason
     assert "lost all its ranks" not in stop.reason
 
 
@@ -730,27 +735,31 @@ def test_lost_state_restores_the_newest_checkpoint_no_member_is_behind(on_disk) 
     assert record.restored and record.step == 4 and state.done_step == 3
 
 
-def test_a_participant_lost_while_a_plan_is_applied_tears_it_and_the_next_change_restores() -> None:
-    """dp2 x pp1 applies the join of rank 2 when rank 1 dies: with a checkpoint on disk
-    the plan becomes current torn, rank 1's loss starts the next change, and since the
-    ranks caught mid-apply report torn, its plan restores the checkpoint; without a
-    checkpoint the job stops in the window, as before."""
+def test_a_participant_lost_while_a_plan_is_applied_is_rolled_back() -> None:
+    """dp2 x pp1 applies the join of rank 2 when rank 1 dies: after ``exit_grace_s`` the
+    plan is taken back (dp2 again, as generation 1), and the change for rank 1 begins
+    at once, announced ``rollback``; its plan is planned from the layout taken back and
+    says so; the joiner waits to be added again. With or without a checkpoint on disk,
+    the job goes on from memory (no restore)."""
     for on_disk in ((), (1,)):
         state, rules = _applying_a_join()
-        rules = dataclasses.replace(rules, restore=True)
+        before = state.plan
+        rules = dataclasses.replace(rules, restore=bool(on_disk))
         state, _ = protocol.step(rules, state, inp.OnDisk(on_disk), 1000.0)
         state, _ = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
         state, actions = protocol.step(rules, state, inp.Tick(), 1000.0 + rules.exit_grace_s)
-        if not on_disk:
-            (stop,) = [a for a in actions if isinstance(a, act.Stop)]
-            assert "a failure in that window is not recovered" in stop.reason
-            continue
-        assert state.plan.generation == 1 and state.recoveries[-1].torn
+        assert not any(isinstance(a, act.Stop) for a in actions)
+        assert state.plan == dataclasses.replace(before, generation=1) and state.rolled_back
+        assert state.recoveries[-1].rolled_back and state.joiners == {2}
         (failure,) = _published(actions, FailureDetected)
-        assert failure.generation == 1 and failure.ranks == [1]
-        torn = ch.Report(committed_step=1, params_step=1, torn=True)
-        for rank in (0, 2):
-            state, actions = protocol.step(rules, state, inp.Ready(rank, 1, torn), 1000.6)
+        assert failure.generation == 1 and failure.ranks == [1] and failure.rollback
+        state, actions = protocol.step(
+            rules, state, inp.Ready(0, 1, ch.Report(committed_step=1, params_step=-2)), 1000.6
+        )
         (plan,) = _published(actions, RecoveryPlan)
-        assert plan.restore and plan.committed_step == 1 and plan.generation == 2
-        assert "ranks [0, 2] were applying the plan of generation 1" in plan.reason
+        assert plan.rollback and not plan.restore and plan.generation == 2
+        assert plan.committed_step == 1 and plan.failed == [1] and plan.joined == []
+        for event in (inp.Acked(0, 2, 0, plan.plan_digest), inp.Done(0, 2, ch.Applied())):
+            state, _ = protocol.step(rules, state, event, 1001.0)
+        assert state.plan.generation == 2 and not state.rolled_back
+        assert [x.ranks for x in state.plan.stages] == [(0,)]

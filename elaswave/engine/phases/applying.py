@@ -5,25 +5,28 @@ the change is recorded (:class:`~elaswave.engine.record.RecoveryRecord`); its re
 step and its migration's reports are then awaited (:mod:`.finishing`).
 
 A participant that exits now (a failure after the commit) is given ``exit_grace_s`` for
-its report to arrive. Then, in a job that restores checkpoints and has one no newer
-than the change's committed step, the plan becomes current torn (:func:`torn`) and the
-failure is the next change's, which restores the checkpoint; otherwise the job stops
-(resumably): participants are mid-reconfigure, and without a checkpoint a failure in
-that window is not recovered (docs/protocol.md, "Still open"). A failure of a rank that
-is no participant waits for the next change. A restarted Core sends the commit again.
+its report to arrive. Then the plan is taken back (:func:`roll_back`): every member kept
+what it committed under the current plan while it applied the new one, so the change
+is recorded rolled back and the next change, begun at once, answers its failures and
+the new ones together from the current layout. A failure of a rank that is no
+participant waits for the next change. A restarted Core sends the commit again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from elaswave.engine.actions import Action, Note, Stopped
+from elaswave.bus.schema import CORE_SENDER, FailureDetected
+from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Applied, Applying, Change, Finishing, State
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.inputs import Done, Exited, Input, Restarted, StepDone, Trained
 from elaswave.engine.migration import MigrationMode
+from elaswave.engine.phases.detecting import failure
 from elaswave.engine.phases.planning import slowdowns_on
-from elaswave.engine.phases.shared import commit, describe, with_phase
+from elaswave.engine.phases.shared import KILLED, commit, describe, with_phase
+from elaswave.engine.phases.stopping import begin_stop
+from elaswave.engine.plan import taken_back
 from elaswave.engine.record import PhaseTimes, RecoveryRecord, record_to_json, recorded
 from elaswave.engine.rules import Rules
 from elaswave.fabric.errors import Unrecoverable
@@ -62,12 +65,10 @@ def take(
 
 def due(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action]) -> State:
     """A participant that exited and did not report within ``exit_grace_s`` tears the
-    apply (:func:`torn`), or stops the job; one that has not applied the plan by the
-    deadline stops it."""
+    apply (:func:`roll_back`); one that has not applied the plan by the deadline stops
+    the job."""
     if any(now >= t + r.exit_grace_s for _, t in p.exited.values()):
-        if r.restore and any(x <= p.record.committed_step for x in s.checkpoints):
-            return torn(r, s, c, p, now, out)
-        raise Stopped(window(r, s, c, p))
+        return roll_back(r, s, c, p, now, out)
     if now >= p.deadline:
         missing = sorted(p.participants - set(p.applied))
         raise Stopped(
@@ -77,38 +78,65 @@ def due(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action
     return s
 
 
-def torn(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action]) -> State:
-    """A participant failed while the others applied the plan, and the job has a
-    checkpoint no newer than its committed step: the plan becomes current as it stands
-    (its record ``torn``), and the failure is the next change's. Participants caught
-    mid-apply report ``torn`` (their state is not whole) and that change restores the
-    checkpoint inside the job (:func:`elaswave.engine.phases.planning.plan_next`)."""
+def roll_back(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[Action]) -> State:
+    """A participant failed while the others applied the plan: the plan is taken back.
+    The current layout becomes current again under the plan's generation
+    (:func:`~elaswave.engine.plan.taken_back`), the change is recorded rolled back, and
+    the change for every rank of that layout now lost (the plan's failed ranks, the
+    participants that exited, failures saved for later) begins at once, announced
+    ``rollback``: every member rolls back to what it kept and reports that step, and the
+    next plan is planned from the layout taken back. Joiners the plan added, still up,
+    wait for a plan that adds them again."""
     gone = {x: code for x, (code, _) in p.exited.items()}
-    record = replace(_record(c, p, now), torn=True)
-    out.append(Note("core.torn", {"generation": c.generation + 1, "failed": sorted(gone)}))
-    return replace(
+    record = replace(_record(c, p, now), rolled_back=True)
+    out.append(Note("core.rolled_back", {"generation": c.generation + 1, "failed": sorted(gone)}))
+    base = taken_back(s.plan, c.generation + 1)
+    lost = (set(p.failed) | set(gone) | set(s.later)) & set(base.ranks)
+    failed = {x: gone.get(x, s.later.get(x, s.codes.get(x, KILLED))) for x in sorted(lost)}
+    joiners = {x for x in c.joined if x in s.alive and x not in gone}
+    s = replace(
         s,
-        plan=p.plan,
-        slowdowns=slowdowns_on(s, p.plan.ranks),
+        plan=base,
+        rolled_back=True,
+        slowdowns=slowdowns_on(s, base.ranks),
         change=None,
         reports={},
         recoveries=(*s.recoveries, record),
-        later={**s.later, **gone},
+        later={x: code for x, code in s.later.items() if x not in lost},
+        joiners=s.joiners | joiners,
+    )
+    s = begin_stop(r, s, failure(s, failed, now, now), failed, None, now, out)
+    if not failed and s.change is not None:  # only a joiner failed: stop every member
+        out.append(Publish(rollback_announcement(s, c)))
+    return s
+
+
+def rollback_announcement(s: State, c: Change) -> FailureDetected:
+    """The announcement of a rollback no rank of the current layout failed in (a joiner
+    the plan added did): every member stops all the same."""
+    return FailureDetected(
+        sender=CORE_SENDER,
+        generation=s.plan.generation,
+        ranks=[],
+        source="process-exit",
+        detail=f"{c.detail}; then a joining rank failed while the plan was applied: rolled back",
+        rollback=True,
     )
 
 
 def every_member_lost(r: Rules, s: State, c: Change, p: Applying, e: Exited, now: float) -> str:
     """Why the job stops when its last member of the plan exits while joiners wait for
     the plan that adds them: the state is gone, lost to the faults themselves (no
-    rank of the plan failed on its own), or to members failing on their links with a
-    lost peer while they applied it (the window a failure is not recovered in)."""
+    rank of the plan failed on its own), or to members failing on errors of their own
+    after a fault while they applied it: no member is left to roll back."""
     faults = all(s.codes.get(x, 0) < 0 or x in s.fenced for x in s.plan.ranks)
     p = replace(p, exited={**p.exited, e.rank: (e.code, now)})  # this exit too
     return _all_lost(s, c) if faults else window(r, s, c, p)
 
 
 def window(r: Rules, s: State, c: Change, p: Applying) -> str:
-    """Why a failure while the plan is applied stops the job."""
+    """Why the job stops when members failed on errors of their own while the plan was
+    applied, and none is left to roll back."""
     gone = {x: code for x, (code, _) in p.exited.items()}
     # Those killed (or fenced) are the cause; peers that then failed on their links with
     # them are named, their errors left to their logs.
@@ -117,8 +145,8 @@ def window(r: Rules, s: State, c: Change, p: Applying) -> str:
     after = f"; then ranks {then} stopped on errors with them (see logs/rankN.log)" if then else ""
     return (
         f"{c.detail}; then, while waiting for every rank to apply the recovery plan: "
-        f"{describe(s, cause)}{after} (a failure in that window is not recovered: the job "
-        f"stops; {r.resume_hint})"
+        f"{describe(s, cause)}{after}; no member of the plan is left to roll back to the "
+        f"state before it (joining ranks hold none): the job stops; {r.resume_hint}"
     )
 
 
@@ -170,6 +198,7 @@ def _applied(
     return replace(
         s,
         plan=p.plan,
+        rolled_back=False,
         # A restored checkpoint's steps are trained again: the job completed its step.
         done_step=record.committed_step if record.restored else s.done_step,
         slowdowns=slowdowns_on(s, p.plan.ranks),

@@ -112,7 +112,7 @@ def plan_next(
     outcome = PlanOutcome(
         generation=c.generation + 1, attempt=attempt, kind=c.kind,
         committed_step=decision.committed_step, plan_digest=digest, reason=decision.reason,
-        rebuild=rebuild, restore=restore,
+        rebuild=rebuild, restore=restore, rollback=s.rolled_back,
     )  # fmt: skip
     out.append(Publish(announcement(inputs, outcome)))
     agreeing = Agreeing(
@@ -146,7 +146,6 @@ def _plan(r: Rules, s: State, inputs: PlanInputs, members: frozenset[int]) -> Re
         rebalancing=rebalancing(inputs, r.rebalancing),
         joined=inputs.joined,
         floor=s.recoveries[-1].committed_step if s.recoveries else r.first_step,
-        torn=[x for x in members if s.reports[x].torn],
     )
 
 

@@ -192,7 +192,7 @@ def take(
             s = with_phase(s, c, p)
             if p.after_step is not None:
                 out.append(Publish(pause_request(c, p)))
-            if p.failed and p.members:
+            if (p.failed or s.rolled_back) and p.members:
                 a = Announce(c.generation, tuple(sorted(p.failed)), ())
                 announce_failures(s, c, p, [a], out)
             return after_stop(r, s, c, p, now, out)
@@ -263,6 +263,7 @@ def announce_failures(
                     ranks=list(a.ranks),
                     source="process-exit",
                     detail=why,
+                    rollback=s.rolled_back,
                 )
             )
         )

@@ -50,7 +50,6 @@ def to_input(event: Event, t: float, scales: int) -> Input | None:
                 params_step=event.params_step,
                 tainted=tuple(event.tainted),
                 newest_step=event.newest_step,
-                torn=event.torn,
             )
             return Ready(event.rank, event.generation, report)
         case PlanAck():

@@ -39,7 +39,7 @@ from elaswave.bus.schema import (
     StragglerDetected,
 )
 from elaswave.engine.migration import MigrationMode
-from elaswave.engine.plan import Plan
+from elaswave.engine.plan import Plan, taken_back
 from elaswave.engine.plan_inputs import decode
 from elaswave.engine.recovery import plan_digest
 from elaswave.engine.replan import plan_fail_stop, plan_restore
@@ -112,6 +112,9 @@ def replay_run(run_dir: Path) -> ReplayResult:
         initial.generation: cfg.state.resume_step if cfg.state.resume_step is not None else -1
     }
     """generation -> the step its settled plan's survivors cannot roll back before."""
+    bases: dict[int, Plan] = {}
+    """generation -> the plan its plan was planned from (a rollback plans from the
+    layout before the torn plan: :func:`~elaswave.engine.plan.taken_back`)."""
     announced: dict[tuple[int, int], int] = {}  # (generation, attempt) -> committed step
     committed: set[int] = set()
     ready: dict[int, dict[int, RecoveryReady]] = {}  # generation -> rank -> latest report
@@ -137,7 +140,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
         elif isinstance(event, RecoveryPlan) and event.sender != CORE_SENDER:
             ignored.append(format_record(record))  # only the Core announces plans
         elif isinstance(event, RecoveryPlan) and (event.generation, event.attempt) not in attempts:
-            base = settled.get(event.generation - 1)
+            base = _base(event, settled, bases)
             digest, problems, new_plan = _replay_one(
                 cfg, base, event, ready.get(event.generation - 1, {}),
                 floors.get(event.generation - 1, -1),
@@ -158,12 +161,23 @@ def replay_run(run_dir: Path) -> ReplayResult:
             )
             if new_plan is None:
                 break
+            bases[event.generation] = base  # type: ignore[assignment]  # not None: planned
             attempts[(event.generation, event.attempt)] = new_plan
             announced[(event.generation, event.attempt)] = event.committed_step
             if event.generation not in committed:
                 settled[event.generation] = new_plan
                 floors[event.generation] = event.committed_step
     return ReplayResult(tuple(out), tuple(unreadable), tuple(ignored))
+
+
+def _base(event: RecoveryPlan, settled: dict[int, Plan], bases: dict[int, Plan]) -> Plan | None:
+    """The plan ``event``'s plan is planned from: the one its generation follows, or for
+    a rollback the layout that plan was planned from, taken back."""
+    torn = event.generation - 1
+    if not event.rollback:
+        return settled.get(torn)
+    before = bases.get(torn)
+    return None if before is None else taken_back(before, torn)
 
 
 def _replay_one(
@@ -197,7 +211,6 @@ def _replay_one(
                 rebalancing=rebalance,
                 joined=inputs.joined,
                 floor=floor,
-                torn=[r for r, e in reports.items() if r in survivors and e.torn],
             )
         except Unrecoverable as lost:
             if not event.restore or event.committed_step > min(commits.values(), default=-1):

@@ -10,6 +10,7 @@ commits, failures) and a :class:`PauseBox` (the pending pause request).
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import threading
@@ -37,15 +38,17 @@ from elaswave.bus.session import Session
 from elaswave.comm.abort import StepAborted
 from elaswave.comm.release import ABORT_DEADLINE_S, device_healthy
 from elaswave.comm.spec import CommError
+from elaswave.comm.store import fresh_client
 from elaswave.engine.change import Applied
-from elaswave.engine.plan import Plan, plan_from_dict, plan_key
+from elaswave.engine.plan import Plan, plan_from_dict, plan_key, taken_back
 from elaswave.engine.plan_inputs import PlanInputs, decode
 from elaswave.engine.recovery import plan_digest
-from elaswave.engine.replan import replan
+from elaswave.engine.replan import advanced, replan
 from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.job.inputs import announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
-from elaswave.runtime.worker.reconfigure import reconfigure, restore
+from elaswave.runtime.worker.memento import Memento, Settled, keep, nothing_kept
+from elaswave.runtime.worker.reconfigure import reconfigure, restore, roll_back
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
 from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
@@ -63,6 +66,8 @@ class Mailbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._events: list[Event] = []
+        self.settled = Settled()
+        """The changes the Core announced finished (RecoveryFinished)."""
 
     def put(self, event: Event) -> None:
         with self._cond:
@@ -160,6 +165,7 @@ def _agree(
         new_plan, _ = replan(
             base, inputs.failed, announced_rebalancing(ctx.cfg, inputs), joined=inputs.joined
         )
+        new_plan = advanced(base, new_plan)
         if plan_digest(new_plan) != decision.plan_digest:
             raise RuntimeError(
                 f"plan digest {plan_digest(new_plan)} differs from the Core's "
@@ -231,10 +237,11 @@ def recover(
     """Stop at the step boundary, report, and apply the Core's plan.
 
     ``cause`` is what stopped the step (a failed wait, or the abort signal), None when
-    the loop stopped at a boundary for a pause the Core requested.
+    the loop stopped at a boundary for a pause the Core requested. A failure announced
+    ``rollback`` takes back the plan ``trainer`` trains under (a participant failed
+    while it was applied): this rank reports and goes on from what it kept before it.
     """
     gen, timeout = trainer.plan.generation, ctx.cfg.liveness.comm_timeout_s
-    sender = sender_name(ctx.rank, ctx.member)
     announced: Event | None = pauses.pending(gen)
     if announced is None:
         try:
@@ -255,12 +262,50 @@ def recover(
         cause=str(cause),
     )
     _release(ctx, trainer, announced)
+    kept = _kept_for(ctx, trainer, announced)
     report: dict[str, Any] = {
         "committed_step": trainer.committed_step,
-        "tainted": trainer.tainted() + ([TP_GROUP] if ctx.tp and ctx.tp.tainted else []),
+        "tainted": trainer.tainted(),
         "params_step": -2 if (ps := trainer.optimizer.params_step) is None else ps,
     }
+    if kept is not None:  # the state it reports is the one it kept
+        report = {"committed_step": kept.step, "tainted": [], "params_step": -2}
+    base = trainer.plan if kept is None else taken_back(kept.plan, gen)
+    on_checkpoint = _report(ctx, session, gen, report, trainer, kept)
+    decision = _next_plan(inbox, gen, timeout, on_checkpoint)
+    return _apply(ctx, session, inbox, decision, base, trainer, kept, timeout, on_checkpoint)
+
+
+def _kept_for(ctx: WorkerContext, trainer: Trainer, announced: Event) -> Memento | None:
+    """What this rank goes on from when ``announced`` rolls the current plan back (None:
+    it does not)."""
+    if not (isinstance(announced, FailureDetected) and announced.rollback):
+        return None
+    if trainer.memento is None:
+        raise RuntimeError(
+            f"the Core rolls back the plan of generation {trainer.plan.generation}, and "
+            f"rank {ctx.rank} kept nothing from before it"
+        )
+    return trainer.memento
+
+
+def _report(
+    ctx: WorkerContext,
+    session: Session,
+    gen: int,
+    report: dict[str, Any],
+    trainer: Trainer | None,
+    kept: Memento | None,
+    **flags: Any,
+) -> Callable[[CheckpointRequest], None]:
+    """Report this rank stopped for the change leaving ``gen`` (its TP group as one);
+    returns what answers a CheckpointRequest while it waits for the plan (written from
+    ``kept`` when the change rolls back, else from ``trainer``)."""
+    timeout = ctx.cfg.liveness.comm_timeout_s
+    sender = sender_name(ctx.rank, ctx.member)
     if ctx.tp is not None:  # the TP group reports as one (its earliest step, every taint)
+        tainted = [TP_GROUP] if ctx.tp.tainted else []
+        report = {**report, "tainted": report["tainted"] + tainted}
         report = unit_report(
             ctx.store, unit=ctx.rank, member=ctx.member, size=ctx.tp.size, generation=gen,
             report=report, timeout_s=timeout,
@@ -268,12 +313,14 @@ def recover(
         if TP_GROUP in report["tainted"]:
             ctx.tp.rebuild(ctx.tp.generation + 1)
     if ctx.leader:
-        session.publish(RecoveryReady(sender=sender, generation=gen, rank=ctx.rank, **report))
+        session.publish(
+            RecoveryReady(sender=sender, generation=gen, rank=ctx.rank, **report, **flags)
+        )
 
     def on_checkpoint(request: CheckpointRequest) -> None:
         if ctx.rank not in request.writers:
             return
-        owners = write_part(ctx, trainer, request, timeout)
+        owners = write_part(ctx, trainer, request, timeout, kept)
         session.publish(
             CheckpointWritten(
                 sender=sender,
@@ -284,8 +331,7 @@ def recover(
             )
         )
 
-    decision = _next_plan(inbox, gen, timeout, on_checkpoint)
-    return _apply(ctx, session, inbox, decision, trainer.plan, trainer, timeout, on_checkpoint)
+    return on_checkpoint
 
 
 def _next_plan(
@@ -313,37 +359,39 @@ def _after_torn_apply(
     session: Session,
     inbox: Mailbox,
     decision: RecoveryPlan,
-    new_plan: Plan,
+    trainer: Trainer | None,
+    kept: Memento | None,
     cause: Exception,
     timeout: float,
 ) -> Trainer:
-    """A participant failed while this rank applied ``decision``'s plan: its state is
-    not whole. It reports ``torn`` to the change that failure starts (the Core adopts
-    the plan as it stands, then plans again), and takes that change's plan, which
-    restores a checkpoint inside the job. (The Core takes this path only with a
-    checkpoint on disk; else it stops the job, a failure in the apply window.)"""
+    """A participant failed while this rank applied ``decision``'s plan: the Core takes
+    the plan back (:func:`elaswave.engine.phases.applying.roll_back`). This rank reports
+    the step it kept and takes the next change's plan from the layout before the torn
+    one; a joiner (which kept nothing) waits for a plan that adds it again.
+    ``trainer``: the one the apply started from (its device groups are aborted)."""
     gen = decision.generation
     log.warning("recovery.torn", generation=gen, cause=f"{type(cause).__name__}: {cause}")
-    _await_event(
+    if kept is None:  # a joiner: the groups it began may hold its store connections
+        plane = ctx.plane_store and fresh_client(ctx.plane_store)
+        fresh = dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
+        return join(fresh, session, inbox, after=gen)
+    announced = _await_event(
         inbox,
         lambda e: isinstance(e, FailureDetected) and e.generation == gen,
         timeout,
         f"failure announcement after a torn apply ({type(cause).__name__}: {cause})",
     )
-    if ctx.leader:
-        session.publish(
-            RecoveryReady(
-                sender=sender_name(ctx.rank, ctx.member), generation=gen, rank=ctx.rank,
-                committed_step=decision.committed_step, torn=True,
-            )
-        )  # fmt: skip
-    answer = _next_plan(inbox, gen, timeout)
-    if not answer.restore:
+    assert isinstance(announced, FailureDetected)
+    if not announced.rollback:
         raise RuntimeError(
-            f"rank {ctx.rank}'s apply of generation {gen} was torn, and the plan of "
-            f"generation {gen + 1} restores no checkpoint"
+            f"rank {ctx.rank}'s apply of generation {gen} was torn ({cause}), and the Core "
+            "does not roll the plan back"
         )
-    return _apply(ctx, session, inbox, answer, new_plan, None, timeout)
+    report = {"committed_step": kept.step, "tainted": [], "params_step": -2}
+    on_checkpoint = _report(ctx, session, gen, report, None, kept, torn=True)
+    answer = _next_plan(inbox, gen, timeout, on_checkpoint)
+    base = taken_back(kept.plan, gen)
+    return _apply(ctx, session, inbox, answer, base, trainer, kept, timeout, on_checkpoint)
 
 
 def _release(ctx: WorkerContext, trainer: Trainer, announced: Event) -> None:
@@ -362,19 +410,20 @@ def _release(ctx: WorkerContext, trainer: Trainer, announced: Event) -> None:
         )
 
 
-def join(ctx: WorkerContext, session: Session, inbox: Mailbox) -> Trainer:
-    """Wait for the Core's plan that gives this new rank a place, and take it: a join is
-    a change applied to an empty trainer."""
+def join(ctx: WorkerContext, session: Session, inbox: Mailbox, *, after: int = -1) -> Trainer:
+    """Wait for the Core's plan that gives this new rank a place (of a generation after
+    ``after``: a plan it was added by and that was torn is gone), and take it: a join
+    is a change applied to an empty trainer."""
     timeout = max(60.0, ctx.cfg.liveness.comm_timeout_s)
     decision = _await_event(
         inbox,
-        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined,
+        lambda e: isinstance(e, RecoveryPlan) and ctx.rank in e.joined and e.generation > after,
         timeout,
         "plan that lets this worker join",
     )
     assert isinstance(decision, RecoveryPlan)
     current = plan_from_dict(json.loads(ctx.store.get(plan_key(decision.generation - 1))))
-    return _apply(ctx, session, inbox, decision, current, None, timeout)
+    return _apply(ctx, session, inbox, decision, current, None, None, timeout)
 
 
 def _apply(
@@ -384,55 +433,61 @@ def _apply(
     decision: RecoveryPlan,
     base: Plan,
     trainer: Trainer | None,
+    kept: Memento | None,
     timeout: float,
     on_checkpoint: Callable[[CheckpointRequest], None] | None = None,
 ) -> Trainer:
     """Agree on the Core's plan (check, acknowledge, wait for the commit), take its
-    generation, apply it to ``trainer`` (None: this rank joins) and report it done."""
+    generation, keep what this rank committed (the change rolls back to ``kept``, what
+    it kept before a torn apply, when ``decision`` says so), apply the plan to
+    ``trainer`` (None: this rank joins) and report it done."""
     decision, inputs, new_plan = _agree(ctx, session, inbox, decision, base, timeout, on_checkpoint)
-    if trainer is None and ctx.rank not in decision.joined and not decision.restore:
+    if kept is None and trainer is None and ctx.rank not in decision.joined:
         raise RuntimeError(
             f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
+        )
+    if decision.rollback != (kept is not None):  # ``kept`` is given to roll back to
+        raise RuntimeError(
+            f"the plan of generation {decision.generation} "
+            + ("rolls back, and this rank kept nothing" if decision.rollback else "does not")
+            + " roll back, and the failure announced before it "
+            + ("did not" if decision.rollback else "did")
         )
     ctx.abort.generation = decision.generation
     session.floor_generation = decision.generation  # older generations' messages are stale
     inbox.prune(decision.generation)
     ctx.abort.clear()  # failures announced before are answered by this plan
+    if trainer is not None and not decision.rollback:  # before anything changes
+        c = decision.committed_step
+        kept = (
+            nothing_kept(trainer, c)
+            if decision.restore
+            else keep(trainer, c, frozenset(decision.failed), timeout)
+        )
     # A recovery that stalls must be diagnosable: halfway to the Core's deadline, every
     # thread's stack goes to this worker's log.
     faulthandler.dump_traceback_later(max(1.0, timeout / 2), exit=False)
     result: tuple[Trainer, Applied] | Exception
     try:
-        if decision.restore:  # state was lost: from the disk checkpoint
-            result = restore(
-                ctx, trainer, base, new_plan, set(decision.failed), decision.committed_step
-            )
-        else:
-            result = reconfigure(
-                ctx,
-                trainer,
-                base,
-                new_plan,
-                set(decision.failed),
-                decision.committed_step,
-                rebuild=set(decision.rebuild),
-                migration=inputs.migration,
-            )
+        result = _change(ctx, decision, inputs, base, new_plan, trainer, kept)
     except (CommError, StepAborted) as exc:  # a participant failed meanwhile
-        if not ctx.cfg.restores_in_job:
-            raise  # the Core stops the job: a failure in the apply window
         result = exc
     finally:
         faulthandler.cancel_dump_traceback_later()
     if isinstance(result, Exception):
-        return _after_torn_apply(ctx, session, inbox, decision, new_plan, result, timeout)
+        return _after_torn_apply(ctx, session, inbox, decision, trainer, kept, result, timeout)
     trainer, applied = result
+    _keep_until_settled(trainer, kept, base, decision)
     if ctx.tp is not None:  # the plan is applied when every member has applied it: a
-        # member lost before then is a failure in the apply window, as a rank is
-        unit_barrier(
-            ctx.store, f"applied/g{decision.generation}", ctx.rank, ctx.member,
-            ctx.tp.size, timeout_s=timeout, what="apply the plan",
-        )  # fmt: skip
+        # member lost before then is a failure in the apply window, as a rank is; one
+        # whose apply a failure tore rolls back with this one
+        try:
+            unit_barrier(
+                ctx.store, f"applied/g{decision.generation}", ctx.rank, ctx.member,
+                ctx.tp.size, timeout_s=timeout, what="apply the plan", abort=ctx.abort,
+            )  # fmt: skip
+        except StepAborted as exc:
+            return _after_torn_apply(ctx, session, inbox, decision, trainer, kept, exc, timeout)
     if not ctx.leader:
         return trainer
     session.publish(
@@ -449,3 +504,40 @@ def _apply(
         )
     )
     return trainer
+
+
+def _change(
+    ctx: WorkerContext,
+    decision: RecoveryPlan,
+    inputs: PlanInputs,
+    base: Plan,
+    new_plan: Plan,
+    trainer: Trainer | None,
+    kept: Memento | None,
+) -> tuple[Trainer, Applied]:
+    """Apply ``new_plan``: from the disk checkpoint (state was lost), from what this rank
+    kept before a torn apply (a roll-back), or as any change (:func:`reconfigure`)."""
+    failed, step = set(decision.failed), decision.committed_step
+    if decision.restore:
+        return restore(ctx, trainer, base, new_plan, failed, step)
+    if decision.rollback:
+        assert kept is not None  # checked against the announcement
+        return roll_back(ctx, trainer, kept, base, new_plan, failed, step)
+    return reconfigure(
+        ctx, trainer, kept, base, new_plan, failed, step,
+        rebuild=set(decision.rebuild), migration=inputs.migration,
+    )  # fmt: skip
+
+
+def _keep_until_settled(
+    trainer: Trainer, kept: Memento | None, base: Plan, decision: RecoveryPlan
+) -> None:
+    """``trainer`` keeps what its rank committed before the change until the Core
+    announces the change finished; after a restore, the checkpoint's step, to restore
+    again."""
+    if kept is None:
+        return  # a joiner: a roll-back adds it again
+    if decision.restore:
+        step = decision.committed_step
+        kept = Memento(plan=base, step=step, layers=kept.layers, layout=None, state=None)
+    trainer.memento = kept

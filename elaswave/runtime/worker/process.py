@@ -25,6 +25,7 @@ from elaswave.bus.schema import (
     EventKind,
     FailureDetected,
     PauseRequest,
+    RecoveryFinished,
     Topic,
     WorkerFinished,
     sender_name,
@@ -103,6 +104,9 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         # is already leaving must not abort the recovery itself.
         if isinstance(event, FailureDetected) and event.generation == abort.generation:
             abort.set(f"ranks {event.ranks} failed ({event.source})")
+        if isinstance(event, RecoveryFinished):  # no roll-back reaches that change now
+            inbox.settled.note(event.generation)
+            return
         if isinstance(event, PauseRequest):
             if event.generation == abort.generation:
                 pauses.put(event)
@@ -120,6 +124,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
             EventKind.PLAN_COMMIT,
             EventKind.WAITING_FOR_NODES,
             EventKind.CHECKPOINT_REQUEST,
+            EventKind.RECOVERY_FINISHED,
         ],
     )
     session.start()

@@ -16,6 +16,7 @@ from functools import partial
 
 import structlog
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elaswave.comm.communicator import Communicator
@@ -24,7 +25,7 @@ from elaswave.comm.links import pair
 from elaswave.comm.spec import GroupSpec, TagSpace, p2p_tag
 from elaswave.comm.store import fresh_client
 from elaswave.engine.change import Applied
-from elaswave.engine.migration import NONBLOCKING, Transition, plan_transition
+from elaswave.engine.migration import BLOCKING, NONBLOCKING, Transition, plan_transition
 from elaswave.engine.plan import (
     Plan,
     StagePlan,
@@ -45,6 +46,7 @@ from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.rundir import step_dir
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_layout, placement_of
+from elaswave.runtime.worker.memento import Memento
 from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
 from elaswave.runtime.worker.trainer import (
     Trainer,
@@ -139,6 +141,7 @@ def _stage_layers(ctx: WorkerContext, held: nn.ModuleList, layer_ids: range) -> 
 def reconfigure(
     ctx: WorkerContext,
     old: Trainer | None,
+    kept: Memento | None,
     base: Plan,
     new_plan: Plan,
     failed: set[int],
@@ -146,19 +149,21 @@ def reconfigure(
     *,
     rebuild: set[str],
     migration: str,
+    store: dist.Store | None = None,
 ) -> tuple[Trainer, Applied]:
     """The recovery executor: apply ``new_plan`` on this rank, which trains under ``base``
-    (``old``), or joins the job (``old`` is None: an empty trainer, no groups, no layers,
-    no optimizer state).
+    (``old``, rolled back to ``committed_step`` and kept as ``kept``: :func:`~elaswave.
+    runtime.worker.memento.keep`), or joins the job (``old`` and ``kept`` None: an empty
+    trainer, no groups, no layers, no optimizer state; ``store``: where it builds its
+    groups, default ``ctx.comm_store``).
 
     One pass for any change of plan: ranks that failed (their shards rebuilt from host
     snapshots), ranks that join (their shards sent by the owners), micro-batch resizing,
     layers migrating between stages (their optimizer state moves as D disjoint shard
-    sends under the interleaved layout) and stage clocks (DVFS). Roll back to
-    ``committed_step``, edit the communicator (a joiner builds its groups), move
-    optimizer state, gather parameters, re-place snapshots, set the clock, and rebuild
-    the runner. Returns the new trainer and the phase times (and bytes moved), as the
-    rank reports them in its RecoveryDone.
+    sends under the interleaved layout) and stage clocks (DVFS). Edit the communicator
+    (a joiner builds its groups), move optimizer state, gather parameters, re-place
+    snapshots, set the clock, and rebuild the runner. Returns the new trainer and the
+    phase times (and bytes moved), as the rank reports them in its RecoveryDone.
 
     Migrating layers' parameters move *blocking* (gathered from the moved optimizer
     state before resuming) or *non-blocking* (streamed during the transition step while
@@ -166,19 +171,18 @@ def reconfigure(
     :mod:`elaswave.engine.migration`): ``migration``, the mode the Core decided and
     announced (:func:`elaswave.runtime.job.inputs.decide_migration`).
     """
-    a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
+    a = _Change(ctx=ctx, kept=kept, base=base, new=new_plan, failed=frozenset(failed),
                 committed_step=committed_step)  # fmt: skip
-    host_states = _roll_back(a)
     t0 = time.perf_counter()
     moves, transition = _plan_moves(a, migration)
-    links, change = _edit_communicator(a, moves, transition, rebuild)
-    device, device_reused = _edit_device_plane(a, links, rebuild)
+    links, change = _edit_communicator(a, old, moves, transition, rebuild, store)
+    device, device_reused = _edit_device_plane(a, old, links, rebuild, store)
     t1 = time.perf_counter()
-    held = old.layers if old is not None else nn.ModuleList()
+    held = kept.layers if kept is not None else nn.ModuleList()
     layers = _stage_layers(ctx, held, a.stage.layers)
     shadow = _start_shadow(a, transition, held, layers, links.comm)
     optimizer, bytes_sent = _move_optimizer_state(
-        a, moves, host_states, layers, (links.comm, device), t1
+        a, moves, _host_states(a), layers, (links.comm, device), t1
     )
     t_params = time.perf_counter()
     _gather_params(a, optimizer, shadow, held, t_params)
@@ -203,13 +207,53 @@ def reconfigure(
     return trainer, applied
 
 
+def roll_back(
+    ctx: WorkerContext,
+    current: Trainer | None,
+    kept: Memento,
+    base: Plan,
+    new_plan: Plan,
+    failed: set[int],
+    committed_step: int,
+) -> tuple[Trainer, Applied]:
+    """Apply ``new_plan`` from what this rank kept before a torn apply (``kept``, under
+    ``base``: the layout taken back): the Core rolled the torn plan back, and plans
+    from the layout before it with every rank it lost. ``current``: this rank's trainer
+    under the torn plan, if its own apply finished (dropped: its device groups are
+    aborted). Both planes are built afresh on a new store connection (an apply torn
+    mid-way left groups in no known state, and may hold the old connection in a
+    creation's wait); layers move blocking. Then as :func:`reconfigure`."""
+    if kept.step != committed_step or kept.state is None:
+        raise RuntimeError(
+            f"the plan of generation {new_plan.generation} rolls back to step "
+            f"{committed_step}, and rank {ctx.rank} kept "
+            + ("no state" if kept.state is None else f"step {kept.step}")
+            + ": planners disagree"
+        )
+    _drop(current)
+    trainer, applied = reconfigure(
+        ctx, None, kept, base, new_plan, failed, committed_step,
+        rebuild=set(), migration=BLOCKING, store=fresh_client(ctx.comm_store),
+    )  # fmt: skip
+    log.warning("recovery.rolled_back", generation=new_plan.generation, step=committed_step)
+    return trainer, applied
+
+
+def _drop(trainer: Trainer | None) -> None:
+    """Stop ``trainer``'s work and abort its device groups (where work parks, every one)."""
+    if trainer is not None:
+        trainer.close_snapshots()
+        trainer.optimizer.abandon()
+        trainer.device.release(trainer.plan.ranks)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Change:
     """One plan change on this rank: what every phase of :func:`reconfigure` reads."""
 
     ctx: WorkerContext
-    old: Trainer | None
-    """The trainer under ``base``; None: this rank joins."""
+    kept: Memento | None
+    """What this rank committed under ``base``; None: this rank joins."""
     base: Plan
     new: Plan
     failed: frozenset[int]
@@ -225,18 +269,12 @@ class _Change:
         return self.new.stages[self.stage_index]
 
 
-def _roll_back(a: _Change) -> dict[int, ShardState]:
-    """Roll the optimizer back to the committed step; return the host snapshots this rank
-    holds of failed owners, at that step."""
-    if a.old is None:
+def _host_states(a: _Change) -> dict[int, ShardState]:
+    """The host snapshots this rank holds of failed owners, at the committed step."""
+    if a.kept is None:
         return {}
     timeout = a.ctx.cfg.liveness.comm_timeout_s
-    held = {
-        k.owner: k.take(a.committed_step, timeout) for k in a.old.keepers if k.owner in a.failed
-    }
-    a.old.close_snapshots()
-    a.old.optimizer.rollback(a.committed_step)
-    return held
+    return {o: a.kept.snapshot(o, timeout) for o in sorted(a.failed & a.kept.holds())}
 
 
 def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | None]:
@@ -257,7 +295,7 @@ def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | Non
         a.base, a.new, layers=cfg.layer_costs, device=cfg.cost_device,
         early=cfg.elastic.migration_early,
     )  # fmt: skip
-    if transition is None or a.old is None:
+    if transition is None or a.kept is None:
         raise RuntimeError(
             f"the plan of generation {a.new.generation} migrates layers non-blocking, "
             "but this rank finds no transition (or joins): planners disagree"
@@ -266,23 +304,28 @@ def _plan_moves(a: _Change, migration: str) -> tuple[RemapPlan, Transition | Non
 
 
 def _edit_communicator(
-    a: _Change, moves: RemapPlan, transition: Transition | None, rebuild: set[str]
+    a: _Change,
+    old: Trainer | None,
+    moves: RemapPlan,
+    transition: Transition | None,
+    rebuild: set[str],
+    store: dist.Store | None,
 ) -> tuple[DynamicCommunicator, ChangeStats]:
     """The new plan's groups and the links the moves need: edited in place (only what the
-    change touched), or built by a joiner."""
+    change touched), or built afresh on ``store`` (a joiner; a roll-back)."""
     ctx = a.ctx
     pairs = {pair(t.src, t.dst) for t in moves.transfers if t.src != t.dst}
     if transition is not None:
         pairs |= migration_pairs(transition)
     specs = host_specs(ctx, a.new)
     specs += [GroupSpec(remap_link_name(x, y), (x, y)) for x, y in sorted(pairs)]
-    if a.old is None:
+    if old is None:
         links = DynamicCommunicator(
-            ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout,
+            store or ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout,
             generation=a.new.generation, abort=ctx.abort,
         )  # fmt: skip
         return links, links.build(specs)
-    links = a.old.links
+    links = old.links
     change = links.apply(
         specs,
         removed=a.failed,
@@ -293,15 +336,19 @@ def _edit_communicator(
 
 
 def _edit_device_plane(
-    a: _Change, links: DynamicCommunicator, rebuild: set[str]
+    a: _Change,
+    old: Trainer | None,
+    links: DynamicCommunicator,
+    rebuild: set[str],
+    store: dist.Store | None,
 ) -> tuple[Communicator, int]:
     """The new plan's device groups: unchanged ones reused unless some member reported
     them tainted (work in flight under NCCL, an unfinished collective), the others
     created under the new generation (a joiner builds them all); under gloo the dynamic
     communicator's, edited already. Returns the plane and the groups reused."""
-    if a.old is None or not own_device_plane(a.ctx):
-        return device_plane(a.ctx, a.new, links), 0
-    return a.old.device.edit(
+    if old is None or not own_device_plane(a.ctx):
+        return device_plane(a.ctx, a.new, links, store), 0
+    return old.device.edit(
         a.new.device_group_specs(),
         generation=a.new.generation,
         rebuild=lambda spec: spec.name in rebuild,
@@ -318,7 +365,7 @@ def _start_shadow(
     """A non-blocking migration's transition step: outgoing layers keep computing as
     shadows while their parameters stream to the targets (started now, so the streams
     overlap the rest of the recovery and the step)."""
-    if transition is None or a.old is None:
+    if transition is None or a.kept is None:
         return None
     have = {layer_index(layer): layer for layer in held}
     outgoing = [i for i in a.base.stages[a.stage_index].layers if i not in a.stage.layers]
@@ -351,9 +398,11 @@ def _move_optimizer_state(
     the bytes this rank sent. Every survivor runs it: a rank whose stage does not change
     may still be a source. ``planes``: the host plane (the remap's links) and the device
     plane (the optimizer's DP group)."""
-    ctx, old = a.ctx, a.old
+    ctx, kept = a.ctx, a.kept
     comm, device = planes
-    old_layout = old.optimizer.layout if old is not None else InterleavedLayout(dp=1, layers=())
+    old_layout = InterleavedLayout(dp=1, layers=())  # a joiner owned nothing
+    if kept is not None and kept.layout is not None:
+        old_layout = kept.layout
     moved_in = a.stage_index in changed_stages(a.base, a.new)
     new_layout = (
         InterleavedLayout.build([(i, ctx.numels[i]) for i in a.stage.layers], a.stage.dp)
@@ -365,7 +414,7 @@ def _move_optimizer_state(
         rank=ctx.rank,
         old_layout=old_layout,
         new_layout=new_layout,
-        device_state=old.optimizer.state if old is not None else None,
+        device_state=kept.state if kept is not None else None,
         host_states=host_states,
         host_layouts={o: owner_layout(ctx.cfg, a.base, o)[0] for o in host_states},
         link=lambda x, y: comm.p2p(remap_link_name(x, y)),
@@ -376,8 +425,9 @@ def _move_optimizer_state(
     if moved_in:
         state = result.state
     else:
-        assert old is not None  # a joiner's stage gains it
-        state = old.optimizer.state
+        assert kept is not None  # a joiner's stage gains it
+        assert kept.state is not None  # a change that restores builds every shard anew
+        state = kept.state
     optimizer = build_optimizer(
         ctx, a.new, device, layers, state=state, committed_step=a.committed_step
     )
@@ -422,15 +472,11 @@ def restore(
     layout-independent (:mod:`elaswave.fabric.checkpoint`). The steps after ``step``
     are trained again.
 
-    Every participant builds both planes afresh (the old ones' device groups aborted):
-    a participant whose apply of the last plan was torn (``old`` None) holds groups in
-    no known state, so none is reused; restores are rare, and this keeps them simple."""
-    a = _Change(ctx=ctx, old=old, base=base, new=new_plan, failed=frozenset(failed),
-                committed_step=step)  # fmt: skip
-    if old is not None:
-        old.close_snapshots()
-        old.optimizer.abandon()
-        old.device.release(old.plan.ranks)  # where work parks, every group is aborted
+    Every participant builds both planes afresh (``old``'s device groups aborted): a
+    participant whose apply of the last plan was torn holds groups in no known state,
+    so none is reused; restores are rare, and this keeps them simple."""
+    stage = new_plan.stages[new_plan.locate(ctx.rank)[0]]
+    _drop(old)
     t0 = time.perf_counter()
     # A new connection to the store: a group creation a torn apply abandoned (its peer
     # dead) may still hold the worker's own in a wait until the store's timeout.
@@ -443,13 +489,13 @@ def restore(
     device = device_plane(ctx, new_plan, links, store)
     t1 = time.perf_counter()
     held = old.layers if old is not None else nn.ModuleList()
-    layers = _stage_layers(ctx, held, a.stage.layers)
+    layers = _stage_layers(ctx, held, stage.layers)
     ckpt = step_dir(ctx.run_dir, step)
     optimizer, initial = load_checkpoint(ctx, new_plan, device, layers, ckpt, step)
     t2 = time.perf_counter()
     keepers = attach_snapshots(ctx, new_plan, links.comm, optimizer, step=step, initial=initial)
     if ctx.pacer.frequency is not None:  # DVFS: the stage's planned clock
-        ctx.pacer.frequency.set_mhz(0, a.stage.mhz or ctx.cfg.cost_device.base_mhz)
+        ctx.pacer.frequency.set_mhz(0, stage.mhz or ctx.cfg.cost_device.base_mhz)
     runner = build_runner(ctx, new_plan, device, layers, optimizer)
     t3 = time.perf_counter()
     log.warning("recovery.restored", generation=new_plan.generation, step=step, joined=old is None)

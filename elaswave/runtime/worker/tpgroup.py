@@ -169,14 +169,20 @@ def unit_barrier(
     *,
     timeout_s: float,
     what: str,
+    abort: AbortSignal | None = None,
 ) -> None:
     """Return once every member of ``unit`` has reached barrier ``name``: what the
     leader then tells the Core for the unit (a plan acknowledged, a plan applied) is
     true of every member, and at the end the last collectives of each have arrived
     everywhere (gloo may still hold a finished collective's sends when its caller
     returns; a process that exits then loses them). TimeoutError when one does not
-    come (it is lost, or hung: the Core fences the unit)."""
-    _meet(store, name, unit, member, size, "1", timeout_s=timeout_s, what=what)
+    come (it is lost, or hung: the Core fences the unit); StepAborted when ``abort``
+    is set meanwhile (a member that will not come: its apply was torn)."""
+    _meet(store, name, unit, member, size, "1", timeout_s=timeout_s, what=what, abort=abort)
+
+
+_POLL_S = 0.1
+"""How often a barrier given an abort signal looks at it."""
 
 
 def _meet(
@@ -189,13 +195,22 @@ def _meet(
     *,
     timeout_s: float,
     what: str,
+    abort: AbortSignal | None = None,
 ) -> list[str]:
     """Put this member's ``value`` under ``name`` and return every member's, in member
-    order, once all are there."""
+    order, once all are there (looking at ``abort``, if given, every 0.1 s)."""
     keys = [f"unit/{unit}/{name}/m{m}" for m in range(size)]
     store.set(keys[member], value)
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise TimeoutError(f"unit {unit}: a TP member did not {what} ({exc})") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        wait = min(left, _POLL_S) if abort is not None else left
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, wait)))
+            break
+        except RuntimeError as exc:
+            if abort is not None:
+                abort.check()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"unit {unit}: a TP member did not {what} ({exc})") from None
     return [store.get(k).decode() for k in keys]

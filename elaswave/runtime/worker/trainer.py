@@ -47,6 +47,7 @@ from elaswave.runtime.worker.holders import (
     owner_layout,
     placement_of,
 )
+from elaswave.runtime.worker.memento import Memento
 from elaswave.runtime.worker.migration import ShadowStep
 from elaswave.runtime.worker.pipeline import StageRunner
 from elaswave.runtime.worker.tpgroup import TpLink
@@ -126,6 +127,9 @@ class Trainer:
     layers: nn.ModuleList
     """This rank's layer modules under ``plan``, in layer order."""
     keepers: list[SnapshotKeeper] = field(default_factory=list)
+    memento: Memento | None = None
+    """What this rank committed before the change that made this trainer, kept until
+    the change is settled (a torn apply rolls back to it)."""
 
     @property
     def comm(self) -> Communicator:
@@ -145,6 +149,10 @@ class Trainer:
     @property
     def committed_step(self) -> int:
         return self.optimizer.committed_step
+
+    def forget(self) -> None:
+        """Drop the memento: the change that made this trainer is settled."""
+        self.memento = None
 
     def close_snapshots(self) -> None:
         for keeper in self.keepers:

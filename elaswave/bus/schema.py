@@ -328,6 +328,9 @@ class RecoveryPlan(Event):
     rollback: bool = False
     """The change rolls back a torn apply (see FailureDetected.rollback): its plan is
     planned from the layout before the torn plan, under the torn plan's generation."""
+    shorten: bool = False
+    """A wait for joiners ran out: the plan may have fewer stages than the one before
+    (a job that waits keeps its stages otherwise)."""
 
 
 @register

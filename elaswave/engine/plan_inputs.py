@@ -40,6 +40,9 @@ class PlanInputs:
     stale: tuple[int, ...] = ()
     """Survivors whose parameters are not those of the committed step."""
     migration: MigrationMode = MigrationMode.NONE
+    shorten: bool = False
+    """A wait for joiners ran out: the pipeline may get fewer stages (a job that waits
+    keeps its stages otherwise)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +82,7 @@ def announcement(inputs: PlanInputs, outcome: PlanOutcome) -> RecoveryPlan:
         stale=list(inputs.stale),
         attempt=outcome.attempt,
         migration=str(inputs.migration),
+        shorten=inputs.shorten,
         restore=outcome.restore,
         rollback=outcome.rollback,
     )
@@ -101,10 +105,16 @@ def decode(event: RecoveryPlan) -> PlanInputs:
         slowdowns=dict(zip(event.slow_ranks, event.slow_factors, strict=True)),
         stale=tuple(event.stale),
         migration=migration,
+        shorten=event.shorten,
     )
 
 
 def rebalancing(inputs: PlanInputs, job: Rebalancing) -> Rebalancing:
     """The throughput planner's inputs: the job's cost model (``job``) under the
-    announced policy and slowdowns."""
-    return dataclasses.replace(job, policy=inputs.policy, slowdowns=dict(inputs.slowdowns))
+    announced policy and slowdowns (and fewer stages allowed once a wait ran out)."""
+    return dataclasses.replace(
+        job,
+        policy=inputs.policy,
+        slowdowns=dict(inputs.slowdowns),
+        shorten=job.shorten or inputs.shorten,
+    )

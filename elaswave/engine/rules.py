@@ -51,6 +51,9 @@ class Rules:
     """How long a finished non-blocking migration's reports are waited for."""
     wait_for_nodes_s: float = 0.0
     """How long a job with too few ranks left for its stages waits for joiners, its
-    state in memory, before it writes a checkpoint and stops (0: it stops at once)."""
+    state in memory (0: it shortens its pipeline at once, or stops)."""
+    shorten_after_wait: bool = True
+    """Whether a wait that runs out goes on with fewer stages (if they fit in memory)
+    rather than writing a checkpoint and stopping."""
     resume_command: str = ""
     """The flag that resumes this job from a checkpoint it writes (``--resume RUN``)."""

@@ -36,7 +36,11 @@ def _matches(run: Run, twin: Run, world: int) -> None:
     assert sorted(started) == list(range(world)), "a process was started again"
 
 
-@pytest.mark.parametrize("checkpoints", [(), ("--checkpoint-every", "2")], ids=["none", "ck2"])
+@pytest.mark.parametrize(
+    "checkpoints",
+    [(), pytest.param(("--checkpoint-every", "2"), marks=pytest.mark.long)],
+    ids=["none", "ck2"],
+)
 def test_a_failure_while_a_plan_is_applied_rolls_the_plan_back(runs_dir, checkpoints):
     """Without a checkpoint the job used to stop here ("a failure in that window is not
     recovered"); with one it restored it. Now both roll back in memory: the first

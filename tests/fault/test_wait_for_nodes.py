@@ -1,8 +1,8 @@
 """Fewer ranks than stages: without ``--wait-for-nodes`` the survivors are re-pipelined
 onto fewer stages inside their processes and go on; with it, the job keeps its state in
 memory and waits for joiners to refill every stage, then goes on as if nothing had
-happened; a wait that runs out writes a checkpoint from memory and stops the job naming
-how to resume."""
+happened; a wait that runs out goes on with fewer stages, or (``--no-shorten-after-wait``)
+writes a checkpoint from memory and stops the job naming how to resume."""
 
 from __future__ import annotations
 
@@ -80,17 +80,33 @@ def test_a_three_stage_pipeline_left_with_two_ranks_is_re_pipelined(runs_dir):
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
 
 
+def test_a_wait_that_runs_out_goes_on_with_fewer_stages(runs_dir, ref):
+    """No joiner comes: when the 2 s wait runs out, rank 0 takes stage 1's layers from
+    the snapshot it holds, as a job that does not wait would have at once, and the run
+    ends as the fault-free one does; the record says the change waited."""
+    run = train(runs_dir / "wait_shorten", *JOB, "--wait-for-nodes", "2",
+                "--fault", "kill:1@5:backward")  # fmt: skip
+    (rec,) = run.summary.recoveries
+    assert rec.waited_s is not None and rec.waited_s >= 2.0
+    assert [tuple(s.ranks) for s in rec.plan.stages] == [(0,)]
+    assert run.summary.steps_completed == 10
+    diff = compare_runs(run.out, ref.out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
 def test_a_wait_that_runs_out_writes_a_checkpoint_from_memory_that_resumes_on_another_layout(
     runs_dir, ref
 ):
-    """No joiner comes, and the job never wrote a periodic checkpoint: when the wait runs
-    out, rank 0 writes its own shard at the step it rolls back to (step 3: it committed
-    step 4 and keeps the one before) and rank 1's from the host snapshot it holds; the
-    job stops (non-zero, no hang) naming the command that resumes it. Resumed as
-    dp 2 x pp 1, it ends as the fault-free run does."""
+    """No joiner comes, the job asks to stop rather than shorten its pipeline, and it
+    never wrote a periodic checkpoint: when the wait runs out, rank 0 writes its own
+    shard at the step it rolls back to (step 3: it committed step 4 and keeps the one
+    before) and rank 1's from the host snapshot it holds; the job stops (non-zero, no
+    hang) naming the command that resumes it. Resumed as dp 2 x pp 1, it ends as the
+    fault-free run does."""
     out = runs_dir / "wait_out"
     proc = elaswave("train", "--out", str(out), *JOB, "--wait-for-nodes", "2",
-                    "--fault", "kill:1@5:backward", timeout=120)  # fmt: skip
+                    "--no-shorten-after-wait", "--fault", "kill:1@5:backward",
+                    timeout=120)  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "waited 2 s for 1 more rank to fill every stage" in proc.stderr
     assert "stage 1 (layers 3-5) lost all its ranks [1]" in proc.stderr

@@ -632,15 +632,45 @@ def test_without_a_wait_fewer_ranks_than_stages_run_on_a_shorter_pipeline() -> N
     assert [s.ranks for s in state.change.phase.plan.stages] == [(0,)]
 
 
+def test_a_wait_that_runs_out_goes_on_with_fewer_stages() -> None:
+    """dp 1 x pp 2 loses rank 1 and waits 5 s for nobody: rank 0 takes both stages'
+    layers (one stage fits in its memory), the plan announced ``shorten`` so that every
+    process plans it alike, and the record says the change waited."""
+    cfg, rules = _job(1, 2)
+    rules = _waiting(rules, 5.0)
+    state = ch.initial_state(cfg.plan())
+    report = ch.Report(committed_step=3, params_step=3)
+    state, _ = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    state, out = protocol.step(rules, state, inp.Ready(0, 0, report), 1000.1)
+    assert not _published(out, RecoveryPlan)
+    state, out = protocol.step(rules, state, inp.Tick(), 1005.2)
+    (plan,) = _published(out, RecoveryPlan)
+    assert plan.shorten and plan.failed == [1] and plan.committed_step == 2
+    assert state.change is not None and isinstance(state.change.phase, ch.Agreeing)
+    assert [s.ranks for s in state.change.phase.plan.stages] == [(0,)]
+    assert state.change.phase.record.waited_s == pytest.approx(5.1)
+
+
+def _small_memory(rules: Rules) -> Rules:
+    """``rules`` of a device whose memory holds half the model's layers at the most: a
+    pipeline of fewer stages does not fit."""
+    reb = rules.rebalancing
+    assert reb.device is not None
+    need = sum(layer.params for layer in reb.layers) * 16  # weights, grads, two moments
+    device = dataclasses.replace(reb.device, memory_bytes=need * 3 // 4)
+    return dataclasses.replace(rules, rebalancing=dataclasses.replace(reb, device=device))
+
+
 @pytest.mark.parametrize("written", [True, False])
 def test_a_wait_that_runs_out_asks_for_a_checkpoint_then_stops(written: bool) -> None:
-    """dp 1 x pp 2 loses rank 1 and waits 5 s for nobody: rank 0 is asked to write both
-    shards at step 2 (its own, a step behind its committed 3, and rank 1's snapshot);
-    the stop names the checkpoint once written, or the periodic one after the deadline."""
+    """dp 1 x pp 2 loses rank 1 and waits 5 s for nobody, and one stage does not fit in
+    rank 0's memory: rank 0 is asked to write both shards at step 2 (its own, a step
+    behind its committed 3, and rank 1's snapshot); the stop names the checkpoint once
+    written, or the periodic one after the deadline."""
     from elaswave.bus.schema import CheckpointRequest
 
     cfg, rules = _job(1, 2)
-    rules = _waiting(rules, 5.0)
+    rules = _small_memory(_waiting(rules, 5.0))
     state = ch.initial_state(cfg.plan())
     report = ch.Report(committed_step=3, params_step=3)
     state, _ = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)

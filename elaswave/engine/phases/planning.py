@@ -63,14 +63,17 @@ def plan_next(
     completed: Mapping[int, float],
     now: float,
     out: list[Action],
+    shorten: bool = False,
 ) -> State:
     """``members`` have stopped, ``failed`` are lost: plan, and announce the attempt
-    after ``attempt`` (-1: none was announced); or wait for joiners."""
+    after ``attempt`` (-1: none was announced); or wait for joiners. ``shorten``: a
+    wait ran out, and the pipeline may get fewer stages."""
     inputs = PlanInputs(
         failed=tuple(sorted(failed)),
         joined=c.joined,
         policy=r.rebalancing.policy,
         slowdowns=slowdowns_on(s, members | set(c.joined)),
+        shorten=shorten,
     )
     restore = False
     try:

@@ -8,9 +8,12 @@ ranks).
   to agree a plan, or waits on if still too few).
 - A member lost meanwhile is planned without (its loss may make state lost: then the
   job stops naming it); a joiner lost leaves the change.
-- A wait that runs out asks the members to write a checkpoint of the step they roll
-  back to from what they hold in memory (:mod:`.checkpointing`), then stops the job
-  naming how to resume.
+- A wait that runs out plans the members onto a shorter pipeline, in memory, as a job
+  that does not wait would have at once (``RecoveryPlan.shorten``); only when no
+  shorter pipeline fits in their memory (or state is lost), or the job asks so
+  (``Rules.shorten_after_wait`` off), does it ask them to write a checkpoint of the
+  step they roll back to (:mod:`.checkpointing`), then stop the job naming how to
+  resume.
 - A restarted Core announces the wait again (its deadline kept).
 
 A job that does not wait re-pipelines onto fewer stages instead
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.engine.actions import Action, SharePlan
+from elaswave.engine.actions import Action, SharePlan, Stopped
 from elaswave.engine.change import Change, State, Waiting
 from elaswave.engine.inputs import Exited, Input, Restarted
 from elaswave.engine.phases.checkpointing import begin_checkpoint
@@ -53,18 +56,34 @@ def take(
 
 
 def due(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]) -> State:
-    """Joiners came: plan with them. The wait ran out: write a checkpoint."""
+    """Joiners came: plan with them. The wait ran out: a shorter pipeline, or a
+    checkpoint."""
     if ready := ready_joiners(s):  # nodes came back: plan with them
         out.append(SharePlan(s.plan))
         c = replace(c, joined=(*c.joined, *ready), detail=f"{c.detail}; ranks {ready} join")
         return _plan(r, replace(s, joiners=frozenset()), c, p, now, out)
+    if now >= p.deadline and r.shorten_after_wait:
+        return _shortened(r, s, c, p, now, out)
     if now >= p.deadline:
         return begin_checkpoint(r, s, c, p, now, out)
     return s
 
 
-def _plan(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]) -> State:
+def _shortened(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]) -> State:
+    """The wait ran out: plan the members onto fewer stages; when none fits (or the
+    plan finds state lost), write a checkpoint and stop."""
+    announced = len(out)
+    try:
+        return _plan(r, s, c, p, now, out, shorten=True)
+    except Stopped:
+        del out[announced:]
+        return begin_checkpoint(r, s, c, p, now, out)
+
+
+def _plan(
+    r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action], shorten: bool = False
+) -> State:
     return plan_next(
         r, s, c, members=p.members, failed=p.failed, attempt=p.attempt, waited_since=p.since,
-        completed=p.completed, now=now, out=out,
+        completed=p.completed, now=now, out=out, shorten=shorten,
     )  # fmt: skip

@@ -312,6 +312,13 @@ class ElasticConfig:
     )
     """When too few ranks are left to fill every pipeline stage (no state lost), seconds
     the job waits for joining ranks, its state in memory, before it stops (0: at once)."""
+    shorten_after_wait: bool = setting(
+        True,
+        help="when a wait for joining ranks runs out, go on with fewer pipeline stages if "
+        "they fit in memory (off: write a checkpoint and stop, for --resume)",
+    )
+    """When ``wait_for_nodes_s`` runs out: the survivors go on on a shorter pipeline, in
+    memory, if one fits; off (or none fits), they write a checkpoint and the job stops."""
 
     def __post_init__(self) -> None:
         if self.straggler_window < 1 or self.straggler_min_steps < 1:

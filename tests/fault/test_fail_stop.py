@@ -37,7 +37,7 @@ def rotating_reference(runs_dir) -> Run:
         (2, 3, "kill:3@3:optimizer"),  # middle stage, after the update: rollback needed
         (2, 2, "kill:3@3:snapshot"),  # last stage, gradient already at the snapshot holder
         (2, 2, "kill:2@2:grad-sync"),
-        (2, 3, "kill:2@4:forward"),
+        pytest.param(2, 3, "kill:2@4:forward", marks=pytest.mark.long),  # dp2 x pp3 above
     ],
 )
 def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):

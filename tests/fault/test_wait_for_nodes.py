@@ -45,6 +45,7 @@ def test_a_pipeline_short_of_a_rank_waits_for_a_joiner_and_matches_the_fault_fre
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
 
 
+@pytest.mark.long  # the wait that runs out re-pipelines the same way, by default
 def test_without_a_wait_the_survivor_runs_every_layer_and_matches_the_fault_free_run(runs_dir, ref):
     """The same loss without ``--wait-for-nodes``: the pipeline shortens to one stage
     (rank 0 takes layers 3-5 from its host snapshot of rank 1, blocking) and goes on;
@@ -94,6 +95,7 @@ def test_a_wait_that_runs_out_goes_on_with_fewer_stages(runs_dir, ref):
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
+@pytest.mark.long  # --no-shorten-after-wait; the Core's side: tests/unit/test_protocol.py
 def test_a_wait_that_runs_out_writes_a_checkpoint_from_memory_that_resumes_on_another_layout(
     runs_dir, ref
 ):

@@ -268,8 +268,8 @@ def recover(
         "tainted": trainer.tainted(),
         "params_step": -2 if (ps := trainer.optimizer.params_step) is None else ps,
     }
-    if kept is not None:  # the state it reports is the one it kept
-        report = {"committed_step": kept.step, "tainted": [], "params_step": -2}
+    if kept is not None:
+        report = _kept_report(kept)
     base = trainer.plan if kept is None else taken_back(kept.plan, gen)
     on_checkpoint = _report(ctx, session, gen, report, trainer, kept)
     decision = _next_plan(inbox, gen, timeout, on_checkpoint)
@@ -287,6 +287,12 @@ def _kept_for(ctx: WorkerContext, trainer: Trainer, announced: Event) -> Memento
             f"rank {ctx.rank} kept nothing from before it"
         )
     return trainer.memento
+
+
+def _kept_report(kept: Memento) -> dict[str, Any]:
+    """A rolling-back rank's report: the step it kept; both planes are built afresh
+    (nothing tainted), its parameters gathered again (step unknown)."""
+    return {"committed_step": kept.step, "tainted": [], "params_step": -2}
 
 
 def _report(
@@ -387,8 +393,7 @@ def _after_torn_apply(
             f"rank {ctx.rank}'s apply of generation {gen} was torn ({cause}), and the Core "
             "does not roll the plan back"
         )
-    report = {"committed_step": kept.step, "tainted": [], "params_step": -2}
-    on_checkpoint = _report(ctx, session, gen, report, None, kept, torn=True)
+    on_checkpoint = _report(ctx, session, gen, _kept_report(kept), None, kept, torn=True)
     answer = _next_plan(inbox, gen, timeout, on_checkpoint)
     base = taken_back(kept.plan, gen)
     return _apply(ctx, session, inbox, answer, base, trainer, kept, timeout, on_checkpoint)

@@ -454,14 +454,19 @@ def all_cases() -> list[Case]:
 
 
 def select(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
-    """The cases ``patterns`` name (all when empty); ValueError for a pattern that names none."""
+    """The cases ``patterns`` name (all when empty), in the order of the first pattern that
+    names each (``--cases churn '*'`` runs churn first); ValueError for a pattern naming none."""
     if not patterns:
         return list(cases)
     names = [c.name for c in cases]
     for pattern in patterns:
         if not fnmatch.filter(names, pattern):
             raise ValueError(f"--cases {pattern!r} names no case; valid: {', '.join(names)}")
-    return [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+    ordered = [c for p in patterns for c in cases if fnmatch.fnmatchcase(c.name, p)]
+    first: dict[str, Case] = {}
+    for case in ordered:
+        first.setdefault(case.name, case)
+    return list(first.values())
 
 
 def run_case(ck: Checker, case: Case) -> Outcome:

@@ -179,8 +179,9 @@ def on_fresh_thread(make: Callable[[], T], *, name: str, abort: AbortSignal | No
     NCCL's group state belongs to a thread, and so does torch's count of the groups a
     thread has open, which a batch that failed half-way leaves one too high for good: a
     communicator created on the thread that issued it is refused ("ncclGroupEnd: not in
-    a group call"). The training thread issues batches, so communicators are created on
-    fresh threads; the caller still waits, as for any other creation.
+    a group call"). The training thread issues batches, so communicators are created
+    (and connected: :meth:`elaswave.comm.communicator.Communicator.build`) on fresh
+    threads; the caller still waits, as for any other creation.
 
     A creation waits at the store for every member; with ``abort``, a failure announced
     meanwhile ends the caller's wait (StepAborted) instead of the store's timeout: the

@@ -48,6 +48,27 @@ was tried on one H200 with eight ranks sharing it: every rank went silent for ov
 while its communicators connected, and the Core fenced them all; docs/gpu_check.md.)"""
 
 
+LAUNCH_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+"""torch's bound, in whole seconds, on a launch that waits on a non-blocking NCCL
+communicator (30 minutes by default), read once per process."""
+
+
+def launch_timeout_s(comm_timeout_s: float) -> int:
+    """How long one launch may wait on the issuing thread: half the communication
+    timeout, at least a second.
+
+    A launch that connects (a communicator's first batch, the first collective of an
+    algorithm: NCCL connects lazily) waits there for every member, and under a
+    non-blocking communicator torch spins on the issuing thread until it is done, which
+    no abort signal reaches (aborting the communicator meanwhile would free it under
+    the spinning thread). Groups are therefore connected when they are built
+    (:meth:`elaswave.comm.group.Group.warm`, on a creation thread a failure may
+    abandon); this bound is what is left: a launch still stuck on a member that hung
+    raises in time for its rank to stop at a step boundary before the Core's stop
+    deadline (``max(30 s, comm timeout)``)."""
+    return max(1, int(comm_timeout_s / 2))
+
+
 class GroupBackend(Protocol):
     """Creates one process group over ``size`` members from a (prefixed) store."""
 
@@ -55,6 +76,11 @@ class GroupBackend(Protocol):
     parks_in_flight: bool
     """Work that will never complete stalls its communicator until it is aborted
     (NCCL, HCCL): a group with work in flight is aborted and rebuilt after a failure."""
+    warm_sizes: tuple[int, ...]
+    """Elements per member of the collectives a collective group runs once when it is
+    built (:meth:`elaswave.comm.group.Group.warm`): where a communicator connects inside
+    its first collective of each algorithm, and the algorithm depends on the size, one
+    small and one large of each kind; none where creating a group connects it (gloo)."""
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
@@ -86,6 +112,7 @@ def _set_env(env: dict[str, str]) -> None:
 class GlooBackend:
     name = "gloo"
     parks_in_flight = False
+    warm_sizes: tuple[int, ...] = ()
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
@@ -101,12 +128,18 @@ class GlooBackend:
         return None
 
 
+WARM_SIZES: tuple[int, ...] = (1, 1 << 21)
+"""NCCL's and HCCL's :attr:`GroupBackend.warm_sizes`: one element, and 8 MiB of float32
+per member (large enough for the ring algorithm a gradient bucket takes)."""
+
+
 class NcclBackend:
     name = "nccl"
     parks_in_flight = True
+    warm_sizes = WARM_SIZES
 
-    def __init__(self) -> None:
-        _set_env(NCCL_ENV)
+    def __init__(self, comm_timeout_s: float = 60.0) -> None:
+        _set_env(NCCL_ENV | {LAUNCH_TIMEOUT_ENV: str(launch_timeout_s(comm_timeout_s))})
         self._device: torch.device | None = None
 
     def create(
@@ -139,6 +172,7 @@ class HcclBackend:
 
     name = "hccl"
     parks_in_flight = True
+    warm_sizes = WARM_SIZES
 
     def __init__(self) -> None:
         _set_env(HCCL_ENV)
@@ -228,17 +262,18 @@ def check_capacity(backend: GroupBackend, ranks: int, device: str) -> None:
         )
 
 
-def backend_for(device: Device | str) -> GroupBackend:
-    """The backend of ``device``'s device plane (training traffic)."""
+def backend_for(device: Device | str, comm_timeout_s: float = 60.0) -> GroupBackend:
+    """The backend of ``device``'s device plane (training traffic); a launch waits at
+    most :func:`launch_timeout_s` of ``comm_timeout_s`` on its issuing thread."""
     device = parse_device(str(device))
     if device in (Device.CPU, Device.EMULATED):
         return GlooBackend()
     if device is Device.CPU_STRICT:
-        return StrictBackend()
+        return StrictBackend(launch_timeout_s(comm_timeout_s))
     if device is Device.CUDA:
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
-        return NcclBackend()
+        return NcclBackend(comm_timeout_s)
     return HcclBackend()
 
 

@@ -90,15 +90,32 @@ class Communicator:
                 self.timeout,
                 name=spec.name,
             )
-            pg = on_fresh_thread(create, name=f"ew-create-{spec.name}", abort=self.abort)
-            group = self._groups[spec.name] = Group(
-                spec, pg, self.rank, self.timeout, self.abort, self.device,
-                parks=self.backend.parks_in_flight,
-            )  # fmt: skip
-            group.connect()
+            connected = partial(self._connected, spec, create)
+            self._groups[spec.name] = on_fresh_thread(
+                connected, name=f"ew-create-{spec.name}", abort=self.abort
+            )
         elapsed = time.perf_counter() - started
         log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
         return elapsed
+
+    def _connected(self, spec: GroupSpec, create: Callable[[], dist.ProcessGroup]) -> Group:
+        """The group of ``spec``, created and connected (its point-to-point pairs, and
+        its collectives where the backend connects them lazily). On a creation thread of
+        its own: a member that fails meanwhile leaves it waiting there, not the caller;
+        when its wait ends (aborted, or its launch bound) the group is aborted, so that
+        no work of a group nobody holds stays on the device."""
+        group = Group(
+            spec, create(), self.rank, self.timeout, self.abort, self.device,
+            parks=self.backend.parks_in_flight,
+        )  # fmt: skip
+        try:
+            group.connect()
+            if spec.collectives and group.size > 1:
+                group.warm(self.backend.warm_sizes)
+        except BaseException:
+            group.abort_now()
+            raise
+        return group
 
     def edit(
         self,

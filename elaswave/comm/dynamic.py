@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import structlog
@@ -74,7 +74,7 @@ def shrink_specs(
         elif is_ring(spec):
             survivors = tuple(r for r in spec.ranks if r not in removed)
             if survivors:
-                out.append(GroupSpec(spec.name, survivors))
+                out.append(replace(spec, ranks=survivors))
     return out
 
 

@@ -54,6 +54,10 @@ class GroupSpec:
     """The (sender, receiver) pairs of its point-to-point traffic, connected when the
     group is built (under NCCL the first batch on a communicator needs every member:
     :meth:`elaswave.comm.group.Group.connect`). Empty for collective-only groups."""
+    collectives: bool = False
+    """It runs collectives (a stage's data-parallel group, a TP group): connected for them
+    when built, where a backend connects inside a first collective
+    (:meth:`elaswave.comm.group.Group.warm`)."""
 
     def __post_init__(self) -> None:
         if len(set(self.ranks)) != len(self.ranks) or not self.ranks:

@@ -26,6 +26,13 @@ which passes under it does not rely on gloo's kindness:
   must participate"). Two ranks whose first batches are on different communicators
   deadlock; the strict communicator blocks the issuing thread the same way, so they
   time out (:meth:`elaswave.comm.group.Group.connect` connects a group when it is built).
+* **The first collective is collective.** NCCL connects the ranks of a collective
+  algorithm lazily, inside the first collective that uses it, and under a non-blocking
+  communicator torch waits there on the issuing thread until every member has issued
+  it, where no abort reaches (:func:`elaswave.comm.backend.launch_timeout_s`): a member
+  that hung before its first collective holds every other one in the launch. The strict
+  communicator blocks the issuing thread of its first collective the same way, up to
+  its timeout (:meth:`elaswave.comm.group.Group.warm` connects a group when it is built).
 * **A waiting receive stalls the device.** While a receive posted on one communicator
   waits for its message, nothing may be issued on another: under NCCL the receive's
   kernel spins, and the rank's next device allocation or launch can wait behind it,
@@ -42,7 +49,8 @@ which passes under it does not rely on gloo's kindness:
   good, and creating a communicator on that thread is refused from then on.
 * **One issuing thread.** NCCL needs every rank to issue a communicator's operations in
   the same order, which two threads issuing on one communicator cannot promise: the
-  first thread that issues on a communicator owns it, and any other is refused.
+  thread that issues on a communicator owns it until it ends (a creation thread that
+  connects it hands it over that way), and any other is refused meanwhile.
 """
 
 from __future__ import annotations
@@ -163,8 +171,9 @@ class StrictProcessGroup:
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._connected = False
+        self._collectives_connected = False
         self.name = name or f"strict{id(self):x}"
-        self._owner: int | None = None
+        self._owner: threading.Thread | None = None
         self._lock = threading.Condition()
         self._queue: list[_Op] = []
         self._running: _Op | None = None
@@ -191,6 +200,7 @@ class StrictProcessGroup:
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
     ) -> StrictWork:
         self._check("all_reduce", tensors)
+        self._connect_collectives()
         opts = opts or dist.AllreduceOptions()
         opts.timeout = FOREVER
         return self._issue("all_reduce", lambda: [self._pg.allreduce(tensors, opts)])
@@ -199,6 +209,7 @@ class StrictProcessGroup:
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
     ) -> StrictWork:
         self._check("reduce_scatter", [output, input])
+        self._connect_collectives()
         opts = opts or ReduceScatterOptions()
         opts.timeout = FOREVER
         return self._issue(
@@ -209,6 +220,7 @@ class StrictProcessGroup:
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
     ) -> StrictWork:
         self._check("all_gather", [output, input])
+        self._connect_collectives()
         opts = opts or AllgatherOptions()
         opts.timeout = FOREVER
         return self._issue("all_gather", lambda: [self._pg._allgather_base(output, input, opts)])
@@ -275,6 +287,34 @@ class StrictProcessGroup:
                 "first batch on a communicator before any can go on"
             ) from None
 
+    def _connect_collectives(self) -> None:
+        """The first collective's connection: wait, on the issuing thread, until every
+        member has issued its first collective (RuntimeError after the timeout). NCCL
+        connects from the host, not on the communicator's stream: work queued there
+        does not delay it."""
+        if self._collectives_connected:
+            return
+        self._collectives_connected = True
+        opts = dist.BarrierOptions()
+        opts.timeout = FOREVER
+        connect, barrier = StrictWork("first collective (connect)"), self._pg.barrier(opts)
+
+        def finish() -> None:
+            try:
+                barrier.wait(FOREVER)
+            except RuntimeError as exc:
+                connect.finish(str(exc))
+            connect.finish()
+
+        threading.Thread(target=finish, name=f"ew-strict-connect-{self.name}", daemon=True).start()
+        try:
+            connect.wait(self._timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"communicator {self.name!r}: {exc}; under NCCL every member must issue its "
+                "first collective on a communicator before any can go on"
+            ) from None
+
     def abort(self) -> None:
         """End every queued and running operation with an error; refuse new ones. A
         gloo operation already posted stays parked on the stream's thread."""
@@ -292,11 +332,11 @@ class StrictProcessGroup:
     def _check(self, what: str, tensors: Iterable[torch.Tensor], *, launch: bool = True) -> None:
         if launch:
             self._refuse_if_failed(what)
-        me = threading.get_ident()
+        me = threading.current_thread()
         with self._lock:
-            if self._owner is None:
+            if self._owner is None or not self._owner.is_alive():
                 self._owner = me
-        if self._owner != me:
+        if self._owner is not me:
             raise StrictViolation(
                 f"{what} on communicator {self.name!r} from thread "
                 f"{threading.current_thread().name!r}, not the one that issues its "
@@ -444,6 +484,11 @@ class StrictBackend:
 
     name = "cpu-strict"
     parks_in_flight = True
+    warm_sizes: tuple[int, ...] = (1,)
+    """One warm-up collective of each kind connects a strict communicator."""
+
+    def __init__(self, launch_timeout_s: float = 30.0) -> None:
+        self._launch = timedelta(seconds=launch_timeout_s)
 
     def create(
         self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str = ""
@@ -451,7 +496,8 @@ class StrictBackend:
         refuse_creation(f"creating communicator {name!r}")
         # torch's stubs declare ProcessGroupGloo a bare Backend (see GlooBackend)
         pg: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
-        return StrictProcessGroup(pg, rank, size, name, timeout=timeout)  # type: ignore[return-value]  # duck-typed backend
+        launch = min(timeout, self._launch)  # a connecting launch waits no longer (NCCL's)
+        return StrictProcessGroup(pg, rank, size, name, timeout=launch)  # type: ignore[return-value]  # duck-typed backend
 
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")

@@ -137,7 +137,7 @@ class Plan:
 
     def group_specs(self) -> list[GroupSpec]:
         """Every group the plan needs: one DP group per stage, one link per route pair."""
-        specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
+        specs = [GroupSpec(dp_group_name(s.stage), s.ranks, collectives=True) for s in self.stages]
         for stage in range(self.pp - 1):
             period = math.lcm(self.stages[stage].period, self.stages[stage + 1].period)
             phases = range(min(period, self.num_micro_batches))  # later phases are unused
@@ -156,7 +156,7 @@ class Plan:
         the other).
         A boundary's groups connect every rank of one stage with every rank of the
         other when built, in the direction of their traffic: a route may join any two."""
-        specs = [GroupSpec(dp_group_name(s.stage), s.ranks) for s in self.stages]
+        specs = [GroupSpec(dp_group_name(s.stage), s.ranks, collectives=True) for s in self.stages]
         for stage in range(self.pp - 1):
             up, down = self.stages[stage].ranks, self.stages[stage + 1].ranks
             ahead = tuple((a, b) for a in up for b in down)  # any route may join any two

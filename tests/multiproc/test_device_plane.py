@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.communicator import Communicator
 from elaswave.comm.spec import CommError, GroupSpec
 from elaswave.comm.strict import StrictBackend
@@ -92,3 +94,35 @@ def test_release_aborts_only_what_parks_and_the_next_generation_rebuilds_it() ->
         assert r["sum"] == [3.0, 3.0]
         assert r["rebuilt"] == 2.0
         assert (r["reused"], r["count"]) == (1, 2)
+
+
+def _hang_before_the_first_collective(rank: int, store: dist.Store) -> dict[str, float]:
+    abort = AbortSignal()
+    plane = Communicator(
+        store, rank, StrictBackend(launch_timeout_s=20), timeout=TIMEOUT, abort=abort,
+        prefix="dev/",
+    )  # fmt: skip
+    plane.build([GroupSpec("dp.s0", (0, 1, 2), collectives=True)])
+    _barrier(store, "built", 3)
+    if rank == 2:
+        time.sleep(60)  # hung before its first collective on the group; killed by the test
+    threading.Timer(1.0, abort.set, args=("rank 2 hung",)).start()  # as the Core announces
+    started = time.monotonic()
+    with pytest.raises(StepAborted):
+        plane.group("dp.s0").reduce_scatter(torch.zeros(1), torch.ones(3))
+    return {"stopped_s": time.monotonic() - started}
+
+
+def test_a_member_hung_before_a_groups_first_collective_holds_no_launch() -> None:
+    """Under NCCL a collective algorithm connects inside its first launch, which waits for
+    every member on the issuing thread and which no abort reaches: a member hung before a
+    new group's first collective held the others there past the Core's stop deadline (an
+    H100's churn). Groups are connected for their collectives when built, so the
+    survivors' first collective of a step is an ordinary wait that an abort ends."""
+    job = Job(_hang_before_the_first_collective, 3)
+    try:
+        out = job.results(2, timeout_s=60)
+    finally:
+        job.close()
+    for rank in (0, 1):
+        assert out[rank]["stopped_s"] < 5.0, out

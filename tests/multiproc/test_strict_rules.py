@@ -159,20 +159,24 @@ def test_a_second_issuing_thread_is_refused() -> None:
     assert "'keeper'" in str(errors[0])
 
 
-def _die_after_connecting(port: int) -> None:
+def _die_after_connecting(port: int, strict: bool) -> None:
+    """Join the group and its first collective (which connects it), then die."""
     store = connect_store("127.0.0.1", port)
-    dist.ProcessGroupGloo(dist.PrefixStore("dead", store), 1, 2, timedelta(seconds=10))
+    gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("dead", store), 1, 2, timedelta(seconds=10))
+    pg: Any = StrictProcessGroup(gloo, 1, 2, "dead") if strict else gloo
+    pg.allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait(timedelta(seconds=10))
     os._exit(0)
 
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_dead_peer_hangs_until_abort(strict: bool) -> None:
     store = serve_store()
-    child = mp.get_context("spawn").Process(target=_die_after_connecting, args=(store.port,))
+    child = mp.get_context("spawn").Process(target=_die_after_connecting, args=(store.port, strict))
     child.start()
     gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("dead", store), 0, 2, timedelta(seconds=10))
-    child.join(30)
     pg: Any = StrictProcessGroup(gloo, 0, 2, "dead") if strict else gloo
+    pg.allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait(timedelta(seconds=10))
+    child.join(30)
     work = pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
     with pytest.raises(RuntimeError) as caught:
         work.wait(timedelta(seconds=2))
@@ -272,3 +276,34 @@ def test_nothing_is_issued_while_a_receive_waits() -> None:
     sent.wait(timedelta(seconds=10))
     for pool in ranks:
         pool.shutdown()
+
+
+def test_a_first_collective_waits_in_its_launch_for_every_member() -> None:
+    """NCCL connects a collective algorithm inside its first launch, from the host, and
+    the issuing thread waits there for every member: a member that never issues one
+    holds the others in the launch itself (RuntimeError at the communicator's timeout),
+    work queued on the stream does not delay the connection, and once connected a
+    collective launches at once."""
+    (alone,) = _groups(1)
+    with pytest.raises(RuntimeError, match="every member must issue its first collective"):
+        alone[0].allreduce([torch.ones(1)], dist.AllreduceOptions())
+    (g,) = _groups(1)
+    parked = g[0].recv([torch.zeros(1)], 1, 0)  # queued ahead on rank 0's stream
+
+    works: list[StrictWork] = []
+    peer = threading.Thread(  # rank 1
+        target=lambda: works.append(g[1].allreduce([torch.ones(1)], dist.AllreduceOptions()))
+    )
+    peer.start()
+    works.append(g[0].allreduce([torch.ones(1)], dist.AllreduceOptions()))  # returns: connected
+    peer.join(10)
+    assert len(works) == 2 and not parked.is_completed()
+    for pg in g:
+        pg.abort()
+    (h,) = _groups(1)
+    _both(*(lambda r=r: h[r].allreduce([torch.ones(1)], dist.AllreduceOptions()) for r in (0, 1)))
+    started = time.monotonic()
+    again = [h[r].allreduce([torch.ones(1)], dist.AllreduceOptions()) for r in (0, 1)]
+    assert time.monotonic() - started < 0.5  # connected once: launches return at once
+    for work in again:
+        work.wait(timedelta(seconds=10))

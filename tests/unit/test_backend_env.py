@@ -7,7 +7,14 @@ import os
 
 import pytest
 
-from elaswave.comm.backend import NCCL_ENV, GlooBackend, NcclBackend, backend_for
+from elaswave.comm.backend import (
+    LAUNCH_TIMEOUT_ENV,
+    NCCL_ENV,
+    GlooBackend,
+    NcclBackend,
+    backend_for,
+    launch_timeout_s,
+)
 from elaswave.comm.strict import StrictBackend
 
 
@@ -27,3 +34,13 @@ def test_which_backends_park_work_in_flight() -> None:
     assert NcclBackend.parks_in_flight and StrictBackend.parks_in_flight
     assert isinstance(backend_for("cpu-strict"), StrictBackend)
     assert isinstance(backend_for("cpu"), GlooBackend)
+
+
+def test_a_launch_waits_at_most_half_the_comm_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch spins on the issuing thread while a non-blocking NCCL launch connects (30
+    minutes by default): bounded so that a rank stuck there still stops at a step
+    boundary before the Core's stop deadline (max(30 s, comm timeout))."""
+    monkeypatch.setenv(LAUNCH_TIMEOUT_ENV, "1800")
+    NcclBackend(comm_timeout_s=40.0)
+    assert os.environ[LAUNCH_TIMEOUT_ENV] == "20"
+    assert [launch_timeout_s(t) for t in (0.5, 3.0, 60.0, 600.0)] == [1, 1, 30, 300]

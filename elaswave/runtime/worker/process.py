@@ -151,7 +151,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
 def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> WorkerContext:
     cfg, ep = spec.config, spec.endpoints
     rank, member = cfg.layout.unit_of(process)
-    backend = backend_for(cfg.layout.device)
+    backend = backend_for(cfg.layout.device, cfg.liveness.comm_timeout_s)
     device = backend.device_for(process)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
     store.set(f"pid/{process}", str(os.getpid()))  # a kill-node fault kills node peers by pid

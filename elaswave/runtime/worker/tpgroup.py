@@ -76,7 +76,7 @@ class TpLink:
             abort=self._abort,
             device=self._device,
         )
-        comm.build([GroupSpec(TP_GROUP, tuple(range(self._size)))])
+        comm.build([GroupSpec(TP_GROUP, tuple(range(self._size)), collectives=True)])
         return comm.group(TP_GROUP)
 
     @property

@@ -214,6 +214,12 @@ class Growth:
     threads_before: int
     threads_after: int
     """The most threads one survivor had (before, after)."""
+    joiner_threads_after: int | None
+    """Threads of the worker that started last, at the end (None: no worker joined).
+    A rank holds threads per communicator and per peer connection (NCCL's proxy and
+    socket threads, torch's watchdog), so a job that grows gives every member more; the
+    last joiner holds the final plan's groups and nothing of earlier ones: a survivor
+    that holds many more leaked them."""
     gpu_mib_before: int | None
     gpu_mib_after: int | None
     """The most GPU memory one survivor held (None: not measured)."""
@@ -236,6 +242,9 @@ def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
     alive = sorted(workers & set(old.threads) & set(new.threads))
     if not alive:
         return None
+    started = {e.pid: e.time for e in events if isinstance(e, WorkerStarted)}
+    joiners = [pid for pid in new.threads if pid in started and started[pid] > first]
+    last_joiner = max(joiners, key=lambda pid: started[pid], default=None)
 
     def most(values: Mapping[int, int] | None) -> int | None:
         return None if values is None else max((values.get(pid, 0) for pid in alive), default=0)
@@ -244,6 +253,7 @@ def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
         survivors=len(alive),
         threads_before=max(old.threads[pid] for pid in alive),
         threads_after=max(new.threads[pid] for pid in alive),
+        joiner_threads_after=None if last_joiner is None else new.threads[last_joiner],
         gpu_mib_before=most(old.gpu_mib),
         gpu_mib_after=most(new.gpu_mib),
     )

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 2
 
 
-def train(out: Path, dp: int, pp: int, steps: int, snapshots: bool) -> dict:
+def train(out: Path, dp: int, pp: int, steps: int, snapshots: bool) -> Summary:
     cmd = [
         sys.executable,
         "-m",

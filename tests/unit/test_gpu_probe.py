@@ -1,0 +1,50 @@
+"""scripts/gpu_probe.py's churn growth check, on made-up samples: a survivor is measured
+against the worker that joined last, which holds the final plan's groups and nothing of
+earlier ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from elaswave.bus.schema import RecoveryStarted, StepCompleted, WorkerStarted
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "gpu_probe.py"
+_SPEC = importlib.util.spec_from_file_location("gpu_probe", _PATH)
+assert _SPEC is not None and _SPEC.loader is not None
+probe = sys.modules.setdefault("gpu_probe", importlib.util.module_from_spec(_SPEC))
+_SPEC.loader.exec_module(probe)
+Sample, growth = probe.Sample, probe.growth
+
+
+def _started(pid: int, t: float) -> WorkerStarted:
+    return WorkerStarted(sender="w", rank=pid, stage=0, replica=0, pid=pid, host="h", time=t)
+
+
+def test_survivors_are_measured_before_the_first_change_and_against_the_last_joiner() -> None:
+    events = [
+        _started(10, 0.0),
+        _started(11, 0.0),
+        RecoveryStarted(sender="core", step=2, kind="join", ranks=[12], reason="", time=5.0),
+        _started(12, 6.0),
+        _started(13, 8.0),
+        StepCompleted(sender="w", rank=0, step=9, loss=1.0, step_time_s=1.0, samples=4, time=20.0),
+    ]
+    samples = [
+        Sample(t=4.0, threads={10: 30, 11: 31}, gpu_mib={10: 100}),
+        Sample(t=19.0, threads={10: 50, 12: 52, 13: 47}, gpu_mib={10: 120}),
+        Sample(t=21.0, threads={10: 99, 13: 99}, gpu_mib={10: 999}),  # after the last step
+    ]
+    grown = growth(samples, events)
+    assert grown is not None
+    assert (grown.survivors, grown.threads_before, grown.threads_after) == (
+        1,
+        30,
+        50,
+    )  # pid 11 is gone at the end
+    assert grown.joiner_threads_after == 47  # pid 13 started last
+    assert (grown.gpu_mib_before, grown.gpu_mib_after) == (100, 120)
+    no_join = [e for e in events if not (isinstance(e, WorkerStarted) and e.pid > 11)]
+    grown = growth(samples, no_join)
+    assert grown is not None and grown.joiner_threads_after is None

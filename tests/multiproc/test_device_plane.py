@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.communicator import Communicator
+from elaswave.comm.group import Group
 from elaswave.comm.spec import CommError, GroupSpec
 from elaswave.comm.strict import StrictBackend
+from elaswave.runtime.worker.early_release import EarlyRelease
 from tests.multiproc.test_dynamic_comm import Job, _barrier
 
 TIMEOUT = timedelta(seconds=20)
@@ -126,3 +128,34 @@ def test_a_member_hung_before_a_groups_first_collective_holds_no_launch() -> Non
         job.close()
     for rank in (0, 1):
         assert out[rank]["stopped_s"] < 5.0, out
+
+
+def _held_behind_a_dead_peer(rank: int, store: dist.Store) -> dict[str, object]:
+    plane = Communicator(store, rank, StrictBackend(), timeout=TIMEOUT, prefix="dev/")
+    plane.build([GroupSpec("dp.s0", (0, 1, 2), collectives=True)])
+    _barrier(store, "built", 3)
+    if rank == 2:
+        os._exit(0)  # dies once its groups are connected
+    dp = plane.group("dp.s0")
+    work = dp.pg.allreduce([torch.ones(1)], dist.AllreduceOptions())  # never completes
+    early = EarlyRelease(lambda: [g for g in plane.groups() if isinstance(g, Group)])
+    threading.Timer(1.0, early.failed, args=([2],)).start()  # as the bus hears the Core
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="aborted"):
+        work.wait(timedelta(seconds=30))  # held where no abort signal reaches (a device sync)
+    return {"held_s": time.monotonic() - started, "aborted": dp.aborted}
+
+
+def test_a_failure_heard_aborts_what_it_stalls_while_the_training_thread_is_held() -> None:
+    """Under NCCL a collective whose peer is gone spins on the device, and the training
+    thread can wait behind it where no abort signal reaches (a device allocation or sync):
+    it never got to release the plane, and the job ended (a joiner in an H100's churn).
+    The thread that hears the failure aborts the stalled groups itself."""
+    job = Job(_held_behind_a_dead_peer, 3)
+    try:
+        out = job.results(2, timeout_s=60)
+    finally:
+        job.close()
+    for rank in (0, 1):
+        assert out[rank]["aborted"] is True, out
+        assert 0.9 <= float(out[rank]["held_s"]) < 5.0, out  # type: ignore[arg-type]

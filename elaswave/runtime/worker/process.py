@@ -45,6 +45,7 @@ from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.job.child import RULE_BROKEN, die_with_parent, exit_now
 from elaswave.runtime.job.config import EMULATED_DEVICE, JobSpec
 from elaswave.runtime.job.faults import validate_faults
+from elaswave.runtime.worker.early_release import EarlyRelease, device_groups
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.executor import Mailbox, PauseBox
 from elaswave.runtime.worker.faults import FaultInjector
@@ -99,11 +100,17 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     watch = CoreWatch(spec.config.liveness.core_outage_s)
     session.subscribe(watch.heard)
 
+    held: list[StepLoop] = []  # the step loop, once built: whose device groups a failure stalls
+    early = EarlyRelease(
+        lambda: device_groups(getattr(held[0], "trainer", None), held[0].ctx.tp) if held else []
+    )
+
     def on_recovery_event(event: Event) -> None:  # on the session's thread
         # A repeat announcement (a widened failure set) for a generation this worker
         # is already leaving must not abort the recovery itself.
         if isinstance(event, FailureDetected) and event.generation == abort.generation:
             abort.set(f"ranks {event.ranks} failed ({event.source})")
+            early.failed(event.ranks)
         if isinstance(event, RecoveryFinished):  # no roll-back reaches that change now
             inbox.settled.note(event.generation)
             return
@@ -132,6 +139,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     try:
         ctx = _context(run_dir, process, spec, abort)
         loop = StepLoop(ctx, session, abort, inbox, heartbeat, pauses, watch, join=join)
+        held.append(loop)
         if spec.config.schedule.script:
             run_script(loop, spec.config.schedule.script)
         else:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +33,22 @@ class StepAborted(Exception):
     """The current step was abandoned because the job's membership changed."""
 
 
+class Abort(Protocol):
+    """What a wait watches to be abandoned: an :class:`AbortSignal`, or the part of one
+    that fires from some moment on (:class:`AbortSince`)."""
+
+    @property
+    def reason(self) -> str: ...
+    def is_set(self) -> bool: ...
+    def check(self) -> None:
+        """Raise StepAborted if set."""
+        ...
+
+    def watch(self, wake: threading.Event) -> contextlib.AbstractContextManager[None]:
+        """Set ``wake`` when it fires (at once if it has) while inside."""
+        ...
+
+
 class AbortSignal:
     """Set from any thread (the bus callback); checked and watched by waiting threads."""
 
@@ -43,10 +59,13 @@ class AbortSignal:
         self.reason = ""
         self.generation = 0
         """The plan generation whose failures this signal reports."""
+        self.sets = 0
+        """How many times it was set (:class:`AbortSince` tells later ones apart)."""
 
     def set(self, reason: str) -> None:
         with self._lock:
             self.reason = reason
+            self.sets += 1
             self._event.set()
             watchers = list(self._watchers)
         for wake in watchers:
@@ -79,6 +98,39 @@ class AbortSignal:
         finally:
             with self._lock:
                 self._watchers.discard(wake)
+
+
+class AbortSince:
+    """The failures an :class:`AbortSignal` reports from now on. A recovery builds its
+    groups while the failure it answers is still set; their connection waits end for a
+    failure announced after that, not for the one they answer."""
+
+    def __init__(self, signal: AbortSignal) -> None:
+        self._signal, self._base = signal, signal.sets
+
+    @property
+    def reason(self) -> str:
+        return self._signal.reason
+
+    def is_set(self) -> bool:
+        return self._signal.sets > self._base and self._signal.is_set()
+
+    def check(self) -> None:
+        if self.is_set():
+            raise StepAborted(self._signal.reason)
+
+    @contextlib.contextmanager
+    def watch(self, wake: threading.Event) -> Iterator[None]:
+        signal = self._signal
+        with signal._lock:
+            signal._watchers.add(wake)
+            if self.is_set():
+                wake.set()
+        try:
+            yield
+        finally:
+            with signal._lock:
+                signal._watchers.discard(wake)
 
 
 class Waiters:
@@ -138,7 +190,7 @@ work would delay; one that lasts is a collective's tail or a pipeline bubble."""
 
 
 def await_future(
-    future: concurrent.futures.Future[T], timeout_s: float, signal: AbortSignal | None
+    future: concurrent.futures.Future[T], timeout_s: float, signal: Abort | None
 ) -> tuple[bool, T | None]:
     """Sleep until ``future`` completes, ``timeout_s`` passes or ``signal`` fires;
     past :data:`HELP_AFTER_S`, do the process's idle work first
@@ -161,7 +213,7 @@ def await_future(
     return False, None
 
 
-def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> bool:
+def wait_abortable(work: dist.Work, timeout: timedelta, signal: Abort) -> bool:
     """``work.wait(timeout)``, abandoned with :class:`StepAborted` if ``signal`` is set.
 
     Returns what ``wait`` returned; re-raises its RuntimeError.
@@ -173,7 +225,7 @@ def wait_abortable(work: dist.Work, timeout: timedelta, signal: AbortSignal) -> 
     return bool(ok) if done else False
 
 
-def on_fresh_thread(make: Callable[[], T], *, name: str, abort: AbortSignal | None = None) -> T:
+def on_fresh_thread(make: Callable[[], T], *, name: str, abort: Abort | None = None) -> T:
     """``make()`` run on a thread of its own (its result, or its error raised here).
 
     NCCL's group state belongs to a thread, and so does torch's count of the groups a

@@ -20,7 +20,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.abort import AbortSignal, on_fresh_thread
+from elaswave.comm.abort import Abort, AbortSignal, AbortSince, on_fresh_thread
 from elaswave.comm.backend import GroupBackend
 from elaswave.comm.group import CollectiveGroup, Group, P2PGroup
 from elaswave.comm.links import PairGroup
@@ -71,9 +71,14 @@ class Communicator:
         it takes the process down. Where work parks (NCCL), a dropped group is aborted,
         which ends every wait on it, and then freed with its threads."""
 
-    def build(self, specs: Iterable[GroupSpec]) -> float:
-        """Create every group of ``specs`` that contains this rank. Returns seconds taken."""
+    def build(self, specs: Iterable[GroupSpec], *, answering: bool = False) -> float:
+        """Create every group of ``specs`` that contains this rank. Returns seconds taken.
+
+        A failure announced meanwhile abandons the build (StepAborted); ``answering``:
+        the build answers the failure the signal holds now (a group rebuilt while its
+        rank reports), and only a later one abandons it."""
         started = time.perf_counter()
+        later = AbortSince(self.abort) if answering and self.abort is not None else self.abort
         ordered = sorted(specs, key=lambda s: s.name)
         names = [s.name for s in ordered]
         if len(set(names)) != len(names):
@@ -90,22 +95,25 @@ class Communicator:
                 self.timeout,
                 name=spec.name,
             )
-            connected = partial(self._connected, spec, create)
+            connected = partial(self._connected, spec, create, later)
             self._groups[spec.name] = on_fresh_thread(
-                connected, name=f"ew-create-{spec.name}", abort=self.abort
+                connected, name=f"ew-create-{spec.name}", abort=later
             )
         elapsed = time.perf_counter() - started
         log.info("communicator.built", rank=self.rank, groups=len(self._groups), seconds=elapsed)
         return elapsed
 
-    def _connected(self, spec: GroupSpec, create: Callable[[], dist.ProcessGroup]) -> Group:
+    def _connected(
+        self, spec: GroupSpec, create: Callable[[], dist.ProcessGroup], later: Abort | None
+    ) -> Group:
         """The group of ``spec``, created and connected (its point-to-point pairs, and
         its collectives where the backend connects them lazily). On a creation thread of
         its own: a member that fails meanwhile leaves it waiting there, not the caller;
         when its wait ends (aborted, or its launch bound) the group is aborted, so that
-        no work of a group nobody holds stays on the device."""
+        no work of a group nobody holds stays on the device. Its waits here end on
+        ``later`` (see :meth:`build`'s ``answering``)."""
         group = Group(
-            spec, create(), self.rank, self.timeout, self.abort, self.device,
+            spec, create(), self.rank, self.timeout, later, self.device,
             parks=self.backend.parks_in_flight,
         )  # fmt: skip
         try:
@@ -115,6 +123,7 @@ class Communicator:
         except BaseException:
             group.abort_now()
             raise
+        group.abort = self.abort  # a step's waits end for any failure announced
         return group
 
     def edit(

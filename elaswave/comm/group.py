@@ -25,7 +25,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elaswave.comm.abort import AbortSignal, wait_abortable
+from elaswave.comm.abort import Abort, wait_abortable
 from elaswave.comm.posted import Posted
 from elaswave.comm.spec import CommError, GroupSpec
 from elaswave.comm.strict import StrictViolation
@@ -141,7 +141,7 @@ class Group:
     rank: int
     """This process's global rank."""
     timeout: timedelta
-    abort: AbortSignal | None = None
+    abort: Abort | None = None
     """When set, waits poll it and raise StepAborted instead of blocking on."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the group's tensors live (a batch of point-to-point operations, a barrier)."""

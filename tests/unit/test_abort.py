@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elaswave.comm.abort import WAITERS, AbortSignal, StepAborted, await_future
+from elaswave.comm.abort import WAITERS, AbortSignal, AbortSince, StepAborted, await_future
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,3 +62,20 @@ def test_a_parked_wait_does_not_block_other_waits() -> None:
     assert not parked.done()
     forever.set()
     assert parked.result(timeout=5) is True
+
+
+def test_a_view_since_now_ignores_the_failure_already_set_and_fires_for_a_later_one() -> None:
+    """A group rebuilt while its rank reports a failure answers that failure: its waits
+    end only for one announced after the rebuild began."""
+    signal = AbortSignal()
+    signal.set("rank 3 failed")
+    since = AbortSince(signal)
+    assert not since.is_set()
+    since.check()  # no raise
+    started = time.monotonic()
+    done, _ = await_future(WAITERS.submit(lambda: time.sleep(0.3)), 5.0, since)
+    assert done and time.monotonic() - started >= 0.25  # not woken by the old failure
+    threading.Timer(0.1, signal.set, args=("rank 5 failed",)).start()
+    with pytest.raises(StepAborted, match="rank 5"):
+        await_future(WAITERS.submit(lambda: time.sleep(5)), 5.0, since)
+    assert since.is_set()

@@ -166,7 +166,7 @@ def _strategy_plans(strategy: RebuildStrategy, dp: int = 4, pp: int = 3, failed:
 def test_edit_reuses_every_untouched_group() -> None:
     specs, plans = _strategy_plans(EDIT)
     # rank 5 = stage 1, replica 1: dp.s1 = (4, 5, 6, 7); links 1-5 and 5-9.
-    assert plans[4].rings == (GroupSpec("dp.s1", (4, 6, 7)),)
+    assert plans[4].rings == (GroupSpec("dp.s1", (4, 6, 7), collectives=True),)
     assert plans[4].new_links == ((4, 6),)
     assert plans[6].new_links == ((4, 6),)
     assert plans[7].new_links == ()
@@ -212,7 +212,7 @@ def test_edit_serves_every_pair_from_one_link_whatever_its_purpose() -> None:
 
 def test_partial_and_full_rebuild_as_full_groups() -> None:
     specs, partial = _strategy_plans(PARTIAL)
-    assert partial[4].groups == (GroupSpec("dp.s1", (4, 6, 7)),)
+    assert partial[4].groups == (GroupSpec("dp.s1", (4, 6, 7), collectives=True),)
     assert partial[4].rings == () and partial[4].new_links == ()
     assert partial[0].groups == () and "dp.s0" in partial[0].reuse
     assert partial[6].retire_links == ((5, 6),)

@@ -66,7 +66,7 @@ class TpLink:
         self.waited_s = 0.0
         self.group = self._build(0)
 
-    def _build(self, generation: int) -> Group:
+    def _build(self, generation: int, *, answering: bool = False) -> Group:
         comm = Communicator(
             self._store,
             self.member,
@@ -76,7 +76,8 @@ class TpLink:
             abort=self._abort,
             device=self._device,
         )
-        comm.build([GroupSpec(TP_GROUP, tuple(range(self._size)), collectives=True)])
+        spec = GroupSpec(TP_GROUP, tuple(range(self._size)), collectives=True)
+        comm.build([spec], answering=answering)
         return comm.group(TP_GROUP)
 
     @property
@@ -113,9 +114,10 @@ class TpLink:
             abort_all([self.group])
 
     def rebuild(self, generation: int) -> None:
-        """Every member calls it, with the same ``generation``."""
+        """Every member calls it, with the same ``generation``, while it reports the
+        failure the rebuild answers (only a later one abandons it)."""
         self.generation = generation
-        self.group = self._build(generation)
+        self.group = self._build(generation, answering=True)
 
 
 def unit_report(

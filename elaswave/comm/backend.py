@@ -77,7 +77,7 @@ class GroupBackend(Protocol):
     """Work that will never complete stalls its communicator until it is aborted
     (NCCL, HCCL): a group with work in flight is aborted and rebuilt after a failure."""
     warm_sizes: tuple[int, ...]
-    """Elements per member of the collectives a collective group runs once when it is
+    """Elements in all of the collectives a collective group runs once when it is
     built (:meth:`elaswave.comm.group.Group.warm`): where a communicator connects inside
     its first collective of each algorithm, and the algorithm depends on the size, one
     small and one large of each kind; none where creating a group connects it (gloo)."""
@@ -129,8 +129,9 @@ class GlooBackend:
 
 
 WARM_SIZES: tuple[int, ...] = (1, 1 << 21)
-"""NCCL's and HCCL's :attr:`GroupBackend.warm_sizes`: one element, and 8 MiB of float32
-per member (large enough for the ring algorithm a gradient bucket takes)."""
+"""NCCL's and HCCL's :attr:`GroupBackend.warm_sizes`: one element a member, and 8 MiB of
+float32 in all (large enough for the ring algorithm a gradient bucket takes; the same
+for any group size, so a large group's warm-up costs no more)."""
 
 
 class NcclBackend:

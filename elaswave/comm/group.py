@@ -299,17 +299,19 @@ class Group:
             self._wait(self.batch(sends, recvs, CONNECT_TAG), "connect")
 
     def warm(self, sizes: Sequence[int]) -> None:
-        """Run each collective kind once per size of ``sizes`` (elements per member),
-        when the group is built. NCCL connects an algorithm's ranks inside the first
-        collective that uses it, on the issuing thread and for every member: a member
-        that hangs before a step's first collective on a new group would hold every
-        other one there, past any abort (:func:`elaswave.comm.backend.launch_timeout_s`).
-        The algorithm depends on the size, hence a small and a large one."""
-        for n in sizes:
-            whole = torch.zeros(n * self.size, device=self.device)
+        """Run each collective kind once per size of ``sizes`` (float32 elements in all,
+        whatever the group's size), when the group is built. NCCL connects an
+        algorithm's ranks inside the first collective that uses it, on the issuing
+        thread and for every member: a member that hangs before a step's first
+        collective on a new group would hold every other one there, past any abort
+        (:func:`elaswave.comm.backend.launch_timeout_s`). NCCL picks the algorithm by
+        the message's size, hence a small and a large one."""
+        for total in sizes:
+            piece = max(1, total // self.size)
+            whole = torch.zeros(piece * self.size, device=self.device)
             self.all_reduce(whole)
-            self.reduce_scatter(torch.zeros(n, device=self.device), whole)
-            self.all_gather(whole, torch.zeros(n, device=self.device))
+            self.reduce_scatter(torch.zeros(piece, device=self.device), whole)
+            self.all_gather(whole, torch.zeros(piece, device=self.device))
 
     def abort_now(self) -> None:
         """Abort the group's communicator: work in flight on it ends (or, gloo, stays

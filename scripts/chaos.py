@@ -78,7 +78,7 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     replica holds its layers" with every R a victim; "optimizer state
                     lost: ... (owner O, snapshot holder H)" with O and H victims (H may be
                     none); "no worker survives" with every launched rank (unit) a victim.
-                    With --checkpoint-every K (tp 1) a lost-state stop also needs the
+                    With --checkpoint-every K a lost-state stop also needs the
                     message's "no complete checkpoint of step N or before to restore",
                     and no complete checkpoint of step N - K or before on disk: a job
                     that could restore one must (inside the job)
@@ -653,11 +653,11 @@ def judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
 
 
 def _unrestored(case: Case, job: Job, verdict: Verdict) -> Verdict:
-    """A lost-state stop of a job that writes checkpoints (tp 1: TP jobs write none) is
-    acceptable when its message says no checkpoint was complete at the survivors' step
-    N, and the disk agrees: none of step N - K or before (one period earlier: complete
-    before the failure, whatever a writer did after) is complete."""
-    if not case.checkpoint_every or case.tp > 1:
+    """A lost-state stop of a job that writes checkpoints is acceptable when its message
+    says no checkpoint was complete at the survivors' step N, and the disk agrees: none
+    of step N - K or before (one period earlier: complete before the failure, whatever a
+    writer did after) is complete (for a TP job, every member's slices)."""
+    if not case.checkpoint_every:
         return verdict
     from elaswave.fabric.checkpoint import complete_steps
     from elaswave.runtime.job.config import JobSpec
@@ -667,7 +667,9 @@ def _unrestored(case: Case, job: Job, verdict: Verdict) -> Verdict:
         return Verdict("unexplained-stop", verdict.detail, "state was lost, and no restore tried")
     layers = JobSpec.read(job.out).config.model.num_layers
     older = sorted(
-        s for s in complete_steps(job.out, layers) if s <= int(said[1]) - case.checkpoint_every
+        s
+        for s in complete_steps(job.out, layers, tp=case.tp)
+        if s <= int(said[1]) - case.checkpoint_every
     )
     if older:
         return Verdict("unexplained-stop", verdict.detail, f"checkpoints {older} were complete")
@@ -1009,8 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     for index in indices:
         case = draw_case(args.seed, index, args.tp_weight)
-        every = args.checkpoint_every if case.tp == 1 else 0  # TP jobs write none yet
-        case = replace(case, snapshot_copies=args.copies, checkpoint_every=every)
+        case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")

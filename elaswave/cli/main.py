@@ -70,6 +70,11 @@ def _resume_sources(run_dir: Path, file_values: dict | None) -> list[dict | None
     if not (run_dir / JOB).is_file():
         raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no {JOB})")
     old = JobSpec.read(run_dir).config
+    if old.layout.tp > 1:
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: that job ran with tp = {old.layout.tp}, and --resume "
+            "needs tp = 1 in this version (a TP job restores its checkpoints inside the job)"
+        )
     step = latest_complete(run_dir, old.model.num_layers)
     if step is None:
         raise ValueError(

@@ -319,6 +319,11 @@ class Group:
         if self.aborted:
             return
         self.aborted = True
+        self.abort_communicator()
+
+    def abort_communicator(self) -> None:
+        """The abort itself, for a group already marked ``aborted`` (it is ``tainted``
+        from that moment, before the abort, which may take a while, has returned)."""
         try:
             self.pg.abort()
         except (RuntimeError, AttributeError) as exc:  # no abort: its waits stay parked

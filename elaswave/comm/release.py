@@ -58,10 +58,26 @@ def release(
 
 def abort_all(groups: Sequence[Group], *, deadline_s: float = ABORT_DEADLINE_S) -> Released:
     """Abort ``groups`` in parallel, waiting for them up to ``deadline_s``."""
-    started = time.perf_counter()
+    return abort_marked(mark_aborted(groups), deadline_s=deadline_s)
+
+
+def mark_aborted(groups: Sequence[Group]) -> list[Group]:
+    """Mark the groups of ``groups`` not aborted yet as aborted (so ``tainted``) at
+    once, on the calling thread; returns them, sorted by name, for
+    :func:`abort_marked`."""
     chosen = sorted((g for g in groups if not g.aborted), key=lambda g: g.name)
+    for group in chosen:
+        group.aborted = True
+    return chosen
+
+
+def abort_marked(chosen: Sequence[Group], *, deadline_s: float = ABORT_DEADLINE_S) -> Released:
+    """Abort the communicators of ``chosen`` (marked by :func:`mark_aborted`) in parallel,
+    waiting for them up to ``deadline_s``."""
+    started = time.perf_counter()
     threads = [
-        threading.Thread(target=g.abort_now, name=f"ew-abort-{g.name}", daemon=True) for g in chosen
+        threading.Thread(target=g.abort_communicator, name=f"ew-abort-{g.name}", daemon=True)
+        for g in chosen
     ]
     for thread in threads:
         thread.start()

@@ -14,6 +14,11 @@ was restored inside the job); one generation's pieces never overlap, so a checkp
 a step is complete when the pieces of one generation cover every layer exactly. Files
 are written under a temporary name and renamed: a crash mid-write leaves no partial
 piece. (Pieces named ``rank{R}.pt``, without a manifest, are read as one generation.)
+
+In a tensor-parallel job each member of a rank holds its own slice of every layer, so
+member M's pieces go to ``step{N}/tp{M}/`` (:func:`piece_dir`), each such directory a
+checkpoint of the members' slices as above; a step is complete when every member's is.
+It is read back on any dp x pp layout with the same tp.
 """
 
 from __future__ import annotations
@@ -55,10 +60,26 @@ def shard_pieces(layout: InterleavedLayout, replica: int, state: ShardState) -> 
     return pieces
 
 
-def write_pieces(run_dir: Path, step: int, rank: int, pieces: dict, generation: int = 0) -> Path:
-    """Write ``rank``'s pieces of the checkpoint of ``step`` (as generation ``generation``
-    trained it), then their manifest."""
+def piece_dir(run_dir: Path, step: int, member: int = 0, tp: int = 1) -> Path:
+    """Where TP member ``member``'s pieces of the checkpoint of ``step`` go: the step's
+    directory, or with ``tp`` > 1 the member's own under it."""
     directory = step_dir(run_dir, step)
+    return directory if tp == 1 else directory / f"tp{member}"
+
+
+def write_pieces(
+    run_dir: Path,
+    step: int,
+    rank: int,
+    pieces: dict,
+    generation: int = 0,
+    *,
+    member: int = 0,
+    tp: int = 1,
+) -> Path:
+    """Write ``rank``'s pieces (TP member ``member``'s of ``tp``) of the checkpoint of
+    ``step`` (as generation ``generation`` trained it), then their manifest."""
+    directory = piece_dir(run_dir, step, member, tp)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"rank{rank}.g{generation}"
     final = directory / f"{name}.pt"
@@ -143,38 +164,37 @@ def _assemble(pieces: list[dict]) -> LayerState:
     return out[0], out[1], out[2]
 
 
-def complete_steps(
-    run_dir: Path, num_layers: int, known: frozenset[int] = frozenset()
-) -> frozenset[int]:
-    """Every checkpoint step whose pieces (of one generation) cover all ``num_layers``
-    layers; steps in ``known`` (complete before) are not read again."""
+def step_complete(run_dir: Path, step: int, num_layers: int, tp: int = 1) -> bool:
+    """Whether every TP member's pieces of ``step`` (each of one generation) cover all
+    ``num_layers`` layers."""
+    layers = range(num_layers)
+    return all(
+        complete_generation(piece_dir(run_dir, step, m, tp), layers) is not None for m in range(tp)
+    )
+
+
+def _steps(run_dir: Path) -> list[int]:
+    """The checkpoint steps with a directory, newest first."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
-        return frozenset()
-    steps = {int(m[1]) for p in root.glob("step*") if (m := _STEP_DIR.match(p.name))}
-    layers = range(num_layers)
+        return []
+    return sorted((int(m[1]) for p in root.glob("step*") if (m := _STEP_DIR.match(p.name))),
+                  reverse=True)  # fmt: skip
+
+
+def complete_steps(
+    run_dir: Path, num_layers: int, known: frozenset[int] = frozenset(), tp: int = 1
+) -> frozenset[int]:
+    """Every checkpoint step complete for all ``num_layers`` layers (:func:`step_complete`);
+    steps in ``known`` (complete before) are not read again."""
     return frozenset(
-        s
-        for s in steps
-        if s in known or complete_generation(step_dir(run_dir, s), layers) is not None
+        s for s in _steps(run_dir) if s in known or step_complete(run_dir, s, num_layers, tp)
     )
 
 
-def latest_complete(run_dir: Path, num_layers: int) -> int | None:
-    """The newest checkpoint step whose pieces (of one generation) cover all
-    ``num_layers`` layers."""
-    root = run_dir / CHECKPOINTS
-    steps = (
-        sorted(
-            (int(m[1]) for p in root.glob("step*") if (m := _STEP_DIR.match(p.name))), reverse=True
-        )
-        if root.is_dir()
-        else []
-    )
-    layers = range(num_layers)
-    return next(
-        (s for s in steps if complete_generation(step_dir(run_dir, s), layers) is not None), None
-    )
+def latest_complete(run_dir: Path, num_layers: int, tp: int = 1) -> int | None:
+    """The newest checkpoint step complete for all ``num_layers`` layers."""
+    return next((s for s in _steps(run_dir) if step_complete(run_dir, s, num_layers, tp)), None)
 
 
 def shard_of_layers(

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from elaswave.fabric.placement import place_snapshots_across
 from elaswave.model.config import ModelConfig
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.config import JobConfig
@@ -67,6 +68,25 @@ def test_a_killed_tp_member_takes_its_group_out_inside_the_step(runs_dir, tp_ref
     assert rec.plan.stages[0].ranks == (1,)
     # The killed member's record explains the exit; its partner was released, not failed.
     assert json.loads((run.out / "faults" / "rank1.json").read_text())["killed_at"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_owner_and_its_holder_lost_together_restore_the_checkpoint_inside_the_job(
+    runs_dir, tp_reference
+):
+    """Each TP member writes its slices of its rank's shard (``step{N}/tp{M}/``); an owner
+    and the holder of its snapshot lost in one step lose that shard, and every member of
+    the plan loads its own slices of the newest complete checkpoint inside the job (chaos
+    seed 57721, case 176, stopped: TP jobs wrote no checkpoint)."""
+    (holder,) = place_snapshots_across([[0, 1], [2, 3]], 1, 1).holders_of(0)
+    faults = ("--fault", "kill:0@4:backward", "--fault", f"kill:{2 * holder}@4:backward")
+    run = train(runs_dir / "tp_restored", *_layout(2, 2, 2), *JOB, "--checkpoint-every", "2",
+                *faults)  # fmt: skip
+    check_recovered(run, tp_reference, world=4, failed=[sorted([0, holder])])
+    (record,) = run.summary.recoveries
+    assert record.restored and record.committed_step in (1, 3), record
+    step = run.out / "checkpoints" / f"step{record.committed_step}"
+    assert sorted(p.name for p in step.iterdir()) == ["tp0", "tp1"]
 
 
 @pytest.mark.timeout(300)
@@ -139,12 +159,18 @@ def test_a_tp_group_lost_whole_waits_for_a_joining_group(runs_dir, reference):
 
 
 def test_a_tp_wait_that_runs_out_writes_no_checkpoint_and_says_so(tmp_path):
-    """Tensor-parallel jobs write no checkpoint yet: a wait that runs out stops at once,
-    naming that (instead of asking the members for a checkpoint they cannot write)."""
+    """A tensor-parallel job cannot be resumed (--resume needs tp = 1): a wait that runs
+    out writes no checkpoint to resume from, and the stop says what would have helped."""
     cfg = JobConfig.from_dict({"layout": {"tp": 2}, "elastic": {"wait_for_nodes_s": 5.0}})
     rules = rules_of(cfg, tmp_path, can_spawn=True)
     assert rules.wait_for_nodes_s == 5.0 and rules.resume_command == ""
-    assert "tp = 2 jobs write none" in rules.resume_hint
+    assert "--checkpoint-every K to restore lost state inside the job" in rules.resume_hint
+    assert "--resume needs tp = 1" in rules.resume_hint
+    cfg = JobConfig.from_dict({"layout": {"tp": 2}, "state": {"checkpoint_every": 3}})
+    assert cfg.restores_in_job
+    assert (
+        "restore inside a running job only" in rules_of(cfg, tmp_path, can_spawn=True).resume_hint
+    )
 
 
 def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
@@ -158,8 +184,8 @@ def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
     [
         ({"layout": {"tp": 0}}, "tp = 0: must be a positive integer"),
         (
-            {"layout": {"tp": 2}, "state": {"checkpoint_every": 2}},
-            "does not combine with --checkpoint-every",
+            {"layout": {"tp": 2}, "state": {"resume_dir": "/tmp/run", "resume_step": 2}},
+            "does not combine with --resume",
         ),
         ({"layout": {"tp": 2, "ranks_per_node": 3}}, "a TP group must fill whole nodes"),
         ({"layout": {"tp": 2, "world_size": 4}}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),

@@ -299,7 +299,7 @@ class Supervisor:
 
     def _complete_steps(self) -> frozenset[int]:
         known = frozenset(self.state.checkpoints)
-        return complete_steps(self.run_dir, self.cfg.model.num_layers, known)
+        return complete_steps(self.run_dir, self.cfg.model.num_layers, known, self.cfg.layout.tp)
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

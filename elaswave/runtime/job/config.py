@@ -112,7 +112,6 @@ class JobConfig:
             return
         unsupported = {
             "--nnodes > 1": self.layout.nnodes > 1,
-            "--checkpoint-every": self.state.checkpoint_every > 0,
             "--resume": self.state.resume_dir is not None,
         }
         for flag, used in unsupported.items():
@@ -125,9 +124,8 @@ class JobConfig:
     @property
     def restores_in_job(self) -> bool:
         """Whether lost state is restored from the newest disk checkpoint inside the
-        running job: checkpoints are written (TP jobs write none yet) and restoring is on."""
-        checkpoints = bool(self.state.checkpoint_every) and self.layout.tp == 1
-        return checkpoints and self.state.restore_in_job
+        running job: checkpoints are written and restoring is on."""
+        return bool(self.state.checkpoint_every) and self.state.restore_in_job
 
     @property
     def detects_stragglers(self) -> bool:

@@ -23,8 +23,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 
 from elaswave.comm.group import Group
-from elaswave.comm.release import abort_all, must_release
-from elaswave.runtime.worker.tpgroup import TpLink
+from elaswave.comm.release import abort_marked, mark_aborted, must_release
 from elaswave.runtime.worker.trainer import Trainer
 
 
@@ -38,19 +37,20 @@ class EarlyRelease:
         """Abort, on a thread of its own, the groups that ``ranks`` failing stalls;
         that thread (None when none needs it). Called on the thread that hears the
         announcement: it must not wait."""
-        stalled = [g for g in self._groups() if must_release(g, set(ranks))]
-        if not stalled:
-            return None
+        stalled = mark_aborted([g for g in self._groups() if must_release(g, set(ranks))])
+        if not stalled:  # marked now: the training thread reports them tainted, whenever
+            return None  # their aborts return
         thread = threading.Thread(
-            target=abort_all, args=(stalled,), name="ew-early-release", daemon=True
+            target=abort_marked, args=(stalled,), name="ew-early-release", daemon=True
         )
         thread.start()
         return thread
 
 
-def device_groups(trainer: Trainer | None, tp: TpLink | None) -> list[Group]:
-    """The process groups of ``trainer``'s device plane and of the TP group ``tp``, as a
-    thread other than the training thread sees them (a trainer being replaced gives its
-    old groups, which the change has released already)."""
-    groups = [] if trainer is None else [g for g in trainer.device.groups() if isinstance(g, Group)]
-    return groups if tp is None else [*groups, tp.group]
+def device_groups(trainer: Trainer | None) -> list[Group]:
+    """The process groups of ``trainer``'s device plane, as a thread other than the
+    training thread sees them (a trainer being replaced gives its old groups, which the
+    change has released already). Not the TP group: its members fail as one rank, so a
+    failure elsewhere leaves its collectives to complete (the executor still aborts it
+    if work on it is left when the rank stops)."""
+    return [] if trainer is None else [g for g in trainer.device.groups() if isinstance(g, Group)]

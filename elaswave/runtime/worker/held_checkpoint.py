@@ -39,7 +39,7 @@ def write_part(
             plan, (layout, state) = trainer.plan, _shard(ctx, trainer, owner, request, timeout_s)
         _, replica = plan.locate(owner)
         write_pieces(ctx.run_dir, request.step, owner, shard_pieces(layout, replica, state),
-                     plan.generation)  # fmt: skip
+                     plan.generation, member=ctx.member, tp=ctx.cfg.layout.tp)  # fmt: skip
     return mine
 
 

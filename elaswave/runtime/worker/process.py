@@ -101,9 +101,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     session.subscribe(watch.heard)
 
     held: list[StepLoop] = []  # the step loop, once built: whose device groups a failure stalls
-    early = EarlyRelease(
-        lambda: device_groups(getattr(held[0], "trainer", None), held[0].ctx.tp) if held else []
-    )
+    early = EarlyRelease(lambda: device_groups(getattr(held[0], "trainer", None)) if held else [])
 
     def on_recovery_event(event: Event) -> None:  # on the session's thread
         # A repeat announcement (a widened failure set) for a generation this worker

@@ -32,6 +32,7 @@ from elaswave.engine.plan import (
 )
 from elaswave.engine.state_moves import changed_stages, plan_state_moves
 from elaswave.fabric.adamw import ShardState
+from elaswave.fabric.checkpoint import piece_dir
 from elaswave.fabric.hostplane import as_host, host_empty
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.placement import snapshot_link_name
@@ -44,7 +45,6 @@ from elaswave.fabric.remap_exec import execute_remap, remap_link_name
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.protocol import pipeline_model
-from elaswave.rundir import step_dir
 from elaswave.runtime.worker.holders import owner_decay_mask, owner_layout, placement_of
 from elaswave.runtime.worker.memento import Memento
 from elaswave.runtime.worker.migration import ShadowStep, migration_pairs
@@ -490,7 +490,7 @@ def restore(
     t1 = time.perf_counter()
     held = old.layers if old is not None else nn.ModuleList()
     layers = _stage_layers(ctx, held, stage.layers)
-    ckpt = step_dir(ctx.run_dir, step)
+    ckpt = piece_dir(ctx.run_dir, step, ctx.member, ctx.cfg.layout.tp)
     optimizer, initial = load_checkpoint(ctx, new_plan, device, layers, ckpt, step)
     t2 = time.perf_counter()
     keepers = attach_snapshots(ctx, new_plan, links.comm, optimizer, step=step, initial=initial)

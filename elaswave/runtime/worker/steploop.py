@@ -209,6 +209,15 @@ class StepLoop:
                 micro_batches=clock.micro_batches, overruns=clock.overruns,
             )
         )  # fmt: skip
+        every = cfg.state.checkpoint_every
+        if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
+            _, replica = trainer.plan.locate(self.rank)
+            pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
+            write = partial(  # every TP member writes its own slices
+                write_pieces, self.ctx.run_dir, step, self.rank, pieces,
+                member=self.ctx.member, tp=cfg.layout.tp,
+            )  # fmt: skip
+            self._writes.append(self._writer.submit(write, trainer.plan.generation))
         if not self.ctx.leader:  # member 0 reports the rest for the TP group
             return outcome
         if (shadow := result.migration) is not None:
@@ -219,12 +228,6 @@ class StepLoop:
                     bytes_streamed=shadow.bytes_streamed, waited_s=shadow.waited_s,
                 )
             )  # fmt: skip
-        every = cfg.state.checkpoint_every
-        if every and (step + 1) % every == 0:  # committed: snapshot the shard, write later
-            _, replica = trainer.plan.locate(self.rank)
-            pieces = shard_pieces(trainer.optimizer.layout, replica, trainer.optimizer.state)
-            write = partial(write_pieces, self.ctx.run_dir, step, self.rank, pieces)
-            self._writes.append(self._writer.submit(write, trainer.plan.generation))
         if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
             self.traces.append(Trace(step=step, actions=tuple(result.trace)))
         if cfg.state.verify_snapshots:

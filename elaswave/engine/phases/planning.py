@@ -167,9 +167,8 @@ def restored(
     r: Rules, s: State, inputs: PlanInputs, members: frozenset[int], lost: Unrecoverable
 ) -> RecoveryDecision:
     """State is lost (``lost``): the decision that restores, inside the job, the newest
-    complete disk checkpoint no newer than any member's committed step (with no member
-    left, than the job's last completed step: the joiners take it); ``lost`` again when
-    the job restores none, or no member survives and none joins."""
+    complete disk checkpoint no newer than any member's committed step; ``lost`` again
+    when the job restores none, or no member survives."""
     if not r.restore or not (members or inputs.joined):
         raise lost
     oldest = min((s.reports[x].committed_step for x in members), default=s.done_step)

@@ -105,12 +105,6 @@ def roll_back(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[
         later={x: code for x, code in s.later.items() if x not in lost},
         joiners=s.joiners | joiners,
     )
-    if failed and not s.alive & set(base.ranks) and joiners:  # no member left to stop
-        out.append(Publish(replace(  # the joiners leave the torn plan
-            rollback_announcement(s, c), ranks=sorted(failed),
-            detail=f"{c.detail}; then every rank of the plan failed while it was applied: "
-            "rolled back",
-        )))  # fmt: skip
     s = begin_stop(r, s, failure(s, failed, now, now), failed, None, now, out)
     if not failed and s.change is not None:  # only a joiner failed: stop every member
         out.append(Publish(rollback_announcement(s, c)))

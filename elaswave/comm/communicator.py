@@ -170,8 +170,7 @@ class Communicator:
         """Abort the groups that hold a failed rank, or, where work in flight parks
         (NCCL), that have any (:mod:`elaswave.comm.release`). They stay, ``tainted``,
         until an :meth:`edit` replaces them."""
-        groups = [g for g in self._groups.values() if isinstance(g, Group)]
-        return release(groups, set(failed), deadline_s=deadline_s)
+        return release(self.process_groups(), set(failed), deadline_s=deadline_s)
 
     def __len__(self) -> int:
         """The communicators this rank holds."""
@@ -213,6 +212,11 @@ class Communicator:
         if isinstance(group, RingGroup):
             raise TypeError(f"group {name!r} is a ring: it has no point-to-point methods")
         return group
+
+    def process_groups(self) -> list[Group]:
+        """The groups that are process groups of their own (not rings or pair views over
+        pooled links): what an abort can release."""
+        return [g for g in self._groups.values() if isinstance(g, Group)]
 
     def groups(self) -> list[CommGroup]:
         """Every group this rank holds, sorted by name."""

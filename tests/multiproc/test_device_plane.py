@@ -9,7 +9,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,6 @@ import torch.distributed as dist
 
 from elaswave.comm.abort import AbortSignal, StepAborted
 from elaswave.comm.communicator import Communicator
-from elaswave.comm.group import Group
 from elaswave.comm.spec import CommError, GroupSpec
 from elaswave.comm.strict import StrictBackend
 from elaswave.runtime.worker.early_release import EarlyRelease
@@ -98,6 +99,16 @@ def test_release_aborts_only_what_parks_and_the_next_generation_rebuilds_it() ->
         assert (r["reused"], r["count"]) == (1, 2)
 
 
+def _survivors(target: Callable[[int, dist.Store], dict[str, Any]]) -> dict[int, Any]:
+    """What ranks 0 and 1 of a three-process job running ``target`` return (rank 2 is
+    the one that fails)."""
+    job = Job(target, 3)
+    try:
+        return job.results(2, timeout_s=60)
+    finally:
+        job.close()
+
+
 def _hang_before_the_first_collective(rank: int, store: dist.Store) -> dict[str, float]:
     abort = AbortSignal()
     plane = Communicator(
@@ -121,11 +132,7 @@ def test_a_member_hung_before_a_groups_first_collective_holds_no_launch() -> Non
     new group's first collective held the others there past the Core's stop deadline (an
     H100's churn). Groups are connected for their collectives when built, so the
     survivors' first collective of a step is an ordinary wait that an abort ends."""
-    job = Job(_hang_before_the_first_collective, 3)
-    try:
-        out = job.results(2, timeout_s=60)
-    finally:
-        job.close()
+    out = _survivors(_hang_before_the_first_collective)
     for rank in (0, 1):
         assert out[rank]["stopped_s"] < 5.0, out
 
@@ -138,7 +145,7 @@ def _held_behind_a_dead_peer(rank: int, store: dist.Store) -> dict[str, object]:
         os._exit(0)  # dies once its groups are connected
     dp = plane.group("dp.s0")
     work = dp.pg.allreduce([torch.ones(1)], dist.AllreduceOptions())  # never completes
-    early = EarlyRelease(lambda: [g for g in plane.groups() if isinstance(g, Group)])
+    early = EarlyRelease(plane.process_groups)
     threading.Timer(1.0, early.failed, args=([2],)).start()  # as the bus hears the Core
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="aborted"):
@@ -151,11 +158,7 @@ def test_a_failure_heard_aborts_what_it_stalls_while_the_training_thread_is_held
     thread can wait behind it where no abort signal reaches (a device allocation or sync):
     it never got to release the plane, and the job ended (a joiner in an H100's churn).
     The thread that hears the failure aborts the stalled groups itself."""
-    job = Job(_held_behind_a_dead_peer, 3)
-    try:
-        out = job.results(2, timeout_s=60)
-    finally:
-        job.close()
+    out = _survivors(_held_behind_a_dead_peer)
     for rank in (0, 1):
         assert out[rank]["aborted"] is True, out
         assert 0.9 <= float(out[rank]["held_s"]) < 5.0, out  # type: ignore[arg-type]

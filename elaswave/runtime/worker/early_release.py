@@ -53,4 +53,4 @@ def device_groups(trainer: Trainer | None) -> list[Group]:
     change has released already). Not the TP group: its members fail as one rank, so a
     failure elsewhere leaves its collectives to complete (the executor still aborts it
     if work on it is left when the rank stops)."""
-    return [] if trainer is None else [g for g in trainer.device.groups() if isinstance(g, Group)]
+    return [] if trainer is None else trainer.device.process_groups()

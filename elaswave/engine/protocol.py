@@ -78,7 +78,7 @@ from elaswave.engine.phases import (
     stopping,
     waiting,
 )
-from elaswave.engine.phases.shared import spawn
+from elaswave.engine.phases.shared import restorable, spawn
 from elaswave.engine.record import Streamed
 from elaswave.engine.rules import Rules
 
@@ -202,6 +202,9 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
         return s
     c = s.change  # the job is over: late joiners have no place
     if c is not None and isinstance(c.phase, Applying) and s.alive & set(c.joined):
+        if restorable(r, s):  # roll back: the joiners take the checkpoint
+            p = replace(c.phase, exited={**c.phase.exited, e.rank: (e.code, now)})
+            return applying.roll_back(r, s, c, p, now, out)
         raise Stopped(applying.every_member_lost(r, s, c, c.phase, e, now))
     for rank in sorted(s.alive):
         out.append(Note("core.joiner_stopped", {"rank": rank}))

@@ -72,3 +72,21 @@ def test_a_join_torn_by_a_failure_is_rolled_back_and_the_joiner_added_again(runs
     assert second.kind == "fail-stop" and list(second.ranks) == [3] and not second.joined
     assert third.kind == "join" and list(third.joined) == [4] and not third.rolled_back
     _matches(run, twin, world=5)
+
+
+def test_a_joiner_left_alone_by_a_torn_join_restores_the_checkpoint_inside_the_job(runs_dir):
+    """The job's only rank dies as it applies the plan that adds joiner 1 (at the first
+    apply after step 3). No member is left to roll back to, and the joiner holds no
+    state: with a checkpoint, the joiner takes it in the change that answers the loss
+    (no process started again), and the run matches its fault-free twin (chaos seed
+    57721, case 187, stopped)."""
+    job = ("--dp", "1", "--pp", "1", "--steps", "10", "--global-batch", "4",
+           "--micro-batch", "2", "--checkpoint-every", "2")  # fmt: skip
+    kills = [a for s in range(4, 10) for a in ("--fault", f"kill:0@{s}:apply")]
+    run = train(runs_dir / "alone", *job, "--fault", "join@3", *kills)
+    twin = train(runs_dir / "alone_twin", *job)
+    first, second = run.summary.recoveries
+    assert first.kind == "join" and first.rolled_back and list(first.joined) == [1]
+    assert second.kind == "fail-stop" and list(second.ranks) == [0] and second.restored
+    assert list(second.joined) == [1], second
+    _matches(run, twin, world=2)

@@ -137,6 +137,10 @@ class World(RuleBasedStateMachine):
             case inp.Exited(rank=rank, code=0):
                 self.went_past.add((rank, -1))
         self.state, actions = protocol.step(self.rules, before, event, self.now)
+        self.rolled = before.rolled_back
+        """Whether the layout plans are planned from was taken back, as the actions of
+        this step go by (a roll-back announced in the step makes the plans after it
+        roll back)."""
         for action in actions:
             self._act(before, action)
         self._check_adoption(before)
@@ -144,13 +148,16 @@ class World(RuleBasedStateMachine):
     def _act(self, before: ch.State, action: act.Action) -> None:
         match action:
             case act.Publish(event=FailureDetected() | PauseRequest() as e):
-                if isinstance(e, FailureDetected):
+                if isinstance(e, FailureDetected) and not self.state.stopped:
+                    # (a step that stops the job ends every process: what it announced
+                    # before it stopped is answered by no one)
                     assert e.rollback == self.state.rolled_back, "a roll-back not announced"
+                    self.rolled = self.rolled or e.rollback
                 for rank in sorted(self.procs & set(self.state.plan.ranks)):
                     report = ch.Report(committed_step=self.step_no, params_step=self.step_no)
                     self.pool.append(inp.Ready(rank, e.generation, report))
             case act.Publish(event=RecoveryPlan() as e):
-                assert e.rollback == before.rolled_back, "a roll-back's plan not announced so"
+                assert e.rollback == self.rolled, "a roll-back's plan not announced so"
                 if e.restore:  # state was lost: a checkpoint the Core knows, none too new
                     assert self.rules.restore, "restored although the job restores none"
                     assert e.committed_step in before.checkpoints
@@ -215,9 +222,10 @@ class World(RuleBasedStateMachine):
             assert dataclasses.replace(new, generation=0) == dataclasses.replace(
                 before.plan, generation=0
             ), "the layout taken back is not the one before the torn plan"
-            assert self.state.change is not None or self.state.stopped, (
+            finished = all(self.state.codes.get(x) == 0 for x in new.ranks)
+            assert self.state.change is not None or self.state.stopped or finished, (
                 "a plan taken back without a change for the failure that tore it"
-            )
+            )  # (or every member of the layout taken back finished the job)
             REACHED.append("rolled_back")
             return
         assert plan_digest(new) == digest, "the current plan is not the committed one"
@@ -797,3 +805,57 @@ def test_a_participant_lost_while_a_plan_is_applied_is_rolled_back() -> None:
             state, _ = protocol.step(rules, state, event, 1001.0)
         assert state.plan.generation == 2 and not state.rolled_back
         assert [x.ranks for x in state.plan.stages] == [(0,)]
+
+
+def test_a_joiner_left_alone_by_a_torn_join_takes_the_checkpoint() -> None:
+    """dp2 x pp1 applies the join of rank 2 when both members die, with a checkpoint of
+    step 1 on disk: the plan is taken back and announced so, and the change for the
+    loss restores the checkpoint on the joiner (the only rank left), announced as a
+    roll-back's plan after the roll-back itself. Without a checkpoint the job stops
+    (:func:`test_every_member_lost_while_a_join_is_applied_names_the_lost_stage`)."""
+    state, rules = _applying_a_join()
+    rules = dataclasses.replace(rules, restore=True)
+    for event in (inp.OnDisk((1,)), inp.StepDone(1, 999.0)):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    state, actions = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
+    state, more = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    actions += more
+    assert not any(isinstance(a, act.Stop | act.Terminate) for a in actions)
+    failure, *_ = _published(actions, FailureDetected)
+    assert failure.rollback and failure.generation == 1 and failure.ranks == [0, 1]
+    (plan,) = _published(actions, RecoveryPlan)
+    published = [a.event for a in actions if isinstance(a, act.Publish)]
+    assert published.index(failure) < published.index(plan)
+    assert plan.generation == 2 and plan.rollback and plan.restore
+    assert plan.committed_step == 1 and plan.joined == [2] and plan.failed == [0, 1]
+    for event in (inp.Acked(2, 2, 0, plan.plan_digest), inp.Done(2, 2, ch.Applied())):
+        state, _ = protocol.step(rules, state, event, 1001.0)
+    assert state.plan.generation == 2 and not state.rolled_back and state.plan.ranks == [2]
+    assert state.recoveries[-1].restored and state.done_step == 1
+
+
+def test_joiners_too_few_for_the_stages_with_no_member_left_restore_on_fewer_stages() -> None:
+    """Found by the model check: dp1 x pp2 waiting for nodes applies the join of rank 2
+    when both members die; with a checkpoint, the joiner alone is too few for two stages,
+    and the Core waited with no member (nothing of the job kept meanwhile, no one to
+    write a checkpoint when the wait runs out). It restores the checkpoint on one stage."""
+    report = ch.Report(committed_step=1, params_step=1)
+    cfg, rules = _job(1, 2)
+    rules = dataclasses.replace(_waiting(rules, 20.0), restore=True)
+    state = ch.initial_state(cfg.plan())
+    events = [inp.OnDisk((1,)), inp.StepDone(1, 999.0), inp.ScaleUp(0, 1), inp.Joining(2),
+              *(inp.Ready(r, 0, report) for r in (0, 1))]  # fmt: skip
+    actions: list[act.Action] = []
+    for event in events:
+        state, more = protocol.step(rules, state, event, 1000.0)
+        actions += more
+    (plan,) = _published(actions, RecoveryPlan)
+    for event in (inp.Acked(r, 1, 0, plan.plan_digest) for r in (0, 1, 2)):
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    assert isinstance(state.change.phase, ch.Applying)
+    state, _ = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
+    state, actions = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    assert isinstance(state.change.phase, ch.Agreeing) and not state.stopped
+    (plan,) = _published(actions, RecoveryPlan)
+    assert plan.restore and plan.rollback and plan.joined == [2] and plan.committed_step == 1
+    assert [x.ranks for x in state.change.phase.plan.stages] == [(2,)]

@@ -24,7 +24,7 @@ from elaswave.engine.inputs import Done, Exited, Input, Restarted, StepDone, Tra
 from elaswave.engine.migration import MigrationMode
 from elaswave.engine.phases.detecting import failure
 from elaswave.engine.phases.planning import slowdowns_on
-from elaswave.engine.phases.shared import KILLED, commit, describe, with_phase
+from elaswave.engine.phases.shared import KILLED, commit, describe, restorable, with_phase
 from elaswave.engine.phases.stopping import begin_stop
 from elaswave.engine.plan import taken_back
 from elaswave.engine.record import PhaseTimes, RecoveryRecord, record_to_json, recorded
@@ -105,6 +105,13 @@ def roll_back(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[
         later={x: code for x, code in s.later.items() if x not in lost},
         joiners=s.joiners | joiners,
     )
+    if failed and not s.alive & set(base.ranks) and joiners and restorable(r, s):
+        # no member left to stop: the joiners take the checkpoint
+        out.append(Publish(replace(  # the joiners leave the torn plan
+            rollback_announcement(s, c), ranks=sorted(failed),
+            detail=f"{c.detail}; then every rank of the plan failed while it was applied: "
+            "rolled back",
+        )))  # fmt: skip
     s = begin_stop(r, s, failure(s, failed, now, now), failed, None, now, out)
     if not failed and s.change is not None:  # only a joiner failed: stop every member
         out.append(Publish(rollback_announcement(s, c)))

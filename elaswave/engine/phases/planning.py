@@ -27,10 +27,10 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from elaswave.bus.schema import CORE_SENDER, RecoveryKind, RecoveryStarted, WaitingForNodes
-from elaswave.engine.actions import Action, Note, Publish, Stopped
+from elaswave.engine.actions import Action, Note, Publish, SharePlan, Stopped
 from elaswave.engine.change import Agreeing, Change, State, Waiting
 from elaswave.engine.migration import MigrationDecision, MigrationMode, decide_migration
-from elaswave.engine.phases.shared import spawn, with_phase
+from elaswave.engine.phases.shared import ready_joiners, spawn, with_phase
 from elaswave.engine.plan_inputs import PlanInputs, PlanOutcome, announcement, rebalancing
 from elaswave.engine.record import MigrationRecord, PlannedRecovery, PlanSummary
 from elaswave.engine.recovery import Rebalancing, plan_digest
@@ -82,8 +82,25 @@ def plan_next(
         except TooFewRanks:
             raise  # no state is lost: wait for joiners, or stop
         except Unrecoverable as exc:  # state is lost: restore a checkpoint, or stop
+            if not members and not c.joined and r.restore and (ready := ready_joiners(s)):
+                # No member is left (the last died applying a plan that added these
+                # joiners, which the roll-back returned to the waiting): they take the
+                # checkpoint in this change.
+                out.append(SharePlan(s.plan))
+                c = replace(c, joined=tuple(ready), detail=f"{c.detail}; ranks {ready} join")
+                return plan_next(
+                    r, replace(s, joiners=frozenset()), c, members=members, failed=failed,
+                    attempt=attempt, waited_since=waited_since, completed=completed, now=now,
+                    out=out, shorten=shorten,
+                )  # fmt: skip
             decision, restore = restored(r, s, inputs, members, exc), True
     except TooFewRanks as exc:
+        if not members and not shorten:  # joiners alone do not wait (nothing of the job
+            # is kept meanwhile, no one could write a checkpoint): fewer stages
+            return plan_next(
+                r, s, c, members=members, failed=failed, attempt=attempt,
+                waited_since=waited_since, completed=completed, now=now, out=out, shorten=True,
+            )  # fmt: skip
         if r.wait_for_nodes_s > 0:
             since = now if waited_since is None else waited_since
             waiting = Waiting(
@@ -156,11 +173,12 @@ def restored(
     r: Rules, s: State, inputs: PlanInputs, members: frozenset[int], lost: Unrecoverable
 ) -> RecoveryDecision:
     """State is lost (``lost``): the decision that restores, inside the job, the newest
-    complete disk checkpoint no newer than any member's committed step; ``lost`` again
-    when the job restores none, or no member survives."""
-    if not r.restore or not members:
+    complete disk checkpoint no newer than any member's committed step (with no member
+    left, than the job's last completed step: the joiners take it); ``lost`` again when
+    the job restores none, or no member survives and none joins."""
+    if not r.restore or not (members or inputs.joined):
         raise lost
-    oldest = min(s.reports[x].committed_step for x in members)
+    oldest = min((s.reports[x].committed_step for x in members), default=s.done_step)
     usable = [x for x in s.checkpoints if x <= oldest]
     if not usable:
         raise Unrecoverable(f"{lost}; no complete checkpoint of step {oldest} or before to restore")

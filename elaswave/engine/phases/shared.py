@@ -48,6 +48,12 @@ def ready_joiners(s: State) -> list[int]:
     return sorted(x for x in s.joiners if x in s.alive and x not in s.plan.ranks)
 
 
+def restorable(r: Rules, s: State) -> bool:
+    """Whether joiners left with no member could restore a checkpoint: the job restores
+    them, and one no newer than the job's last completed step is on disk."""
+    return r.restore and any(x <= s.done_step for x in s.checkpoints)
+
+
 def with_phase(s: State, c: Change, phase: PhaseState) -> State:
     """``s`` with change ``c`` in ``phase``."""
     return dataclasses.replace(s, change=dataclasses.replace(c, phase=phase))

@@ -31,7 +31,14 @@ from elaswave.engine.actions import Action, Note, Publish, Stopped
 from elaswave.engine.change import Change, Detecting, State, Stopping
 from elaswave.engine.inputs import Exited, Input, Ready, Restarted
 from elaswave.engine.phases.planning import plan_next
-from elaswave.engine.phases.shared import KILLED, describe, with_phase, without_joiner
+from elaswave.engine.phases.shared import (
+    KILLED,
+    describe,
+    ready_joiners,
+    restorable,
+    with_phase,
+    without_joiner,
+)
 from elaswave.engine.rules import Rules
 
 replace = dataclasses.replace
@@ -220,9 +227,9 @@ def after_stop(r: Rules, s: State, c: Change, p: Stopping, now: float, out: list
         # has nothing left to change (late joiners are sent away as the job ends).
         out.append(Note("core.change_dropped", {"generation": c.generation, "why": c.detail}))
         return replace(s, change=None)
-    if result is StopStatus.NONE_LEFT:
+    if result is StopStatus.NONE_LEFT and not (restorable(r, s) and ready_joiners(s)):
         raise Stopped(f"{stop_text(s, c, p)}; no worker survives")
-    if result is StopStatus.STOPPED:
+    if result in (StopStatus.STOPPED, StopStatus.NONE_LEFT):  # none left: joiners restore
         c = replace(c, detail=stop_text(s, c, p), phase=p)
         return plan_next(
             r, s, c, members=p.members, failed=frozenset(p.failed), attempt=-1,

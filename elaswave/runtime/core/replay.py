@@ -213,7 +213,9 @@ def _replay_one(
                 floor=floor,
             )
         except Unrecoverable as lost:
-            if not event.restore or event.committed_step > min(commits.values(), default=-1):
+            # no member left: the joiners took the job's newest checkpoint (not bounded here)
+            bound = min(commits.values(), default=event.committed_step)
+            if not event.restore or event.committed_step > bound:
                 raise
             decision = plan_restore(
                 plan, inputs.failed, event.committed_step, lost, rebalance, inputs.joined

@@ -451,7 +451,8 @@ def _apply(
         raise RuntimeError(
             f"the plan of generation {decision.generation} no longer adds rank {ctx.rank}"
         )
-    if decision.rollback != (kept is not None):  # ``kept`` is given to roll back to
+    joiner = trainer is None and kept is None  # holds nothing: nothing to roll back
+    if decision.rollback != (kept is not None) and not joiner:  # ``kept``: to roll back to
         raise RuntimeError(
             f"the plan of generation {decision.generation} "
             + ("rolls back, and this rank kept nothing" if decision.rollback else "does not")

@@ -2,10 +2,13 @@
 with dp=1 x pp=1 x tp=1.
 
     .venv/bin/python scripts/layout_invariance.py [--steps 10] [--out runs/layouts]
+        [--schedule 1f1b|zb-h1]
 
 Layouts: tp in {1, 2, 4}, dp x pp x tp <= 8, pp <= 6 (the tiny model's layers), dp
 dividing the global batch of 24 (micro-batch 1): dp in {1, 2, 3, 4, 6, 8}. Prints a
-table and writes docs/layout_invariance.{json,md}. Measured on real CPU processes
+table and writes docs/layout_invariance.{json,md} (under ``--schedule zb-h1``, every
+layout runs that schedule against the same reference, and the files are
+docs/layout_invariance_zb-h1.{json,md}). Measured on real CPU processes
 (gloo); the numbers compared are per-step losses and final parameters, not timings.
 """
 
@@ -17,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from elaswave.engine.schedule import Schedule
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.results import read_summary
 
@@ -36,10 +40,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "layouts")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    parser.add_argument("--schedule", choices=[x.value for x in Schedule], default="1f1b")
     args = parser.parse_args()
     dirs = {}
     for dp, pp, tp in LAYOUTS:
         out = args.out / f"dp{dp}_pp{pp}_tp{tp}"
+        reference = (dp, pp, tp) == (1, 1, 1)
+        schedule = "1f1b" if reference else args.schedule
         cmd = [
             sys.executable,
             "-m",
@@ -59,6 +66,8 @@ def main() -> int:
             "1",
             "--out",
             str(out),
+            "--schedule",
+            schedule,
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -81,11 +90,14 @@ def main() -> int:
                 "param_digest": read_summary(out).param_digest[:12],
             }
         )
+    suffix = "" if args.schedule == "1f1b" else f"_{args.schedule}"
+    flag = "" if args.schedule == "1f1b" else f" --schedule {args.schedule}"
     lines = [
         f"Layout invariance: {args.steps} steps, tiny model, dropout 0.1, global batch "
-        f"{GLOBAL_BATCH}, micro-batch 1, reference dp=1 x pp=1 x tp=1 (tolerance 1e-5)",
+        f"{GLOBAL_BATCH}, micro-batch 1, schedule {args.schedule}, reference dp=1 x pp=1 x "
+        "tp=1 under 1f1b (tolerance 1e-5)",
         "",
-        "    .venv/bin/python scripts/layout_invariance.py",
+        f"    .venv/bin/python scripts/layout_invariance.py{flag}",
         "",
         "| dp | pp | tp | processes | final loss | max rel loss diff | rel param diff | digest |",
         "|---|---|---|---|---|---|---|---|",
@@ -99,8 +111,8 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     args.docs.mkdir(exist_ok=True)
-    (args.docs / "layout_invariance.md").write_text(text + "\n")
-    (args.docs / "layout_invariance.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.docs / f"layout_invariance{suffix}.md").write_text(text + "\n")
+    (args.docs / f"layout_invariance{suffix}.json").write_text(json.dumps(rows, indent=2) + "\n")
     worst = max(max(r["loss_rel_diff"], r["param_rel_diff"]) for r in rows)
     return 0 if worst <= 1e-5 else 1
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from elaswave.comm.spec import GroupSpec
 from elaswave.data.sampler import even_split
+from elaswave.engine.schedule import Schedule
 from elaswave.fabric.placement import SnapshotPlacement, place_snapshots_across, snapshot_link_name
 
 
@@ -100,6 +101,8 @@ class Plan:
     global_batch: int
     num_micro_batches: int
     stages: tuple[StagePlan, ...]
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`)."""
 
     @property
     def pp(self) -> int:
@@ -181,7 +184,12 @@ def plan_key(generation: int) -> str:
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """A plan as plain data (JSON, msgpack); :func:`plan_from_dict` inverts it."""
-    return dataclasses.asdict(plan)
+    doc = dataclasses.asdict(plan)
+    if plan.schedule is Schedule.ONE_F_ONE_B:  # the documents of plans before schedules
+        del doc["schedule"]
+    else:
+        doc["schedule"] = str(plan.schedule)
+    return doc
 
 
 def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
@@ -205,9 +213,18 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
             global_batch=int(doc["global_batch"]),
             num_micro_batches=int(doc["num_micro_batches"]),
             stages=stages,
+            schedule=_schedule(doc.get("schedule", Schedule.ONE_F_ONE_B)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan document: {exc!r}") from None
+
+
+def _schedule(value: Any) -> Schedule:
+    try:
+        return Schedule(value)
+    except ValueError:
+        known = ", ".join(x.value for x in Schedule)
+        raise ValueError(f"schedule {value!r} (known: {known})") from None
 
 
 def _block(value: Any) -> int:
@@ -268,8 +285,10 @@ def initial_plan(
     global_batch: int,
     micro_batch: int,
     layer_counts: Sequence[int] | None = None,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
 ) -> Plan:
-    """The static plan: ranks stage-major (rank = stage*dp + replica), even micro-batches."""
+    """The static plan: ranks stage-major (rank = stage*dp + replica), even micro-batches,
+    every stage running ``schedule``."""
     if dp < 1 or pp < 1:
         raise ValueError(f"dp = {dp}, pp = {pp}: both must be at least 1")
     if micro_batch < 1:
@@ -294,6 +313,7 @@ def initial_plan(
         global_batch=global_batch,
         num_micro_batches=global_batch // (dp * micro_batch),
         stages=tuple(stages),
+        schedule=schedule,
     )
 
 

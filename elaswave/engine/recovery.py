@@ -18,13 +18,13 @@ from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.dataflow import add_ranks, resize_after_failure
 from elaswave.engine.graph import Infeasible
 from elaswave.engine.joiners import place_joiners
-from elaswave.engine.plan import Plan
+from elaswave.engine.plan import Plan, plan_to_dict
 from elaswave.engine.rebalance import Policy, rebalance
 from elaswave.fabric.errors import Unrecoverable
 
 
 def plan_digest(plan: Plan) -> str:
-    doc = json.dumps(dataclasses.asdict(plan), sort_keys=True, separators=(",", ":"))
+    doc = json.dumps(plan_to_dict(plan), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 

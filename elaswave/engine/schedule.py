@@ -1,27 +1,69 @@
-"""The 1F1B pipeline schedule, as a pure list of actions per stage.
+"""Pipeline schedules as data: a pure list of actions per stage.
 
-Stage ``s`` of ``P`` runs ``min(P - s - 1, M)`` warm-up forwards, then alternates one
-forward and one backward, then drains the remaining backwards. At most ``P - s``
-micro-batches are in flight on stage ``s``, which bounds its activation memory.
+An action is an operation on one micro-batch (notation of torch's pipelining):
+
+* ``F`` forward;
+* ``B`` the whole backward: input and weight gradients (1F1B);
+* ``I`` the input-gradient half of the backward: what the previous stage needs, sent
+  to it at once;
+* ``W`` the weight-gradient half, computed later from what ``I`` kept.
+
+**1F1B** (:func:`one_f_one_b`): stage ``s`` of ``P`` runs ``min(P - s - 1, M)`` warm-up
+forwards, then alternates one forward and one backward, then drains the remaining
+backwards. At most ``P - s`` micro-batches are in flight on stage ``s``, which bounds
+its activation memory.
+
+**Zero bubble** (:func:`zero_bubble`, ZB-H1 at equal costs: :func:`zb_h1`): the backward
+split in ``I`` and ``W``; each stage runs, by list scheduling over the whole pipeline,
+the first of ``I`` (its gradient arrived), ``F`` (its input arrived, fewer than
+``P - s`` micro-batches between ``F`` and ``I``, 1F1B's bound) and ``W`` (the oldest
+pending one) that can start when it is free, and a ``W`` first once ``P - 1`` are
+pending. The ``W`` work fills what would be the bubbles of 1F1B: with forward, input-
+and weight-gradient passes of equal time, the bubble falls from 1F1B's ``(P - 1)/M`` of
+the step toward ``(P - 1)/3M`` (arXiv 2401.10241). Given each stage's own costs (a
+stage that carries a larger share of a micro-batch after a loss), the same planner
+places that stage's extra ``W`` work where its neighbours' waits would idle it.
+
+:func:`check` says whether a list is one the runtime can execute and names what is
+wrong when it is not.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class Op(enum.StrEnum):
     FORWARD = "F"
     BACKWARD = "B"
+    """The whole backward (input and weight gradients)."""
+    INPUT = "I"
+    """The input-gradient half of the backward."""
+    WEIGHT = "W"
+    """The weight-gradient half of the backward."""
+
+
+class Schedule(enum.StrEnum):
+    """The schedules the runtime runs (``--schedule``)."""
+
+    ONE_F_ONE_B = "1f1b"
+    ZB_H1 = "zb-h1"
 
 
 Action = tuple[Op, int]
 
+ENDS_ACTIVATIONS = (Op.BACKWARD, Op.INPUT)
+"""The operations after which a micro-batch no longer holds the stage's activations
+(what ``W`` needs is kept until it runs)."""
+GRADIENT_OPS = (Op.BACKWARD, Op.WEIGHT)
+"""The operations that add to the weight gradients."""
+
 
 def one_f_one_b(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action]:
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+    _check_stage(num_stages, stage, num_micro_batches)
     warmup = min(num_stages - stage - 1, num_micro_batches)
     actions: list[Action] = [(Op.FORWARD, mb) for mb in range(warmup)]
     fwd, bwd = warmup, 0
@@ -34,14 +76,196 @@ def one_f_one_b(*, num_stages: int, stage: int, num_micro_batches: int) -> list[
     return actions
 
 
+@dataclass(frozen=True)
+class OpCosts:
+    """Seconds one stage spends on one micro-batch in each operation, and sending its
+    result (activations forward, input gradients back)."""
+
+    fwd_s: float = 1.0
+    input_s: float = 1.0
+    weight_s: float = 1.0
+    send_fwd_s: float = 0.0
+    send_bwd_s: float = 0.0
+
+
+def zero_bubble(
+    *, num_micro_batches: int, costs: Sequence[OpCosts], pending_w: int | None = None
+) -> list[list[Action]]:
+    """Every stage's zero-bubble list (the module docstring), planned by simulating the
+    pipeline with ``costs`` (one per stage). ``pending_w``: at most that many ``W``
+    pending on a stage (default ``P - 1``)."""
+    p, m = len(costs), num_micro_batches
+    _check_stage(p, 0, m)
+    cap = max(1, p - 1) if pending_w is None else pending_w
+    run = _ListRun(p, m, costs, cap)
+    while run.left:
+        run.next_action()
+    return run.lists
+
+
+def equal_costs(num_stages: int) -> list[OpCosts]:
+    """Forward, input- and weight-gradient halves of equal time (ZB-H1's premise); on
+    the first stage, whose input is data, the whole backward is its weight half."""
+    return [OpCosts(1.0, 0.0, 2.0), *[OpCosts()] * (num_stages - 1)]
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_h1_lists(num_stages: int, num_micro_batches: int) -> tuple[tuple[Action, ...], ...]:
+    lists = zero_bubble(num_micro_batches=num_micro_batches, costs=equal_costs(num_stages))
+    return tuple(tuple(x) for x in lists)
+
+
+def zb_h1(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action]:
+    """Stage ``stage``'s ZB-H1 list: :func:`zero_bubble` at :func:`equal_costs`."""
+    _check_stage(num_stages, stage, num_micro_batches)
+    return list(_zb_h1_lists(num_stages, num_micro_batches)[stage])
+
+
+def stage_actions(
+    schedule: Schedule, *, num_stages: int, stage: int, num_micro_batches: int
+) -> list[Action]:
+    """Stage ``stage``'s list under ``schedule``."""
+    make = one_f_one_b if schedule is Schedule.ONE_F_ONE_B else zb_h1
+    return make(num_stages=num_stages, stage=stage, num_micro_batches=num_micro_batches)
+
+
+class _ListRun:
+    """The list scheduler of :func:`zero_bubble`: one action at a time, on the stage
+    whose next action can start first."""
+
+    def __init__(self, p: int, m: int, costs: Sequence[OpCosts], cap: int) -> None:
+        self.p, self.m, self.costs, self.cap = p, m, costs, cap
+        self.free = [0.0] * p
+        self.lists: list[list[Action]] = [[] for _ in range(p)]
+        self.fwd_end: dict[tuple[int, int], float] = {}
+        self.input_end: dict[tuple[int, int], float] = {}
+        self.forwards = [0] * p
+        self.inputs = [0] * p
+        self.pending: list[list[int]] = [[] for _ in range(p)]
+        self.left = 3 * p * m
+
+    def _choices(self, s: int) -> list[tuple[float, int, Op, int]]:
+        """(start, priority, op, micro-batch) of what stage ``s`` may run next."""
+        out = []
+        if self.pending[s]:
+            urgent = len(self.pending[s]) >= self.cap
+            out.append((self.free[s], 0 if urgent else 3, Op.WEIGHT, self.pending[s][0]))
+        if self.inputs[s] < self.forwards[s]:
+            mb = self.inputs[s]
+            if s == self.p - 1:
+                ready: float | None = self.fwd_end[(s, mb)]
+            elif (up := self.input_end.get((s + 1, mb))) is not None:
+                ready = up + self.costs[s + 1].send_bwd_s
+            else:
+                ready = None
+            if ready is not None:
+                out.append((max(self.free[s], ready), 1, Op.INPUT, mb))
+        in_flight = self.forwards[s] - self.inputs[s]
+        if self.forwards[s] < self.m and in_flight < self.p - s:
+            mb = self.forwards[s]
+            if s == 0:
+                ready = 0.0
+            elif (prev := self.fwd_end.get((s - 1, mb))) is not None:
+                ready = prev + self.costs[s - 1].send_fwd_s
+            else:
+                ready = None
+            if ready is not None:
+                out.append((max(self.free[s], ready), 2, Op.FORWARD, mb))
+        return out
+
+    def next_action(self) -> None:
+        best: tuple[float, int, int, Op, int] | None = None
+        for s in range(self.p):
+            choices = self._choices(s)
+            if not choices:
+                continue
+            start = min(c[0] for c in choices)
+            _, prio, op, mb = min((c for c in choices if c[0] <= start), key=lambda c: c[1])
+            if best is None or (start, s) < (best[0], best[2]):
+                best = (start, prio, s, op, mb)
+        if best is None:
+            raise RuntimeError("the zero-bubble planner made no progress")
+        start, _, s, op, mb = best
+        cost = self.costs[s]
+        end = start + {Op.FORWARD: cost.fwd_s, Op.INPUT: cost.input_s}.get(op, cost.weight_s)
+        self.free[s] = end
+        self.lists[s].append((op, mb))
+        self.left -= 1
+        if op is Op.FORWARD:
+            self.fwd_end[(s, mb)] = end
+            self.forwards[s] += 1
+        elif op is Op.INPUT:
+            self.input_end[(s, mb)] = end
+            self.inputs[s] += 1
+            self.pending[s].append(mb)
+        else:
+            self.pending[s].pop(0)
+
+
+def check(
+    actions: Sequence[tuple[str, int]], *, num_stages: int, stage: int, num_micro_batches: int
+) -> None:
+    """ValueError naming what is wrong unless ``actions`` is a list stage ``stage`` can
+    run: every micro-batch forwarded once, then either backwarded whole (``B``) or in
+    two halves (``I`` then ``W``), each once; at most ``num_stages - stage`` micro-
+    batches between their forward and the end of their activations (1F1B's bound)."""
+    _check_stage(num_stages, stage, num_micro_batches)
+    seen: dict[int, list[Op]] = {}
+    live: set[int] = set()
+    for index, (raw, mb) in enumerate(actions):
+        try:
+            op = Op(raw)
+        except ValueError:
+            raise ValueError(f"action {index}: unknown operation {raw!r} (F, B, I or W)") from None
+        if not 0 <= mb < num_micro_batches:
+            raise ValueError(
+                f"action {index} ({op}{mb}): micro-batch out of 0..{num_micro_batches - 1}"
+            )
+        done = seen.setdefault(mb, [])
+        need = {Op.FORWARD: [], Op.BACKWARD: [Op.FORWARD], Op.INPUT: [Op.FORWARD]}.get(
+            op, [Op.FORWARD, Op.INPUT]
+        )
+        if done != need:
+            raise ValueError(
+                f"action {index} ({op}{mb}): comes after {''.join(done) or 'nothing'} of "
+                f"micro-batch {mb}; it must come after {''.join(need) or 'nothing'}"
+            )
+        done.append(op)
+        if op is Op.FORWARD:
+            live.add(mb)
+            if len(live) > num_stages - stage:
+                raise ValueError(
+                    f"action {index} ({op}{mb}): {len(live)} micro-batches in flight on stage "
+                    f"{stage}; at most {num_stages - stage}"
+                )
+        elif op in ENDS_ACTIVATIONS:
+            live.discard(mb)
+    unfinished = sorted(mb for mb in range(num_micro_batches) if seen.get(mb) not in _WHOLE)
+    if unfinished:
+        raise ValueError(f"micro-batches {unfinished} are not forwarded and backwarded whole")
+
+
+_WHOLE = ([Op.FORWARD, Op.BACKWARD], [Op.FORWARD, Op.INPUT, Op.WEIGHT])
+
+
 def max_in_flight(actions: Iterable[tuple[str, int]]) -> int:
-    """Largest number of micro-batches forwarded but not yet backwarded."""
+    """Largest number of micro-batches forwarded whose activations are still held (not
+    yet through ``B`` or ``I``)."""
     live: set[int] = set()
     peak = 0
     for op, mb in actions:
         if op == Op.FORWARD:
             live.add(mb)
             peak = max(peak, len(live))
-        else:
+        elif op in ENDS_ACTIVATIONS:
             live.discard(mb)
     return peak
+
+
+def _check_stage(num_stages: int, stage: int, num_micro_batches: int) -> None:
+    if num_stages < 1 or num_micro_batches < 1:
+        raise ValueError(
+            f"{num_stages} stages, {num_micro_batches} micro-batches: need at least 1 of each"
+        )
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} out of range for {num_stages} stages")

@@ -1,12 +1,14 @@
 """The time of one training step of a pipeline plan, simulated action by action.
 
-Every stage runs the runtime's own 1F1B action list (:func:`elaswave.engine.schedule.
-one_f_one_b`). A forward waits for the activations of its samples (the sender's forward
-of the same micro-batch plus the transfer), a backward for their gradients (the next
-stage's backward plus the transfer); sends do not block the sender, which waits for them
-at the end of the step (the runtime posts them and waits before its optimizer step).
-After its last backward each stage runs its DP reduce-scatter and all-gather; the step
-ends when the last stage's collectives do.
+Every stage runs the runtime's own action list of the plan's schedule
+(:mod:`elaswave.engine.schedule`: 1F1B, or the zero-bubble list whose backward is split
+in input- and weight-gradient halves, :func:`split_parts`). A forward waits for the
+activations of its samples (the sender's forward of the same micro-batch plus the
+transfer), a backward (``B`` or ``I``) for their gradients (the next stage's backward
+plus the transfer), a ``W`` for nothing but its stage; sends do not block the sender,
+which waits for them at the end of the step (the runtime posts them and waits before
+its optimizer step). After its last backward each stage runs its DP reduce-scatter and
+all-gather; the step ends when the last stage's collectives do.
 
 Two granularities, one schedule:
 
@@ -44,7 +46,7 @@ from elaswave.engine.cost import (
     stage_p2p_time,
 )
 from elaswave.engine.plan import Plan, StagePlan
-from elaswave.engine.schedule import Op, one_f_one_b
+from elaswave.engine.schedule import Op, Schedule, stage_actions
 from elaswave.fabric.remap import FP32_BYTES
 
 
@@ -76,51 +78,90 @@ class StepSim:
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_s)
 
 
+WEIGHT_SHARE = 0.5
+"""The part of a backward that is its weight-gradient half (``W``): a linear layer's
+backward is two matrix products of its forward's size, one for the input gradient and
+one for the weight gradient."""
+
+
+def split_parts(*, first: bool) -> tuple[float, float]:
+    """The shares of a backward its ``I`` and ``W`` halves compute: on the first stage,
+    whose input is data, ``I`` has nothing to compute and ``W`` is the whole backward."""
+    return (0.0, 1.0) if first else (1.0 - WEIGHT_SHARE, WEIGHT_SHARE)
+
+
+def op_seconds(op: Op, fwd_s: float, bwd_s: float, *, first: bool = False) -> float:
+    """Seconds of ``op`` on a stage whose forward and whole backward take these."""
+    if op is Op.FORWARD:
+        return fwd_s
+    if op is Op.BACKWARD:
+        return bwd_s
+    return bwd_s * split_parts(first=first)[op is Op.WEIGHT]
+
+
 @functools.lru_cache(maxsize=32)
-def action_order(num_stages: int, num_micro_batches: int) -> tuple[tuple[int, Op, int], ...]:
-    """(stage, op, micro-batch) of every action of a 1F1B step, in an order in which each
-    action comes after the actions it waits for (and after its stage's earlier ones)."""
+def action_order(
+    num_stages: int, num_micro_batches: int, schedule: Schedule = Schedule.ONE_F_ONE_B
+) -> tuple[tuple[int, Op, int], ...]:
+    """(stage, op, micro-batch) of every action of a step under ``schedule``, in an
+    order in which each action comes after the actions it waits for (and after its
+    stage's earlier ones): a forward after the previous stage's forward of its
+    micro-batch, a backward (``B`` or ``I``) after the next stage's."""
     p, m = num_stages, num_micro_batches
     if p < 1 or m < 1:
         raise ValueError(f"{p} stages, {m} micro-batches: need at least 1 of each")
-    actions = [one_f_one_b(num_stages=p, stage=s, num_micro_batches=m) for s in range(p)]
-    done: set[tuple[Op, int, int]] = set()
+    actions = [
+        stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m) for s in range(p)
+    ]
+    done: set[tuple[str, int, int]] = set()
     nxt = [0] * p
     order: list[tuple[int, Op, int]] = []
-    while len(order) < p * 2 * m:
+    while len(order) < sum(len(a) for a in actions):
         progressed = False
         for s in range(p):
             while nxt[s] < len(actions[s]):
                 op, mb = actions[s][nxt[s]]
                 if op is Op.FORWARD:
-                    dep = None if s == 0 else (Op.FORWARD, s - 1, mb)
+                    dep = None if s == 0 else ("F", s - 1, mb)
+                elif op is Op.WEIGHT:
+                    dep = None
                 else:
-                    dep = None if s == p - 1 else (Op.BACKWARD, s + 1, mb)
+                    dep = None if s == p - 1 else ("G", s + 1, mb)
                 if dep is not None and dep not in done:
                     break
-                done.add((op, s, mb))
+                done.add(("F" if op is Op.FORWARD else "G" if op is not Op.WEIGHT else "W", s, mb))
                 order.append((s, op, mb))
                 nxt[s] += 1
                 progressed = True
-        if not progressed:  # the 1F1B lists are deadlock-free; this guards the model
+        if not progressed:  # the planned lists are deadlock-free; this guards the model
             raise RuntimeError("pipeline schedule made no progress")
     return tuple(order)
 
 
-def simulate_step(stages: Sequence[StageTimes], num_micro_batches: int) -> StepSim:
-    """The step time of a 1F1B pipeline with these per-stage times."""
+def simulate_step(
+    stages: Sequence[StageTimes],
+    num_micro_batches: int,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+) -> StepSim:
+    """The step time of a pipeline with these per-stage times under ``schedule``."""
     p, m = len(stages), num_micro_batches
     fwd_end = np.zeros((p, m))
     bwd_end = np.zeros((p, m))
     free = [0.0] * p
-    for s, op, mb in action_order(p, m):
+    for s, op, mb in action_order(p, m, schedule):
         st = stages[s]
         if op is Op.FORWARD:
             ready = 0.0 if s == 0 else fwd_end[s - 1, mb] + stages[s - 1].send_fwd_s
-            free[s] = fwd_end[s, mb] = max(free[s], ready) + st.fwd_s
+        elif op is Op.WEIGHT:
+            ready = 0.0
         else:
             ready = fwd_end[s, mb] if s == p - 1 else bwd_end[s + 1, mb] + stages[s + 1].send_bwd_s
-            free[s] = bwd_end[s, mb] = max(free[s], ready) + st.bwd_s
+        end = max(free[s], ready) + op_seconds(op, st.fwd_s, st.bwd_s, first=s == 0)
+        free[s] = end
+        if op is Op.FORWARD:
+            fwd_end[s, mb] = end
+        elif op is not Op.WEIGHT:
+            bwd_end[s, mb] = end
     finish = tuple(free)
     step = max(f + st.sync_s for f, st in zip(finish, stages, strict=True))
     busy = tuple(m * (st.fwd_s + st.bwd_s) for st in stages)
@@ -316,20 +357,24 @@ def _stage_links(
 def _run_actions(
     plan: Plan, work: _ReplicaWork, links: Sequence[Sequence[_Links]]
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """(forward ends, backward ends) [micro-batch, replica] of every stage, and when
-    each replica's compute is done, walking the 1F1B actions in dependency order."""
+    """(forward ends, backward ends: ``B`` or ``I``) [micro-batch, replica] of every
+    stage, and when each replica's compute is done, walking the plan's schedule in
+    dependency order."""
     p, m = plan.pp, plan.num_micro_batches
     fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     free = [np.zeros(st.dp) for st in plan.stages]
-    for s, op, mb in action_order(p, m):
+    for s, op, mb in action_order(p, m, plan.schedule):
         ready = np.zeros(plan.stages[s].dp)
+        phase = mb % len(work.fwd[s])
         if op is Op.FORWARD:
             if s > 0:
                 ln = links[s - 1][mb % len(links[s - 1])]
                 arrive = fwd_end[s - 1][mb, ln.src] + ln.seconds
                 ready[ln.dsts] = np.maximum.reduceat(arrive[ln.by_dst], ln.dst_starts)
-            dur, end = work.fwd[s][mb % len(work.fwd[s])], fwd_end[s]
+            end = fwd_end[s][mb] = np.maximum(free[s], ready) + work.fwd[s][phase]
+        elif op is Op.WEIGHT:
+            end = free[s] + work.bwd[s][phase] * split_parts(first=s == 0)[1]
         else:
             if s < p - 1:
                 ln = links[s][mb % len(links[s])]
@@ -337,9 +382,9 @@ def _run_actions(
                 ready[ln.srcs] = np.maximum.reduceat(arrive, ln.src_starts)
             else:
                 ready = fwd_end[s][mb]
-            dur, end = work.bwd[s][mb % len(work.bwd[s])], bwd_end[s]
-        end[mb] = np.maximum(free[s], ready) + dur
-        free[s] = end[mb]
+            part = 1.0 if op is Op.BACKWARD else split_parts(first=s == 0)[0]
+            end = bwd_end[s][mb] = np.maximum(free[s], ready) + work.bwd[s][phase] * part
+        free[s] = end
     return fwd_end, bwd_end, free
 
 

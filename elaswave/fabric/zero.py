@@ -170,6 +170,8 @@ class ZeroAdamW:
         self._grads: _GradBuffer | None = None
         self._reduction: _Reduction | None = None
         self._hooks: list[RemovableHandle] = []
+        self._layer_of = {id(p): li for li, ps in enumerate(self.params) for p in ps}
+        """The layer index of each parameter (by identity)."""
         self._gather: torch.Tensor | None = None
         """The all-gather's output, kept from step to step once a gather completed."""
         self._spare: ShardState | None = None
@@ -230,6 +232,16 @@ class ZeroAdamW:
                 if p.requires_grad:
                     hook = functools.partial(self._accumulated, li)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        """``param``'s gradient of the step is complete, accumulated outside autograd's
+        own accumulation (the weight-gradient half of a split backward): what its post-
+        accumulate hook does, once the overlap is armed."""
+        if self._reduction is None or not self._hooks:
+            return
+        index = self._layer_of.get(id(param))
+        if index is not None:
+            self._accumulated(index, param)
 
     def _begin_reduction(self) -> _Reduction:
         self._disarm()

@@ -25,11 +25,12 @@ from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, layer_costs
 from elaswave.engine.cost import device as cost_device
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import balanced_counts
+from elaswave.engine.schedule import Schedule
 from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
 from elaswave.model.tensor_parallel import TpShard, check_divisible, refuse_tp
-from elaswave.runtime.job.faults import validate_faults
+from elaswave.runtime.job.faults import StepPhase, validate_faults
 from elaswave.runtime.job.sections import (
     FLAT,
     SECTIONS,
@@ -92,12 +93,20 @@ class JobConfig:
         """What one section's settings ask of another's (each section checked its own)."""
         self._check_tp()
         layout, steps = self.layout, self.schedule.steps
-        validate_faults(
+        specs = validate_faults(
             self.injection.faults,
             world_size=layout.num_ranks,
             ranks_per_node=layout.ranks_per_node,
             steps=steps,
         )
+        schedule = self.schedule.pipeline_schedule
+        for spec in specs:
+            if spec.phase is StepPhase.WEIGHT and schedule is Schedule.ONE_F_ONE_B:
+                raise ValueError(
+                    f"fault {spec}: phase weight is the weight-gradient half of a split "
+                    f"backward, which schedule {schedule} has not (train with --schedule "
+                    "zb-h1, or name phase backward)"
+                )
         resume_step = self.state.resume_step
         if resume_step is not None and not -1 <= resume_step < steps - 1:
             raise ValueError(
@@ -192,6 +201,7 @@ class JobConfig:
             global_batch=schedule.global_batch,
             micro_batch=schedule.micro_batch,
             layer_counts=counts,
+            schedule=schedule.pipeline_schedule,
         )
 
     @property

@@ -28,6 +28,8 @@ class StepPhase(enum.StrEnum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    WEIGHT = "weight"
+    """The weight-gradient half of a split backward (zero-bubble schedules only)."""
     GRAD_SYNC = "grad-sync"
     SNAPSHOT = "snapshot"
     OPTIMIZER = "optimizer"

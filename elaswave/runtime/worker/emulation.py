@@ -91,12 +91,19 @@ class Pacer:
         return samples * sum(per(self.layers[i]) for i in layer_ids)
 
     def compute(
-        self, layer_ids: Sequence[int], samples: int, started: float, *, backward: bool
+        self,
+        layer_ids: Sequence[int],
+        samples: int,
+        started: float,
+        *,
+        backward: bool,
+        part: float = 1.0,
     ) -> None:
         """Called right after the real compute of ``layer_ids`` on ``samples`` samples,
-        which began at ``started`` (``time.perf_counter``): wait out the modelled rest."""
+        which began at ``started`` (``time.perf_counter``): wait out the modelled rest.
+        ``part``: the share of the backward it was (one half of a split backward)."""
         measured = time.perf_counter() - started
-        flops = self._flops(layer_ids, samples, backward)
+        flops = self._flops(layer_ids, samples, backward) * part
         if self.model is None:
             own = measured
             if self.waited is not None:  # the collectives' share is not this rank's compute

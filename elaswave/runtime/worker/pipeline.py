@@ -24,7 +24,8 @@ from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name, pipe_group_name
-from elaswave.engine.schedule import Op, one_f_one_b
+from elaswave.engine.schedule import GRADIENT_OPS, Op, stage_actions
+from elaswave.engine.steptime import split_parts
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
@@ -34,6 +35,7 @@ from elaswave.model.rng import DropoutRng
 from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.worker.emulation import DelayedSend, Pacer
 from elaswave.runtime.worker.migration import ShadowStep
+from elaswave.runtime.worker.split_backward import HeldWeights, backward_input, backward_weight
 
 
 @dataclass
@@ -143,18 +145,25 @@ class StageRunner:
             raise ValueError(
                 f"{plan.num_micro_batches} micro-batches: at most {MAX_MICRO_BATCHES} per step"
             )
-        self.schedule = one_f_one_b(
-            num_stages=plan.pp, stage=self.stage, num_micro_batches=plan.num_micro_batches
+        self.schedule = stage_actions(
+            plan.schedule,
+            num_stages=plan.pp,
+            stage=self.stage,
+            num_micro_batches=plan.num_micro_batches,
         )
         self.receives: list[tuple[bool, int]] = [
-            (op is Op.BACKWARD, mb)
+            (op is not Op.FORWARD, mb)
             for op, mb in self.schedule
-            if (op is Op.FORWARD and not self.is_first) or (op is Op.BACKWARD and not self.is_last)
+            if (op is Op.FORWARD and not self.is_first)
+            or (op in (Op.BACKWARD, Op.INPUT) and not self.is_last)
         ]
         """(backward, micro-batch) of the step's receives, in the order they are needed."""
-        self.last_backward = max(i for i, (op, _) in enumerate(self.schedule) if op is Op.BACKWARD)
-        """Index in the schedule of the step's last backward, during which the gradient
-        reduction starts (:meth:`ZeroAdamW.overlap_reduction`)."""
+        self.last_backward = max(i for i, (op, _) in enumerate(self.schedule) if op in GRADIENT_OPS)
+        """Index in the schedule of the step's last action that adds to the weight
+        gradients (``B`` or ``W``), during which the gradient reduction starts
+        (:meth:`ZeroAdamW.overlap_reduction`)."""
+        self.parts = split_parts(first=self.is_first)
+        """The shares of a backward the ``I`` and ``W`` halves compute on this stage."""
 
     def share(self, mb: int) -> tuple[int, int]:
         """[lo, hi) offsets of this replica's samples in global micro-batch ``mb``."""
@@ -239,6 +248,7 @@ class StageRunner:
         trace: list[tuple[str, int]] = []
         pending: list[tuple] = []
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list[int]]] = {}
+        held: dict[int, tuple[HeldWeights, list[int]]] = {}
         loss_sum = LossSum(self.device)
         if self.pacer is not None:
             self.pacer.begin_step()
@@ -250,13 +260,19 @@ class StageRunner:
                 trace.append((op.value, mb))
                 if op is Op.FORWARD:
                     saved[mb] = self._forward(step, mb, pending, loss_sum, shadow, inbox)
+                    continue
+                if index == self.last_backward and shadow is None:
+                    # (a migration's paybacks change gradients after the backward)
+                    self.optimizer.overlap_reduction()
+                if op is Op.INPUT:
+                    held[mb] = self._input(step, mb, saved.pop(mb), pending, inbox)
+                    continue
+                if op is Op.WEIGHT:
+                    self._weight(step, mb, *held.pop(mb))
                 else:
-                    if index == self.last_backward and shadow is None:
-                        # (a migration's paybacks change gradients after the backward)
-                        self.optimizer.overlap_reduction()
                     self._backward(step, mb, saved.pop(mb), pending, inbox)
-                    if shadow is not None:
-                        shadow.after_backward(mb)
+                if shadow is not None:
+                    shadow.after_backward(mb)
         if shadow is not None:
             shadow.finish()  # paybacks merged before the gradients are reduced
             self.shadow = None
@@ -353,6 +369,39 @@ class StageRunner:
                 self._tag(step, mb, True),
                 pending,
             )
+
+    def _input(
+        self, step: int, mb: int, saved, pending: list, inbox: _Receives
+    ) -> tuple[HeldWeights, list[int]]:
+        """``I``: the input gradient of micro-batch ``mb``, sent to the previous stage at
+        once; what ``W`` needs is kept."""
+        x_in, out, layer_ids = saved
+        grad = None if self.is_last else inbox.take(True, mb)
+        started = time.perf_counter()
+        weights = [p for layer in self.layers for p in layer.parameters()]
+        held = backward_input(out, grad, x_in, weights, self.optimizer.accumulated)
+        self._paced(mb, layer_ids, started, self.parts[0])
+        if mb == 0:
+            self.fault_hook(StepPhase.BACKWARD, step)
+        if x_in is not None:
+            self._send(
+                x_in.grad, self.inbound(mb), self.share(mb)[0], True,
+                self._tag(step, mb, True), pending,
+            )  # fmt: skip
+        return held, layer_ids
+
+    def _weight(self, step: int, mb: int, held: HeldWeights, layer_ids: list[int]) -> None:
+        """``W``: the weight gradients of micro-batch ``mb``."""
+        started = time.perf_counter()
+        backward_weight(held, self.optimizer.accumulated)
+        self._paced(mb, layer_ids, started, self.parts[1])
+        if mb == 0:
+            self.fault_hook(StepPhase.WEIGHT, step)
+
+    def _paced(self, mb: int, layer_ids: list[int], started: float, part: float) -> None:
+        if self.pacer is not None and part > 0:
+            lo, hi = self.share(mb)
+            self.pacer.compute(layer_ids, hi - lo, started, backward=True, part=part)
 
 
 def _src(route: Route) -> int:

@@ -1,0 +1,153 @@
+"""The backward of one micro-batch in two halves, for zero-bubble schedules
+(:mod:`elaswave.engine.schedule`): ``I`` computes the gradient of the stage's input
+(what the previous stage waits for), ``W`` later computes the weight gradients.
+
+``I`` runs autograd from the stage's output to its input only, keeping, at each
+autograd node where a weight's gradient path leaves the input's, the gradient that
+flows into it (torch's own graph analysis, :mod:`torch.distributed.pipelining.
+_backward`, finds those nodes and groups the weights behind them). ``W`` runs autograd
+from those nodes, with the kept gradients, to the weights. Together they compute what
+one backward does, once each. Any model works (built-in, Hugging Face, megatron-core,
+tensor-parallel layers whose collectives lie on the input's path): the split reads
+only the autograd graph. A weight whose path to the output never meets the input's is
+computed by ``I`` itself; the first stage, whose input is data, has no ``I`` to run and
+runs the whole backward as its ``W``.
+
+Weight gradients are accumulated in place into ``.grad`` (the optimizer's gradient
+buffer), and ``accumulated`` is called for each weight, as autograd's post-accumulate
+hooks would be (:meth:`elaswave.fabric.zero.ZeroAdamW.overlap_reduction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+)
+
+Accumulated = Callable[[torch.nn.Parameter], None]
+
+
+@dataclass
+class _Group:
+    """Weights behind some autograd nodes on the input's path, and the gradients that
+    flowed into those nodes during ``I``."""
+
+    weights: list[torch.nn.Parameter]
+    nodes: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+
+
+@dataclass
+class HeldWeights:
+    """What ``W`` of one micro-batch needs: the weight groups with their gradients (or,
+    on the first stage, the output and its gradient for a whole backward)."""
+
+    groups: list[_Group]
+    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def backward_input(
+    out: torch.Tensor,
+    grad: torch.Tensor | None,
+    x_in: torch.Tensor | None,
+    weights: Sequence[torch.nn.Parameter],
+    accumulated: Accumulated,
+) -> HeldWeights:
+    """``I``: set ``x_in.grad`` (None: the first stage, nothing to compute) from the
+    output ``out`` and its gradient ``grad`` (None: ``out`` is the loss), and keep what
+    :func:`backward_weight` needs."""
+    if x_in is None:
+        return HeldWeights(groups=[], whole=(out, grad))
+    by_node = {_node(w): w for w in weights if w.requires_grad}
+    reverse = construct_reverse_graph([_node(out)])
+    raw = get_param_groups([_node(x_in)], list(by_node), reverse)
+    groups = [
+        _Group(weights=[by_node[n] for n in g["params"]], nodes=list(g["intermediates"]))
+        for g in raw
+    ]
+    covered = {n for g in raw for n in g["params"]}
+    # weights the output reaches whose path never meets the input's: computed now
+    apart = [w for n, w in by_node.items() if n not in covered and n in reverse]
+    handles = []
+    for group in groups:
+        group.grads = [None] * len(group.nodes)
+        for i, node in enumerate(group.nodes):
+            handles.append(node.register_prehook(_keeper(group, i)))
+    try:
+        grads = torch.autograd.grad(
+            [out],
+            [x_in, *apart],
+            grad_outputs=None if grad is None else [grad],
+            retain_graph=True,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    x_in.grad = grads[0]
+    for w, g in zip(apart, grads[1:], strict=True):
+        _accumulate(w, g, accumulated)
+    out.detach_()  # the output side of the graph is not needed any more
+    return HeldWeights(groups=groups)
+
+
+def _keeper(group: _Group, i: int) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        group.grads[i] = grad_outputs
+
+    return keep
+
+
+def backward_weight(held: HeldWeights, accumulated: Accumulated) -> None:
+    """``W``: accumulate the weight gradients of the micro-batch ``held`` was kept for."""
+    if held.whole is not None:
+        out, grad = held.whole
+        torch.autograd.backward(out, grad)  # autograd's own hooks report each weight
+        return
+    for group in held.groups:
+        edges, grads = [], []
+        for node, kept in zip(group.nodes, group.grads, strict=True):
+            for j, g in enumerate(kept or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, j))
+                    grads.append(g)
+        handles = []
+        if len(group.nodes) > 1:  # a node below another gets only its own kept gradient
+            for node, kept in zip(group.nodes, group.grads, strict=True):
+                handles.append(node.register_prehook(lambda _, k=kept: k))
+        try:
+            if not edges:
+                continue
+            targets = [GradientEdge(_node(w), 0) for w in group.weights]
+            dweights = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for w, g in zip(group.weights, dweights, strict=True):
+            _accumulate(w, g, accumulated)
+    held.groups.clear()
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node ``t``'s gradient flows into (its grad_fn, or a leaf's
+    accumulator)."""
+    node = _get_grad_fn_or_grad_acc(t)
+    if node is None:
+        raise ValueError("a tensor of the stage's backward has no autograd node")
+    return node
+
+
+def _accumulate(w: torch.nn.Parameter, g: torch.Tensor | None, accumulated: Accumulated) -> None:
+    if g is not None:
+        if w.grad is None:
+            w.grad = g
+        else:
+            w.grad.add_(g)
+    accumulated(w)

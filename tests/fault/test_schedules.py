@@ -1,0 +1,31 @@
+"""Zero-bubble schedules under faults: a rank killed in the input-gradient half (``I``,
+the ``backward`` phase) or in the weight-gradient half (``W``, the ``weight`` phase) of
+its first micro-batch is recovered inside the step, and the run matches the same run
+without the fault (and the 1F1B run of the same job: the schedule changes the order of
+the work, not its numbers). Replay reproduces every plan,
+with its schedule (:func:`tests.runs.train` replays each run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elaswave.runtime.core.compare import compare_runs
+from tests.runs import train
+
+pytestmark = pytest.mark.timeout(300)
+
+JOB = ("--dp", "2", "--pp", "2", "--steps", "6", "--global-batch", "8", "--micro-batch", "1")
+
+
+@pytest.mark.parametrize(("rank", "phase"), [(1, "weight"), (2, "backward")])
+def test_a_kill_in_either_half_of_a_split_backward_is_recovered(runs_dir, rank, phase):
+    zb = ("--schedule", "zb-h1")
+    run = train(runs_dir / "fault", *JOB, *zb, "--fault", f"kill:{rank}@3:{phase}")
+    twin = train(runs_dir / "twin", *JOB, *zb)
+    one = train(runs_dir / "one", *JOB)
+    (recovery,) = run.summary.recoveries
+    assert recovery.kind == "fail-stop" and list(recovery.ranks) == [rank]
+    for ref in (twin, one):
+        diff = compare_runs(run.out, ref.out)
+        assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+    assert compare_runs(twin.out, one.out).param_rel == 0.0

@@ -1,0 +1,119 @@
+"""Pipeline schedules as data: every list the planners make is one the runtime can run
+(checked), ZB-H1 has 1F1B's activation bound and a smaller simulated bubble, bad lists
+are refused by name, and plans carry their schedule."""
+
+import dataclasses
+import re
+
+import pytest
+
+from elaswave.engine.plan import initial_plan, plan_from_dict, plan_to_dict
+from elaswave.engine.recovery import plan_digest
+from elaswave.engine.schedule import (
+    Op,
+    OpCosts,
+    Schedule,
+    check,
+    max_in_flight,
+    one_f_one_b,
+    stage_actions,
+    zb_h1,
+    zero_bubble,
+)
+from elaswave.engine.steptime import StageTimes, simulate_step
+from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.sections import InjectionConfig, LayoutConfig, ScheduleConfig
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_every_list_is_valid_and_within_the_activation_bound(schedule: Schedule) -> None:
+    for p in range(1, 7):
+        for m in range(1, 13):
+            for s in range(p):
+                acts = stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m)
+                check(acts, num_stages=p, stage=s, num_micro_batches=m)
+                assert max_in_flight(acts) <= min(p - s, m)
+
+
+def test_zb_h1_splits_every_backward_and_defers_weight_halves() -> None:
+    acts = zb_h1(num_stages=4, stage=0, num_micro_batches=8)
+    assert {op for op, _ in acts} == {Op.FORWARD, Op.INPUT, Op.WEIGHT}
+    first_w = acts.index((Op.WEIGHT, 0))
+    assert first_w > acts.index((Op.INPUT, 0)) + 1, "W of the first micro-batch deferred"
+    pending = peak = 0
+    for op, _ in acts:
+        pending += {Op.INPUT: 1, Op.WEIGHT: -1}.get(op, 0)
+        peak = max(peak, pending)
+    assert peak <= 3, "at most P - 1 weight halves pending"
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (6, 12)])
+def test_zb_h1_predicted_step_is_shorter_than_1f1b(p: int, m: int) -> None:
+    stages = [StageTimes(1.0, 2.0, 0.0, 0.0, 0.0)] * p
+    one = simulate_step(stages, m, Schedule.ONE_F_ONE_B)
+    zb = simulate_step(stages, m, Schedule.ZB_H1)
+    assert one.step_s == pytest.approx(3 * (m + p - 1))  # 1F1B: (p - 1) bubbles of F + B
+    assert zb.step_s < one.step_s
+    if (p, m) == (4, 8):
+        assert one.step_s / zb.step_s >= 1.15
+
+
+def test_uneven_stage_costs_plan_a_valid_list() -> None:
+    """A stage carrying half a share more after a loss (its neighbours wait for it): the
+    planner's lists stay valid and in the activation bound."""
+    costs = [OpCosts(), OpCosts(1.5, 1.5, 1.5), OpCosts(), OpCosts()]
+    lists = zero_bubble(num_micro_batches=8, costs=costs)
+    for s, acts in enumerate(lists):
+        check(acts, num_stages=4, stage=s, num_micro_batches=8)
+
+
+@pytest.mark.parametrize(
+    ("actions", "why"),
+    [
+        ([("F", 0), ("W", 0), ("I", 0)], "it must come after FI"),
+        ([("F", 0), ("F", 0), ("B", 0)], "it must come after nothing"),
+        ([("F", 0), ("B", 0), ("F", 1)], "micro-batches [1] are not forwarded and backwarded"),
+        ([("F", 0), ("F", 1), ("B", 0), ("B", 1)], "2 micro-batches in flight on stage 1"),
+        ([("F", 0), ("X", 0)], "unknown operation 'X' (F, B, I or W)"),
+        ([("F", 0), ("B", 2)], "micro-batch out of 0..1"),
+    ],
+)
+def test_a_bad_list_is_refused_naming_why(actions, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        check(actions, num_stages=2, stage=1, num_micro_batches=2)
+
+
+def test_one_f_one_b_is_unchanged() -> None:
+    assert one_f_one_b(num_stages=2, stage=0, num_micro_batches=3) == [
+        (Op.FORWARD, 0), (Op.FORWARD, 1), (Op.BACKWARD, 0), (Op.FORWARD, 2),
+        (Op.BACKWARD, 1), (Op.BACKWARD, 2),
+    ]  # fmt: skip
+
+
+def test_plans_carry_their_schedule_and_1f1b_plans_keep_their_documents() -> None:
+    plan = initial_plan(num_layers=6, dp=2, pp=2, global_batch=8, micro_batch=1)
+    doc = plan_to_dict(plan)
+    assert "schedule" not in doc  # plans before schedules: same document, same digest
+    zb = dataclasses.replace(plan, schedule=Schedule.ZB_H1)
+    assert plan_to_dict(zb)["schedule"] == "zb-h1"
+    assert plan_from_dict(plan_to_dict(zb)) == zb and plan_from_dict(doc) == plan
+    assert plan_digest(zb) != plan_digest(plan)
+    with pytest.raises(ValueError, match=re.escape("schedule 'zb-h9' (known: 1f1b, zb-h1)")):
+        plan_from_dict({**doc, "schedule": "zb-h9"})
+
+
+def test_a_fault_in_the_weight_half_needs_a_split_schedule() -> None:
+    def job(schedule: str) -> JobConfig:
+        return JobConfig(
+            layout=LayoutConfig(dp=1, pp=2),
+            schedule=ScheduleConfig(
+                steps=4, global_batch=4, micro_batch=1, pipeline_schedule=schedule
+            ),
+            injection=InjectionConfig(faults=("kill:1@2:weight",)),
+        )
+
+    with pytest.raises(ValueError, match=r"phase weight is the weight-gradient half .*zb-h1"):
+        job("1f1b")
+    assert job("zb-h1").plan().schedule is Schedule.ZB_H1
+    with pytest.raises(ValueError, match=r"pipeline_schedule.*valid values are 1f1b, zb-h1"):
+        job("zb")

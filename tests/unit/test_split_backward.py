@@ -1,0 +1,100 @@
+"""The backward split in ``I`` and ``W`` (zero-bubble schedules) computes what one
+backward does: input gradients first, weight gradients later, on every stage kind of
+the built-in model (first: data in; middle; last: the loss), on stages with a weight
+whose path never meets the input's, and under the optimizer's accumulation hooks."""
+
+import pytest
+import torch
+from torch import nn
+
+from elaswave.model.config import TINY
+from elaswave.model.llama import StepContext, build_layer, per_sample_loss
+from elaswave.model.rng import CounterRng
+from elaswave.runtime.worker.split_backward import backward_input, backward_weight
+
+CUTS = {"first": (0, 3), "middle": (2, 5), "last": (4, TINY.num_layers), "whole": (0, 6)}
+
+
+def _stage(kind: str) -> list[nn.Module]:
+    lo, hi = CUTS[kind]
+    return [build_layer(TINY, i, seed=3) for i in range(lo, hi)]
+
+
+def _inputs(kind: str, rows: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if CUTS[kind][0] == 0:
+        return torch.randint(0, TINY.vocab_size, (rows, TINY.seq_len), generator=g)
+    return torch.randn(rows, TINY.seq_len, TINY.hidden_size, generator=g, requires_grad=True)
+
+
+def _forward(layers, x: torch.Tensor, kind: str):
+    ctx = StepContext(step=1, sample_ids=(0, 1), rng=CounterRng(0))
+    out = x
+    for layer in layers:
+        out = layer(out, ctx)
+    if CUTS[kind][1] == TINY.num_layers:
+        g = torch.Generator().manual_seed(8)
+        targets = torch.randint(0, TINY.vocab_size, (x.shape[0], TINY.seq_len), generator=g)
+        return per_sample_loss(out, targets).sum(), None
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    return out, grad
+
+
+@pytest.mark.parametrize("kind", list(CUTS))
+def test_input_then_weight_halves_equal_one_backward(kind: str) -> None:
+    torch.manual_seed(0)
+    layers = _stage(kind)
+    weights = [p for layer in layers for p in layer.parameters()]
+    x = _inputs(kind)
+    out, grad = _forward(layers, x, kind)
+    torch.autograd.backward(out, grad)
+    want_x = None if not x.requires_grad else x.grad.clone()
+    want_w = [p.grad.clone() for p in weights]
+    for p in weights:
+        p.grad = torch.zeros_like(p)  # the optimizer's buffer: accumulated in place
+    buffers = [p.grad for p in weights]
+    x = _inputs(kind)
+    out, grad = _forward(layers, x, kind)
+    reported: list[nn.Parameter] = []
+    held = backward_input(out, grad, x if x.requires_grad else None, weights, reported.append)
+    if want_x is not None:
+        torch.testing.assert_close(x.grad, want_x, rtol=1e-5, atol=1e-6)
+        assert all(float(b.abs().sum()) == 0.0 for b in buffers), "weights before W"
+    backward_weight(held, reported.append)
+    for p, buf, want in zip(weights, buffers, want_w, strict=True):
+        assert p.grad is buf, "the gradient buffer was replaced"
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+    if want_x is not None:
+        assert {id(p) for p in reported} == {id(p) for p in weights}
+
+
+class _Offset(nn.Module):
+    """A layer with a weight added inside a function of its input (``pos``), and one
+    whose path joins the input's only at the output (``scale`` multiplies a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.pos = nn.Parameter(torch.randn(4))
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.pos) + self.scale * torch.ones(4)
+
+
+def test_weights_joining_the_input_path_anywhere_get_their_gradients() -> None:
+    torch.manual_seed(1)
+    layer = _Offset()
+    weights = list(layer.parameters())
+    x = torch.randn(3, 4, requires_grad=True)
+    grad = torch.randn(3, 4)
+    layer(x).backward(grad)
+    want = [p.grad.clone() for p in weights]
+    layer.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_()
+    held = backward_input(layer(x2), grad, x2, weights, lambda _: None)
+    assert all(p.grad is None for p in weights), "weights before W"
+    backward_weight(held, lambda _: None)
+    for p, w in zip(weights, want, strict=True):
+        torch.testing.assert_close(p.grad, w)
+    torch.testing.assert_close(x2.grad, x.grad)

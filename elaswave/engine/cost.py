@@ -389,6 +389,7 @@ def stage_memory(
     num_micro_batches: int | None = None,
     param_bytes: float = FP32_BYTES,
     optimizer_bytes: float = STATE_TENSORS * FP32_BYTES,
+    live: int | None = None,
 ) -> float:
     """Bytes on one rank of a stage that holds ``layers`` (a contiguous slice).
 
@@ -398,13 +399,15 @@ def stage_memory(
     micro-batches in flight under 1F1B: ``num_stages - stage`` of them (fewer when the
     step has fewer micro-batches), each of ``micro_batch`` samples. Communication
     buffers, the allocator's slack and the framework's own footprint are not counted;
-    leave room for them in the cap.
+    leave room for them in the cap. ``live``: the micro-batches whose activations the
+    stage's schedule holds at most (default 1F1B's, :func:`in_flight`).
     """
     if micro_batch < 1 or dp < 1:
         raise ValueError(f"micro_batch = {micro_batch}, dp = {dp}: both must be at least 1")
     params = sum(layer.params for layer in layers)
     activations = sum(layer.activation_bytes_per_sample for layer in layers)
-    live = in_flight(stage=stage, num_stages=num_stages, num_micro_batches=num_micro_batches)
+    if live is None:
+        live = in_flight(stage=stage, num_stages=num_stages, num_micro_batches=num_micro_batches)
     return (2.0 * param_bytes + optimizer_bytes / dp) * params + live * micro_batch * activations
 
 

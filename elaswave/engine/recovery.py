@@ -14,12 +14,14 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from elaswave.engine.cost import DeviceSpec, LayerCost
+from elaswave.engine.cost import DeviceSpec, LayerCost, stage_memory
 from elaswave.engine.dataflow import add_ranks, resize_after_failure
 from elaswave.engine.graph import Infeasible
 from elaswave.engine.joiners import place_joiners
 from elaswave.engine.plan import Plan, plan_to_dict
 from elaswave.engine.rebalance import Policy, rebalance
+from elaswave.engine.schedule import Schedule, max_held, stage_actions
+from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 
 
@@ -46,6 +48,48 @@ class Rebalancing:
     shorten: bool = False
     """Whether fewer ranks than stages may run on a pipeline of fewer stages
     (:func:`elaswave.engine.replan.replan`); else the job waits for joiners, or stops."""
+    schedules: tuple[Schedule, ...] = ()
+    """The pipeline schedules the planner may choose from (:func:`with_schedule`); none:
+    every plan keeps its schedule."""
+
+
+def with_schedule(plan: Plan, rebalancing: Rebalancing | None) -> Plan:
+    """``plan`` under the schedule of ``rebalancing.schedules`` whose simulated step
+    (:func:`~elaswave.engine.steptime.plan_step_time`) is shortest, among those that
+    :func:`fits` the device's memory (``plan``'s own always may); ties keep the earlier
+    one in that order. ``plan`` itself without choices or a cost model."""
+    if rebalancing is None or len(rebalancing.schedules) < 2 or rebalancing.device is None:
+        return plan
+    if not rebalancing.layers:
+        return plan
+    layers, device = rebalancing.layers, rebalancing.device
+    slowdowns = {r: f for r, f in rebalancing.slowdowns.items() if r in plan.ranks}
+    trials = [dataclasses.replace(plan, schedule=s) for s in rebalancing.schedules]
+    timed = [
+        (plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s, index, trial)
+        for index, trial in enumerate(trials)
+        if trial.schedule is plan.schedule or fits(trial, layers, device)
+    ]
+    return min(timed, key=lambda t: (t[0], t[1]))[2]
+
+
+def fits(plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec) -> bool:
+    """Whether every stage of ``plan`` holds what its schedule keeps in flight (every
+    micro-batch until its weight gradients, :func:`~elaswave.engine.schedule.max_held`)
+    within ``device``'s memory."""
+    cost = {c.index: c for c in layers}
+    for st in plan.stages:
+        actions = stage_actions(
+            plan.schedule, num_stages=plan.pp, stage=st.stage,
+            num_micro_batches=plan.num_micro_batches,
+        )  # fmt: skip
+        need = stage_memory(
+            [cost[i] for i in st.layers], micro_batch=st.load, dp=st.dp, stage=st.stage,
+            num_stages=plan.pp, live=max_held(actions),
+        )  # fmt: skip
+        if need > device.memory_bytes:
+            return False
+    return True
 
 
 def next_plan(
@@ -90,9 +134,12 @@ def next_plan(
         except Infeasible as exc:  # the survivors' memory cannot hold their layers
             raise Unrecoverable(f"the surviving ranks run out of memory: {exc}") from None
         resized, reason = decision.plan, f"{reason}; {decision.reason}"
-    if resized == plan:
+    chosen = with_schedule(resized, rebalancing)
+    if chosen.schedule is not resized.schedule:
+        reason = f"{reason}; schedule {chosen.schedule} (simulated faster)"
+    if chosen == plan:
         return plan, reason
-    return dataclasses.replace(resized, generation=plan.generation + 1), reason
+    return dataclasses.replace(chosen, generation=plan.generation + 1), reason
 
 
 def _device(rebalancing: Rebalancing) -> DeviceSpec:

@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.engine.plan import Plan, snapshot_placement
-from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
 from elaswave.engine.reshape import reshape
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
@@ -73,7 +73,10 @@ def replan(
     shaped = reshape(
         plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
     )
-    return shaped.plan, f"{lost}; {shaped.reason}"
+    chosen = with_schedule(shaped.plan, rebalancing)
+    if chosen.schedule is not shaped.plan.schedule:
+        return chosen, f"{lost}; {shaped.reason}; schedule {chosen.schedule} (simulated faster)"
+    return chosen, f"{lost}; {shaped.reason}"
 
 
 def plan_restore(

@@ -53,6 +53,21 @@ class Schedule(enum.StrEnum):
     ZB_H1 = "zb-h1"
 
 
+class ScheduleSetting(enum.StrEnum):
+    """What a job asks for (``--schedule``): one schedule, or ``auto``: the planner
+    chooses, for the initial plan and for every change, the one whose simulated step
+    is shortest."""
+
+    AUTO = "auto"
+    ONE_F_ONE_B = "1f1b"
+    ZB_H1 = "zb-h1"
+
+    @property
+    def choices(self) -> tuple[Schedule, ...]:
+        """The schedules the planner may choose from."""
+        return tuple(Schedule) if self is ScheduleSetting.AUTO else (Schedule(self.value),)
+
+
 Action = tuple[Op, int]
 
 ENDS_ACTIVATIONS = (Op.BACKWARD, Op.INPUT)
@@ -251,13 +266,25 @@ _WHOLE = ([Op.FORWARD, Op.BACKWARD], [Op.FORWARD, Op.INPUT, Op.WEIGHT])
 def max_in_flight(actions: Iterable[tuple[str, int]]) -> int:
     """Largest number of micro-batches forwarded whose activations are still held (not
     yet through ``B`` or ``I``)."""
+    return _peak_live(actions, ENDS_ACTIVATIONS)
+
+
+def max_held(actions: Iterable[tuple[str, int]]) -> int:
+    """Largest number of micro-batches forwarded whose weight gradients are not computed
+    yet (not through ``B`` or ``W``): what a split schedule holds for its deferred
+    weight halves, priced as whole activations (an upper bound)."""
+    return _peak_live(actions, GRADIENT_OPS)
+
+
+def _peak_live(actions: Iterable[tuple[str, int]], ends: tuple[Op, ...]) -> int:
+    """Largest number of micro-batches between their forward and an op of ``ends``."""
     live: set[int] = set()
     peak = 0
     for op, mb in actions:
         if op == Op.FORWARD:
             live.add(mb)
             peak = max(peak, len(live))
-        elif op in ENDS_ACTIVATIONS:
+        elif op in ends:
             live.discard(mb)
     return peak
 

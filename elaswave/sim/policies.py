@@ -41,8 +41,9 @@ from elaswave.engine.cost import DeviceSpec, LayerCost, StageSpec, layer_costs
 from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
-from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
 from elaswave.engine.reshape import HORIZON_STEPS, reshape
+from elaswave.engine.schedule import Schedule
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
@@ -93,6 +94,9 @@ class SimJob:
     profile: tuple[LayerCost, ...] = ()
     """Measured layer costs priced on ``device`` (``elaswave sim --profile``), one per
     layer of ``model``, in place of the FLOP formulas; empty: the formulas."""
+    schedules: tuple[Schedule, ...] = ()
+    """The pipeline schedules ElasWave's planner chooses from at each change (its
+    ``--schedule auto``: every schedule); empty: its plans keep 1F1B, as the others'."""
 
     def __post_init__(self) -> None:
         if self.profile and len(self.profile) != self.model.num_layers:
@@ -271,7 +275,7 @@ def answer(
     else:
         rebalancing = Rebalancing(
             policy=REBALANCE[policy], layers=job.layers, device=job.device,
-            power_budget=job.power_budget,
+            power_budget=job.power_budget, schedules=job.schedules,
         )  # fmt: skip
         shorten = shorten and policy is SimPolicy.ELASWAVE  # the ablations keep their stages
         try:
@@ -283,8 +287,12 @@ def answer(
             )  # fmt: skip
             moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in shaped.moved)
             reason = f"{exc}; ranks change stage ({moved}): {shaped.reason}"
+            new = with_schedule(shaped.plan, rebalancing)
+            step = shaped.step_s
+            if new.schedule is not shaped.plan.schedule:
+                step = plan_step_time(new, job.layers, job.device).step_s
             return PolicyPlan(
-                policy, shaped.plan, shaped.step_s, reason,
+                policy, new, step, reason,
                 stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
             )  # fmt: skip
         step = plan_step_time(new, job.layers, job.device).step_s

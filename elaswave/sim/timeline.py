@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.engine.plan import Plan
-from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
 from elaswave.engine.reshape import reshape
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
@@ -189,6 +189,9 @@ def simulate(
     steps = steps if steps is not None else 2**62
     costs = costs or RecoveryCosts()
     full = job.plan()
+    if policy.is_elaswave and job.schedules:  # its planner chooses the schedule too
+        choosing = Rebalancing(layers=job.layers, device=job.device, schedules=job.schedules)
+        full = with_schedule(full, choosing)
     run = _Run(
         job=job,
         policy=policy,
@@ -367,7 +370,7 @@ def _resume(
         joined = sorted(st.alive - set(st.plan.ranks))
         rebalancing = Rebalancing(
             policy=REBALANCE[policy], layers=job.layers, device=job.device,
-            power_budget=job.power_budget,
+            power_budget=job.power_budget, schedules=job.schedules,
         )  # fmt: skip
         try:
             shaped = reshape(
@@ -477,6 +480,7 @@ def _elaswave_replan(
         layers=job.layers,
         device=job.device,
         power_budget=job.power_budget,
+        schedules=job.schedules,
     )
     shrunk = old.pp < job.pp or old.global_batch // old.num_micro_batches < job.samples
     if joined and shrunk:  # joiners may restore the stages and micro-batches it lost

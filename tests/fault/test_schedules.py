@@ -7,6 +7,8 @@ with its schedule (:func:`tests.runs.train` replays each run)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from elaswave.runtime.core.compare import compare_runs
@@ -29,3 +31,21 @@ def test_a_kill_in_either_half_of_a_split_backward_is_recovered(runs_dir, rank, 
         diff = compare_runs(run.out, ref.out)
         assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
     assert compare_runs(twin.out, one.out).param_rel == 0.0
+
+
+def test_auto_plans_the_schedule_at_the_start_and_at_a_change(runs_dir):
+    """``--schedule auto`` on an emulated device: the initial plan and the plan after a
+    kill take the schedule the planner simulates faster (ZB-H1 on a pipeline: the
+    workers' traces split every backward), workers agree with the Core, replay agrees
+    with both, and the run matches 1F1B's numbers."""
+    emulated = ("--device", "emulated")
+    run = train(runs_dir / "auto", *JOB, *emulated, "--schedule", "auto",
+                "--fault", "kill:1@3:forward")  # fmt: skip
+    one = train(runs_dir / "one", *JOB, *emulated)
+    assert len(run.summary.recoveries) == 1
+    trace = json.loads((run.out / "workers" / "rank0.json").read_text())["traces"][0]
+    assert {op for op, _ in trace["actions"]} == {"F", "I", "W"}
+    # summary.json prices the final plan: the one after the change runs ZB-H1 too
+    assert run.summary.predicted_step_s < one.summary.predicted_step_s
+    diff = compare_runs(run.out, one.out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff

@@ -7,8 +7,9 @@ import re
 
 import pytest
 
+from elaswave.engine.cost import stage_memory
 from elaswave.engine.plan import initial_plan, plan_from_dict, plan_to_dict
-from elaswave.engine.recovery import plan_digest
+from elaswave.engine.recovery import Rebalancing, fits, next_plan, plan_digest, with_schedule
 from elaswave.engine.schedule import (
     Op,
     OpCosts,
@@ -22,6 +23,7 @@ from elaswave.engine.schedule import (
 )
 from elaswave.engine.steptime import StageTimes, simulate_step
 from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.inputs import rebalancing_of
 from elaswave.runtime.job.sections import InjectionConfig, LayoutConfig, ScheduleConfig
 
 
@@ -115,5 +117,55 @@ def test_a_fault_in_the_weight_half_needs_a_split_schedule() -> None:
     with pytest.raises(ValueError, match=r"phase weight is the weight-gradient half .*zb-h1"):
         job("1f1b")
     assert job("zb-h1").plan().schedule is Schedule.ZB_H1
-    with pytest.raises(ValueError, match=r"pipeline_schedule.*valid values are 1f1b, zb-h1"):
+    valid = "pipeline_schedule = 'zb': valid values are auto, 1f1b, zb-h1"
+    with pytest.raises(ValueError, match=re.escape(valid)):
         job("zb")
+
+
+def test_auto_takes_the_schedule_simulated_faster_initially_and_at_a_change() -> None:
+    """``--schedule auto``: the initial plan of a pipeline takes ZB-H1, which simulates
+    faster; a job of one stage keeps 1F1B (a tie: nothing to hide in bubbles); the plan
+    after a loss is chosen again, and workers and replay choose the same (the choice is
+    a pure function of the plan and the job's cost model)."""
+
+    def job(pp: int, setting: str = "auto") -> JobConfig:
+        return JobConfig(
+            layout=LayoutConfig(dp=2, pp=pp, device="emulated"),
+            schedule=ScheduleConfig(global_batch=16, micro_batch=1, pipeline_schedule=setting),
+        )
+
+    assert job(4).plan().schedule is Schedule.ZB_H1
+    assert job(1).plan().schedule is Schedule.ONE_F_ONE_B
+    assert job(4, "1f1b").plan().schedule is Schedule.ONE_F_ONE_B
+    cfg = job(4)
+    choosing = rebalancing_of(cfg, {})
+    assert choosing.schedules == tuple(Schedule)
+    start = dataclasses.replace(cfg.plan(), schedule=Schedule.ONE_F_ONE_B)
+    after, reason = next_plan(start, [1], choosing)
+    assert after.schedule is Schedule.ZB_H1 and "schedule zb-h1 (simulated faster)" in reason
+    assert next_plan(start, [1], choosing) == (after, reason)
+    fixed = dataclasses.replace(choosing, schedules=(Schedule.ONE_F_ONE_B,))
+    assert next_plan(start, [1], fixed)[0].schedule is Schedule.ONE_F_ONE_B
+
+
+def test_auto_keeps_1f1b_where_the_deferred_weight_halves_do_not_fit() -> None:
+    """ZB-H1 holds each micro-batch until its weight half: on a device whose memory holds
+    only 1F1B's activations, auto keeps 1F1B although ZB-H1 simulates faster."""
+    cfg = JobConfig(
+        layout=LayoutConfig(dp=1, pp=4, device="emulated"),
+        schedule=ScheduleConfig(global_batch=16, micro_batch=2, pipeline_schedule="auto"),
+    )
+    plan, layers, dev = cfg.plan(), cfg.layer_costs, cfg.cost_device
+    assert plan.schedule is Schedule.ZB_H1 and fits(plan, layers, dev)
+    one = dataclasses.replace(plan, schedule=Schedule.ONE_F_ONE_B)
+    need = max(
+        stage_memory(
+            [layers[i] for i in st.layers], micro_batch=st.load, dp=st.dp, stage=st.stage,
+            num_stages=plan.pp,
+        )
+        for st in one.stages
+    )  # fmt: skip
+    small = dataclasses.replace(dev, memory_bytes=int(need) + 1)
+    assert fits(one, layers, small) and not fits(plan, layers, small)
+    choosing = Rebalancing(layers=layers, device=small, schedules=tuple(Schedule))
+    assert with_schedule(one, choosing).schedule is Schedule.ONE_F_ONE_B

@@ -25,7 +25,8 @@ from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, layer_costs
 from elaswave.engine.cost import device as cost_device
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import balanced_counts
-from elaswave.engine.schedule import Schedule
+from elaswave.engine.recovery import Rebalancing, with_schedule
+from elaswave.engine.schedule import ScheduleSetting
 from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
@@ -101,7 +102,7 @@ class JobConfig:
         )
         schedule = self.schedule.pipeline_schedule
         for spec in specs:
-            if spec.phase is StepPhase.WEIGHT and schedule is Schedule.ONE_F_ONE_B:
+            if spec.phase is StepPhase.WEIGHT and schedule is ScheduleSetting.ONE_F_ONE_B:
                 raise ValueError(
                     f"fault {spec}: phase weight is the weight-gradient half of a split "
                     f"backward, which schedule {schedule} has not (train with --schedule "
@@ -194,15 +195,18 @@ class JobConfig:
                 micro_batch=schedule.micro_batch,
                 device=self.cost_device,
             )
-        return initial_plan(
+        choices = schedule.pipeline_schedule.choices
+        plan = initial_plan(
             num_layers=self.model.num_layers,
             dp=layout.dp,
             pp=layout.pp,
             global_batch=schedule.global_batch,
             micro_batch=schedule.micro_batch,
             layer_counts=counts,
-            schedule=schedule.pipeline_schedule,
+            schedule=choices[0],
         )
+        choosing = Rebalancing(layers=self.layer_costs, device=self.cost_device, schedules=choices)
+        return with_schedule(plan, choosing)
 
     @property
     def cost_device(self) -> DeviceSpec:

@@ -34,6 +34,7 @@ def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
         device=cfg.cost_device,
         power_budget=cfg.power_budget,
         shorten=cfg.elastic.shortens,
+        schedules=cfg.schedule.pipeline_schedule.choices,
     )
 
 

@@ -38,7 +38,7 @@ from elaswave.bus.reliable import BusFaults
 from elaswave.comm.spec import DEVICES, Device, parse_device
 from elaswave.engine.migration import MIGRATION_MODES, MigrationMode
 from elaswave.engine.rebalance import POLICIES, Policy
-from elaswave.engine.schedule import Schedule
+from elaswave.engine.schedule import ScheduleSetting
 from elaswave.model.config import RNG_KINDS, RngKind
 from elaswave.runtime.job.setting import (
     Alias,
@@ -228,14 +228,16 @@ class ScheduleConfig:
     )
     """Dropout randomness: counter (keyed by sample and layer, layout-independent) or
     stateful (one generator per rank in execution order: the baseline)."""
-    pipeline_schedule: Schedule = setting(
-        Schedule.ONE_F_ONE_B,
-        help="pipeline schedule: 1f1b (default) or zb-h1 (the backward split in input- and "
-        "weight-gradient halves, the weight halves in what would be 1F1B's bubbles)",
+    pipeline_schedule: ScheduleSetting = setting(
+        ScheduleSetting.ONE_F_ONE_B,
+        help="pipeline schedule: 1f1b (default), zb-h1 (the backward split in input- and "
+        "weight-gradient halves, the weight halves in what would be 1F1B's bubbles) or "
+        "auto (the planner takes the one it simulates faster, for every plan)",
         aliases=(Alias(flag="--schedule", help="the same as --pipeline-schedule"),),
     )
-    """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`): 1F1B,
-    or ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles."""
+    """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`): 1F1B;
+    ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles; or
+    ``auto``: whichever the planner simulates faster, chosen again at every change."""
     trace_steps: int = setting(
         2,
         metavar="N",
@@ -254,7 +256,10 @@ class ScheduleConfig:
         check_positive_int(self, "steps", "global_batch", "micro_batch")
         choose(self, "precision", Precision, f"valid values are {listed(Precision)}")
         choose(self, "rng", RngKind, f"valid values are {', '.join(RNG_KINDS)}")
-        choose(self, "pipeline_schedule", Schedule, f"valid values are {listed(Schedule)}")
+        choose(
+            self, "pipeline_schedule", ScheduleSetting,
+            f"valid values are {listed(ScheduleSetting)}",
+        )  # fmt: skip
         object.__setattr__(self, "script", tuple(self.script))
 
 

@@ -5,12 +5,13 @@
 
 Cases (``--dry-run`` lists them):
 
-- ``layout-{tiny,llama}-{dp2,pp2,dp2xpp2,tp2}``: the built-in model and a Hugging Face
-  Llama (config.json only, written here: no download) trained on ``--device cuda`` and
-  on ``--device cpu``; losses within 1e-5, final parameters within 1e-4 (relative, fp32). TP is
-  the built-in model's only.
+- ``layout-{tiny,llama}-{dp2,pp2,dp2xpp2,tp2,dp2xpp2-zb}``: the built-in model and a
+  Hugging Face Llama (config.json only, written here: no download) trained on ``--device
+  cuda`` and on ``--device cpu``; losses within 1e-5, final parameters within 1e-4
+  (relative, fp32). TP is the built-in model's only; ``-zb`` runs ``--schedule zb-h1``.
 - ``{kill,hang}-{phase}``: SIGKILL (``kill``) or SIGSTOP (``hang``) of rank 1 of
-  dp2 x pp2 in each phase of step 3 that fault injection supports; the job must
+  dp2 x pp2 in each phase of step 3 that fault injection supports (``weight``, the
+  weight-gradient half of a split backward, under ``--schedule zb-h1``); the job must
   finish every step without restarting a process (one worker start per rank, one Core),
   match its fault-free run within 1e-4, and every survivor must abandon its step within
   1 s of the failure's announcement (release, from events.log). Figures: MTTR, release.
@@ -76,7 +77,12 @@ GPU_SLACK_MIB = 512
 """GPU memory a survivor may gain over the churn trace (it may take more samples)."""
 FAULT_RANK, FAULT_STEP = 1, 3
 JOB = ("--global-batch", "8", "--micro-batch", "2", "--profile", "off")
-LAYOUTS = {"dp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2xpp2": (2, 2, 1), "tp2": (1, 1, 2)}
+LAYOUTS = {
+    "dp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2xpp2": (2, 2, 1), "tp2": (1, 1, 2),
+    "dp2xpp2-zb": (2, 2, 1),
+}  # fmt: skip
+SCHEDULE_OF = {"dp2xpp2-zb": "zb-h1"}
+"""Layouts run under another pipeline schedule than 1F1B (the backward split in halves)."""
 MODELS = ("tiny", "llama")
 LLAMA: dict[str, Any] = dict(
     vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
@@ -220,7 +226,9 @@ class Checker:
 
 def _layout_args(layout: str, steps: int) -> tuple[list[str], int]:
     dp, pp, tp = LAYOUTS[layout]
-    flags = {"--dp": dp, "--pp": pp, "--tp": tp, "--steps": steps}
+    flags: dict[str, object] = {"--dp": dp, "--pp": pp, "--tp": tp, "--steps": steps}
+    if layout in SCHEDULE_OF:
+        flags["--schedule"] = SCHEDULE_OF[layout]
     return [*JOB, *(x for flag, value in flags.items() for x in (flag, str(value)))], dp * pp * tp
 
 
@@ -282,12 +290,13 @@ def _outcome(name: str, figures: dict[str, Figure], problems: Sequence[str]) -> 
 
 def check_fault(ck: Checker, kind: str, phase: StepPhase) -> Outcome:
     name = f"{kind}-{phase}"
-    args, processes = _layout_args("dp2xpp2", ck.opts.steps)
+    layout = "dp2xpp2-zb" if phase is StepPhase.WEIGHT else "dp2xpp2"  # W: a split backward
+    args, processes = _layout_args(layout, ck.opts.steps)
     fault = ["--fault", f"{kind}:{FAULT_RANK}@{FAULT_STEP}:{phase}"]
     if kind == "hang":
         fault += ["--heartbeat-timeout", "2"]  # a SIGSTOPped rank is found by its silence
     run = ck.train(name, [*args, *fault], device=ck.opts.device, processes=processes)
-    ref = reference(ck, "tiny", "dp2xpp2", ck.opts.device)
+    ref = reference(ck, "tiny", layout, ck.opts.device)
     (summary, why), (ref_summary, why_ref) = _summary(run), _summary(ref)
     figures: dict[str, Figure] = {"wall_s": round(run.wall_s, 1)}
     if summary is None or ref_summary is None:
@@ -443,7 +452,7 @@ def all_cases() -> list[Case]:
             check=partial(check_fault, kind=kind, phase=phase),
         )
         for kind, signal in (("kill", "SIGKILL"), ("hang", "SIGSTOP"))
-        for phase in PHASES
+        for phase in (*PHASES, StepPhase.WEIGHT)
     ]
     cases.append(
         Case(

@@ -82,3 +82,17 @@ def test_a_users_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs, fami
     run = train(runs_dir / f"{family}_kill", "--model", hf_runs.model(family), "--dp", "2",
                 "--pp", "2", *JOB, "--fault", "kill:1@3:backward")  # fmt: skip
     check_recovered(run, ref, world=4, failed=[[1]])
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs, family):
+    """ZB-H1 (the backward of every stage split in input- and weight-gradient halves,
+    read from the autograd graph of whatever model it is) on dp2 x pp2 against dp1 x pp1
+    on 1F1B."""
+    one = hf_runs(family, 1, 1)
+    run = train(runs_dir / f"{family}_zb", "--model", hf_runs.model(family), "--dp", "2",
+                "--pp", "2", *JOB, "--schedule", "zb-h1")  # fmt: skip
+    diff = compare_runs(run.out, one.out)
+    assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff

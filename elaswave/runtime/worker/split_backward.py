@@ -106,32 +106,33 @@ def _keeper(group: _Group, i: int) -> Callable[[tuple[torch.Tensor | None, ...]]
 
 
 def backward_weight(held: HeldWeights, accumulated: Accumulated) -> None:
-    """``W``: accumulate the weight gradients of the micro-batch ``held`` was kept for."""
+    """``W``: accumulate the weight gradients of the micro-batch ``held`` was kept for,
+    in one autograd pass from every kept node to every weight. Each kept node takes the
+    gradient it had during ``I`` (a prehook replaces what flows into it from a kept node
+    above it, which would count that gradient twice)."""
     if held.whole is not None:
         out, grad = held.whole
         torch.autograd.backward(out, grad)  # autograd's own hooks report each weight
         return
+    edges, grads, handles = [], [], []
     for group in held.groups:
-        edges, grads = [], []
         for node, kept in zip(group.nodes, group.grads, strict=True):
             for j, g in enumerate(kept or ()):
                 if g is not None:
                     edges.append(GradientEdge(node, j))
                     grads.append(g)
-        handles = []
-        if len(group.nodes) > 1:  # a node below another gets only its own kept gradient
-            for node, kept in zip(group.nodes, group.grads, strict=True):
-                handles.append(node.register_prehook(lambda _, k=kept: k))
-        try:
-            if not edges:
-                continue
-            targets = [GradientEdge(_node(w), 0) for w in group.weights]
+            handles.append(node.register_prehook(lambda _, k=kept: k))
+    weights = [w for group in held.groups for w in group.weights]
+    dweights: Sequence[torch.Tensor | None] = [None] * len(weights)
+    try:
+        if edges:
+            targets = [GradientEdge(_node(w), 0) for w in weights]
             dweights = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        for w, g in zip(group.weights, dweights, strict=True):
-            _accumulate(w, g, accumulated)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for w, g in zip(weights, dweights, strict=True):
+        _accumulate(w, g, accumulated)
     held.groups.clear()
 
 

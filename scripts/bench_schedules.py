@@ -12,7 +12,10 @@ block a stage, the embedding and the head beside the first and last), as the
 zero-bubble schedules assume stages of equal time; ``--partition even`` cuts by count.
 
 A run's step time is the median of the summary's ``step_time_s`` after the first
-``--skip`` steps. Its bubble is ``1 - busy / (pp x step)``, where ``busy`` is the compute
+``--skip`` steps. Its bubble is ``1 - busy / (pp x span)``, where ``span`` is the median
+of the first stage's pipeline part of the step (from its start to the end of its last
+action and sends, before the optimizer step: the part the simulation prices, in which
+the first stage, starting first, ends last) and ``busy`` the compute
 the emulated device keeps per stage (the cost model's, so the same in the measurement
 and the prediction); the prediction is :func:`elaswave.engine.steptime.plan_step_time`
 of the job's plan under its schedule. The order of the two schedules alternates from
@@ -32,15 +35,17 @@ from typing import Any
 from elaswave.engine.schedule import Schedule
 from elaswave.engine.steptime import plan_step_time
 from elaswave.runtime.job.config import JobConfig
-from elaswave.runtime.job.results import read_summary
+from elaswave.runtime.job.results import read_summary, read_worker_results
 from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)
 
 
-def _run(args: argparse.Namespace, schedule: Schedule, out: Path) -> float:
-    """Train once; the median step time after the skipped steps."""
+def _run(args: argparse.Namespace, schedule: Schedule, out: Path) -> tuple[float, float]:
+    """Train once; the median step time after the skipped steps, and the median of the
+    first stage's pipeline part of the step (its start to its last action's end, before
+    the optimizer step: what the simulation prices)."""
     cmd = [
         sys.executable, "-m", "elaswave.cli.main", "train", "--device", "emulated",
         "--dp", "1", "--pp", str(args.pp), "--steps", str(args.steps),
@@ -50,7 +55,10 @@ def _run(args: argparse.Namespace, schedule: Schedule, out: Path) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return statistics.median(read_summary(out).step_time_s[args.skip :])
+    first = next(r for r in read_worker_results(out) if r.stage == 0 and r.replica == 0)
+    assert first.pipeline_s is not None
+    step = statistics.median(read_summary(out).step_time_s[args.skip :])
+    return step, statistics.median(first.pipeline_s[args.skip :])
 
 
 def _predicted(args: argparse.Namespace, schedule: Schedule) -> tuple[float, float, float]:
@@ -80,19 +88,24 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     steps: dict[Schedule, list[float]] = {s: [] for s in SCHEDULES}
+    spans: dict[Schedule, list[float]] = {s: [] for s in SCHEDULES}
     for pair in range(args.pairs):
         order = SCHEDULES if pair % 2 == 0 else SCHEDULES[::-1]
         for schedule in order:
-            steps[schedule].append(_run(args, schedule, args.out / f"{schedule}_{pair}"))
+            step, span = _run(args, schedule, args.out / f"{schedule}_{pair}")
+            steps[schedule].append(step)
+            spans[schedule].append(span)
         ratio = steps[Schedule.ONE_F_ONE_B][-1] / steps[Schedule.ZB_H1][-1]
         print(f"pair {pair}: zb-h1 / 1f1b samples/s {ratio:.3f}", file=sys.stderr, flush=True)
     rows: dict[str, Any] = {}
     for schedule in SCHEDULES:
         pred_step, pred_bubble, busy = _predicted(args, schedule)
         step = statistics.median(steps[schedule])
-        bubble = 1.0 - busy / (args.pp * step)
+        span = statistics.median(spans[schedule])
+        bubble = 1.0 - busy / (args.pp * span)
         rows[str(schedule)] = {
             "step_s": steps[schedule], "median_step_s": step,
+            "pipeline_s": spans[schedule], "median_pipeline_s": span,
             "samples_per_s": args.global_batch / step, "bubble": bubble,
             "predicted_step_s": pred_step, "predicted_bubble": pred_bubble,
             "bubble_error": abs(bubble - pred_bubble) / pred_bubble,
@@ -106,12 +119,16 @@ def main() -> int:
     m = args.global_batch // args.micro_batch
     print(f"emulated device, dp1 x pp{args.pp} ({args.partition} partition), "
           f"{m} micro-batches, {args.pairs} interleaved pairs")  # fmt: skip
-    print("| schedule | samples/s | step (s) | bubble | predicted step (s) | predicted bubble |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| schedule | samples/s | step (s) | pipeline part (s) | bubble | predicted step (s) "
+        "| predicted bubble |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['samples_per_s']:.2f} | {r['median_step_s']:.4f} | "
-            f"{r['bubble']:.3f} | {r['predicted_step_s']:.4f} | {r['predicted_bubble']:.3f} |"
+            f"{r['median_pipeline_s']:.4f} | {r['bubble']:.3f} | "
+            f"{r['predicted_step_s']:.4f} | {r['predicted_bubble']:.3f} |"
         )
     print(f"ZB-H1 / 1F1B samples/s: median {result['zb_over_1f1b']['median']:.3f} "
           f"(pairs {', '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip

@@ -215,6 +215,8 @@ class Case:
     checkpoint_every: int = 0
     """``--checkpoint-every`` (the campaign's, not drawn, as the copies): lost state is
     then restored from a checkpoint inside the job."""
+    schedule: str = "1f1b"
+    """``--schedule`` (drawn by :func:`draw_schedule` with a generator of its own)."""
 
     @property
     def world(self) -> int:
@@ -237,6 +239,7 @@ class Case:
             "--dp", str(self.dp), "--pp", str(self.pp), *tp, "--steps", str(self.steps),
             "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
+            *(["--schedule", self.schedule] if self.schedule != "1f1b" else []),
         ]  # fmt: skip
 
     def args(self) -> list[str]:
@@ -257,6 +260,7 @@ class Case:
             f"dp{self.dp}_pp{self.pp}" + (f"_tp{self.tp}" if self.tp > 1 else "")
             + f"_gb{self.global_batch}_mb{self.micro_batch}"
             f"_s{self.steps}_seed{self.train_seed}_{self.device}"
+            + (f"_{self.schedule}" if self.schedule != "1f1b" else "")
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -269,7 +273,24 @@ class Case:
             + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
             + (f" copies={self.snapshot_copies}" if self.snapshot_copies > 1 else "")
             + (f" checkpoint-every={self.checkpoint_every}" if self.checkpoint_every else "")
+            + (f" schedule={self.schedule}" if self.schedule != "1f1b" else "")
         )
+
+
+def draw_schedule(case: Case, weight: float) -> Case:
+    """``case`` under ZB-H1 with chance ``weight`` (a generator of its own: the rest of
+    the case is what every weight draws), its ``backward`` faults then moved to the
+    weight-gradient half (``weight``) by a coin each."""
+    if weight <= 0:
+        return case
+    rng = random.Random(f"chaos-schedule:{case.seed}:{case.index}")
+    if rng.random() >= weight:
+        return case
+    faults = tuple(
+        f[: -len("backward")] + "weight" if f.endswith(":backward") and rng.random() < 0.5 else f
+        for f in case.faults
+    )
+    return replace(case, schedule="zb-h1", faults=faults)
 
 
 def _layouts() -> list[tuple[int, int]]:
@@ -852,6 +873,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (f" --tp-weight {tp_weight:g}" if tp_weight else "")
         + (f" --snapshot-copies {case.snapshot_copies}" if case.snapshot_copies > 1 else "")
         + (f" --checkpoint-every {case.checkpoint_every}" if case.checkpoint_every else "")
+        + (" --schedule-weight 1" if case.schedule != "1f1b" else "")  # its coins, the same
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -958,6 +980,13 @@ def main(argv: list[str] | None = None) -> int:
         "lost state is then restored inside the job; the draws do not change)",
     )
     parser.add_argument(
+        "--schedule-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a case runs --schedule zb-h1 (then half its backward faults "
+        "fire in the weight-gradient half; default 0; the other draws do not change)",
+    )
+    parser.add_argument(
         "--snapshot",
         action="store_true",
         help="copy elaswave/ once at the start and run every job (and the checks) on the "
@@ -966,6 +995,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.tp_weight <= 1:
         parser.error(f"--tp-weight {args.tp_weight:g}: must be from 0 to 1")
+    if not 0 <= args.schedule_weight <= 1:
+        parser.error(f"--schedule-weight {args.schedule_weight:g}: must be from 0 to 1")
     if args.copies < 1:
         parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
     if args.checkpoint_every < 0:
@@ -1012,6 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
     for index in indices:
         case = draw_case(args.seed, index, args.tp_weight)
         case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
+        case = draw_schedule(case, args.schedule_weight)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
@@ -1088,7 +1120,8 @@ def _tp_flag(args: argparse.Namespace) -> str:
     """The campaign's flags besides the seed (what reproduces its draws)."""
     copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
     every = f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""
-    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies + every
+    zb = f" --schedule-weight {args.schedule_weight:g}" if args.schedule_weight else ""
+    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies + every + zb
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:

@@ -127,6 +127,9 @@ class WorkerResult:
     snapshot_host_bytes: int = 0
     """Host memory its snapshots of other ranks' shards took at the end (every copy it
     holds: shard states and gradient buffers)."""
+    pipeline_s: tuple[float, ...] | None = None
+    """Per step, as ``step_time_s``: the pipeline's part (to the end of the last action
+    and its sends, before the optimizer step). None in results written before it."""
 
 
 def write_summary(run_dir: Path, summary: Summary) -> None:

@@ -47,6 +47,9 @@ class StepResult:
     trace: list[tuple[str, int]] = field(default_factory=list)
     migration: ShadowStep | None = None
     """The non-blocking migration this step completed, if any."""
+    pipeline_s: float = 0.0
+    """From the step's start to the end of its last action and sends: the pipeline's
+    part of the step (what ``engine/steptime`` simulates), before the optimizer step."""
 
 
 def _no_fault(phase: StepPhase, step: int) -> None:
@@ -280,6 +283,7 @@ class StageRunner:
             if isinstance(work, DelayedSend):
                 work = work.work(self.optimizer.dp_group.timeout.total_seconds())
             group.wait_send(work)
+        pipeline_s = time.perf_counter() - started
         self.fault_hook(StepPhase.GRAD_SYNC, step)
         synced = time.perf_counter()
         self.optimizer.step(step, hook=lambda phase: self.fault_hook(StepPhase(phase), step))
@@ -291,7 +295,9 @@ class StageRunner:
             loss_sum.reduce(self.comm.collective(dp_group_name(self.stage)))
             total = loss_sum.value()
         self.optimizer.commit(step)
-        return StepResult(step, total, time.perf_counter() - started, trace, shadow)
+        return StepResult(
+            step, total, time.perf_counter() - started, trace, shadow, pipeline_s=pipeline_s
+        )
 
     def _tag(self, step: int, mb: int, backward: bool) -> int:
         return p2p_tag(self.plan.generation, step, TagSpace.PIPELINE + 2 * mb + int(backward))

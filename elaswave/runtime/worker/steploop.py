@@ -101,6 +101,7 @@ class StepLoop:
             self.trainer = initial_trainer(ctx)
             self._started(*self.trainer.plan.locate(ctx.rank))
         self.step_times: dict[int, float] = {}
+        self.pipeline_times: dict[int, float] = {}
         self.losses: dict[int, float] = {}
         self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
@@ -168,6 +169,7 @@ class StepLoop:
                     ctx.rng.rewind(self.step)
                 for record in (
                     self.step_times,
+                    self.pipeline_times,
                     self.losses,
                     self.optimizer_digests,
                     self.optimizer_prints,
@@ -199,6 +201,7 @@ class StepLoop:
     def _completed(self, step: int, result: StepResult, recovered: bool) -> StepOutcome:
         cfg, trainer = self.cfg, self.trainer
         self.step_times[step] = result.seconds
+        self.pipeline_times[step] = result.pipeline_s
         outcome = self._outcome(step, result, recovered)
         # Every TP member's timing: the group is as fast as its slowest member.
         clock = self.ctx.pacer.clock
@@ -294,6 +297,7 @@ class StepLoop:
             stage=stage,
             replica=replica,
             step_time_s=tuple(times[s] for s in sorted(times)),
+            pipeline_s=tuple(self.pipeline_times[s] for s in sorted(self.pipeline_times)),
             loss=tuple(losses[s] for s in sorted(losses)) if losses else None,
             loss_steps=tuple(sorted(losses)),
             traces=tuple(self.traces),

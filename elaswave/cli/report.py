@@ -13,6 +13,7 @@ there (the ``plot`` extra).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -128,6 +129,32 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class TimelineRow:
+    """One rank's actions in one step, as it measured them: (operation, micro-batch,
+    start, end), seconds from its step's start."""
+
+    rank: int
+    stage: int
+    step: int
+    actions: tuple[tuple[str, int, float, float], ...]
+
+
+def timeline(results: Iterable[Any]) -> tuple[TimelineRow, ...]:
+    """The last step every rank traced with times, from the workers' results
+    (:class:`~elaswave.runtime.job.results.WorkerResult`), by stage then rank; none when
+    no rank traced times."""
+    rows = []
+    for r in results:
+        timed = [t for t in r.traces if t.times and len(t.times) == len(t.actions)]
+        if timed:
+            t = timed[-1]
+            pairs = zip(t.actions, t.times, strict=True)
+            acts = tuple((op, mb, a, b) for (op, mb), (a, b) in pairs)
+            rows.append(TimelineRow(r.rank, r.stage, t.step, acts))
+    return tuple(sorted(rows, key=lambda row: (row.stage, row.rank)))
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything the figure and the printed lines show."""
 
@@ -142,6 +169,8 @@ class Report:
     """The initial plan, then the plan after each change."""
     changes: tuple[Change, ...]
     verdicts: tuple[Verdict, ...] = ()
+    timeline: tuple[TimelineRow, ...] = ()
+    """Each rank's actions in a traced step of the initial plan (empty: none traced)."""
 
     @property
     def emulated(self) -> bool:
@@ -412,13 +441,25 @@ def load_report(run_dir: Path) -> Report:
             )
         raise ValueError(f"{str(run_dir)!r} is not a run directory (no {SUMMARY}, no {JOB})")
     summary = _read_json(path)
-    return build_report(
+    report = build_report(
         summary,
         _initial_plan(run_dir),
         run_name=run_dir.resolve().name,
         events=_events(run_dir),
         source=repr(str(path)),
     )
+    return dataclasses.replace(report, timeline=_timeline(run_dir))
+
+
+def _timeline(run_dir: Path) -> tuple[TimelineRow, ...]:
+    """The workers' traced actions (none when their results are missing or unreadable:
+    the rest of the report does not need them)."""
+    from elaswave.runtime.job.results import read_worker_results
+
+    try:
+        return timeline(read_worker_results(run_dir))
+    except (OSError, ValueError):
+        return ()
 
 
 # --------------------------------------------------------------------------- drawing
@@ -440,13 +481,16 @@ def render(report: Report, out: Path) -> None:
     except ImportError:
         raise ValueError(f"matplotlib is not installed; {PLOT_EXTRA}") from None
 
-    rows = len(report.plans)
-    fig = Figure(figsize=(11, 4.2 + 0.55 * rows), layout="constrained")
+    rows, ranks = len(report.plans), len(report.timeline)
+    heights = [3.2, 0.6 + 0.55 * rows] + ([0.8 + 0.3 * ranks] if ranks else [])
+    fig = Figure(figsize=(11, 1.0 + sum(heights)), layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without pyplot or a process-wide backend
-    top, bottom = fig.subplots(2, 1, height_ratios=[3.2, 0.6 + 0.55 * rows])
+    axes = fig.subplots(len(heights), 1, height_ratios=heights)
     fig.suptitle(report.title, fontsize=11, color="darkred" if report.emulated else "black")
-    _draw_throughput(top, report)
-    _draw_plans(bottom, report)
+    _draw_throughput(axes[0], report)
+    _draw_plans(axes[1], report)
+    if ranks:
+        _draw_timeline(axes[2], report)
     metadata = {"Title": report.title, "Description": "\n".join(report.lines())}
     try:
         fig.savefig(out, format="png", dpi=100, metadata=metadata)
@@ -519,6 +563,30 @@ def _draw_plans(ax: Any, report: Report) -> None:
     ax.set_xlabel("layer")
     ax.set_title(
         "layers per pipeline stage [lo, hi), DP width and clock, before and after each change",
+        fontsize=9,
+    )
+
+
+_OP_COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:olive", "W": "tab:green"}
+
+
+def _draw_timeline(ax: Any, report: Report) -> None:
+    labels = []
+    for y, row in enumerate(report.timeline):
+        labels.append(f"r{row.rank} S{row.stage}")
+        for op, mb, start, end in row.actions:
+            ax.barh(y, end - start, left=start, height=0.7, color=_OP_COLOURS.get(op, "grey"),
+                    edgecolor="white", linewidth=0.5)  # fmt: skip
+            ax.text((start + end) / 2, y, f"{op}{mb}", ha="center", va="center", fontsize=5,
+                    color="white", clip_on=True)  # fmt: skip
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the rank's step start" + (" (EMULATED)" if report.emulated else ""))
+    steps = sorted({row.step for row in report.timeline})
+    ax.set_title(
+        f"actions of step {', '.join(map(str, steps))} per rank, initial plan: F forward, "
+        "B backward, I input-gradient half, W weight-gradient half (waits for inputs "
+        "included)",
         fontsize=9,
     )
 

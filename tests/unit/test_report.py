@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,8 +22,10 @@ from elaswave.cli.report import (
     render,
     straggler_verdicts,
     throughput,
+    timeline,
 )
 from elaswave.runtime.job.config import JobConfig
+from elaswave.runtime.job.results import Trace
 from tests.png import read_png
 
 INITIAL = {
@@ -277,3 +280,21 @@ def test_render_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
         render(report, tmp_path / "report.png")
     assert PLOT_EXTRA in str(info.value)
     assert not (tmp_path / "report.png").exists()
+
+
+def test_the_timeline_is_each_ranks_last_timed_trace_by_stage():
+    """Each rank's last traced step with times, stage by stage; traces without times
+    (results written before they were recorded) are left out."""
+
+    def result(rank, stage, traces):
+        return SimpleNamespace(rank=rank, stage=stage, traces=traces)
+
+    acts = (("F", 0), ("I", 0), ("W", 0))
+    timed = Trace(step=1, actions=acts, times=((0.0, 0.1), (0.1, 0.2), (0.2, 0.3)))
+    rows = timeline([
+        result(2, 1, (Trace(step=0, actions=acts), timed)),
+        result(0, 0, (timed,)),
+        result(1, 0, (Trace(step=1, actions=acts),)),
+    ])  # fmt: skip
+    assert [(r.rank, r.stage, r.step) for r in rows] == [(0, 0, 1), (2, 1, 1)]
+    assert rows[0].actions == (("F", 0, 0.0, 0.1), ("I", 0, 0.1, 0.2), ("W", 0, 0.2, 0.3))

@@ -83,10 +83,13 @@ class Summary:
 
 @dataclass(frozen=True, kw_only=True)
 class Trace:
-    """The 1F1B actions a stage replica ran in one step: (``F`` or ``B``, micro-batch)."""
+    """The actions a stage replica ran in one step, in order: (``F``, ``B``, ``I`` or
+    ``W``, micro-batch), and when each ran: (start, end) in seconds from the step's start
+    (its waits for what it receives included)."""
 
     step: int
     actions: tuple[tuple[str, int], ...]
+    times: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

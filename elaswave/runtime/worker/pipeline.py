@@ -50,6 +50,8 @@ class StepResult:
     pipeline_s: float = 0.0
     """From the step's start to the end of its last action and sends: the pipeline's
     part of the step (what ``engine/steptime`` simulates), before the optimizer step."""
+    times: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each action of ``trace``, in seconds from the step's start."""
 
 
 def _no_fault(phase: StepPhase, step: int) -> None:
@@ -257,25 +259,20 @@ class StageRunner:
             self.pacer.begin_step()
         self.optimizer.zero_grad()
         shadow = self.shadow if self.shadow is not None and self.shadow.step == step else None
+        times: list[tuple[float, float]] = []
         if not self.idle:
             inbox = _Receives(self, step)
             for index, (op, mb) in enumerate(self.schedule):
                 trace.append((op.value, mb))
+                begun = time.perf_counter() - started
                 if op is Op.FORWARD:
                     saved[mb] = self._forward(step, mb, pending, loss_sum, shadow, inbox)
-                    continue
-                if index == self.last_backward and shadow is None:
-                    # (a migration's paybacks change gradients after the backward)
-                    self.optimizer.overlap_reduction()
-                if op is Op.INPUT:
-                    held[mb] = self._input(step, mb, saved.pop(mb), pending, inbox)
-                    continue
-                if op is Op.WEIGHT:
-                    self._weight(step, mb, *held.pop(mb))
                 else:
-                    self._backward(step, mb, saved.pop(mb), pending, inbox)
-                if shadow is not None:
-                    shadow.after_backward(mb)
+                    if index == self.last_backward and shadow is None:
+                        # (a migration's paybacks change gradients after the backward)
+                        self.optimizer.overlap_reduction()
+                    self._run_backward(step, op, mb, saved, held, pending, inbox, shadow)
+                times.append((begun, time.perf_counter() - started))
         if shadow is not None:
             shadow.finish()  # paybacks merged before the gradients are reduced
             self.shadow = None
@@ -296,8 +293,23 @@ class StageRunner:
             total = loss_sum.value()
         self.optimizer.commit(step)
         return StepResult(
-            step, total, time.perf_counter() - started, trace, shadow, pipeline_s=pipeline_s
+            step, total, time.perf_counter() - started, trace, shadow, pipeline_s, times
         )
+
+    def _run_backward(
+        self, step: int, op: Op, mb: int, saved: dict, held: dict, pending: list,
+        inbox: _Receives, shadow: ShadowStep | None,
+    ) -> None:  # fmt: skip
+        """One backward action of micro-batch ``mb``: ``B``, or the ``I`` or ``W`` half."""
+        if op is Op.INPUT:
+            held[mb] = self._input(step, mb, saved.pop(mb), pending, inbox)
+            return
+        if op is Op.WEIGHT:
+            self._weight(step, mb, *held.pop(mb))
+        else:
+            self._backward(step, mb, saved.pop(mb), pending, inbox)
+        if shadow is not None:
+            shadow.after_backward(mb)
 
     def _tag(self, step: int, mb: int, backward: bool) -> int:
         return p2p_tag(self.plan.generation, step, TagSpace.PIPELINE + 2 * mb + int(backward))

@@ -232,7 +232,9 @@ class StepLoop:
                 )
             )  # fmt: skip
         if step < cfg.schedule.trace_steps and trainer.plan.generation == 0:
-            self.traces.append(Trace(step=step, actions=tuple(result.trace)))
+            self.traces.append(
+                Trace(step=step, actions=tuple(result.trace), times=tuple(result.times))
+            )
         if cfg.state.verify_snapshots:
             digest, fingerprint = state_record(trainer.optimizer.state)
             self.optimizer_digests[step], self.optimizer_prints[step] = digest, fingerprint

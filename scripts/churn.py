@@ -210,7 +210,7 @@ def markdown(rows: list[dict], costs: RecoveryCosts, steady: list[dict]) -> str:
         "bound/ReCycle below 1.05), those ratios cannot be reached on that trace under "
         "these overheads.",
         "",
-        "## Why E/bound stays below 1: the steady state after a few ranks are lost",
+        "## The steady state after a few ranks are lost",
         "",
         "Each policy's samples/s relative to fault-free once it has answered the loss "
         "(no change overheads; replica 0's rank in each listed stage; SIMULATED):",

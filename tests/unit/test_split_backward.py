@@ -98,3 +98,34 @@ def test_weights_joining_the_input_path_anywhere_get_their_gradients() -> None:
     for p, w in zip(weights, want, strict=True):
         torch.testing.assert_close(p.grad, w)
     torch.testing.assert_close(x2.grad, x.grad)
+
+
+class _Shared(nn.Module):
+    """A weight (``p``) added to two others on their way into the input's path: the graph
+    analysis puts it (and ``a``) in two weight groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 4))
+        self.b = nn.Parameter(torch.randn(4, 4))
+        self.p = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ (self.a + self.p)) + x @ (self.b + self.p)
+
+
+def test_a_weight_in_two_groups_is_counted_once() -> None:
+    torch.manual_seed(2)
+    layer = _Shared()
+    weights = list(layer.parameters())
+    x = torch.randn(3, 4, requires_grad=True)
+    grad = torch.randn(3, 4)
+    layer(x).backward(grad)
+    want = [p.grad.clone() for p in weights]
+    layer.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_()
+    held = backward_input(layer(x2), grad, x2, weights, lambda _: None)
+    assert sum(len(g.weights) for g in held.groups) > len(weights), "a weight in two groups"
+    backward_weight(held, lambda _: None)
+    for p, w in zip(weights, want, strict=True):
+        torch.testing.assert_close(p.grad, w)

@@ -114,15 +114,20 @@ def backward_weight(held: HeldWeights, accumulated: Accumulated) -> None:
         out, grad = held.whole
         torch.autograd.backward(out, grad)  # autograd's own hooks report each weight
         return
-    edges, grads, handles = [], [], []
+    # A node or a weight may be in two groups (torch merges a weight's group into each
+    # group it meets): each is taken once, or its gradient would be counted twice.
+    kept_at: dict[Node, tuple[torch.Tensor | None, ...] | None] = {}
     for group in held.groups:
         for node, kept in zip(group.nodes, group.grads, strict=True):
-            for j, g in enumerate(kept or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, j))
-                    grads.append(g)
-            handles.append(node.register_prehook(lambda _, k=kept: k))
-    weights = [w for group in held.groups for w in group.weights]
+            kept_at.setdefault(node, kept)
+    edges, grads, handles = [], [], []
+    for node, kept in kept_at.items():
+        for j, g in enumerate(kept or ()):
+            if g is not None:
+                edges.append(GradientEdge(node, j))
+                grads.append(g)
+        handles.append(node.register_prehook(lambda _, k=kept: k))
+    weights = list({id(w): w for group in held.groups for w in group.weights}.values())
     dweights: Sequence[torch.Tensor | None] = [None] * len(weights)
     try:
         if edges:

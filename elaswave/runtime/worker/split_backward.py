@@ -20,7 +20,7 @@ hooks would be (:meth:`elaswave.fabric.zero.ZeroAdamW.overlap_reduction`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +69,8 @@ def backward_input(
     reverse = construct_reverse_graph([_node(out)])
     raw = get_param_groups([_node(x_in)], list(by_node), reverse)
     groups = [
-        _Group(weights=[by_node[n] for n in g["params"]], nodes=list(g["intermediates"]))
-        for g in raw
+        _Group(weights=[by_node[n] for n in params], nodes=nodes)
+        for params, nodes in _merged((g["params"], g["intermediates"]) for g in raw)
     ]
     covered = {n for g in raw for n in g["params"]}
     # weights the output reaches whose path never meets the input's: computed now
@@ -98,6 +98,22 @@ def backward_input(
     return HeldWeights(groups=groups)
 
 
+def _merged(groups: Iterable[tuple[set[Node], set[Node]]]) -> list[tuple[list[Node], list[Node]]]:
+    """Weight groups (weights, the nodes their paths meet the input's at) merged where
+    they share a weight: torch's grouping puts a weight whose paths meet the input's at
+    nodes of two groups into both, and each must be computed once, from every node its
+    paths meet."""
+    merged: list[tuple[set[Node], set[Node]]] = []
+    for params, nodes in groups:
+        params, nodes = set(params), set(nodes)
+        for other in [m for m in merged if m[0] & params]:
+            merged.remove(other)
+            params |= other[0]
+            nodes |= other[1]
+        merged.append((params, nodes))
+    return [(list(params), list(nodes)) for params, nodes in merged]
+
+
 def _keeper(group: _Group, i: int) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
     def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         group.grads[i] = grad_outputs
@@ -106,39 +122,41 @@ def _keeper(group: _Group, i: int) -> Callable[[tuple[torch.Tensor | None, ...]]
 
 
 def backward_weight(held: HeldWeights, accumulated: Accumulated) -> None:
-    """``W``: accumulate the weight gradients of the micro-batch ``held`` was kept for,
-    in one autograd pass from every kept node to every weight. Each kept node takes the
+    """``W``: accumulate the weight gradients of the micro-batch ``held`` was kept for:
+    one autograd pass a group, from its kept nodes to its weights, which walks only the
+    group's own part of the graph. Where a group has several kept nodes, each takes the
     gradient it had during ``I`` (a prehook replaces what flows into it from a kept node
     above it, which would count that gradient twice)."""
     if held.whole is not None:
         out, grad = held.whole
         torch.autograd.backward(out, grad)  # autograd's own hooks report each weight
         return
-    # A node or a weight may be in two groups (torch merges a weight's group into each
-    # group it meets): each is taken once, or its gradient would be counted twice.
-    kept_at: dict[Node, tuple[torch.Tensor | None, ...] | None] = {}
     for group in held.groups:
-        for node, kept in zip(group.nodes, group.grads, strict=True):
-            kept_at.setdefault(node, kept)
+        _group_weights(group, accumulated)
+    held.groups.clear()
+
+
+def _group_weights(group: _Group, accumulated: Accumulated) -> None:
     edges, grads, handles = [], [], []
-    for node, kept in kept_at.items():
+    for node, kept in zip(group.nodes, group.grads, strict=True):
         for j, g in enumerate(kept or ()):
             if g is not None:
                 edges.append(GradientEdge(node, j))
                 grads.append(g)
-        handles.append(node.register_prehook(lambda _, k=kept: k))
-    weights = list({id(w): w for group in held.groups for w in group.weights}.values())
-    dweights: Sequence[torch.Tensor | None] = [None] * len(weights)
+        if len(group.nodes) > 1:
+            handles.append(node.register_prehook(lambda _, k=kept: k))
+    dweights: Sequence[torch.Tensor | None] = [None] * len(group.weights)
     try:
         if edges:
-            targets = [GradientEdge(_node(w), 0) for w in weights]
-            dweights = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)
+            targets = [GradientEdge(_node(w), 0) for w in group.weights]
+            dweights = torch.autograd.grad(
+                edges, targets, grad_outputs=grads, retain_graph=True, allow_unused=True
+            )
     finally:
         for handle in handles:
             handle.remove()
-    for w, g in zip(weights, dweights, strict=True):
+    for w, g in zip(group.weights, dweights, strict=True):
         _accumulate(w, g, accumulated)
-    held.groups.clear()
 
 
 def _node(t: torch.Tensor) -> Node:

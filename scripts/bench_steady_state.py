@@ -2,14 +2,16 @@
 
     .venv/bin/python scripts/bench_steady_state.py [--pairs 5] [--steps 20] [--out docs]
 
-Two comparisons, on the 6.6M-parameter model of the issue (hidden 256, 8 blocks, sequence
+The comparisons, on the 6.6M-parameter model of the issue (hidden 256, 8 blocks, sequence
 128, vocabulary 512, SwiGLU 688, dropout 0; global batch 32, micro-batch 4):
 
 * ``elaswave train --dp 2 --pp 1`` against torch DDP (gloo, 2 processes, gradient
   accumulation over the micro-batches under ``no_sync``);
 * ``elaswave train --dp 1 --pp 2`` against ``torch.distributed.pipelining``
   (``PipelineStage`` + ``Schedule1F1B``, 2 processes), the layers split as ElasWave's
-  initial plan splits them.
+  initial plan splits them;
+* ``--layouts pp2zb``: the same pipeline, ``elaswave train --schedule zb-h1`` against
+  torch's ``ScheduleInterleavedZeroBubble`` at one stage per rank.
 
 The baselines train the same layers (``pipeline_model(cfg).build_layer(i, seed=0)``: the
 same initial parameters as ElasWave's seed 0), on the same samples (ElasWave's
@@ -75,8 +77,17 @@ MODEL_TOML = "[model]\n" + "".join(  # the fields MODEL sets, for elaswave train
     for name in ModelConfig.field_names()
     if getattr(MODEL, name) != getattr(ModelConfig(), name)
 )
-LAYOUTS = {"dp2": (2, 1), "dp4": (4, 1), "pp2": (1, 2)}
-BASELINE_NAME = {"dp2": "DDP", "dp4": "DDP", "pp2": "pipelining 1F1B"}
+LAYOUTS = {"dp2": (2, 1), "dp4": (4, 1), "pp2": (1, 2), "pp2zb": (1, 2)}
+BASELINE_NAME = {
+    "dp2": "DDP",
+    "dp4": "DDP",
+    "pp2": "pipelining 1F1B",
+    "pp2zb": "pipelining zero bubble",
+}
+ZERO_BUBBLE = {"pp2zb"}
+"""Layouts where ElasWave runs ``--schedule zb-h1`` and the baseline torch's
+``ScheduleInterleavedZeroBubble`` at one stage per rank (the closest torch zero-bubble
+schedule to ZB-H1: ``ScheduleZBVZeroBubble`` needs two stages per rank)."""
 
 
 def job_config(dp: int, pp: int, steps: int) -> JobConfig:
@@ -103,7 +114,14 @@ def steady_throughput(step_times: list[float]) -> float:
 
 
 def run_elaswave(
-    work: Path, config: Path, dp: int, pp: int, steps: int, snapshots: bool, copies: int = 1
+    work: Path,
+    config: Path,
+    dp: int,
+    pp: int,
+    steps: int,
+    snapshots: bool,
+    copies: int = 1,
+    zero_bubble: bool = False,
 ) -> dict[str, Any]:
     out = work / f"elaswave-{dp}x{pp}-{'on' if snapshots else 'off'}"
     cmd = [
@@ -129,6 +147,8 @@ def run_elaswave(
         str(out),
         "--overwrite",
     ]
+    if zero_bubble:
+        cmd += ["--schedule", "zb-h1"]
     if not snapshots:
         cmd.append("--no-snapshots")
     elif copies > 1:
@@ -240,9 +260,18 @@ def ddp_worker(rank: int, store_path: str, steps: int, result: str, world: int =
 
 
 def pipe_worker(
-    rank: int, store_path: str, steps: int, result: str, split: list[tuple[int, int]]
+    rank: int,
+    store_path: str,
+    steps: int,
+    result: str,
+    split: list[tuple[int, int]],
+    zero_bubble: bool = False,
 ) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     _init(rank, store_path)
     start_layer, stop_layer = split[rank]
@@ -253,7 +282,11 @@ def pipe_worker(
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(logits, targets).sum() / GLOBAL_BATCH
 
-    schedule = Schedule1F1B(stage, num_micro, loss_fn=loss_fn, scale_grads=False)
+    schedule: Any = (
+        ScheduleInterleavedZeroBubble([stage], num_micro, loss_fn=loss_fn, scale_grads=False)
+        if zero_bubble
+        else Schedule1F1B(stage, num_micro, loss_fn=loss_fn, scale_grads=False)
+    )
     opt, sched = make_optimizer(module)
     loader = _loader()
     sampler = GlobalBatchSampler(GLOBAL_BATCH, num_micro)
@@ -290,7 +323,10 @@ def run_baseline(work: Path, kind: str, steps: int) -> dict[str, Any]:
         else:
             split = stage_split(1, 2)
             mp.start_processes(
-                pipe_worker, args=(store, steps, result, split), nprocs=2, start_method="spawn"
+                pipe_worker,
+                args=(store, steps, result, split, kind in ZERO_BUBBLE),
+                nprocs=2,
+                start_method="spawn",
             )
             times = json.loads(Path(f"{result}.0").read_text())["step_time_s"]
             loss = json.loads(Path(f"{result}.1").read_text())["loss"]
@@ -442,7 +478,7 @@ def main() -> int:
                     else:
                         pair[f"elaswave_{side}"] = run_elaswave(
                             work, config, dp, pp, args.steps, snapshots=side == "on",
-                            copies=args.copies,
+                            copies=args.copies, zero_bubble=name in ZERO_BUBBLE,
                         )  # fmt: skip
                 ref, mine = pair["baseline"]["loss"], pair["elaswave_on"]["loss"]
                 pair["max_loss_rel_diff"] = max(

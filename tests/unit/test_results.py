@@ -128,4 +128,7 @@ def test_worker_results_read_back_equal(tmp_path: Path) -> None:
     assert read_worker_results(tmp_path) == [RESULT]
     doc = json.loads((tmp_path / "workers" / "rank3.json").read_text())
     assert doc["snapshot_digests"] == {"0": ["x", "y"]}
-    assert doc["traces"] == [{"step": 6, "actions": [["F", 0], ["B", 0]]}]
+    assert doc["traces"] == [{"step": 6, "actions": [["F", 0], ["B", 0]], "times": []}]
+    del doc["traces"][0]["times"], doc["pipeline_s"]  # as results before them were written
+    (tmp_path / "workers" / "rank3.json").write_text(json.dumps(doc))
+    assert read_worker_results(tmp_path) == [RESULT]

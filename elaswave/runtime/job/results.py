@@ -163,7 +163,17 @@ def write_worker_result(run_dir: Path, result: WorkerResult) -> None:
 def read_worker_results(run_dir: Path) -> list[WorkerResult]:
     """Every worker's result in ``run_dir``, by rank."""
     paths = rundir.worker_results(run_dir)
-    return [_decode(_read_json(p, "worker result"), WorkerResult, p) for p in paths]
+    return [_decode(_timed(_read_json(p, "worker result")), WorkerResult, p) for p in paths]
+
+
+def _timed(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with every trace's ``times`` (results written before traces had them:
+    none)."""
+    traces = doc.get("traces")
+    if isinstance(traces, list):
+        traces = [{"times": [], **t} if isinstance(t, dict) else t for t in traces]
+        return {**doc, "traces": traces}
+    return doc
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from torch import nn
 from elaswave.model.config import TINY
 from elaswave.model.llama import StepContext, build_layer, per_sample_loss
 from elaswave.model.rng import CounterRng
-from elaswave.runtime.worker.split_backward import backward_input, backward_weight
+from elaswave.runtime.worker.split_backward import HeldWeights, backward_input, backward_weight
 
 CUTS = {"first": (0, 3), "middle": (2, 5), "last": (4, TINY.num_layers), "whole": (0, 6)}
 
@@ -56,7 +56,7 @@ def test_input_then_weight_halves_equal_one_backward(kind: str) -> None:
     x = _inputs(kind)
     out, grad = _forward(layers, x, kind)
     reported: list[nn.Parameter] = []
-    held = backward_input(out, grad, x if x.requires_grad else None, weights, reported.append)
+    held = backward_input(out, grad, x if x.requires_grad else None, reported.append)
     if want_x is not None:
         torch.testing.assert_close(x.grad, want_x, rtol=1e-5, atol=1e-6)
         assert all(float(b.abs().sum()) == 0.0 for b in buffers), "weights before W"
@@ -82,9 +82,10 @@ class _Offset(nn.Module):
         return torch.tanh(self.lin(x) + self.pos) + self.scale * torch.ones(4)
 
 
-def test_weights_joining_the_input_path_anywhere_get_their_gradients() -> None:
-    torch.manual_seed(1)
-    layer = _Offset()
+def _split_matches_one_backward(layer: nn.Module, seed: int) -> HeldWeights:
+    """Run ``layer``'s backward whole, then split; the gradients must agree. The halves'
+    kept state (after ``I``, before ``W``) is returned."""
+    torch.manual_seed(seed)
     weights = list(layer.parameters())
     x = torch.randn(3, 4, requires_grad=True)
     grad = torch.randn(3, 4)
@@ -92,12 +93,19 @@ def test_weights_joining_the_input_path_anywhere_get_their_gradients() -> None:
     want = [p.grad.clone() for p in weights]
     layer.zero_grad(set_to_none=True)
     x2 = x.detach().clone().requires_grad_()
-    held = backward_input(layer(x2), grad, x2, weights, lambda _: None)
+    held = backward_input(layer(x2), grad, x2, lambda _: None)
     assert all(p.grad is None for p in weights), "weights before W"
+    kept = HeldWeights(groups=list(held.groups))
     backward_weight(held, lambda _: None)
     for p, w in zip(weights, want, strict=True):
         torch.testing.assert_close(p.grad, w)
     torch.testing.assert_close(x2.grad, x.grad)
+    return kept
+
+
+def test_weights_joining_the_input_path_anywhere_get_their_gradients() -> None:
+    torch.manual_seed(1)
+    _split_matches_one_backward(_Offset(), seed=1)
 
 
 class _Shared(nn.Module):
@@ -117,16 +125,6 @@ class _Shared(nn.Module):
 def test_a_weight_in_two_groups_is_counted_once() -> None:
     torch.manual_seed(2)
     layer = _Shared()
-    weights = list(layer.parameters())
-    x = torch.randn(3, 4, requires_grad=True)
-    grad = torch.randn(3, 4)
-    layer(x).backward(grad)
-    want = [p.grad.clone() for p in weights]
-    layer.zero_grad(set_to_none=True)
-    x2 = x.detach().clone().requires_grad_()
-    held = backward_input(layer(x2), grad, x2, weights, lambda _: None)
-    grouped = [id(w) for g in held.groups for w in g.weights]
-    assert sorted(grouped) == sorted(id(w) for w in weights), "each weight in one group"
-    backward_weight(held, lambda _: None)
-    for p, w in zip(weights, want, strict=True):
-        torch.testing.assert_close(p.grad, w)
+    kept = _split_matches_one_backward(layer, seed=2)
+    grouped = [id(w) for g in kept.groups for w in g.weights]
+    assert sorted(grouped) == sorted(id(w) for w in layer.parameters()), "one group each"

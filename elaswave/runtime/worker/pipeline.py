@@ -396,8 +396,7 @@ class StageRunner:
         x_in, out, layer_ids = saved
         grad = None if self.is_last else inbox.take(True, mb)
         started = time.perf_counter()
-        weights = [p for layer in self.layers for p in layer.parameters()]
-        held = backward_input(out, grad, x_in, weights, self.optimizer.accumulated)
+        held = backward_input(out, grad, x_in, self.optimizer.accumulated)
         self._paced(mb, layer_ids, started, self.parts[0])
         if mb == 0:
             self.fault_hook(StepPhase.BACKWARD, step)

@@ -57,7 +57,6 @@ def backward_input(
     out: torch.Tensor,
     grad: torch.Tensor | None,
     x_in: torch.Tensor | None,
-    weights: Sequence[torch.nn.Parameter],
     accumulated: Accumulated,
 ) -> HeldWeights:
     """``I``: set ``x_in.grad`` (None: the first stage, nothing to compute) from the
@@ -65,8 +64,14 @@ def backward_input(
     :func:`backward_weight` needs."""
     if x_in is None:
         return HeldWeights(groups=[], whole=(out, grad))
-    by_node = {_node(w): w for w in weights if w.requires_grad}
     reverse = construct_reverse_graph([_node(out)])
+    # The weights are the leaves the output reaches, whichever layers computed it (a
+    # migrating step's shadow layers included), the stage's input aside.
+    by_node = {
+        n: n.variable
+        for n in reverse
+        if hasattr(n, "variable") and n.variable is not x_in and n.variable.requires_grad
+    }
     raw = get_param_groups([_node(x_in)], list(by_node), reverse)
     groups = [
         _Group(weights=[by_node[n] for n in params], nodes=nodes)
@@ -74,7 +79,7 @@ def backward_input(
     ]
     covered = {n for g in raw for n in g["params"]}
     # weights the output reaches whose path never meets the input's: computed now
-    apart = [w for n, w in by_node.items() if n not in covered and n in reverse]
+    apart = [w for n, w in by_node.items() if n not in covered]
     handles = []
     for group in groups:
         group.grads = [None] * len(group.nodes)

@@ -51,6 +51,16 @@ class Rebalancing:
     schedules: tuple[Schedule, ...] = ()
     """The pipeline schedules the planner may choose from (:func:`with_schedule`); none:
     every plan keeps its schedule."""
+    stages: int | None = None
+    """The job's own number of stages: a pipeline that lost stages grows back towards it
+    when joiners come and a longer pipeline prices lower (:func:`elaswave.engine.replan.
+    replan`); None: a change adds no stage."""
+    samples: int | None = None
+    """The job's own samples per global micro-batch, which a re-formed pipeline goes back
+    to where they fit (None: the plan's)."""
+    reform: bool = False
+    """Whether a change may re-form damaged replicas into a pipeline of fewer, full
+    stages when that prices lower (:func:`elaswave.engine.reshape.reformed`)."""
 
 
 def with_schedule(plan: Plan, rebalancing: Rebalancing | None) -> Plan:

@@ -1,7 +1,10 @@
 """The plan change every runtime process computes alike (pure).
 
 :func:`replan` is the planner a running job applies: :func:`~elaswave.engine.recovery.
-next_plan` while every stage keeps a rank; when failures empty a stage, ranks change
+next_plan` while every stage keeps a rank, unless a pipeline of another number of
+stages prices lower (:func:`~elaswave.engine.reshape.reformed`: one that lost stages
+grows back when joiners come; with ``Rebalancing.reform``, damaged replicas become
+fewer, full stages); when failures empty a stage, ranks change
 stage (:func:`~elaswave.engine.reshape.reshape`: a survivor of a wider stage takes the
 emptied stage's layers, rebuilt from the host snapshots that
 :func:`~elaswave.engine.plan.snapshot_placement` keeps in other stages). The pipeline
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 from elaswave.engine.plan import Plan, snapshot_placement
 from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
-from elaswave.engine.reshape import reshape
+from elaswave.engine.reshape import reformed, reshape
 from elaswave.fabric.errors import TooFewRanks, Unrecoverable
 from elaswave.fabric.placement import SnapshotPlacement
 from elaswave.fabric.remap import check_integrity
@@ -56,7 +59,7 @@ def replan(
     """The plan after ``failed`` leave and ``joined`` arrive (see the module docstring)."""
     emptied = emptied_stages(plan, failed)
     if not emptied or rebalancing is None or rebalancing.device is None:
-        return next_plan(plan, failed, rebalancing, joined=joined)
+        return _kept_or_reformed(plan, failed, rebalancing, joined)
     left = len(set(plan.ranks) - set(failed)) + len(joined)
     lost = ", ".join(
         f"stage {k} (layers {plan.stages[k].layer_start}-{plan.stages[k].layer_stop - 1}) "
@@ -71,12 +74,32 @@ def replan(
             needed=plan.pp - left,
         )
     shaped = reshape(
-        plan, failed, joined, rebalancing=rebalancing, max_stages=plan.pp, search=False
-    )
+        plan, failed, joined, rebalancing=rebalancing,
+        max_stages=max(plan.pp, rebalancing.stages or plan.pp), search=False,
+    )  # fmt: skip
     chosen = with_schedule(shaped.plan, rebalancing)
     if chosen.schedule is not shaped.plan.schedule:
         return chosen, f"{lost}; {shaped.reason}; schedule {chosen.schedule} (simulated faster)"
     return chosen, f"{lost}; {shaped.reason}"
+
+
+def _kept_or_reformed(
+    plan: Plan, failed: Collection[int], rebalancing: Rebalancing | None, joined: Sequence[int]
+) -> tuple[Plan, str]:
+    """:func:`next_plan`, or a pipeline of another number of stages that prices lower
+    (:func:`~elaswave.engine.reshape.reformed`)."""
+    kept, reason = next_plan(plan, failed, rebalancing, joined=joined)
+    if rebalancing is None:
+        return kept, reason
+    other = reformed(plan, failed, joined, kept=kept, rebalancing=rebalancing)
+    if other is None:
+        return kept, reason
+    chosen = with_schedule(other.plan, rebalancing)
+    moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in other.moved)
+    why = f"{other.reason} (ranks change stage: {moved}), priced lower than keeping {plan.pp}"
+    if chosen.schedule is not other.plan.schedule:
+        why = f"{why}; schedule {chosen.schedule} (simulated faster)"
+    return chosen, why
 
 
 def plan_restore(

@@ -13,11 +13,13 @@ over a horizon of steps, plus the time to move the bytes the change needs: a ran
 takes layers it did not hold receives their parameters and its optimizer shard of them
 (:func:`receive_bytes`). The cheapest candidate is the plan. The state of an emptied
 stage survives in the host snapshots that :func:`~elaswave.engine.plan.
-snapshot_placement` keeps in other stages. The runtime applies the plans that keep the
-number of stages, and shorter ones when fewer ranks than stages are left
-(:func:`elaswave.engine.replan.replan`); the simulator also prices longer pipelines
-(joiners restoring stages a pipeline lost) and, in steady state, shorter ones that run
-faster.
+snapshot_placement` keeps in other stages.
+
+When every stage keeps a rank, :func:`reformed` prices the pipelines of another number
+of stages against the plan that keeps them: longer ones when joiners come to a pipeline
+that lost stages (it grows back), and, where the job allows it, shorter ones of full
+stages (damaged replicas re-formed). The runtime applies every plan of this module
+(:func:`elaswave.engine.replan.replan`); the simulator prices the same ones.
 """
 
 from __future__ import annotations
@@ -199,6 +201,43 @@ def reshape(
             f"at most {most_stages} stages over them fits in their memory"
         )
     return _cheapest(pricing, candidates)
+
+
+def reformed(
+    plan: Plan,
+    failed: Collection[int],
+    joined: Sequence[int] = (),
+    *,
+    kept: Plan,
+    rebalancing: Rebalancing,
+    horizon: int = HORIZON_STEPS,
+) -> Reshaped | None:
+    """A pipeline of another number of stages over ``plan``'s survivors and ``joined``
+    that prices lower than ``kept``, the plan keeping its stages (:func:`receive_bytes`
+    counts both moves); None when there is none. Longer ones, up to
+    ``rebalancing.stages``, when a pipeline that lost stages gets joiners; with
+    ``rebalancing.reform``, shorter ones whose stages the ranks fill evenly (damaged
+    replicas re-formed into fewer, full stages). Each is laid out and priced as
+    :func:`reshape` lays out and prices its other pipelines."""
+    if rebalancing.device is None or not rebalancing.layers:
+        return None
+    longer = bool(joined) and plan.pp < (rebalancing.stages or 0)
+    if not longer and not (rebalancing.reform and failed):
+        return None
+    failed = set(failed)
+    ranks = [r for s in plan.stages for r in s.ranks if r not in failed] + list(joined)
+    pricing = _Pricing.of(plan, failed, rebalancing, horizon=horizon, samples=rebalancing.samples)
+    others = _other_pipelines(
+        pricing, ranks, most_stages=max(plan.pp, rebalancing.stages or 0) if longer else plan.pp,
+        samples=rebalancing.samples, shorter=rebalancing.reform,
+    )  # fmt: skip
+    others = [(p, why) for p, why in others if p.pp != plan.pp]
+    if not others:
+        return None
+    best = _cheapest(pricing, others)
+    if pricing.priced(best.plan)[0] >= pricing.priced(kept)[0]:
+        return None
+    return best
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,7 @@ from elaswave.engine.graph import plan_layers
 from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import Policy as Rebalance
 from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
-from elaswave.engine.reshape import HORIZON_STEPS, reshape
+from elaswave.engine.reshape import reformed, reshape
 from elaswave.engine.schedule import Schedule
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
@@ -275,7 +275,8 @@ def answer(
     else:
         rebalancing = Rebalancing(
             policy=REBALANCE[policy], layers=job.layers, device=job.device,
-            power_budget=job.power_budget, schedules=job.schedules,
+            power_budget=job.power_budget, schedules=job.schedules, stages=job.pp,
+            samples=job.samples,
         )  # fmt: skip
         shorten = shorten and policy is SimPolicy.ELASWAVE  # the ablations keep their stages
         try:
@@ -296,7 +297,7 @@ def answer(
                 stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
             )  # fmt: skip
         step = plan_step_time(new, job.layers, job.device).step_s
-        shorter = _shorter_pipeline(job, plan, failed, rebalancing, step) if shorten else None
+        shorter = _shorter_pipeline(plan, failed, rebalancing, new) if shorten else None
         if shorter is not None:
             return dataclasses.replace(shorter, policy=policy)
         return PolicyPlan(policy, new, step, reason)
@@ -305,25 +306,21 @@ def answer(
 
 
 def _shorter_pipeline(
-    job: SimJob, plan: Plan, failed: set[int], rebalancing: Rebalancing, kept_step: float
+    plan: Plan, failed: set[int], rebalancing: Rebalancing, kept: Plan
 ) -> PolicyPlan | None:
-    """A pipeline of fewer, full stages over the survivors, when its simulated step over
-    :data:`~elaswave.engine.reshape.HORIZON_STEPS` steps plus its move costs less than
-    keeping every stage at ``kept_step`` (ranks change stage; the simulator's plan, which
-    the runtime does not apply yet)."""
-    try:
-        shaped = reshape(
-            plan, failed, rebalancing=rebalancing, max_stages=job.pp, samples=job.samples,
-            search=False, shorter=True,
-        )  # fmt: skip
-    except Unrecoverable:
+    """The engine's pipeline of fewer, full stages over the survivors
+    (:func:`~elaswave.engine.reshape.reformed`), when it prices lower than ``kept``."""
+    shaped = reformed(
+        plan, failed, kept=kept, rebalancing=dataclasses.replace(rebalancing, reform=True)
+    )
+    if shaped is None:
         return None
-    price = shaped.step_s * HORIZON_STEPS + shaped.move_bytes / job.device.p2p_bytes_per_s
-    if shaped.plan.pp >= plan.pp or price >= kept_step * HORIZON_STEPS:
-        return None
+    new = with_schedule(shaped.plan, rebalancing)
+    assert rebalancing.device is not None
+    step = plan_step_time(new, rebalancing.layers, rebalancing.device).step_s
     moved = ", ".join(f"{r}: {a} -> {b}" for r, a, b in shaped.moved)
     return PolicyPlan(
-        SimPolicy.ELASWAVE, shaped.plan, shaped.step_s,
+        SimPolicy.ELASWAVE, new, step,
         f"fewer, full stages run faster than keeping {plan.pp} ({moved}): {shaped.reason}",
         stage_moves=shaped.moved, move_bytes=shaped.move_bytes,
     )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -9,8 +10,15 @@ import pytest
 from elaswave.engine.cost import device, layer_costs
 from elaswave.engine.plan import initial_plan
 from elaswave.engine.rebalance import Policy
-from elaswave.engine.recovery import Rebalancing
-from elaswave.engine.reshape import HORIZON_STEPS, _with_ranks, receive_bytes, reshape
+from elaswave.engine.recovery import Rebalancing, next_plan
+from elaswave.engine.replan import replan
+from elaswave.engine.reshape import (
+    HORIZON_STEPS,
+    _with_ranks,
+    receive_bytes,
+    reformed,
+    reshape,
+)
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 from elaswave.model.config import ModelConfig
@@ -160,3 +168,74 @@ def test_shorter_pipelines_are_priced_only_when_asked_and_taken_only_when_cheape
     if out.plan.pp < pp:
         assert len({s.dp for s in out.plan.stages}) == 1
         assert "the pipeline becomes" in out.reason
+
+
+def _price(old, new, layers) -> float:
+    """A plan's price as every reshape candidate's: its step over the horizon, plus the
+    most bytes one rank receives at the change's point-to-point bandwidth."""
+    step = plan_step_time(new, layers, EMULATED).step_s
+    most = max(receive_bytes(old, new, layers).values(), default=0.0)
+    return step * HORIZON_STEPS + most / EMULATED.p2p_bytes_per_s
+
+
+SHORT_SEQUENCES = layer_costs(ModelConfig(seq_len=8), dtype_bytes=4)
+"""Six layers whose all-reduce outweighs their compute on the emulated device (8-token
+samples): a pipeline of several stages beats a wide single stage."""
+
+
+def _growing(layers, samples: int) -> Rebalancing:
+    return Rebalancing(layers=layers, device=EMULATED, stages=2, samples=samples, shorten=True)
+
+
+@pytest.mark.parametrize(
+    ("layers", "micro_batches", "grows"),
+    [(SHORT_SEQUENCES, 2, True), (layer_costs(ModelConfig(), dtype_bytes=4), 4, False)],
+)
+def test_a_pipeline_shortened_by_losses_grows_back_only_when_that_prices_lower(
+    layers, micro_batches, grows
+) -> None:
+    """dp2 x pp2 loses stage 1 (a rank of stage 0 takes it), then the rank that took it:
+    one rank runs every layer. Two joiners come. With a few short samples, whose
+    all-reduce outweighs their compute, two stages price lower than one stage three
+    wide and the pipeline grows back; with the default samples (32 tokens, 4 micro-
+    batches of 4) it stays one stage. Either way the choice is the lower price of the
+    two, re-priced here."""
+    reb = _growing(layers, samples=2 * micro_batches)
+    plan = initial_plan(
+        num_layers=6, dp=2, pp=2, global_batch=4 * micro_batches, micro_batch=micro_batches
+    )
+    plan = replan(plan, [2, 3], reb)[0]
+    short = replan(plan, [1], reb)[0]
+    assert [s.ranks for s in short.stages] == [(0,)]
+    grown, why = replan(short, [], reb, joined=[4, 5])
+    assert sorted(grown.ranks) == [0, 4, 5] and grown.global_batch == plan.global_batch
+    kept = next_plan(short, [], reb, joined=[4, 5])[0]
+    longer = reformed(short, [], [4, 5], kept=kept, rebalancing=reb)
+    assert (grown.pp == 2) is grows and (longer is not None) is grows, why
+    if grows:
+        assert longer is not None and grown == longer.plan
+        assert _price(short, grown, layers) < _price(short, kept, layers)
+        assert "the pipeline becomes 2 stages" in why and "priced lower than keeping 1" in why
+        assert 0 in grown.stages[0].ranks  # the survivor keeps the layers it holds
+    else:
+        assert grown == kept
+    # A job that does not ask for its stages back (stages=None) keeps one stage.
+    assert replan(short, [], dataclasses.replace(reb, stages=None), joined=[4, 5])[0].pp == 1
+
+
+def test_damaged_replicas_re_form_into_fewer_full_stages_only_when_asked() -> None:
+    """dp3 x pp2 loses rank 0: with ``reform`` the five survivors become one stage five
+    wide (the default samples: no bubble beats the all-reduce), priced lower than two
+    stages of 2 and 3 and re-priced here; without it they keep their stages."""
+    layers = layer_costs(ModelConfig(), dtype_bytes=4)
+    reb = Rebalancing(layers=layers, device=EMULATED, stages=2, samples=6, reform=True)
+    plan = initial_plan(num_layers=6, dp=3, pp=2, global_batch=24, micro_batch=2)
+    kept, _ = replan(plan, [0], dataclasses.replace(reb, reform=False))
+    assert [s.ranks for s in kept.stages] == [(1, 2), (3, 4, 5)]
+    out, why = replan(plan, [0], reb)
+    assert [s.ranks for s in out.stages] == [(1, 2, 3, 4, 5)], why
+    assert out.stages[0].layers == range(6) and out.generation == plan.generation + 1
+    assert _price(plan, out, layers) < _price(plan, kept, layers)
+    # Short samples: two stages stay cheaper, and the stages are kept.
+    short = dataclasses.replace(reb, layers=SHORT_SEQUENCES)
+    assert replan(plan, [0], short)[0].pp == 2

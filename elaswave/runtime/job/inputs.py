@@ -35,6 +35,9 @@ def rebalancing_of(cfg: JobConfig, slowdowns: dict[int, float]) -> Rebalancing:
         power_budget=cfg.power_budget,
         shorten=cfg.elastic.shortens,
         schedules=cfg.schedule.pipeline_schedule.choices,
+        stages=cfg.layout.pp,
+        samples=cfg.layout.dp * cfg.schedule.micro_batch,
+        reform=cfg.elastic.reform,
     )
 
 

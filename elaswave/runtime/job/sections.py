@@ -334,6 +334,18 @@ class ElasticConfig:
     )
     """When ``wait_for_nodes_s`` runs out: the survivors go on on a shorter pipeline, in
     memory, if one fits; off (or none fits), they write a checkpoint and the job stops."""
+    reform: bool = setting(
+        False,
+        help="after a loss, re-form damaged replicas into a pipeline of fewer, full stages "
+        "when the cost model prices that faster (default off: under churn nodes come back "
+        "within minutes and the layers would move twice)",
+    )
+    """After a loss that leaves every stage a rank, re-form the damaged replicas into a
+    pipeline of fewer, full stages when the cost model prices it faster, move included
+    (:func:`elaswave.engine.reshape.reformed`). Off by default: under churn nodes come
+    back within minutes, and a shortened pipeline moves its layers twice. A pipeline
+    that lost stages grows back when joiners come and a longer one prices faster,
+    whatever this says."""
 
     def __post_init__(self) -> None:
         if self.straggler_window < 1 or self.straggler_min_steps < 1:

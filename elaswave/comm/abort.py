@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Protocol, TypeVar
 
@@ -61,10 +61,13 @@ class AbortSignal:
         """The plan generation whose failures this signal reports."""
         self.sets = 0
         """How many times it was set (:class:`AbortSince` tells later ones apart)."""
+        self.ranks: frozenset[int] = frozenset()
+        """The failed ranks the latest set names (none: a pause, or not said)."""
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: str, ranks: Iterable[int] = ()) -> None:
         with self._lock:
             self.reason = reason
+            self.ranks = frozenset(ranks)
             self.sets += 1
             self._event.set()
             watchers = list(self._watchers)
@@ -103,17 +106,25 @@ class AbortSignal:
 class AbortSince:
     """The failures an :class:`AbortSignal` reports from now on. A recovery builds its
     groups while the failure it answers is still set; their connection waits end for a
-    failure announced after that, not for the one they answer."""
+    failure announced after that, not for the one they answer. ``concerning``: only a
+    later failure that names one of these ranks (or names none) counts: a TP group
+    rebuilt while its unit reports is not abandoned because the Core widened the same
+    change's failure set with another unit (two kills in one step seen apart)."""
 
-    def __init__(self, signal: AbortSignal) -> None:
+    def __init__(self, signal: AbortSignal, concerning: Iterable[int] | None = None) -> None:
         self._signal, self._base = signal, signal.sets
+        self._concerning = None if concerning is None else frozenset(concerning)
 
     @property
     def reason(self) -> str:
         return self._signal.reason
 
     def is_set(self) -> bool:
-        return self._signal.sets > self._base and self._signal.is_set()
+        signal = self._signal
+        if not (signal.sets > self._base and signal.is_set()):
+            return False
+        named = signal.ranks
+        return self._concerning is None or not named or bool(named & self._concerning)
 
     def check(self) -> None:
         if self.is_set():
@@ -202,10 +213,17 @@ def await_future(
     deadline = time.monotonic() + timeout_s
     wake = threading.Event()
     future.add_done_callback(lambda _: wake.set())
+
+    def over() -> bool:
+        return future.done() or (signal is not None and signal.is_set())
+
     with signal.watch(wake) if signal is not None else contextlib.nullcontext():
         if not wake.wait(min(timeout_s, HELP_AFTER_S)):
             IDLE.help(wake)  # the process's idle work, in what would be sleep
-            wake.wait(max(0.0, deadline - time.monotonic()))
+        while not over() and (left := deadline - time.monotonic()) > 0:
+            wake.clear()  # woken by a set that does not concern this wait: wait on
+            if not over():
+                wake.wait(left)
     if future.done():
         return True, future.result()
     if signal is not None and signal.is_set():

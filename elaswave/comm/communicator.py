@@ -71,14 +71,25 @@ class Communicator:
         it takes the process down. Where work parks (NCCL), a dropped group is aborted,
         which ends every wait on it, and then freed with its threads."""
 
-    def build(self, specs: Iterable[GroupSpec], *, answering: bool = False) -> float:
+    def build(
+        self,
+        specs: Iterable[GroupSpec],
+        *,
+        answering: bool = False,
+        concerning: Iterable[int] | None = None,
+    ) -> float:
         """Create every group of ``specs`` that contains this rank. Returns seconds taken.
 
         A failure announced meanwhile abandons the build (StepAborted); ``answering``:
         the build answers the failure the signal holds now (a group rebuilt while its
-        rank reports), and only a later one abandons it."""
+        rank reports), and only a later one abandons it, one naming a rank of
+        ``concerning`` if given (:class:`~elaswave.comm.abort.AbortSince`)."""
         started = time.perf_counter()
-        later = AbortSince(self.abort) if answering and self.abort is not None else self.abort
+        later = (
+            AbortSince(self.abort, concerning)
+            if answering and self.abort is not None
+            else self.abort
+        )
         ordered = sorted(specs, key=lambda s: s.name)
         names = [s.name for s in ordered]
         if len(set(names)) != len(names):

@@ -79,3 +79,26 @@ def test_a_view_since_now_ignores_the_failure_already_set_and_fires_for_a_later_
     with pytest.raises(StepAborted, match="rank 5"):
         await_future(WAITERS.submit(lambda: time.sleep(5)), 5.0, since)
     assert since.is_set()
+
+
+def test_a_view_concerning_some_ranks_waits_through_a_widened_failure_of_others() -> None:
+    """A TP group rebuilt while its unit (rank 1) reports: the Core widens the change's
+    failure set with rank 3 (two kills of one step seen apart). The rebuild's waits go on
+    to their end rather than stop as timed out; a later failure naming rank 1, or naming
+    no rank, ends them. Chaos regression: tests/fault/test_tensor_parallel.py's restore
+    case lost unit 1 to the widened set under load."""
+    signal = AbortSignal()
+    signal.set("ranks [0] failed", [0])
+    since = AbortSince(signal, concerning=[1])
+    threading.Timer(0.05, signal.set, args=("ranks [0, 3] failed", [0, 3])).start()
+    started = time.monotonic()
+    done, _ = await_future(WAITERS.submit(lambda: time.sleep(0.3)), 5.0, since)
+    assert done and time.monotonic() - started >= 0.25
+    assert not since.is_set()
+    threading.Timer(0.05, signal.set, args=("ranks [0, 1, 3] failed", [0, 1, 3])).start()
+    with pytest.raises(StepAborted, match=r"\[0, 1, 3\]"):
+        await_future(WAITERS.submit(lambda: time.sleep(5)), 5.0, since)
+    unnamed = AbortSince(signal, concerning=[1])
+    threading.Timer(0.05, signal.set, args=("pause after step 4",)).start()
+    with pytest.raises(StepAborted, match="pause"):
+        await_future(WAITERS.submit(lambda: time.sleep(5)), 5.0, unnamed)

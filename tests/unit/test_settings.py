@@ -57,6 +57,7 @@ SAMPLE = {
         "straggler_min_steps": 3,
         "wait_for_nodes_s": 5.0,
         "shorten_after_wait": False,
+        "reform": True,
     },
     "liveness": {
         "heartbeat_interval_s": 0.5,
@@ -90,7 +91,7 @@ FLAGS = [
     *("--no-recovery", "--rebalance", "migrate", "--migration", "blocking"),
     *("--migration-early", "1", "--straggler-detection", "--straggler-window", "4"),
     *("--straggler-threshold", "1.5", "--straggler-min-steps", "3", "--wait-for-nodes", "5"),
-    "--no-shorten-after-wait",
+    "--no-shorten-after-wait", "--reform",
     *("--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--plan-ack-timeout", "6"),
     *("--comm-timeout", "30", "--core-restarts", "2", "--core-restart-delay", "1"),
     *("--core-outage", "20", "--no-snapshots", "--snapshot-copies", "2"),

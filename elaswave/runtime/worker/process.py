@@ -107,7 +107,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         # A repeat announcement (a widened failure set) for a generation this worker
         # is already leaving must not abort the recovery itself.
         if isinstance(event, FailureDetected) and event.generation == abort.generation:
-            abort.set(f"ranks {event.ranks} failed ({event.source})")
+            abort.set(f"ranks {event.ranks} failed ({event.source})", event.ranks)
             early.failed(event.ranks)
         if isinstance(event, RecoveryFinished):  # no roll-back reaches that change now
             inbox.settled.note(event.generation)

@@ -59,6 +59,7 @@ class TpLink:
         device: torch.device | None = None,
     ) -> None:
         self._store = dist.PrefixStore(f"tp/u{unit}/", store)
+        self._unit = unit
         self._device = device
         self.member, self._size = member, size
         self._backend, self._timeout, self._abort = backend, timeout, abort
@@ -77,7 +78,7 @@ class TpLink:
             device=self._device,
         )
         spec = GroupSpec(TP_GROUP, tuple(range(self._size)), collectives=True)
-        comm.build([spec], answering=answering)
+        comm.build([spec], answering=answering, concerning=(self._unit,))  # see rebuild
         return comm.group(TP_GROUP)
 
     @property
@@ -115,7 +116,11 @@ class TpLink:
 
     def rebuild(self, generation: int) -> None:
         """Every member calls it, with the same ``generation``, while it reports the
-        failure the rebuild answers (only a later one abandons it)."""
+        failure the rebuild answers. Only a later failure of this unit abandons it: the
+        Core widening the change's failure set with other units (two kills of one step
+        seen apart) leaves the members' group to build, as each member sees the same
+        announcements but not at the same moment, and one member abandoning a build that
+        the other finished would leave the unit split between generations."""
         self.generation = generation
         self.group = self._build(generation, answering=True)
 

@@ -6,6 +6,10 @@ import pytest
 
 from tests.runs import elaswave
 
+LONG = pytest.mark.long
+"""Cases of a kind a default case checks (a range, a choice, an endpoint), run by
+scripts/test_long: each case starts a Python process with torch (about 4 s)."""
+
 
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -20,7 +24,7 @@ from tests.runs import elaswave
             "global batch 10 does not divide into micro-batches of 2 on 2 DP replicas",
         ),
         (["--device", "tpu"], "unknown device 'tpu'; valid devices: cpu, cpu-strict, cuda, npu"),
-        (["--dp", "0"], "dp = 0: must be a positive integer"),
+        pytest.param(["--dp", "0"], "dp = 0: must be a positive integer", marks=LONG),
         (["--model", "llama2-7b"], "the llama2-* presets are for the simulator"),
         (
             ["--data", "/nonexistent/tokens.bin"],
@@ -31,12 +35,24 @@ from tests.runs import elaswave
             "data.dtype = 'float32': valid values are uint16, int32, int64",
         ),
         (["--bus-faults", "drop=2"], "bus fault drop=2.0: must be a probability in [0, 1)"),
-        (["--bus-faults", "lose=0.1"], "NAME one of drop, dup, reorder, delay, seed"),
-        (["--plan-ack-timeout", "-1"], "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds"),
+        pytest.param(
+            ["--bus-faults", "lose=0.1"], "NAME one of drop, dup, reorder, delay, seed", marks=LONG
+        ),
+        pytest.param(
+            ["--plan-ack-timeout", "-1"],
+            "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds",
+            marks=LONG,
+        ),
         (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
-        (["--wait-for-nodes", "1e6"], "wait_for_nodes_s = 1000000.0: must be from 0 to 86400"),
+        pytest.param(
+            ["--wait-for-nodes", "1e6"],
+            "wait_for_nodes_s = 1000000.0: must be from 0 to 86400",
+            marks=LONG,
+        ),
         (["--nnodes", "2"], "nnodes = 2 needs --rdzv-endpoint HOST:PORT"),
-        (["--precision", "fp16"], "precision = 'fp16': valid values are fp32, bf16"),
+        pytest.param(
+            ["--precision", "fp16"], "precision = 'fp16': valid values are fp32, bf16", marks=LONG
+        ),
         (
             [
                 "--nnodes",
@@ -52,7 +68,11 @@ from tests.runs import elaswave
             ],
             "nnodes x nproc-per-node = 3 x 2 = 6 workers, but dp x pp x tp = 2 x 2 x 1 = 4",
         ),
-        (["--rdzv-endpoint", "nohost", "--nnodes", "2"], "--rdzv-endpoint 'nohost': expected"),
+        pytest.param(
+            ["--rdzv-endpoint", "nohost", "--nnodes", "2"],
+            "--rdzv-endpoint 'nohost': expected",
+            marks=LONG,
+        ),
         (["--node-rank", "1"], "--node-rank 1 needs --rdzv-endpoint HOST:PORT of node 0"),
         (
             ["--node-rank", "3", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29599"],

@@ -74,6 +74,7 @@ def test_a_recovery_on_a_terminal_reads_as_sentences(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.long  # terminal output: test_a_recovery_on_a_terminal_reads_as_sentences
 def test_log_format_json_shows_the_cores_log_on_a_terminal(tmp_path):
     code, lines = _on_a_terminal("train", *JOB, "--log-format", "json", "--out", str(tmp_path))
     shown = "\n".join(lines)
@@ -84,6 +85,7 @@ def test_log_format_json_shows_the_cores_log_on_a_terminal(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.long  # terminal output: the sentences case; JSON lines: tests/unit/test_logs*.py
 def test_without_a_terminal_the_output_is_step_lines_and_the_cores_json_log(tmp_path):
     proc = elaswave("train", *JOB, "--out", str(tmp_path / "run"), timeout=100)
     assert proc.returncode == 0, proc.stderr

@@ -66,6 +66,7 @@ def test_worker_killed_before_acknowledging_the_plan_is_planned_around(runs_dir,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_silent_participant_is_fenced_at_the_ack_deadline(runs_dir, reference):
     """Rank 6 stops (SIGSTOP) with the plan in hand. Its heartbeat deadline is 30 s; the
     plan's acknowledgement deadline, 2 s, fences it first, and a superseding plan runs."""

@@ -122,6 +122,7 @@ def _iso_time(text: str) -> float:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_core_silent_past_the_bound_pauses_every_worker_at_one_boundary(runs_dir, longer_reference):
     """SIGSTOP the Core for 3 s with a 1 s outage bound: the workers agree through the
     store on one step boundary, all wait there with their state, and resume when the
@@ -147,6 +148,8 @@ def test_core_silent_past_the_bound_pauses_every_worker_at_one_boundary(runs_dir
     "when",
     ["plan", pytest.param("commit", marks=pytest.mark.long)],
 )
+# long: Core restarts: the mid-step case; recoveries across restarts: tests/unit/test_core_state.py
+@pytest.mark.long
 def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, reference, when):
     """Rank 1 dies in step 4 and the Core SIGKILLs itself right after it has published
     the recovery's plan (its successor announces the plan again as a new attempt, which
@@ -185,6 +188,7 @@ def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(run
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # Core restarts: the mid-step case
 def test_core_lost_after_every_worker_finished_leaves_a_complete_run(runs_dir, reference):
     """The Core dies once the workers are done, before it wrote the summary, and may not
     be restarted: the job host writes the summary from the workers' results."""

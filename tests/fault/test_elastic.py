@@ -89,6 +89,7 @@ PAUSE_JOB = ("--device", "emulated", "--dp", "2", "--pp", "2", "--global-batch",
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # a torn join: test_rollback.py
 def test_a_failure_during_a_joins_pause_is_recovered(runs_dir):
     """A rank dies while the members pause for a join. The pause becomes a change that
     drops the failed rank and adds the joiner in one plan; the job finishes every step

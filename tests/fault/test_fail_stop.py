@@ -51,6 +51,7 @@ def test_single_kill_matches_fault_free_run(runs_dir, reference, dp, pp, fault):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # rotation: tests/unit/test_rotation*.py; scripts/test_long
 def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_reference):
     """dp 3 x pp 2 with one sample per replica: a kill in stage 1 leaves 3-sample global
     micro-batches over 2 survivors. Under ``migrate`` the planner regroups them into
@@ -66,6 +67,7 @@ def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_referen
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # rotation blocks: tests/unit/test_rotation_blocks.py
 def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     """The same job with the kill in stage 0: its survivors rotate 2 + 1 and 1 + 2, each
     held for 2 micro-batches (blocks simulate faster than rotating every micro-batch),
@@ -114,6 +116,7 @@ def test_two_sequential_failures_in_one_stage_and_across_stages(runs_dir, refere
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # one kill: test_single_kill_matches_fault_free_run
 def test_a_stage_down_to_one_rank_recovers_again(runs_dir):
     """dp 2 x pp 2: the first kill leaves stage 0 with one rank, whose DP ring then has
     one member; the second kill (stage 1) must recover all the same. A one-member ring
@@ -130,6 +133,7 @@ def test_a_stage_down_to_one_rank_recovers_again(runs_dir):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # node loss: test_tensor_parallel's node case in scripts/test_long, chaos
 def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
     run = train(
         runs_dir / "node",
@@ -147,6 +151,7 @@ def test_whole_node_failure_with_two_ranks_per_node(runs_dir, reference):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # joins with nodes: test_wait_for_nodes.py
 def test_a_node_slot_left_empty_is_not_waited_for(runs_dir, reference):
     """4 ranks, 3 per node: node 1 holds rank 3 alone. Its kill-node used to look up the
     process ids of ranks 4 and 5, which do not exist, for the store's timeout, while
@@ -281,6 +286,7 @@ def test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered(runs_dir, re
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # hangs: test_hung_worker_is_fenced_from_missed_heartbeats_and_recovered
 def test_a_worker_hung_before_its_first_heartbeat_is_fenced(runs_dir, reference):
     """A worker that hangs in its first step has sent no heartbeat yet. Its silence
     counts from its WorkerStarted: it used to be never fenced, and the job waited for it

@@ -62,6 +62,8 @@ def _check_layout(hf_runs, family: str, dp: int, pp: int) -> None:
 @pytest.mark.parametrize(
     "family", ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES[1:])]
 )  # the default suite's budget: Qwen2 and megatron by scripts/test_long
+# long: layouts of HF models: scripts/layout_invariance.py --model; a kill: the case kept
+@pytest.mark.long
 def test_a_users_model_trains_the_same_under_dp2_x_pp2_as_in_one_process(hf_runs, family):
     _check_layout(hf_runs, family, 2, 2)
 

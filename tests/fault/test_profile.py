@@ -46,6 +46,8 @@ def test_profile_on_plans_a_hugging_face_model_with_its_measured_layers(profiled
     assert isinstance(predicted, float) and predicted > 0
 
 
+# long: measured layers: test_profile_on_plans_a_hugging_face_model_with_its_measured_layers
+@pytest.mark.long
 def test_a_kill_is_recovered_with_a_plan_priced_on_the_measured_layers(
     runs_dir, hf_llama, profiled
 ):

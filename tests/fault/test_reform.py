@@ -61,6 +61,7 @@ def test_a_pipeline_shortened_to_one_stage_grows_back_when_joiners_make_it_faste
     _matches(run, twin)
 
 
+@pytest.mark.long  # the same machinery: the growth case; the choice: tests/unit/test_reshape.py
 def test_reform_turns_a_damaged_replica_into_one_stage_when_that_is_faster(runs_dir):
     """dp2 x pp2 with ``--reform`` loses rank 0 in step 3: with 32-token samples one
     stage three wide prices lower than stages of 1 and 2, so ranks 2 and 3 take the

@@ -57,6 +57,7 @@ def test_a_failure_while_a_plan_is_applied_rolls_the_plan_back(runs_dir, checkpo
     assert second.mttr_s < 20, "a creation abandoned by the torn apply held the store"
 
 
+@pytest.mark.long
 def test_a_join_torn_by_a_failure_is_rolled_back_and_the_joiner_added_again(runs_dir):
     """Rank 3 dies as the members apply the plan that adds joiner 4 (whenever the join
     comes: rank 3 is killed at the first apply after step 3). The plan is taken back:
@@ -74,6 +75,8 @@ def test_a_join_torn_by_a_failure_is_rolled_back_and_the_joiner_added_again(runs
     _matches(run, twin, world=5)
 
 
+# long: restore in the job: test_restore_in_job.py; the Core's side: tests/unit/test_protocol.py
+@pytest.mark.long
 def test_a_joiner_left_alone_by_a_torn_join_restores_the_checkpoint_inside_the_job(runs_dir):
     """The job's only rank dies as it applies the plan that adds joiner 1 (at the first
     apply after step 3). No member is left to roll back to, and the joiner holds no

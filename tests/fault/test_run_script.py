@@ -108,6 +108,7 @@ def test_a_script_that_cannot_start_a_job_gets_one_line(tmp_path, body, message)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # scripts/test_long
 def test_a_script_that_stops_early_fails_the_job_naming_the_step(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import elaswave\njob = elaswave.job()\njob.train_step()\n")
@@ -118,6 +119,8 @@ def test_a_script_that_stops_early_fails_the_job_naming_the_step(tmp_path):
 
 
 @pytest.mark.timeout(300)
+# long: the README's command: test_the_readme_command_trains_the_scripts_model_on_its_dataset
+@pytest.mark.long
 def test_the_built_in_model_example_trains_as_elaswave_train_does(runs_dir):
     """examples/train_builtin.py (no model, no dataset: the job's) is the built-in loop."""
     job = ("--dp", "1", "--pp", "2", "--steps", "4", "--global-batch", "8", "--micro-batch", "2")

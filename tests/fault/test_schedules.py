@@ -43,6 +43,8 @@ def test_a_kill_in_either_half_of_a_split_backward_is_recovered(runs_dir, refere
         assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
+# long: auto's choice: tests/unit/test_schedule*.py; a ZB-H1 recovery: the weight-half kill
+@pytest.mark.long
 def test_auto_plans_the_schedule_at_the_start_and_at_a_change(runs_dir):
     """``--schedule auto`` on an emulated device: the initial plan and the plan after a
     kill take the schedule the planner simulates faster (ZB-H1 on a pipeline: the

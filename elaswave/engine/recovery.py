@@ -20,8 +20,8 @@ from elaswave.engine.graph import Infeasible
 from elaswave.engine.joiners import place_joiners
 from elaswave.engine.plan import Plan, plan_to_dict
 from elaswave.engine.rebalance import Policy, rebalance
-from elaswave.engine.schedule import Schedule, max_held, stage_actions
-from elaswave.engine.steptime import plan_step_time
+from elaswave.engine.schedule import Schedule, max_held
+from elaswave.engine.steptime import plan_lists, plan_step_time
 from elaswave.fabric.errors import Unrecoverable
 
 
@@ -87,12 +87,20 @@ def fits(plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec) -> bool:
     """Whether every stage of ``plan`` holds what its schedule keeps in flight (every
     micro-batch until its weight gradients, :func:`~elaswave.engine.schedule.max_held`)
     within ``device``'s memory."""
+    return lists_fit(plan, plan_lists(plan, layers, device), layers, device)
+
+
+def lists_fit(
+    plan: Plan,
+    lists: Sequence[Sequence[tuple[str, int]]],
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+) -> bool:
+    """Whether every stage of ``plan`` running its list of ``lists`` holds what it keeps
+    in flight within ``device``'s memory (see :func:`fits`)."""
     cost = {c.index: c for c in layers}
     for st in plan.stages:
-        actions = stage_actions(
-            plan.schedule, num_stages=plan.pp, stage=st.stage,
-            num_micro_batches=plan.num_micro_batches,
-        )  # fmt: skip
+        actions = lists[st.stage]
         need = stage_memory(
             [cost[i] for i in st.layers], micro_batch=st.load, dp=st.dp, stage=st.stage,
             num_stages=plan.pp, live=max_held(actions),

@@ -23,6 +23,13 @@ and weight-gradient passes of equal time, the bubble falls from 1F1B's ``(P - 1)
 the step toward ``(P - 1)/3M`` (arXiv 2401.10241). Given each stage's own costs (a
 stage that carries a larger share of a micro-batch after a loss), the same planner
 places that stage's extra ``W`` work where its neighbours' waits would idle it.
+:func:`zero_bubble` also takes a cap on pending ``W`` and per-stage caps on the
+forwards in flight (``F`` to ``I``) and held (``F`` to ``W``: what memory holds).
+
+**zb-cost** (:attr:`Schedule.ZB_COST`): the zero-bubble lists chosen for the plan at
+hand, by the replica-by-replica simulation, among :func:`zero_bubble`'s at several of
+those caps (:func:`elaswave.engine.steptime.plan_lists`); where memory holds them it
+lets more than ``P - s`` micro-batches be in flight.
 
 :func:`check` says whether a list is one the runtime can execute and names what is
 wrong when it is not.
@@ -51,6 +58,18 @@ class Schedule(enum.StrEnum):
 
     ONE_F_ONE_B = "1f1b"
     ZB_H1 = "zb-h1"
+    ZB_COST = "zb-cost"
+    """Zero bubble planned for the plan at hand: the :func:`zero_bubble` lists, at
+    ZB-H1's and at the plan's own per-stage costs, with more ``W`` pending and more
+    forwards in flight where the stage's memory holds them, whose replica-by-replica
+    simulated step is shortest (:func:`elaswave.engine.steptime.plan_lists`). Its
+    lists depend on the plan and the cost model, not only on the pipeline's shape."""
+
+    @property
+    def priced(self) -> bool:
+        """Whether the lists depend on per-stage costs (pass them to
+        :func:`stage_actions`)."""
+        return self is Schedule.ZB_COST
 
 
 class ScheduleSetting(enum.StrEnum):
@@ -61,6 +80,7 @@ class ScheduleSetting(enum.StrEnum):
     AUTO = "auto"
     ONE_F_ONE_B = "1f1b"
     ZB_H1 = "zb-h1"
+    ZB_COST = "zb-cost"
 
     @property
     def choices(self) -> tuple[Schedule, ...]:
@@ -104,15 +124,29 @@ class OpCosts:
 
 
 def zero_bubble(
-    *, num_micro_batches: int, costs: Sequence[OpCosts], pending_w: int | None = None
+    *,
+    num_micro_batches: int,
+    costs: Sequence[OpCosts],
+    pending_w: int | None = None,
+    in_flight: Sequence[int] | None = None,
+    held: Sequence[int] | None = None,
 ) -> list[list[Action]]:
     """Every stage's zero-bubble list (the module docstring), planned by simulating the
     pipeline with ``costs`` (one per stage). ``pending_w``: at most that many ``W``
-    pending on a stage (default ``P - 1``)."""
+    pending on a stage (default ``P - 1``). ``in_flight``: per stage, at most that many
+    micro-batches between ``F`` and ``I`` (default ``P - s``, 1F1B's bound). ``held``:
+    per stage, at most that many between ``F`` and ``W`` (:func:`max_held`: what its
+    memory holds; default no limit but those two)."""
     p, m = len(costs), num_micro_batches
     _check_stage(p, 0, m)
     cap = max(1, p - 1) if pending_w is None else pending_w
-    run = _ListRun(p, m, costs, cap)
+    limits = [p - s for s in range(p)] if in_flight is None else list(in_flight)
+    if len(limits) != p or min(limits) < 1:
+        raise ValueError(f"in_flight {limits}: one limit of at least 1 per stage")
+    holds = [m] * p if held is None else list(held)
+    if len(holds) != p or min(holds) < 1:
+        raise ValueError(f"held {holds}: one limit of at least 1 per stage")
+    run = _ListRun(p, m, costs, cap, limits, holds)
     while run.left:
         run.next_action()
     return run.lists
@@ -136,10 +170,33 @@ def zb_h1(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action
     return list(_zb_h1_lists(num_stages, num_micro_batches)[stage])
 
 
+@functools.lru_cache(maxsize=64)
+def _zb_cost_lists(
+    costs: tuple[OpCosts, ...], num_micro_batches: int
+) -> tuple[tuple[Action, ...], ...]:
+    lists = zero_bubble(num_micro_batches=num_micro_batches, costs=costs)
+    return tuple(tuple(x) for x in lists)
+
+
 def stage_actions(
-    schedule: Schedule, *, num_stages: int, stage: int, num_micro_batches: int
+    schedule: Schedule,
+    *,
+    num_stages: int,
+    stage: int,
+    num_micro_batches: int,
+    costs: Sequence[OpCosts] | None = None,
 ) -> list[Action]:
-    """Stage ``stage``'s list under ``schedule``."""
+    """Stage ``stage``'s list under ``schedule``. ``costs``: one per stage, for a
+    :attr:`~Schedule.priced` schedule: :func:`zero_bubble` at them with its defaults
+    (default :func:`equal_costs`: ZB-H1's lists). A plan's own ``zb-cost`` lists are
+    searched with the cost model (:func:`elaswave.engine.steptime.plan_lists`)."""
+    if schedule is Schedule.ZB_COST:
+        _check_stage(num_stages, stage, num_micro_batches)
+        if costs is None:
+            costs = equal_costs(num_stages)
+        if len(costs) != num_stages:
+            raise ValueError(f"{len(costs)} stage costs for {num_stages} stages")
+        return list(_zb_cost_lists(tuple(costs), num_micro_batches)[stage])
     make = one_f_one_b if schedule is Schedule.ONE_F_ONE_B else zb_h1
     return make(num_stages=num_stages, stage=stage, num_micro_batches=num_micro_batches)
 
@@ -148,8 +205,18 @@ class _ListRun:
     """The list scheduler of :func:`zero_bubble`: one action at a time, on the stage
     whose next action can start first."""
 
-    def __init__(self, p: int, m: int, costs: Sequence[OpCosts], cap: int) -> None:
-        self.p, self.m, self.costs, self.cap = p, m, costs, cap
+    def __init__(
+        self,
+        p: int,
+        m: int,
+        costs: Sequence[OpCosts],
+        cap: int,
+        limits: Sequence[int],
+        holds: Sequence[int],
+    ) -> None:
+        self.p, self.m, self.costs, self.cap, self.limits = p, m, costs, cap, limits
+        self.holds = holds
+        self.weights = [0] * p
         self.free = [0.0] * p
         self.lists: list[list[Action]] = [[] for _ in range(p)]
         self.fwd_end: dict[tuple[int, int], float] = {}
@@ -176,7 +243,8 @@ class _ListRun:
             if ready is not None:
                 out.append((max(self.free[s], ready), 1, Op.INPUT, mb))
         in_flight = self.forwards[s] - self.inputs[s]
-        if self.forwards[s] < self.m and in_flight < self.p - s:
+        held = self.forwards[s] - self.weights[s]
+        if self.forwards[s] < self.m and in_flight < self.limits[s] and held < self.holds[s]:
             mb = self.forwards[s]
             if s == 0:
                 ready = 0.0
@@ -215,16 +283,24 @@ class _ListRun:
             self.pending[s].append(mb)
         else:
             self.pending[s].pop(0)
+            self.weights[s] += 1
 
 
 def check(
-    actions: Sequence[tuple[str, int]], *, num_stages: int, stage: int, num_micro_batches: int
+    actions: Sequence[tuple[str, int]],
+    *,
+    num_stages: int,
+    stage: int,
+    num_micro_batches: int,
+    in_flight: int | None = None,
 ) -> None:
     """ValueError naming what is wrong unless ``actions`` is a list stage ``stage`` can
     run: every micro-batch forwarded once, then either backwarded whole (``B``) or in
-    two halves (``I`` then ``W``), each once; at most ``num_stages - stage`` micro-
-    batches between their forward and the end of their activations (1F1B's bound)."""
+    two halves (``I`` then ``W``), each once; at most ``in_flight`` (default
+    ``num_stages - stage``, 1F1B's bound) micro-batches between their forward and the
+    end of their activations."""
     _check_stage(num_stages, stage, num_micro_batches)
+    bound = num_stages - stage if in_flight is None else in_flight
     seen: dict[int, list[Op]] = {}
     live: set[int] = set()
     for index, (raw, mb) in enumerate(actions):
@@ -248,10 +324,10 @@ def check(
         done.append(op)
         if op is Op.FORWARD:
             live.add(mb)
-            if len(live) > num_stages - stage:
+            if len(live) > bound:
                 raise ValueError(
                     f"action {index} ({op}{mb}): {len(live)} micro-batches in flight on stage "
-                    f"{stage}; at most {num_stages - stage}"
+                    f"{stage}; at most {bound}"
                 )
         elif op in ENDS_ACTIVATIONS:
             live.discard(mb)

@@ -43,10 +43,19 @@ from elaswave.engine.cost import (
     compute_time,
     p2p_time,
     ring_allreduce_time,
+    stage_memory,
     stage_p2p_time,
 )
 from elaswave.engine.plan import Plan, StagePlan
-from elaswave.engine.schedule import Op, Schedule, stage_actions
+from elaswave.engine.schedule import (
+    Action,
+    Op,
+    OpCosts,
+    Schedule,
+    equal_costs,
+    stage_actions,
+    zero_bubble,
+)
 from elaswave.fabric.remap import FP32_BYTES
 
 
@@ -99,20 +108,34 @@ def op_seconds(op: Op, fwd_s: float, bwd_s: float, *, first: bool = False) -> fl
     return bwd_s * split_parts(first=first)[op is Op.WEIGHT]
 
 
-@functools.lru_cache(maxsize=32)
 def action_order(
-    num_stages: int, num_micro_batches: int, schedule: Schedule = Schedule.ONE_F_ONE_B
+    num_stages: int,
+    num_micro_batches: int,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    lists: Sequence[Sequence[Action]] | None = None,
 ) -> tuple[tuple[int, Op, int], ...]:
     """(stage, op, micro-batch) of every action of a step under ``schedule``, in an
     order in which each action comes after the actions it waits for (and after its
     stage's earlier ones): a forward after the previous stage's forward of its
-    micro-batch, a backward (``B`` or ``I``) after the next stage's."""
+    micro-batch, a backward (``B`` or ``I``) after the next stage's. ``lists``: every
+    stage's list, where the schedule's depend on costs (:func:`plan_lists`); default:
+    :func:`~elaswave.engine.schedule.stage_actions` of ``schedule``."""
     p, m = num_stages, num_micro_batches
     if p < 1 or m < 1:
         raise ValueError(f"{p} stages, {m} micro-batches: need at least 1 of each")
-    actions = [
-        stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m) for s in range(p)
-    ]
+    if lists is None:
+        lists = tuple(
+            tuple(stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m))
+            for s in range(p)
+        )
+    elif len(lists) != p:
+        raise ValueError(f"{len(lists)} lists for {p} stages")
+    return _order(tuple(tuple(a) for a in lists))
+
+
+@functools.lru_cache(maxsize=64)
+def _order(actions: tuple[tuple[Action, ...], ...]) -> tuple[tuple[int, Op, int], ...]:
+    p = len(actions)
     done: set[tuple[str, int, int]] = set()
     nxt = [0] * p
     order: list[tuple[int, Op, int]] = []
@@ -138,6 +161,94 @@ def action_order(
     return tuple(order)
 
 
+def op_costs(stages: Sequence[StageTimes]) -> list[OpCosts]:
+    """The zero-bubble planner's costs of stages with these times: each backward split
+    in its ``I`` and ``W`` halves by :func:`split_parts`."""
+    out = []
+    for s, st in enumerate(stages):
+        i, w = split_parts(first=s == 0)
+        out.append(OpCosts(st.fwd_s, st.bwd_s * i, st.bwd_s * w, st.send_fwd_s, st.send_bwd_s))
+    return out
+
+
+def held_limits(plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec) -> list[int]:
+    """Per stage, how many micro-batches (of its largest share) its device's memory
+    holds between their forward and their weight gradients (at least 1; what
+    :func:`~elaswave.engine.recovery.fits` checks, capped at the step's micro-batches)."""
+    cost = {c.index: c for c in layers}
+    out = []
+    for st in plan.stages:
+        kw = {
+            "micro_batch": st.load, "dp": st.dp, "stage": st.stage, "num_stages": plan.pp,
+        }  # fmt: skip
+        fixed = stage_memory([cost[i] for i in st.layers], live=0, **kw)
+        each = stage_memory([cost[i] for i in st.layers], live=1, **kw) - fixed
+        room = device.memory_bytes - fixed
+        live = plan.num_micro_batches if each <= 0 else int(room // each)
+        out.append(max(1, min(live, plan.num_micro_batches)))
+    return out
+
+
+def plan_lists(
+    plan: Plan, layers: Sequence[LayerCost] = (), device: DeviceSpec | None = None
+) -> tuple[tuple[Action, ...], ...]:
+    """Every stage's action list under ``plan``'s schedule. A schedule whose lists depend
+    on costs (:attr:`~elaswave.engine.schedule.Schedule.priced`) needs the cost model's
+    ``layers`` and ``device``: ``zb-cost`` takes, of :func:`zb_cost_candidates`, the
+    lists whose step :func:`plan_step_time` simulates shortest (the first of equals). A
+    pure function of the plan and the cost model (no slowdowns), which every worker has:
+    the Core's planner and the workers run the same lists."""
+    p, m = plan.pp, plan.num_micro_batches
+    if not plan.schedule.priced:
+        return tuple(
+            tuple(stage_actions(plan.schedule, num_stages=p, stage=s, num_micro_batches=m))
+            for s in range(p)
+        )
+    if device is None or not layers:
+        raise ValueError(f"schedule {plan.schedule} needs the cost model's layers and device")
+    return _zb_cost_search(plan, tuple(layers), device)
+
+
+ZB_COST_PENDING_W = (1, 2, 4)
+"""``zb-cost``'s candidate caps on pending ``W``, in multiples of ZB-H1's ``P - 1``."""
+
+
+def zb_cost_candidates(
+    plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec
+) -> list[tuple[tuple[Action, ...], ...]]:
+    """The lists ``zb-cost`` chooses from: :func:`~elaswave.engine.schedule.zero_bubble`
+    at ZB-H1's :func:`~elaswave.engine.schedule.equal_costs` and at the plan's own
+    per-stage costs (:func:`stage_times` at each rotating stage's mean share: at its
+    largest the planner sees every micro-batch as slow as the slowest replica's, and
+    packs worse); ``W`` pending up to ``(P - 1)`` times :data:`ZB_COST_PENDING_W`; at
+    most 1F1B's ``P - s`` forwards in flight, or as many as the stage's memory holds;
+    every stage within its memory (:func:`held_limits`). The first is ZB-H1's list
+    wherever ZB-H1 fits."""
+    p, m = plan.pp, plan.num_micro_batches
+    held = held_limits(plan, layers, device)
+    own = op_costs(stage_times(plan, layers, device, mean=True))
+    out = []
+    for costs in (equal_costs(p), own):
+        for times in ZB_COST_PENDING_W:
+            for in_flight in ([p - s for s in range(p)], held):
+                lists = zero_bubble(
+                    num_micro_batches=m, costs=costs, pending_w=max(1, p - 1) * times,
+                    in_flight=[min(a, b) for a, b in zip(in_flight, held, strict=True)],
+                    held=held,
+                )  # fmt: skip
+                out.append(tuple(tuple(x) for x in lists))
+    return list(dict.fromkeys(out))  # the same lists once, in order
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_cost_search(
+    plan: Plan, layers: tuple[LayerCost, ...], device: DeviceSpec
+) -> tuple[tuple[Action, ...], ...]:
+    candidates = zb_cost_candidates(plan, layers, device)
+    steps = [plan_step_time(plan, layers, device, lists=c).step_s for c in candidates]
+    return candidates[min(range(len(steps)), key=lambda i: (steps[i], i))]
+
+
 def simulate_step(
     stages: Sequence[StageTimes],
     num_micro_batches: int,
@@ -145,10 +256,17 @@ def simulate_step(
 ) -> StepSim:
     """The step time of a pipeline with these per-stage times under ``schedule``."""
     p, m = len(stages), num_micro_batches
+    lists = None
+    if schedule.priced:  # per-stage costs, zero_bubble's defaults: no memory to search in
+        costs = op_costs(stages)
+        lists = [
+            stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m, costs=costs)
+            for s in range(p)
+        ]
     fwd_end = np.zeros((p, m))
     bwd_end = np.zeros((p, m))
     free = [0.0] * p
-    for s, op, mb in action_order(p, m, schedule):
+    for s, op, mb in action_order(p, m, schedule, lists):
         st = stages[s]
         if op is Op.FORWARD:
             ready = 0.0 if s == 0 else fwd_end[s - 1, mb] + stages[s - 1].send_fwd_s
@@ -174,17 +292,20 @@ def stage_times(
     device: DeviceSpec,
     *,
     slowdowns: Mapping[int, float] | None = None,
+    mean: bool = False,
 ) -> list[StageTimes]:
     """Per-stage times of ``plan`` under the cost model (``slowdowns``: rank -> factor),
     each stage at its busiest replica: a rotating stage at its largest share, an upper
-    bound (:func:`plan_step_time` simulates the rotation)."""
+    bound (:func:`plan_step_time` simulates the rotation); ``mean``: a rotating stage at
+    its mean share."""
     slow = dict(slowdowns or {})
     cost = {c.index: c for c in layers}
     out = []
     for s in plan.stages:
         mhz = s.mhz or device.base_mhz
         if s.rotate:  # every replica takes the largest share in some micro-batch
-            load = s.load * max(slow.get(r, 1.0) for r in s.ranks)
+            share = sum(s.sizes) / s.dp if mean else s.load
+            load = share * max(slow.get(r, 1.0) for r in s.ranks)
         else:
             load = max(size * slow.get(r, 1.0) for r, size in zip(s.ranks, s.sizes, strict=True))
         fwd = compute_time(load * sum(cost[i].fwd_flops_per_sample for i in s.layers), device, mhz)
@@ -273,8 +394,10 @@ def plan_step_time(
     device: DeviceSpec,
     *,
     slowdowns: Mapping[int, float] | None = None,
+    lists: Sequence[Sequence[Action]] | None = None,
 ) -> StepSim:
     """Simulate one step of ``plan`` replica by replica (see the module docstring).
+    ``lists``: every stage's action list (default :func:`plan_lists`).
 
     Each replica computes its share of every micro-batch (:meth:`StagePlan.shares`) at
     its stage's clock times its slowdown; a forward starts when the replica is free and
@@ -287,7 +410,10 @@ def plan_step_time(
     cost = {c.index: c for c in layers}
     work = _replica_work(plan, cost, device, slow)
     links = _stage_links(plan, cost, device)
-    fwd_end, bwd_end, free = _run_actions(plan, work, links)
+    if lists is None and plan.schedule.priced:
+        lists = plan_lists(plan, layers, device)
+    order = action_order(plan.pp, plan.num_micro_batches, plan.schedule, lists)
+    fwd_end, bwd_end, free = _run_actions(plan, work, links, order)
     done = _sends_done(plan, links, fwd_end, bwd_end, free)
     finish = tuple(
         float(d[ok].max()) if ok.any() else 0.0 for d, ok in zip(done, work.live, strict=True)
@@ -355,16 +481,19 @@ def _stage_links(
 
 
 def _run_actions(
-    plan: Plan, work: _ReplicaWork, links: Sequence[Sequence[_Links]]
+    plan: Plan,
+    work: _ReplicaWork,
+    links: Sequence[Sequence[_Links]],
+    order: Sequence[tuple[int, Op, int]],
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """(forward ends, backward ends: ``B`` or ``I``) [micro-batch, replica] of every
-    stage, and when each replica's compute is done, walking the plan's schedule in
-    dependency order."""
+    stage, and when each replica's compute is done, walking the plan's lists in
+    dependency order (``order``: :func:`action_order`)."""
     p, m = plan.pp, plan.num_micro_batches
     fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
     free = [np.zeros(st.dp) for st in plan.stages]
-    for s, op, mb in action_order(p, m, plan.schedule):
+    for s, op, mb in order:
         ready = np.zeros(plan.stages[s].dp)
         phase = mb % len(work.fwd[s])
         if op is Op.FORWARD:

@@ -15,13 +15,20 @@ from elaswave.engine.schedule import (
     OpCosts,
     Schedule,
     check,
+    max_held,
     max_in_flight,
     one_f_one_b,
     stage_actions,
     zb_h1,
     zero_bubble,
 )
-from elaswave.engine.steptime import StageTimes, simulate_step
+from elaswave.engine.steptime import (
+    StageTimes,
+    held_limits,
+    plan_lists,
+    plan_step_time,
+    simulate_step,
+)
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rebalancing_of
 from elaswave.runtime.job.sections import InjectionConfig, LayoutConfig, ScheduleConfig
@@ -100,7 +107,9 @@ def test_plans_carry_their_schedule_and_1f1b_plans_keep_their_documents() -> Non
     assert plan_to_dict(zb)["schedule"] == "zb-h1"
     assert plan_from_dict(plan_to_dict(zb)) == zb and plan_from_dict(doc) == plan
     assert plan_digest(zb) != plan_digest(plan)
-    with pytest.raises(ValueError, match=re.escape("schedule 'zb-h9' (known: 1f1b, zb-h1)")):
+    with pytest.raises(
+        ValueError, match=re.escape("schedule 'zb-h9' (known: 1f1b, zb-h1, zb-cost)")
+    ):
         plan_from_dict({**doc, "schedule": "zb-h9"})
 
 
@@ -123,10 +132,11 @@ def test_a_fault_in_the_weight_half_needs_a_split_schedule() -> None:
 
 
 def test_auto_takes_the_schedule_simulated_faster_initially_and_at_a_change() -> None:
-    """``--schedule auto``: the initial plan of a pipeline takes ZB-H1, which simulates
-    faster; a job of one stage keeps 1F1B (a tie: nothing to hide in bubbles); the plan
-    after a loss is chosen again, and workers and replay choose the same (the choice is
-    a pure function of the plan and the job's cost model)."""
+    """``--schedule auto``: the initial plan of a pipeline takes zb-cost, which simulates
+    faster than ZB-H1 (more ``W`` pending where memory holds them); a job of one stage
+    keeps 1F1B (a tie: nothing to hide in bubbles); the plan after a loss is chosen
+    again, and workers and replay choose the same (the choice is a pure function of the
+    plan and the job's cost model)."""
 
     def job(pp: int, setting: str = "auto") -> JobConfig:
         return JobConfig(
@@ -134,7 +144,15 @@ def test_auto_takes_the_schedule_simulated_faster_initially_and_at_a_change() ->
             schedule=ScheduleConfig(global_batch=16, micro_batch=1, pipeline_schedule=setting),
         )
 
-    assert job(4).plan().schedule is Schedule.ZB_H1
+    first = job(4).plan()
+    assert first.schedule is Schedule.ZB_COST
+    cfg4 = job(4)
+    zb = dataclasses.replace(first, schedule=Schedule.ZB_H1)
+    assert (
+        plan_step_time(first, cfg4.layer_costs, cfg4.cost_device).step_s
+        < plan_step_time(zb, cfg4.layer_costs, cfg4.cost_device).step_s
+    )
+    assert job(4, "zb-h1").plan().schedule is Schedule.ZB_H1
     assert job(1).plan().schedule is Schedule.ONE_F_ONE_B
     assert job(4, "1f1b").plan().schedule is Schedule.ONE_F_ONE_B
     cfg = job(4)
@@ -142,7 +160,7 @@ def test_auto_takes_the_schedule_simulated_faster_initially_and_at_a_change() ->
     assert choosing.schedules == tuple(Schedule)
     start = dataclasses.replace(cfg.plan(), schedule=Schedule.ONE_F_ONE_B)
     after, reason = next_plan(start, [1], choosing)
-    assert after.schedule is Schedule.ZB_H1 and "schedule zb-h1 (simulated faster)" in reason
+    assert after.schedule is Schedule.ZB_COST and "schedule zb-cost (simulated faster)" in reason
     assert next_plan(start, [1], choosing) == (after, reason)
     fixed = dataclasses.replace(choosing, schedules=(Schedule.ONE_F_ONE_B,))
     assert next_plan(start, [1], fixed)[0].schedule is Schedule.ONE_F_ONE_B
@@ -150,13 +168,16 @@ def test_auto_takes_the_schedule_simulated_faster_initially_and_at_a_change() ->
 
 def test_auto_keeps_1f1b_where_the_deferred_weight_halves_do_not_fit() -> None:
     """ZB-H1 holds each micro-batch until its weight half: on a device whose memory holds
-    only 1F1B's activations, auto keeps 1F1B although ZB-H1 simulates faster."""
+    only 1F1B's activations, auto never takes ZB-H1 although it simulates faster (it
+    keeps 1F1B, or zb-cost, whose lists hold no more than memory does)."""
     cfg = JobConfig(
         layout=LayoutConfig(dp=1, pp=4, device="emulated"),
         schedule=ScheduleConfig(global_batch=16, micro_batch=2, pipeline_schedule="auto"),
     )
     plan, layers, dev = cfg.plan(), cfg.layer_costs, cfg.cost_device
-    assert plan.schedule is Schedule.ZB_H1 and fits(plan, layers, dev)
+    assert plan.schedule is Schedule.ZB_COST and fits(plan, layers, dev)
+    plan = dataclasses.replace(plan, schedule=Schedule.ZB_H1)
+    assert fits(plan, layers, dev)
     one = dataclasses.replace(plan, schedule=Schedule.ONE_F_ONE_B)
     need = max(
         stage_memory(
@@ -168,4 +189,34 @@ def test_auto_keeps_1f1b_where_the_deferred_weight_halves_do_not_fit() -> None:
     small = dataclasses.replace(dev, memory_bytes=int(need) + 1)
     assert fits(one, layers, small) and not fits(plan, layers, small)
     choosing = Rebalancing(layers=layers, device=small, schedules=tuple(Schedule))
-    assert with_schedule(one, choosing).schedule is Schedule.ONE_F_ONE_B
+    chosen = with_schedule(one, choosing)
+    assert chosen.schedule is not Schedule.ZB_H1 and fits(chosen, layers, small)
+    only = dataclasses.replace(choosing, schedules=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1))
+    assert with_schedule(one, only).schedule is Schedule.ONE_F_ONE_B
+
+
+def test_zb_cost_lists_are_valid_fit_memory_and_never_simulate_slower_than_zb_h1() -> None:
+    """zb-cost searches zero-bubble lists for the plan at hand (the survivors of a loss
+    carry larger, rotating shares): every list runs (in flight within what memory
+    holds), fits, is the same on a second call, and its step is at most ZB-H1's."""
+    cfg = JobConfig(
+        layout=LayoutConfig(dp=3, pp=4, device="emulated"),
+        schedule=ScheduleConfig(global_batch=24, micro_batch=1, pipeline_schedule="auto"),
+    )
+    layers, dev = cfg.layer_costs, cfg.cost_device
+    start = dataclasses.replace(cfg.plan(), schedule=Schedule.ZB_H1)
+    for failed in ([0], [3], [0, 3, 6]):
+        after, _ = next_plan(start, failed, rebalancing_of(cfg, {}))
+        zc = dataclasses.replace(after, schedule=Schedule.ZB_COST)
+        lists = plan_lists(zc, layers, dev)
+        assert lists == plan_lists(zc, layers, dev)
+        held = held_limits(zc, layers, dev)
+        for s, acts in enumerate(lists):
+            check(acts, num_stages=4, stage=s, num_micro_batches=zc.num_micro_batches,
+                  in_flight=held[s])  # fmt: skip
+            assert max_held(acts) <= held[s]
+        assert fits(zc, layers, dev)
+        zb = dataclasses.replace(after, schedule=Schedule.ZB_H1)
+        assert plan_step_time(zc, layers, dev).step_s <= plan_step_time(zb, layers, dev).step_s
+    with pytest.raises(ValueError, match="needs the cost model's layers and device"):
+        plan_lists(zc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,7 @@ from elaswave.comm.spec import MAX_MICRO_BATCHES, TagSpace, p2p_tag
 from elaswave.data.corpus import SampleLoader
 from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name, pipe_group_name
-from elaswave.engine.schedule import GRADIENT_OPS, Op, stage_actions
+from elaswave.engine.schedule import GRADIENT_OPS, Action, Op, stage_actions
 from elaswave.engine.steptime import split_parts
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
@@ -98,8 +98,12 @@ class StageRunner:
         bf16: bool = False,
         per_route: bool = False,
         receive_ahead: bool = True,
+        actions: Sequence[Action] | None = None,
     ) -> None:
-        """``shadow``: a non-blocking layer migration that its step runs (once).
+        """``actions``: the stage's list where the plan's schedule depends on costs
+        (:func:`~elaswave.engine.steptime.plan_lists`; default: :func:`stage_actions` of
+        the plan's schedule).
+        ``shadow``: a non-blocking layer migration that its step runs (once).
         ``bf16``: compute in bfloat16 (torch autocast; parameters, gradients and the
         optimizer stay fp32) and send activations and their gradients in bfloat16."""
         self.bf16 = bf16
@@ -150,11 +154,15 @@ class StageRunner:
             raise ValueError(
                 f"{plan.num_micro_batches} micro-batches: at most {MAX_MICRO_BATCHES} per step"
             )
-        self.schedule = stage_actions(
-            plan.schedule,
-            num_stages=plan.pp,
-            stage=self.stage,
-            num_micro_batches=plan.num_micro_batches,
+        self.schedule = (
+            list(actions)
+            if actions is not None
+            else stage_actions(
+                plan.schedule,
+                num_stages=plan.pp,
+                stage=self.stage,
+                num_micro_batches=plan.num_micro_batches,
+            )
         )
         self.receives: list[tuple[bool, int]] = [
             (op is not Op.FORWARD, mb)

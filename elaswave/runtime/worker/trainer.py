@@ -29,6 +29,7 @@ from elaswave.engine.plan import (
     dp_group_name,
     snapshot_group_specs,
 )
+from elaswave.engine.steptime import plan_lists
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.placement import snapshot_link_name
@@ -191,6 +192,11 @@ def build_runner(
         bf16=ctx.cfg.schedule.precision == "bf16",
         per_route=not own_device_plane(ctx),
         receive_ahead=not own_device_plane(ctx),
+        actions=(
+            plan_lists(plan, ctx.cfg.layer_costs, ctx.cfg.cost_device)[plan.locate(ctx.rank)[0]]
+            if plan.schedule.priced
+            else None
+        ),
     )
 
 

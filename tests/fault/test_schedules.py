@@ -61,3 +61,19 @@ def test_auto_plans_the_schedule_at_the_start_and_at_a_change(runs_dir):
     assert run.summary.predicted_step_s < one.summary.predicted_step_s
     diff = compare_runs(run.out, one.out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+def test_zb_cost_lists_run_and_a_kill_in_the_weight_half_is_recovered(runs_dir, references):
+    """``--schedule zb-cost``: every rank runs the lists the plan's search gives
+    (:func:`~elaswave.engine.steptime.plan_lists`: possibly more forwards in flight than
+    ZB-H1 where memory holds them), rank 1 killed in a weight half is recovered, replay
+    reproduces the plans, and the run matches the 1F1B and ZB-H1 runs."""
+    run = train(runs_dir / "schedules_zb_cost", *JOB, "--schedule", "zb-cost",
+                "--fault", "kill:1@3:weight")  # fmt: skip
+    (recovery,) = run.summary.recoveries
+    assert recovery.kind == "fail-stop" and list(recovery.ranks) == [1]
+    trace = json.loads((run.out / "workers" / "rank2.json").read_text())["traces"][0]
+    assert {op for op, _ in trace["actions"]} == {"F", "I", "W"}
+    for ref in references:
+        diff = compare_runs(run.out, ref.out)
+        assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff

@@ -231,12 +231,14 @@ class ScheduleConfig:
     pipeline_schedule: ScheduleSetting = setting(
         ScheduleSetting.ONE_F_ONE_B,
         help="pipeline schedule: 1f1b (default), zb-h1 (the backward split in input- and "
-        "weight-gradient halves, the weight halves in what would be 1F1B's bubbles) or "
+        "weight-gradient halves, the weight halves in what would be 1F1B's bubbles), "
+        "zb-cost (zero-bubble lists planned for the plan's own stage costs and memory) or "
         "auto (the planner takes the one it simulates faster, for every plan)",
         aliases=(Alias(flag="--schedule", help="the same as --pipeline-schedule"),),
     )
     """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`): 1F1B;
-    ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles; or
+    ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles;
+    zb-cost, zero-bubble lists planned for the plan's own stage costs and memory; or
     ``auto``: whichever the planner simulates faster, chosen again at every change."""
     trace_steps: int = setting(
         2,

@@ -31,7 +31,9 @@ def migration_ref(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["nonblocking", "blocking"])
+@pytest.mark.parametrize(
+    "mode", ["nonblocking", pytest.param("blocking", marks=pytest.mark.long)]
+)  # blocking moves: every stage change (test_fail_stop.py's stage lost whole)
 def test_kill_with_layer_migration_matches_the_fault_free_run(runs_dir, migration_ref, mode):
     # Two early micro-batches keep the old placement, so that the shadows and paybacks
     # run (the cost model alone would find this tiny model's streams fast enough to

@@ -28,6 +28,11 @@ def rotating_reference(runs_dir) -> Run:
     return train(runs_dir / "rotating_ref", *ROTATING_JOB)
 
 
+LONG = pytest.mark.long
+"""A kill in a phase the two default cases' recoveries share (the snapshot's and the
+gradient sync's: scripts/test_long; every phase: scripts/fault_matrix.py)."""
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("dp", "pp", "fault"),
@@ -35,8 +40,8 @@ def rotating_reference(runs_dir) -> Run:
         # The full dp=4 matrix is scripts/fault_matrix.py; CI runs smaller layouts.
         (2, 2, "kill:1@3:backward"),  # first stage
         (2, 3, "kill:3@3:optimizer"),  # middle stage, after the update: rollback needed
-        (2, 2, "kill:3@3:snapshot"),  # last stage, gradient already at the snapshot holder
-        (2, 2, "kill:2@2:grad-sync"),
+        pytest.param(2, 2, "kill:3@3:snapshot", marks=LONG),  # last stage, at the holder
+        pytest.param(2, 2, "kill:2@2:grad-sync", marks=LONG),
         pytest.param(2, 3, "kill:2@4:forward", marks=pytest.mark.long),  # dp2 x pp3 above
     ],
 )

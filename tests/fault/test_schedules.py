@@ -32,7 +32,10 @@ def references(runs_dir):
     return zb, one
 
 
-@pytest.mark.parametrize(("rank", "phase"), [(1, "weight"), (2, "backward")])
+@pytest.mark.parametrize(
+    ("rank", "phase"),
+    [(1, "weight"), pytest.param(2, "backward", marks=pytest.mark.long)],  # I: as 1F1B's B
+)
 def test_a_kill_in_either_half_of_a_split_backward_is_recovered(runs_dir, references, rank, phase):
     run = train(runs_dir / f"schedules_kill_{phase}", *JOB, *ZB,
                 "--fault", f"kill:{rank}@3:{phase}")  # fmt: skip

@@ -67,8 +67,8 @@ class Schedule(enum.StrEnum):
 
     @property
     def priced(self) -> bool:
-        """Whether the lists depend on per-stage costs (pass them to
-        :func:`stage_actions`)."""
+        """Whether the lists depend on the plan and its costs
+        (:func:`elaswave.engine.steptime.plan_lists`, not :func:`stage_actions`)."""
         return self is Schedule.ZB_COST
 
 
@@ -170,33 +170,17 @@ def zb_h1(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action
     return list(_zb_h1_lists(num_stages, num_micro_batches)[stage])
 
 
-@functools.lru_cache(maxsize=64)
-def _zb_cost_lists(
-    costs: tuple[OpCosts, ...], num_micro_batches: int
-) -> tuple[tuple[Action, ...], ...]:
-    lists = zero_bubble(num_micro_batches=num_micro_batches, costs=costs)
-    return tuple(tuple(x) for x in lists)
-
-
 def stage_actions(
-    schedule: Schedule,
-    *,
-    num_stages: int,
-    stage: int,
-    num_micro_batches: int,
-    costs: Sequence[OpCosts] | None = None,
+    schedule: Schedule, *, num_stages: int, stage: int, num_micro_batches: int
 ) -> list[Action]:
-    """Stage ``stage``'s list under ``schedule``. ``costs``: one per stage, for a
-    :attr:`~Schedule.priced` schedule: :func:`zero_bubble` at them with its defaults
-    (default :func:`equal_costs`: ZB-H1's lists). A plan's own ``zb-cost`` lists are
-    searched with the cost model (:func:`elaswave.engine.steptime.plan_lists`)."""
-    if schedule is Schedule.ZB_COST:
-        _check_stage(num_stages, stage, num_micro_batches)
-        if costs is None:
-            costs = equal_costs(num_stages)
-        if len(costs) != num_stages:
-            raise ValueError(f"{len(costs)} stage costs for {num_stages} stages")
-        return list(_zb_cost_lists(tuple(costs), num_micro_batches)[stage])
+    """Stage ``stage``'s list under ``schedule``; ValueError for a
+    :attr:`~Schedule.priced` one, whose lists are planned for a plan and its cost model
+    (:func:`elaswave.engine.steptime.plan_lists`)."""
+    if schedule.priced:
+        raise ValueError(
+            f"schedule {schedule} plans its lists for a plan: use "
+            "elaswave.engine.steptime.plan_lists"
+        )
     make = one_f_one_b if schedule is Schedule.ONE_F_ONE_B else zb_h1
     return make(num_stages=num_stages, stage=stage, num_micro_batches=num_micro_batches)
 

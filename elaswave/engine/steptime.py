@@ -254,19 +254,13 @@ def simulate_step(
     num_micro_batches: int,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
 ) -> StepSim:
-    """The step time of a pipeline with these per-stage times under ``schedule``."""
+    """The step time of a pipeline with these per-stage times under ``schedule`` (not a
+    :attr:`~elaswave.engine.schedule.Schedule.priced` one: :func:`plan_step_time`)."""
     p, m = len(stages), num_micro_batches
-    lists = None
-    if schedule.priced:  # per-stage costs, zero_bubble's defaults: no memory to search in
-        costs = op_costs(stages)
-        lists = [
-            stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m, costs=costs)
-            for s in range(p)
-        ]
     fwd_end = np.zeros((p, m))
     bwd_end = np.zeros((p, m))
     free = [0.0] * p
-    for s, op, mb in action_order(p, m, schedule, lists):
+    for s, op, mb in action_order(p, m, schedule):
         st = stages[s]
         if op is Op.FORWARD:
             ready = 0.0 if s == 0 else fwd_end[s - 1, mb] + stages[s - 1].send_fwd_s

@@ -2,13 +2,15 @@
 with dp=1 x pp=1 x tp=1.
 
     .venv/bin/python scripts/layout_invariance.py [--steps 10] [--out runs/layouts]
-        [--schedule 1f1b|zb-h1]
+        [--schedule 1f1b|zb-h1|zb-cost] [--config JOB.toml --tag NAME]
 
 Layouts: tp in {1, 2, 4}, dp x pp x tp <= 8, pp <= 6 (the tiny model's layers), dp
 dividing the global batch of 24 (micro-batch 1): dp in {1, 2, 3, 4, 6, 8}. Prints a
 table and writes docs/layout_invariance.{json,md} (under ``--schedule zb-h1``, every
 layout runs that schedule against the same reference, and the files are
-docs/layout_invariance_zb-h1.{json,md}). Measured on real CPU processes
+docs/layout_invariance_zb-h1.{json,md}). ``--config``: a job file every layout (the
+reference too) trains with, e.g. a recipe of gradient clipping and a learning-rate
+schedule; ``--tag`` names its files. Measured on real CPU processes
 (gloo); the numbers compared are per-step losses and final parameters, not timings.
 """
 
@@ -41,6 +43,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "layouts")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
     parser.add_argument("--schedule", choices=[x.value for x in Schedule], default="1f1b")
+    parser.add_argument("--config", type=Path, help="a job file every layout trains with")
+    parser.add_argument("--tag", default="", help="names the files of a --config run")
     args = parser.parse_args()
     dirs = {}
     for dp, pp, tp in LAYOUTS:
@@ -68,6 +72,7 @@ def main() -> int:
             str(out),
             "--schedule",
             schedule,
+            *(["--config", str(args.config)] if args.config else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -92,10 +97,14 @@ def main() -> int:
         )
     suffix = "" if args.schedule == "1f1b" else f"_{args.schedule}"
     flag = "" if args.schedule == "1f1b" else f" --schedule {args.schedule}"
+    if args.config:
+        suffix += f"_{args.tag}" if args.tag else "_config"
+        flag += f" --config {args.config} --tag {args.tag}"
     lines = [
         f"Layout invariance: {args.steps} steps, tiny model, dropout 0.1, global batch "
         f"{GLOBAL_BATCH}, micro-batch 1, schedule {args.schedule}, reference dp=1 x pp=1 x "
-        "tp=1 under 1f1b (tolerance 1e-5)",
+        "tp=1 under 1f1b (tolerance 1e-5)"
+        + (f"; every layout with {args.config}" if args.config else ""),
         "",
         f"    .venv/bin/python scripts/layout_invariance.py{flag}",
         "",

@@ -137,6 +137,16 @@ class StepCompleted(Event):
     loss: float
     step_time_s: float
     samples: int
+    lr: float = 0.0
+    """The step's learning rate (0.0 from senders before it)."""
+    grad_norm: float = -1.0
+    """The step's global gradient norm before clipping; negative where the job does not
+    clip gradients."""
+
+    @property
+    def clipped(self) -> bool:
+        """Whether the job clips gradients (``grad_norm`` is the step's)."""
+        return self.grad_norm >= 0
 
 
 @register

@@ -103,6 +103,10 @@ class Progress:
         line = (
             f"step {event.step + 1:>4}/{self.steps}  loss {event.loss:.4f}  {rate:8.1f} {self.unit}"
         )
+        if event.lr > 0:
+            line += f"  lr {event.lr:.3g}"
+        if event.clipped:
+            line += f"  grad norm {event.grad_norm:.3g}"
         if not self.tty:
             self.stream.write(line + "\n")
             self.stream.flush()

@@ -257,6 +257,16 @@ def dp_group_name(stage: int) -> str:
     return f"dp.s{stage}"
 
 
+WORLD_GROUP = "dp.all"
+"""Every rank of the plan, in rank order: what the step's global gradient norm is summed
+over (gradient clipping). A ring over pooled links under gloo, as the DP groups are."""
+
+
+def world_group_spec(plan: Plan) -> GroupSpec:
+    """The plan's world group (:data:`WORLD_GROUP`)."""
+    return GroupSpec(WORLD_GROUP, tuple(sorted(plan.ranks)), collectives=True)
+
+
 def pipe_group_name(stage: int, backward: bool) -> str:
     """The device group between stage ``stage`` and the next: activations travel
     forward on ``fwd.s{stage}``, their gradients back on ``bwd.s{stage}``."""

@@ -8,6 +8,8 @@ update itself, and when a shard's buffers may be reused.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import itertools
 import math
@@ -19,9 +21,17 @@ from dataclasses import dataclass
 import torch
 
 
+class LrSchedule(enum.StrEnum):
+    """How the learning rate falls after the warm-up (``[optim] lr_schedule``)."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters."""
+    """AdamW hyper-parameters, the learning-rate schedule and gradient clipping."""
 
     lr: float = 3e-3
     """Peak learning rate."""
@@ -35,6 +45,17 @@ class OptimizerConfig:
     """Decoupled weight decay, applied to matrices (not to norm gains)."""
     warmup_steps: int = 5
     """Linear learning-rate warm-up steps."""
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
+    """After the warm-up: constant, or a linear or cosine decay from ``lr`` to
+    ``min_lr`` over ``decay_steps`` steps (then ``min_lr``)."""
+    min_lr: float = 0.0
+    """Where a decaying schedule ends."""
+    decay_steps: int | None = None
+    """Steps a decaying schedule takes after the warm-up; None: the rest of the job
+    (:meth:`for_steps`)."""
+    max_grad_norm: float | None = None
+    """Clip the step's gradient to this global norm (over every shard of every stage,
+    replica and TP member), as ``torch.nn.utils.clip_grad_norm_``; None: no clipping."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -46,11 +67,43 @@ class OptimizerConfig:
             raise ValueError("optim.weight_decay must be >= 0 and optim.eps > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
+        try:
+            object.__setattr__(self, "lr_schedule", LrSchedule(self.lr_schedule))
+        except ValueError:
+            valid = ", ".join(repr(x.value) for x in LrSchedule)
+            raise ValueError(
+                f"optim.lr_schedule = {self.lr_schedule!r}: valid values are {valid}"
+            ) from None
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr = {self.min_lr!r}: must be in [0, lr = {self.lr!r}]")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"optim.decay_steps = {self.decay_steps!r}: must be at least 1")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"optim.max_grad_norm = {self.max_grad_norm!r}: must be positive")
+
+    def for_steps(self, steps: int) -> OptimizerConfig:
+        """This config for a job of ``steps`` steps: a decaying schedule without
+        ``decay_steps`` decays over the steps after the warm-up."""
+        if self.decay_steps is not None or self.lr_schedule is LrSchedule.CONSTANT:
+            return self
+        return dataclasses.replace(self, decay_steps=max(1, steps - self.warmup_steps))
 
     def lr_at(self, step: int) -> float:
-        if self.warmup_steps == 0:
+        """The learning rate of 0-based ``step``: ``lr * (step + 1) / warmup_steps``
+        during the warm-up (``lr`` at its last step), then the schedule."""
+        if step + 1 < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule is LrSchedule.CONSTANT:
             return self.lr
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
+        span = self.decay_steps if self.decay_steps is not None else 1
+        progress = min(1.0, (step + 1 - max(self.warmup_steps, 1)) / span)
+        if progress in (0.0, 1.0):  # the ends exactly
+            return self.lr if progress == 0.0 else self.min_lr
+        if self.lr_schedule is LrSchedule.LINEAR:
+            left = 1.0 - progress
+        else:
+            left = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + (self.lr - self.min_lr) * left
 
 
 @dataclass

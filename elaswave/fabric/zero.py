@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from elaswave.comm.group import CollectiveGroup, CollectiveWork
 from elaswave.comm.idle import IDLE, IdleTask
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, recyclable
+from elaswave.fabric.clip import GradClip
 from elaswave.fabric.layout import InterleavedLayout
 
 
@@ -129,7 +130,9 @@ class ZeroAdamW:
         self.cfg = cfg
         self.dp_group = dp_group
         self.replica = replica
+        layers = list(layers)
         self.params = [list(layer.parameters()) for layer in layers]
+        self._names = [[name for name, _ in layer.named_parameters()] for layer in layers]
         self.layout = InterleavedLayout.build(
             [
                 (lid, sum(p.numel() for p in ps))
@@ -180,6 +183,21 @@ class ZeroAdamW:
         self._prepared: tuple[ShardState, IdleTask[ShardState]] | None = None
         """The committed shard and its copy being made for the next update."""
         self._copy_plan = self._param_pieces()
+        self.clip: GradClip | None = None
+        """Clips each step's gradient by its global norm (``cfg.max_grad_norm``)."""
+        self.grad_norms: dict[int, float] = {}
+        """The global gradient norm of each step this optimizer stepped, before clipping."""
+
+    def shard_mask(self, counts: Callable[[str], bool]) -> torch.Tensor:
+        """0/1 per element of this replica's shard: 1 where the parameter, by name,
+        ``counts``."""
+        masks = [
+            _flat(
+                [torch.full_like(p, 1.0 if counts(n) else 0.0) for n, p in zip(ns, ps, strict=True)]
+            )
+            for ns, ps in zip(self._names, self.params, strict=True)
+        ]
+        return self.layout.shard_of(masks, self.replica).to(self._like.device)
 
     def decay_mask_of(self, replica: int) -> torch.Tensor:
         return self.layout.shard_of(self._masks, replica)
@@ -360,6 +378,8 @@ class ZeroAdamW:
         """Reduce-scatter, snapshot send, out-of-place update, the snapshot's delivery,
         all-gather; then commit()."""
         grad = self.reduce_scatter_grads()
+        if self.clip is not None:  # before the holder gets it: both apply the clipped one
+            self.grad_norms[step] = self.clip.apply(grad)
         if self.snapshot is not None:
             self.snapshot.send(grad, step)
         if hook is not None:

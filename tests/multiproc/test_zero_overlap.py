@@ -1,7 +1,8 @@
 """ZeroAdamW's step on a real ring: the reduce-scatter started from the last backward's
 gradient hooks gives the same shards and parameters as the one started after it, both
 match a single-process AdamW on the summed gradients, and a roll-back restores the
-committed parameters."""
+committed parameters; clipped by global norm under a cosine schedule, it matches torch's
+``clip_grad_norm_`` and AdamW at the same learning rates."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from elaswave.comm.backend import GlooBackend
 from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.spec import GroupSpec
 from elaswave.fabric.adamw import OptimizerConfig, ShardState
+from elaswave.fabric.clip import GradClip
 from elaswave.fabric.zero import ZeroAdamW
 from tests.multiproc.test_dynamic_comm import TIMEOUT, Job, _barrier
 
@@ -62,7 +64,7 @@ def _arrays(tensors: list[torch.Tensor]) -> list[Any]:
     return [t.numpy().copy() for t in tensors]
 
 
-def _train(rank: int, store: dist.Store) -> dict[str, Any]:
+def _train(rank: int, store: dist.Store, cfg: OptimizerConfig = CFG) -> dict[str, Any]:
     _barrier(store, "up", WORLD)
     dyn = DynamicCommunicator(store, rank, GlooBackend(), timeout=TIMEOUT)
     dyn.build([GroupSpec("dp.s0", tuple(range(WORLD)))])
@@ -71,7 +73,9 @@ def _train(rank: int, store: dist.Store) -> dict[str, Any]:
     held: list[ShardState] = []
     for overlap in (True, False):
         layers = _layers()
-        opt = ZeroAdamW(layers, layer_ids=[0, 1, 2], dp_group=ring, replica=rank, cfg=CFG)
+        opt = ZeroAdamW(layers, layer_ids=[0, 1, 2], dp_group=ring, replica=rank, cfg=cfg)
+        if cfg.max_grad_norm is not None:  # one stage: its DP ring is the world
+            opt.clip = GradClip(max_norm=cfg.max_grad_norm, world=ring, world_size=WORLD)
         after = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -93,32 +97,37 @@ def _train(rank: int, store: dist.Store) -> dict[str, Any]:
         opt.all_gather_params()
         assert all(torch.equal(a, b) for a, b in zip(_params(layers), after[-1], strict=True))
         runs["overlap" if overlap else "after"] = [_arrays(ps) for ps in after]
+        runs["norms" if overlap else "norms_after"] = [opt.grad_norms.get(s) for s in range(STEPS)]
     return runs
 
 
-def _reference() -> list[list[torch.Tensor]]:
-    """torch AdamW on the gradients summed over every rank's micro-batches."""
+def _reference(cfg: OptimizerConfig = CFG) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """torch AdamW on the gradients summed over every rank's micro-batches (clipped by
+    ``clip_grad_norm_`` where ``cfg`` clips); and each step's norm before clipping."""
     layers = _layers()
     decay = [p for layer in layers for p in layer.parameters() if p.dim() >= 2]
     no_decay = [p for layer in layers for p in layer.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": CFG.weight_decay}, {"params": no_decay}],
-        lr=CFG.lr,
-        betas=(CFG.beta1, CFG.beta2),
-        eps=CFG.eps,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
         weight_decay=0.0,
     )
-    after = []
+    after, norms = [], []
+    params = [p for layer in layers for p in layer.parameters()]
     for step in range(STEPS):
         for group in opt.param_groups:
-            group["lr"] = CFG.lr_at(step)
+            group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=False)
         for rank in range(WORLD):
             for mb in range(MICRO_BATCHES):
                 _loss(layers, _batch(step, mb, rank)).backward()
+        if cfg.max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         opt.step()
         after.append(_params(layers))
-    return after
+    return after, norms
 
 
 @pytest.mark.timeout(60)
@@ -128,7 +137,7 @@ def test_overlapped_reduction_matches_the_reduction_after_backward() -> None:
         results = job.results(WORLD, timeout_s=45)
     finally:
         job.close()
-    reference = _reference()
+    reference, _ = _reference()
     for rank, runs in results.items():
         for step, (mine, other, ref) in enumerate(
             zip(runs["overlap"], runs["after"], reference, strict=True)
@@ -141,3 +150,29 @@ def test_overlapped_reduction_matches_the_reduction_after_backward() -> None:
                 (a == b).all()
                 for a, b in zip(runs["overlap"][-1], results[0]["overlap"][-1], strict=True)
             )
+
+
+CLIPPED = OptimizerConfig(
+    lr=1e-2, warmup_steps=1, lr_schedule="cosine", decay_steps=3, min_lr=1e-3, max_grad_norm=2.0
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_clipped_step_under_a_cosine_schedule_matches_torch() -> None:
+    job = Job(_train, WORLD, CLIPPED)
+    try:
+        results = job.results(WORLD, timeout_s=45)
+    finally:
+        job.close()
+    reference, norms = _reference(CLIPPED)
+    assert all(n > CLIPPED.max_grad_norm for n in norms)  # every step clips
+    assert [CLIPPED.lr_at(s) for s in (0, 3, 4)] == [1e-2, 1e-3, 1e-3]
+    for rank, runs in results.items():
+        torch.testing.assert_close(runs["norms"], norms, rtol=1e-6, atol=0)
+        assert runs["norms"] == runs["norms_after"]
+        for step, (mine, ref) in enumerate(zip(runs["overlap"], reference, strict=True)):
+            for a, c in zip(mine, ref, strict=True):
+                (
+                    torch.testing.assert_close(torch.from_numpy(a), c, rtol=1e-5, atol=1e-6),
+                    (rank, step),
+                )

@@ -173,6 +173,7 @@ def _summarise(
         layers=cfg.layer_costs,
         cost_device=cfg.cost_device,
         tp=cfg.layout.tp,
+        optim=cfg.optim,
     )
     write_summary(run_dir, dataclasses.replace(summary, core_incarnations=incarnation + 1))
 

@@ -16,6 +16,7 @@ from elaswave.engine.cost import DeviceSpec, LayerCost
 from elaswave.engine.plan import Plan
 from elaswave.engine.record import RecoveryRecord
 from elaswave.engine.steptime import plan_step_time
+from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.runtime.core.compare import load_params
 from elaswave.runtime.job.results import (
     BusCounts,
@@ -48,6 +49,7 @@ def build_summary(
     layers: Sequence[LayerCost] | None = None,
     cost_device: DeviceSpec | None = None,
     tp: int = 1,
+    optim: OptimizerConfig | None = None,
 ) -> Summary:
     """``recoveries``: the job's changes (summary.json's ``recoveries``,
     :func:`elaswave.engine.record.record_to_json`). ``bus``: the Core's delivery
@@ -55,7 +57,8 @@ def build_summary(
     ``layers`` and ``cost_device``: what the planners price (the job's
     :attr:`~elaswave.runtime.job.config.JobConfig.layer_costs` and ``cost_device``), for
     ``predicted_step_s``, the planner's simulated step time of ``plan`` (None without).
-    ``tp``: the members of each of the plan's ranks (TP groups)."""
+    ``tp``: the members of each of the plan's ranks (TP groups). ``optim``: the job's
+    optimizer, for each step's learning rate (``lr``; None without)."""
     results = read_worker_results(run_dir)
     logged = _logged_steps(run_dir)
     first, losses = _losses(results, logged)
@@ -84,6 +87,10 @@ def build_summary(
         bus=BusCounts(core=bus or {}, workers=workers_bus),
         snapshot_host_bytes={r.rank: r.snapshot_host_bytes for r in sorted(results, key=_rank)}
         or None,
+        lr=None
+        if optim is None
+        else tuple(optim.lr_at(s) for s in range(first, first + len(losses))),
+        grad_norm=_grad_norms(results, logged, first, len(losses)),
     )
 
 
@@ -112,6 +119,27 @@ def _losses(
     if missing:
         raise ValueError(f"no rank and no event log record has the loss of steps {missing}")
     return first, [by_step[s] if s in by_step else logged[s].loss for s in range(first, last + 1)]
+
+
+def _grad_norms(
+    results: Sequence[WorkerResult], logged: dict[int, StepCompleted], first: int, trained: int
+) -> tuple[float, ...] | None:
+    """Each step's global gradient norm, from the last stage's ranks or else the event
+    log's StepCompleted records (as losses); None where a step has none (no clipping)."""
+    by_step: dict[int, float] = {}
+    for r in results:
+        if r.grad_norm is not None:
+            by_step.update(zip(r.loss_steps, r.grad_norm, strict=True))
+    norms = []
+    for step in range(first, first + trained):
+        record = logged.get(step)
+        norm = by_step.get(
+            step, record.grad_norm if record is not None and record.clipped else None
+        )
+        if norm is None:
+            return None
+        norms.append(norm)
+    return tuple(norms)
 
 
 def _step_times(

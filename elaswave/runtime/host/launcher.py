@@ -179,6 +179,7 @@ class JobHost:
             layers=self.cfg.layer_costs,
             cost_device=self.cfg.cost_device,
             tp=self.cfg.layout.tp,
+            optim=self.cfg.optim,
         )
         write_summary(self.run_dir, summary)
 

@@ -123,8 +123,12 @@ class ScalarLog:
     def __call__(self, event: Event) -> None:
         if isinstance(event, StepCompleted):
             rate = event.samples / event.step_time_s if event.step_time_s > 0 else 0.0
-            self.scalars(event.step, {"train/loss": event.loss, "train/samples_per_s": rate},
-                         event.time)  # fmt: skip
+            values = {"train/loss": event.loss, "train/samples_per_s": rate}
+            if event.lr > 0:
+                values["train/lr"] = event.lr
+            if event.clipped:
+                values["train/grad_norm"] = event.grad_norm
+            self.scalars(event.step, values, event.time)
         elif isinstance(event, RunStarted):
             self.ranks = event.world_size
             self.scalars(0, {"plan/ranks": float(self.ranks)}, event.time)

@@ -73,6 +73,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile", tuple(self.profile))
+        object.__setattr__(self, "optim", self.optim.for_steps(self.schedule.steps))
         self._check_across_sections()
         self._check_profile()
         tp = self.layout.tp

@@ -79,6 +79,11 @@ class Summary:
     snapshot_host_bytes: Mapping[int, int] | None = None
     """Host memory each rank's snapshots of other ranks' shards took at the end, by rank
     (grows with ``--snapshot-copies``; None: no worker reported it)."""
+    lr: tuple[float, ...] | None = None
+    """The learning rate of every step, as ``loss`` (None in summaries before it)."""
+    grad_norm: tuple[float, ...] | None = None
+    """The global gradient norm of every step before clipping, as ``loss`` (None where
+    the job does not clip gradients)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +135,8 @@ class WorkerResult:
     snapshot_host_bytes: int = 0
     """Host memory its snapshots of other ranks' shards took at the end (every copy it
     holds: shard states and gradient buffers)."""
+    grad_norm: tuple[float, ...] | None = None
+    """The global gradient norm of each step of ``loss_steps`` (None: not clipped)."""
     pipeline_s: tuple[float, ...] | None = None
     """Per step, as ``step_time_s``: the pipeline's part (to the end of the last action
     and its sends, before the optimizer step). None in results written before it."""

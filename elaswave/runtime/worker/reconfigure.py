@@ -55,6 +55,7 @@ from elaswave.runtime.worker.trainer import (
     build_optimizer,
     build_runner,
     device_plane,
+    device_specs,
     host_specs,
     load_checkpoint,
     own_device_plane,
@@ -349,7 +350,7 @@ def _edit_device_plane(
     if old is None or not own_device_plane(a.ctx):
         return device_plane(a.ctx, a.new, links, store), 0
     return old.device.edit(
-        a.new.device_group_specs(),
+        device_specs(a.ctx, a.new),
         generation=a.new.generation,
         rebuild=lambda spec: spec.name in rebuild,
     )

@@ -103,6 +103,8 @@ class StepLoop:
         self.step_times: dict[int, float] = {}
         self.pipeline_times: dict[int, float] = {}
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}
+        """The global gradient norm of each step with a loss here (where clipping)."""
         self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
         self.optimizer_prints: dict[int, Fingerprint] = {}
@@ -171,6 +173,7 @@ class StepLoop:
                     self.step_times,
                     self.pipeline_times,
                     self.losses,
+                    self.grad_norms,
                     self.optimizer_digests,
                     self.optimizer_prints,
                 ):
@@ -244,6 +247,8 @@ class StepLoop:
                 StepCompleted(
                     sender=self.sender, rank=self.rank, step=step, loss=loss,
                     step_time_s=result.seconds, samples=trainer.plan.global_batch,
+                    lr=cfg.optim.lr_at(step),
+                    grad_norm=self.grad_norms.get(step, -1.0),
                 )
             )  # fmt: skip
         return outcome
@@ -254,6 +259,9 @@ class StepLoop:
         loss = None
         if result.loss_sum is not None:
             loss = self.losses[step] = result.loss_sum / plan.global_batch
+            norm = self.trainer.optimizer.grad_norms.get(step)
+            if norm is not None:
+                self.grad_norms[step] = norm
         return StepOutcome(step, loss, result.seconds, plan.generation, recovered)
 
     def finish(self) -> None:
@@ -302,6 +310,9 @@ class StepLoop:
             pipeline_s=tuple(self.pipeline_times[s] for s in sorted(self.pipeline_times)),
             loss=tuple(losses[s] for s in sorted(losses)) if losses else None,
             loss_steps=tuple(sorted(losses)),
+            grad_norm=tuple(self.grad_norms[s] for s in sorted(losses))
+            if losses and self.grad_norms.keys() >= losses.keys()
+            else None,
             traces=tuple(self.traces),
             optimizer_shard_numel=trainer.optimizer.state.numel(),
             stage_param_numel=sum(p.numel() for p in trainer.layers.parameters()),

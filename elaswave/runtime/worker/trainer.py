@@ -25,19 +25,22 @@ from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.spec import GroupSpec
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.plan import (
+    WORLD_GROUP,
     Plan,
     dp_group_name,
     snapshot_group_specs,
+    world_group_spec,
 )
 from elaswave.engine.steptime import plan_lists
 from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
+from elaswave.fabric.clip import GradClip
 from elaswave.fabric.placement import snapshot_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.llama import layer_index
 from elaswave.model.rng import DropoutRng
-from elaswave.model.tensor_parallel import TpShard
+from elaswave.model.tensor_parallel import TpShard, split_dim
 from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.worker.emulation import Pacer
@@ -209,7 +212,7 @@ def build_optimizer(
     committed_step: int = -1,
 ) -> ZeroAdamW:
     stage, replica = plan.locate(ctx.rank)
-    return ZeroAdamW(
+    optimizer = ZeroAdamW(
         layers,
         layer_ids=list(plan.stages[stage].layers),
         dp_group=comm.collective(dp_group_name(stage)),
@@ -218,6 +221,40 @@ def build_optimizer(
         state=state,
         committed_step=committed_step,
     )
+    optimizer.clip = grad_clip(ctx, plan, comm, optimizer)
+    return optimizer
+
+
+def grad_clip(
+    ctx: WorkerContext, plan: Plan, comm: Communicator, optimizer: ZeroAdamW
+) -> GradClip | None:
+    """How ``optimizer`` clips the step's gradient (None when the job does not): over
+    the plan's world group and the rank's TP group, a parameter kept whole on every TP
+    member counted on member 0 only."""
+    max_norm = ctx.cfg.optim.max_grad_norm
+    if max_norm is None:
+        return None
+    counted = None
+    if ctx.tp is not None and ctx.member > 0:
+        counted = optimizer.shard_mask(lambda name: split_dim(name) is not None)
+    return GradClip(
+        max_norm=max_norm,
+        world=comm.collective(WORLD_GROUP),
+        world_size=len(plan.ranks),
+        tp=ctx.tp,
+        counted=counted,
+    )
+
+
+def clipping_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
+    """The world group where the job clips gradients (:func:`grad_clip`)."""
+    return [world_group_spec(plan)] if ctx.cfg.optim.max_grad_norm is not None else []
+
+
+def device_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
+    """The device plane's groups under ``plan`` where it has its own
+    (:meth:`Plan.device_group_specs` and the world group where gradients are clipped)."""
+    return plan.device_group_specs() + clipping_specs(ctx, plan)
 
 
 def own_device_plane(ctx: WorkerContext) -> bool:
@@ -233,7 +270,7 @@ def own_device_plane(ctx: WorkerContext) -> bool:
 def host_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     """The groups of the dynamic communicator under ``plan`` (without a change's remap
     links): the snapshot links, and under gloo the plan's DP rings and route links."""
-    training = [] if own_device_plane(ctx) else plan.group_specs()
+    training = [] if own_device_plane(ctx) else plan.group_specs() + clipping_specs(ctx, plan)
     return training + snapshot_specs(ctx, plan)
 
 
@@ -249,7 +286,7 @@ def device_plane(
         store or ctx.comm_store, ctx.rank, ctx.backend, timeout=ctx.timeout,
         generation=plan.generation, abort=ctx.abort, device=ctx.device, prefix=DEVICE_PREFIX,
     )  # fmt: skip
-    plane.build(plan.device_group_specs())
+    plane.build(device_specs(ctx, plan))
     return plane
 
 

@@ -14,7 +14,7 @@ without a restart::
     while not job.done:
         job.train_step()
 
-* ``model``: ``"hf:DIR"`` (a Hugging Face Llama, Mistral or Qwen2 directory) or a preset
+* ``model``: ``"hf:DIR"`` (a Hugging Face decoder directory) or a preset
   name (``"tiny"``, ElasWave's built-in decoder); ``elaswave run`` reads it from the
   script before it starts the job (the script runs once up to this call, with nothing
   started), so every process, the Core's planners included, knows the model.

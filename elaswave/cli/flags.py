@@ -49,7 +49,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         help="model preset (tiny; llama2-* are for the simulator) or hf:DIR, a Hugging Face "
-        "Llama, Mistral or Qwen2 directory (config.json, optional *.safetensors)",
+        "decoder directory (config.json, optional *.safetensors; Llama, Mistral, Qwen2/3, "
+        "Gemma, Phi-3, OLMo-2, Granite, SmolLM3 and others laid out as they are)",
     )
     p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")

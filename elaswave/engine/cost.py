@@ -219,7 +219,7 @@ def layer_costs(
         raise ValueError(f"dtype_bytes = {dtype_bytes}: must be at least 1")
     s, h, f, v = model.seq_len, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     a = model.num_heads
-    kv = model.num_kv_heads * model.head_dim
+    q, kv = a * model.head_dim, model.num_kv_heads * model.head_dim
     masks = model.dropout > 0.0
     hidden_out = s * h * dtype_bytes / tp
 
@@ -233,17 +233,18 @@ def layer_costs(
         output_bytes_per_sample=hidden_out,
     )
 
-    matmul = h * h + 2 * h * kv + h * h + 3 * h * f
-    block_fwd = (2.0 * matmul * s + 4.0 * s * s * h) / tp
+    weights = model.block_param_count() - 2 * h  # its norms' gains aside
+    matmul = weights - ((q + 2 * kv) if model.qkv_bias and not model.block_params else 0)
+    block_fwd = (2.0 * matmul * s + 4.0 * s * s * q) / tp
     scores = float(FP32_BYTES * a * s) if flash_attention else float(dtype_bytes * a * s * s)
     block_act = (
-        dtype_bytes * s * (6 * h + 2 * kv + 4 * f) + (2 * s * h if masks else 0) + scores
+        dtype_bytes * s * (4 * h + 2 * q + 2 * kv + 4 * f) + (2 * s * h if masks else 0) + scores
     ) / tp
     blocks = [
         LayerCost(
             index=index,
             kind=LayerKind.BLOCK,
-            params=2 * h + (matmul + ((h + 2 * kv) if model.qkv_bias else 0)) // tp,
+            params=2 * h + weights // tp,
             fwd_flops_per_sample=block_fwd,
             bwd_flops_per_sample=2.0 * block_fwd,
             activation_bytes_per_sample=block_act,

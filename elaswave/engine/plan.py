@@ -262,6 +262,17 @@ WORLD_GROUP = "dp.all"
 over (gradient clipping). A ring over pooled links under gloo, as the DP groups are."""
 
 
+TIED_GROUP = "dp.tied"
+"""Every rank that holds a copy of a tied weight: the first and the last stage's ranks
+(:mod:`elaswave.fabric.tied`). A ring over pooled links under gloo."""
+
+
+def tied_group_spec(plan: Plan) -> GroupSpec:
+    """The plan's tied-weight group (:data:`TIED_GROUP`)."""
+    ranks = set(plan.stages[0].ranks) | set(plan.stages[-1].ranks)
+    return GroupSpec(TIED_GROUP, tuple(sorted(ranks)), collectives=True)
+
+
 def world_group_spec(plan: Plan) -> GroupSpec:
     """The plan's world group (:data:`WORLD_GROUP`)."""
     return GroupSpec(WORLD_GROUP, tuple(sorted(plan.ranks)), collectives=True)

@@ -23,6 +23,7 @@ from elaswave.comm.idle import IDLE, IdleTask
 from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, recyclable
 from elaswave.fabric.clip import GradClip
 from elaswave.fabric.layout import InterleavedLayout
+from elaswave.fabric.tied import TiedGrad
 
 
 class SnapshotSink(Protocol):
@@ -102,6 +103,8 @@ class _Reduction:
     """The next layer to start (they start from the last layer down)."""
     works: list[CollectiveWork] = field(default_factory=list)
     error: BaseException | None = None
+    deferred: list[int] = field(default_factory=list)
+    """Layers passed over while backward ran (a tied weight's): started at the step."""
 
 
 class ZeroAdamW:
@@ -183,6 +186,8 @@ class ZeroAdamW:
         self._prepared: tuple[ShardState, IdleTask[ShardState]] | None = None
         """The committed shard and its copy being made for the next update."""
         self._copy_plan = self._param_pieces()
+        self.tied: TiedGrad | None = None
+        """Sums a tied weight's gradient with its other copies' (:mod:`elaswave.fabric.tied`)."""
         self.clip: GradClip | None = None
         """Clips each step's gradient by its global norm (``cfg.max_grad_norm``)."""
         self.grad_norms: dict[int, float] = {}
@@ -295,9 +300,13 @@ class ZeroAdamW:
         left), in order. A failure to start is kept for :meth:`reduce_scatter_grads`."""
         if r.error is not None:
             return
-        while r.next >= 0 and (all_ or r.ready[r.next]):
+        held = {layer for layer, _ in self.tied.slots} if self.tied is not None else set()
+        while r.next >= 0 and (all_ or r.ready[r.next] or r.next in held):
             index = r.next
             r.next -= 1
+            if index in held:  # its gradient is summed with the other copies' first
+                r.deferred.append(index)
+                continue
             try:
                 self._start_layer(r, index)
             except BaseException as exc:
@@ -316,6 +325,7 @@ class ZeroAdamW:
         """Sum every replica's gradients; return this replica's shard of the sum."""
         if self._grads is None:
             self._grads = _GradBuffer(self.params, self.layout, self._like)
+        self._sum_tied(self._grads)
         if self.layout.dp == 1:
             grads = self._grads
             for index, ps in enumerate(self.params):
@@ -326,6 +336,8 @@ class ZeroAdamW:
         try:
             self._disarm()
             self._start_ready(r, all_=True)
+            for index in r.deferred:
+                self._start_layer(r, index)
             if r.error is not None:
                 raise r.error
             for work in r.works:
@@ -333,6 +345,20 @@ class ZeroAdamW:
         finally:
             self._reduction = None
         return r.out
+
+    def _sum_tied(self, grads: _GradBuffer) -> None:
+        """The tied weight's copies here get the sum over every copy (every rank that
+        holds one calls this once a step, before its stage's reduce-scatter)."""
+        if self.tied is None:
+            return
+        views = []
+        for layer, param in self.tied.slots:
+            grads.collect(layer, self.params[layer])
+            view = grads.views[layer][param]
+            if view is None:
+                raise RuntimeError("a tied weight's gradient is not in the gradient buffer")
+            views.append(view)
+        self.tied.sum(views)
 
     # ------------------------------------------------------------------ parameters
 

@@ -37,9 +37,18 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weight matrices."""
     qkv_bias: bool = False
     """The query, key and value projections have biases (Qwen2)."""
+    head_size: int = 0
+    """Width of one attention head; 0: ``hidden_size / num_heads``."""
+    block_params: int = 0
+    """Parameters of one block as a Hugging Face model defines it (projections of any
+    width, biases, norms inside attention, fused projections), counted from its
+    modules; 0: counted from the fields above (the built-in block)."""
+    tie_embeddings: bool = False
+    """The LM head's weight is the token embedding's (a Hugging Face model's
+    ``tie_word_embeddings``; :mod:`elaswave.fabric.tied`)."""
     source: str = ""
     """Where the layers come from: "" for ElasWave's built-in decoder, or
-    ``hf:DIR`` for a Hugging Face causal LM (Llama, Mistral, Qwen2) described by
+    ``hf:DIR`` for a Hugging Face decoder-only causal LM described by
     DIR/config.json, with its weights from DIR's safetensors files when there are any
     (:mod:`elaswave.model.hf`), or ``megatron:FILE`` for megatron-core's GPT pieces
     (:mod:`elaswave.model.megatron`); the shape fields above then mirror that model."""
@@ -57,7 +66,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
-        if self.hidden_size % self.num_heads:
+        if self.head_size < 0 or self.block_params < 0:
+            raise ValueError("model.head_size and model.block_params must be >= 0")
+        if not self.head_size and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "
                 f"model.num_heads = {self.num_heads}"
@@ -67,12 +78,15 @@ class ModelConfig:
                 f"model.num_heads = {self.num_heads} is not a multiple of "
                 f"model.num_kv_heads = {self.num_kv_heads}"
             )
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                f"head size {self.hidden_size // self.num_heads} must be even for rotary embedding"
-            )
+        if self.head_dim % 2:
+            raise ValueError(f"head size {self.head_dim} must be even for rotary embedding")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout = {self.dropout!r}: must be in [0, 1)")
+        if self.tie_embeddings and not self.source.startswith("hf:"):
+            raise ValueError(
+                "model.tie_embeddings = true: only for Hugging Face models (hf:DIR), whose "
+                "config says tie_word_embeddings"
+            )
         kinds = ("hf:", "megatron:")
         if self.source and not any(
             self.source.startswith(k) and len(self.source) > len(k) for k in kinds
@@ -90,7 +104,16 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    def block_param_count(self) -> int:
+        """Parameters of one block (:attr:`block_params` where the model gave them)."""
+        if self.block_params:
+            return self.block_params
+        h, f = self.hidden_size, self.ffn_hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return 2 * h + 2 * h * q + 2 * h * kv + 3 * h * f + bias
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -148,10 +171,8 @@ def preset(name: str) -> ModelConfig:
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the whole model, computed from shapes (no allocation)."""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    kv = cfg.num_kv_heads * cfg.head_dim
-    block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f + ((h + 2 * kv) if cfg.qkv_bias else 0)
-    return v * h + cfg.num_blocks * block + h + h * v
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return v * h + cfg.num_blocks * cfg.block_param_count() + h + h * v
 
 
 class RngKind(enum.StrEnum):

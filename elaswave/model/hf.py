@@ -1,5 +1,7 @@
-"""Hugging Face decoder-only causal LMs as ElasWave pipeline models (Llama, Mistral,
-Qwen2).
+"""Hugging Face decoder-only causal LMs as ElasWave pipeline models, recognised by
+structure: any transformers causal LM laid out as ``model.embed_tokens``,
+``model.layers[i]``, ``model.norm``, ``lm_head`` with the model's ``rotary_emb``
+(tested: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo-2, Granite, SmolLM3).
 
 A model is a local directory: ``config.json`` (as ``save_pretrained`` writes it) and,
 optionally, its weights as ``*.safetensors`` (one file, or shards with
@@ -7,15 +9,23 @@ optionally, its weights as ``*.safetensors`` (one file, or shards with
 ElasWave's layer list: layer 0 is the token embedding, layers 1..N the model's own
 decoder layers (each with the model's rotary embedding, computed in the layer), layer
 N+1 the final norm and LM head. Without weights, each layer is initialised as the
-model's ``_init_weights`` does (normal(0, initializer_range) matrices, zero biases,
-unit norms) from its own (seed, layer) stream, so parameters do not depend on which
-stage builds them; with weights, each rank reads only its layers' tensors.
+model's ``_init_weights`` does (its norms' gains and its buffers from the model's own
+initialisation; normal(0, initializer_range) matrices from the layer's own (seed,
+layer) stream), so parameters do not depend on which stage builds them; with weights,
+each rank reads only its layers' tensors. Each layer is a copy of the model's own
+module, built on the meta device from the model's class and materialised alone, so a
+rank allocates only its layers. What the model does between its modules is applied by
+name: the embedding's ``embedding_multiplier`` and the logits' ``logits_scaling``
+(Granite) and ``logit_scale`` (Cohere).
 
-Dropout: these families have none but the attention kernel's ``attention_dropout``,
-which draws from torch's global generator and so would differ between layouts; a
-config with ``attention_dropout > 0`` is refused (:data:`HfModel.dropout_sites` is
-empty). Tied input and output embeddings are refused too: the embedding and the head
-live on different stages.
+Dropout: inside a model's modules dropout draws from torch's global generator and so
+would differ between layouts; a
+config with any dropout above 0 is refused (:data:`HfModel.dropout_sites` is empty).
+Tied input and output embeddings (``tie_word_embeddings``) are held twice, by the
+embedding layer and by the head layer, initialised and loaded alike and kept equal by
+summing their gradients (:mod:`elaswave.fabric.tied`). Refused: families whose attention
+needs an explicit mask (no SDPA: Gemma 2 and 3's soft-capping) and final-logit
+soft-capping.
 
 :func:`hf_shape` reads the config into a :class:`~elaswave.model.config.ModelConfig`
 (the cost model's dimensions); :class:`HfModel` builds the layers;
@@ -25,6 +35,8 @@ does, so ``from_pretrained`` can load them.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,8 +51,19 @@ from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
 from elaswave.model.tensor_parallel import NO_TP, TpShard, refuse_tp
 
-FAMILIES = ("llama", "mistral", "qwen2")
-"""``model_type`` values whose layers ElasWave splits and prices (Llama-style blocks)."""
+TESTED_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "smollm3",
+)  # fmt: skip
+"""``model_type`` values checked against transformers' own model (logits, gradients,
+layouts, recovery): ``tests/unit/test_hf_families.py``. Others of the same structure
+are accepted."""
+
+TIED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+"""A tied weight's two copies: in the embedding layer and in the head layer (in that
+order; :mod:`elaswave.fabric.tied`)."""
+
+STRUCTURE = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+"""What a causal LM must have for ElasWave to split it into layers."""
 
 
 def _directory(source: str) -> Path:
@@ -63,10 +86,8 @@ def load_hf_config(directory: Path) -> Any:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path} is not a readable JSON file: {exc}") from None
     kind = raw.get("model_type") if isinstance(raw, dict) else None
-    if kind not in FAMILIES:
-        raise ValueError(
-            f"{path}: model_type = {kind!r} is not supported; supported: {', '.join(FAMILIES)}"
-        )
+    if not isinstance(kind, str):
+        raise ValueError(f"{path}: model_type = {kind!r}: expected a transformers model type")
     from transformers import AutoConfig
 
     try:
@@ -75,6 +96,37 @@ def load_hf_config(directory: Path) -> Any:
         raise ValueError(f"{path} is not a valid {kind} config: {exc}") from None
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def skeleton(cfg: Any, where: str) -> Any:
+    """The model on the meta device (no memory), checked for :data:`STRUCTURE`."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:  # an encoder, a config transformers cannot build, no SDPA
+        raise ValueError(
+            f"{where}: model_type = {cfg.model_type!r}: not a causal LM ElasWave can build "
+            f"with SDPA attention: {str(exc).splitlines()[0][:200]}"
+        ) from None
+    missing = [path for path in STRUCTURE if not _has(model, path)]
+    if missing or not isinstance(model.model.layers, nn.ModuleList):
+        raise ValueError(
+            f"{where}: model_type = {cfg.model_type!r} is not laid out as "
+            f"{', '.join(STRUCTURE)} (it lacks {', '.join(missing) or 'a list of layers'}); "
+            f"families tested: {', '.join(TESTED_FAMILIES)}"
+        )
+    return model
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    obj: Any = model
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return False
+    return True
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -95,33 +147,24 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
     def refuse(what: str, why: str) -> None:
         raise ValueError(f"{where}: {what}: {why}")
 
-    if getattr(cfg, "tie_word_embeddings", False):
+    model = skeleton(cfg, where)
+    for name, value in sorted(vars(cfg).items()):
+        dropout = "dropout" in name or name.endswith("pdrop")
+        if dropout and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            refuse(
+                f"{name} = {value}",
+                "dropout inside the model's modules draws from torch's global generator, "
+                "which ElasWave cannot keep the same across layouts; set it to 0",
+            )
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
         refuse(
-            "tie_word_embeddings = true",
-            "the embedding and the LM head sit on different pipeline stages; "
-            "untie them (tie_word_embeddings = false)",
+            f"final_logit_softcapping = {cfg.final_logit_softcapping}",
+            "soft-capped attention needs eager attention with a mask; not supported",
         )
-    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0.0:
-        refuse(
-            f"attention_dropout = {cfg.attention_dropout}",
-            "the attention kernel draws dropout from torch's global generator, which "
-            "ElasWave cannot keep the same across layouts; set it to 0",
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(cfg, flag, False):
-            refuse(f"{flag} = true", "not supported (the cost model counts no such biases)")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        refuse(f"hidden_act = {act!r}", "only the SwiGLU MLP of these families ('silu')")
     heads = int(cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None)
-    if head_dim is not None and int(head_dim) * heads != int(cfg.hidden_size):
-        refuse(
-            f"head_dim = {head_dim}",
-            f"must be hidden_size / num_attention_heads = {cfg.hidden_size // heads}",
-        )
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
     window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
+    uses_window = getattr(cfg, "use_sliding_window", True)
     if uses_window and window is not None and seq_len > int(window):
         refuse(
             f"sliding_window = {window}",
@@ -131,7 +174,7 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
     limit = getattr(cfg, "max_position_embeddings", None)
     if limit is not None and seq_len > int(limit):
         refuse(f"max_position_embeddings = {limit}", f"seq_len = {seq_len} is longer")
-    return ModelConfig(
+    shape = ModelConfig(
         vocab_size=int(cfg.vocab_size),
         hidden_size=int(cfg.hidden_size),
         num_blocks=int(cfg.num_hidden_layers),
@@ -141,22 +184,31 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         seq_len=seq_len,
         dropout=0.0,
         rope_theta=_rope_theta(cfg),
-        norm_eps=float(cfg.rms_norm_eps),
+        norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         init_std=float(cfg.initializer_range),
         qkv_bias=cfg.model_type == "qwen2",
+        head_size=0 if head_dim * heads == int(cfg.hidden_size) else head_dim,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source=source,
     )
+    counted = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    if counted != shape.block_param_count():  # priced from the model's own modules
+        shape = dataclasses.replace(shape, block_params=counted)
+    return shape
 
 
 class HfEmbedding(PipelineLayer):
-    def __init__(self, index: int, cfg: Any) -> None:
+    """The model's token embedding (its own module: a scaled one where the model scales
+    it), times the model's ``embedding_multiplier`` where it has one."""
+
+    def __init__(self, index: int, embed_tokens: nn.Module, multiplier: float | None) -> None:
         super().__init__(index)
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, padding_idx=getattr(cfg, "pad_token_id", None)
-        )
+        self.embed_tokens = embed_tokens
+        self.multiplier = multiplier
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.embed_tokens(x)
+        out = self.embed_tokens(x)
+        return out if self.multiplier is None else out * self.multiplier
 
 
 class HfDecoder(PipelineLayer):
@@ -186,13 +238,23 @@ class HfDecoder(PipelineLayer):
 
 
 class HfHead(PipelineLayer):
-    def __init__(self, index: int, norm: nn.Module, cfg: Any) -> None:
+    """The model's final norm and LM head; the logits divided by ``logits_scaling`` and
+    multiplied by ``logit_scale`` where the model does so."""
+
+    def __init__(self, index: int, norm: nn.Module, lm_head: nn.Module, cfg: Any) -> None:
         super().__init__(index)
         self.norm = norm
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head
+        self.divide = getattr(cfg, "logits_scaling", None)
+        self.multiply = getattr(cfg, "logit_scale", None)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        return logits
 
 
 def _hf_prefix(index: int, num_layers: int) -> dict[str, str]:
@@ -257,48 +319,65 @@ class HfModel:
         self.config = config
         self.directory = directory
         self.hf_config = load_hf_config(directory)
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.hf_config)
-        inner = skeleton.model
-        self._layer_cls = type(inner.layers[0])
-        self._norm_cls = type(inner.norm)
-        self._rotary_cls = type(inner.rotary_emb)
+        self._skeleton = skeleton(self.hf_config, str(directory / "config.json"))
         self._weights = _weight_files(directory)
         self._flags: dict[int, tuple[tuple[int, bool], ...]] = {}
 
     def _new(self, index: int) -> PipelineLayer:
+        """Layer ``index`` on the meta device: copies of the model's own modules."""
         cfg, last = self.hf_config, self.config.num_layers - 1
         if not 0 <= index <= last:
             raise ValueError(f"layer index {index} out of range [0, {last + 1})")
+        model, inner = self._skeleton, self._skeleton.model
         if index == 0:
-            return HfEmbedding(index, cfg)
+            multiplier = getattr(cfg, "embedding_multiplier", None)
+            return HfEmbedding(index, copy.deepcopy(inner.embed_tokens), multiplier)
         if index == last:
-            return HfHead(index, self._norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps), cfg)
-        return HfDecoder(index, self._layer_cls(cfg, layer_idx=index - 1), self._rotary_cls(cfg))
+            norm, head = copy.deepcopy(inner.norm), copy.deepcopy(model.lm_head)
+            return HfHead(index, norm, head, cfg)
+        layer, rotary = copy.deepcopy(inner.layers[index - 1]), copy.deepcopy(inner.rotary_emb)
+        return HfDecoder(index, layer, rotary)
 
     def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
         refuse_tp(tp, self.config)
-        layer = self._new(index)
+        layer = self._new(index).to_empty(device="cpu")
+        self._model_init(layer, seed, index)  # buffers and norms as the model has them
         if self._weights:
             self._load(layer, index)
         else:
             self._initialise(layer, index, seed)
         return layer
 
+    def _model_init(self, layer: PipelineLayer, seed: int, index: int) -> None:
+        """The model's own initialisation of every module of ``layer`` (its buffers:
+        rotary frequencies, embedding scales; its norms' gains), under a generator
+        seeded for the layer (what it draws at random is drawn again below)."""
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(stream_key(seed, 0x1A7E6, index) & ((1 << 63) - 1))
+            for module in layer.modules():
+                self._skeleton._init_weights(module)
+
     def _initialise(self, layer: PipelineLayer, index: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(stream_key(seed, 0x1A7E5, index) & ((1 << 63) - 1))
+        tied = self.config.tie_embeddings and isinstance(layer, HfHead)
         with torch.no_grad():
             for name, param in layer.named_parameters():
-                if param.dim() >= 2:
+                if tied and name == TIED_PARAMS[1]:  # the embedding's weight, as it starts
+                    param.copy_(self._first_embedding(seed))
+                elif param.dim() >= 2:
                     param.normal_(0.0, self.config.init_std, generator=gen)
                 elif name.endswith("bias"):
                     param.zero_()
-                else:
-                    param.fill_(1.0)
-            if isinstance(layer, HfEmbedding) and layer.embed_tokens.padding_idx is not None:
-                layer.embed_tokens.weight[layer.embed_tokens.padding_idx].zero_()
+            if isinstance(layer, HfEmbedding):
+                embedding: Any = layer.embed_tokens
+                pad = getattr(embedding, "padding_idx", None)
+                if pad is not None:
+                    embedding.weight[pad].zero_()
+
+    def _first_embedding(self, seed: int) -> torch.Tensor:
+        """The embedding's weight as :meth:`build_layer` starts it (a tied head's)."""
+        embedding = self.build_layer(0, seed=seed)
+        return dict(embedding.named_parameters())[TIED_PARAMS[0]].detach()
 
     def _load(self, layer: PipelineLayer, index: int) -> None:
         from safetensors import safe_open
@@ -307,6 +386,8 @@ class HfModel:
             name: _hf_name(name, index, self.config.num_layers)
             for name, _ in layer.named_parameters()
         }
+        if self.config.tie_embeddings and wanted.get(TIED_PARAMS[1]) not in self._weights:
+            wanted[TIED_PARAMS[1]] = "model.embed_tokens.weight"  # saved once, as tied
         missing = [hf for hf in wanted.values() if hf not in self._weights]
         if missing:
             raise ValueError(

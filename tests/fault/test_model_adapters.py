@@ -14,11 +14,21 @@ from tests.runs import Run, train
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-             tie_word_embeddings=False)  # fmt: skip
-CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)  # fmt: skip
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {"head_dim": 32}),
+    "gemma": ("gemma", {"head_dim": 16}), "phi3": ("phi3", {}), "olmo2": ("olmo2", {}),
+    "granite": ("granite", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
+    "smollm3": ("smollm3", {}), "mistral": ("mistral", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+}  # fmt: skip
+"""Each family's config: its model_type and its own settings beyond SHAPE."""
 MEGATRON = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
             "ffn_hidden_size": 160, "vocab_size": 128}  # fmt: skip
 FAMILIES = [*sorted(CONFIGS), "megatron"]
+"""Every family the adapters train; the default suite runs llama's cases, the rest run
+in scripts/test_long."""
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +44,9 @@ def hf_runs(runs_dir):
             return f"megatron:{path}"
         directory = runs_dir / f"hf_{family}"
         if not (directory / "config.json").exists():
-            CONFIGS[family](**SHAPE).save_pretrained(directory)
+            model_type, own = CONFIGS[family]
+            config = transformers.AutoConfig.for_model(model_type, **{**SHAPE, **own})
+            config.save_pretrained(directory)
         return f"hf:{directory}"
 
     def run(family: str, dp: int, pp: int) -> Run:
@@ -60,7 +72,8 @@ def _check_layout(hf_runs, family: str, dp: int, pp: int) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "family", ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES[1:])]
+    "family",
+    ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES if f != "llama")],
 )  # the default suite's budget: Qwen2 and megatron by scripts/test_long
 # long: layouts of HF models: scripts/layout_invariance.py --model; a kill: the case kept
 @pytest.mark.long
@@ -76,7 +89,10 @@ def test_a_users_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", pytest.param("megatron", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES if f != "llama")],
+)  # long: the families' layers against transformers: tests/unit/test_hf_model.py
 def test_a_users_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs, family):
     """Rank 1 (stage 0) is SIGKILLed in the backward of step 3; the survivors finish
     every step in-process, match the fault-free run, and replay reproduces the plan."""

@@ -25,10 +25,12 @@ from elaswave.comm.dynamic import DynamicCommunicator
 from elaswave.comm.spec import GroupSpec
 from elaswave.data.corpus import SampleLoader
 from elaswave.engine.plan import (
+    TIED_GROUP,
     WORLD_GROUP,
     Plan,
     dp_group_name,
     snapshot_group_specs,
+    tied_group_spec,
     world_group_spec,
 )
 from elaswave.engine.steptime import plan_lists
@@ -37,7 +39,9 @@ from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.clip import GradClip
 from elaswave.fabric.placement import snapshot_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
+from elaswave.fabric.tied import TiedGrad
 from elaswave.fabric.zero import ZeroAdamW
+from elaswave.model.hf import TIED_PARAMS
 from elaswave.model.llama import layer_index
 from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard, split_dim
@@ -221,8 +225,29 @@ def build_optimizer(
         state=state,
         committed_step=committed_step,
     )
+    optimizer.tied = tied_grad(ctx, plan, comm, layers)
     optimizer.clip = grad_clip(ctx, plan, comm, optimizer)
     return optimizer
+
+
+def tied_grad(
+    ctx: WorkerContext, plan: Plan, comm: Communicator, layers: nn.ModuleList
+) -> TiedGrad | None:
+    """How this rank sums the tied weight's gradient with its other copies (None where
+    the model has no tied weight, or this rank holds no copy)."""
+    if not ctx.cfg.model.tie_embeddings:
+        return None
+    slots = tuple(
+        (position, names.index(name))
+        for position, layer in enumerate(layers)
+        for names in [[n for n, _ in layer.named_parameters()]]
+        for name in TIED_PARAMS
+        if name in names
+    )
+    if not slots:
+        return None
+    _, replica = plan.locate(ctx.rank)
+    return TiedGrad(group=comm.collective(TIED_GROUP), slots=slots, keeps=replica == 0)
 
 
 def grad_clip(
@@ -237,6 +262,8 @@ def grad_clip(
     counted = None
     if ctx.tp is not None and ctx.member > 0:
         counted = optimizer.shard_mask(lambda name: split_dim(name) is not None)
+    if optimizer.tied is not None:  # the head's copy of a tied weight counts once
+        counted = optimizer.shard_mask(lambda name: name != TIED_PARAMS[-1])
     return GradClip(
         max_norm=max_norm,
         world=comm.collective(WORLD_GROUP),
@@ -246,15 +273,17 @@ def grad_clip(
     )
 
 
-def clipping_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
-    """The world group where the job clips gradients (:func:`grad_clip`)."""
-    return [world_group_spec(plan)] if ctx.cfg.optim.max_grad_norm is not None else []
+def recipe_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
+    """The world group where the job clips gradients (:func:`grad_clip`), the tied
+    group where the model ties its embeddings (:func:`tied_grad`)."""
+    specs = [world_group_spec(plan)] if ctx.cfg.optim.max_grad_norm is not None else []
+    return specs + ([tied_group_spec(plan)] if ctx.cfg.model.tie_embeddings else [])
 
 
 def device_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     """The device plane's groups under ``plan`` where it has its own
-    (:meth:`Plan.device_group_specs` and the world group where gradients are clipped)."""
-    return plan.device_group_specs() + clipping_specs(ctx, plan)
+    (:meth:`Plan.device_group_specs` and :func:`recipe_specs`)."""
+    return plan.device_group_specs() + recipe_specs(ctx, plan)
 
 
 def own_device_plane(ctx: WorkerContext) -> bool:
@@ -270,7 +299,7 @@ def own_device_plane(ctx: WorkerContext) -> bool:
 def host_specs(ctx: WorkerContext, plan: Plan) -> list[GroupSpec]:
     """The groups of the dynamic communicator under ``plan`` (without a change's remap
     links): the snapshot links, and under gloo the plan's DP rings and route links."""
-    training = [] if own_device_plane(ctx) else plan.group_specs() + clipping_specs(ctx, plan)
+    training = [] if own_device_plane(ctx) else plan.group_specs() + recipe_specs(ctx, plan)
     return training + snapshot_specs(ctx, plan)
 
 

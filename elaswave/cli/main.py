@@ -1,4 +1,5 @@
-"""The ``elaswave`` command: train, run your script as the workers, replay, report, simulate.
+"""The ``elaswave`` command: train, run your script as the workers, replay, report,
+simulate, tokenize text, evaluate and export a run.
 
 User errors (flags, config files, layouts) print one line, ``elaswave: error: ...``, and
 exit with status 2; a job that fails at run time exits with status 1.
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elaswave import logs
-from elaswave.cli import sim, terminal
+from elaswave.cli import evaluate, export, sim, terminal, tokenize
 from elaswave.cli.flags import PROFILE_AUTO, PROFILE_CHOICES, add_job_flags
 from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
 
@@ -406,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("run_dir", type=Path)
     rp.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
     sim.add_parser(sub)
+    tokenize.add_parser(sub)
+    evaluate.add_parser(sub)
+    export.add_parser(sub)
     args = parser.parse_args(argv)
     if (log_format := getattr(args, "log_format", None)) is not None:  # train, run
         logs.configure_for(logs.LogFormat(log_format), terminal.people, terminal.to_stderr)
@@ -420,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         "scale": _scale,
         "report": _report,
         "sim": sim.run,
+        "tokenize": tokenize.run,
+        "evaluate": evaluate.run,
+        "export": export.run,
     }
     try:
         return commands[args.command](args)

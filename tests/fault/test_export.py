@@ -1,0 +1,86 @@
+"""``elaswave export``: a finished Hugging Face run (dp2 x pp2, through a kill) written
+as a model directory that transformers' ``from_pretrained`` loads, whose logits on a
+held-out batch equal ElasWave's own layers' on the trained parameters; tied weights
+saved once; ``elaswave evaluate``'s held-out loss equal to the exported model's; what
+export refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from elaswave.cli.evaluate import evaluate
+from elaswave.model.hf import HfModel, hf_shape
+from elaswave.model.llama import StepContext
+from elaswave.model.rng import make_rng
+from elaswave.runtime.core.compare import load_params
+from tests.runs import elaswave, train
+
+pytestmark = pytest.mark.timeout(300)
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+JOB = ("--dp", "2", "--pp", "2", "--steps", "6", "--global-batch", "8", "--micro-batch", "1")
+
+
+def _ours(source: str, run_dir, tokens: torch.Tensor) -> torch.Tensor:
+    """ElasWave's layers with the run's trained parameters, on ``tokens``."""
+    model = HfModel(hf_shape(source, seq_len=tokens.shape[1]))
+    params = load_params(run_dir)
+    ctx = StepContext(step=0, sample_ids=(0,), rng=make_rng("counter", seed=0, rank=0))
+    x = tokens
+    with torch.no_grad():
+        for index in range(model.config.num_layers):
+            layer = model.build_layer(index, seed=0)
+            layer.load_state_dict(params[index])
+            x = layer(x, ctx)
+    return x
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_exported_run_loads_in_transformers_with_the_same_logits(runs_dir, tied):
+    directory = runs_dir / f"export_model_{tied}"
+    transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tied).save_pretrained(directory)
+    source = f"hf:{directory}"
+    run = train(runs_dir / f"export_run_{tied}", "--model", source, *JOB,
+                "--fault", "kill:2@3:backward")  # fmt: skip
+    out = runs_dir / f"exported_{tied}"
+    proc = elaswave("export", str(run.out), str(out))
+    assert proc.returncode == 0, proc.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(3, SHAPE["vocab_size"], (2, 16), generator=gen)
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = _ours(source, run.out, tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert ("lm_head.weight" in names) != tied  # a tied weight once
+    held = runs_dir / f"export_heldout_{tied}.bin"
+    ids = torch.randint(3, SHAPE["vocab_size"], (4 * 32 + 1,), generator=gen)
+    held.write_bytes(ids.numpy().astype(np.uint16).tobytes())
+    result = evaluate(run.out, held, dtype="uint16", batch=3)
+    windows = torch.stack([ids[i * 32 : i * 32 + 33] for i in range(4)])
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+    assert result.samples == 4 and abs(result.loss - float(expected)) <= 1e-5
+
+
+def test_export_refuses_what_it_cannot_write(runs_dir, tmp_path):
+    proc = elaswave("export", str(tmp_path), str(tmp_path / "out"))
+    assert proc.returncode == 2 and "is not a run directory" in proc.stderr
+    built_in = train(runs_dir / "export_builtin", "--dp", "1", "--pp", "1", "--steps", "1")
+    proc = elaswave("export", str(built_in.out), str(tmp_path / "out"))
+    assert proc.returncode == 2 and "export writes Hugging Face models" in proc.stderr
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    proc = elaswave("export", str(built_in.out), str(tmp_path / "full"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1

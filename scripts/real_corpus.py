@@ -57,7 +57,14 @@ def main() -> int:
     args = parser.parse_args()
     out = args.out
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tokens = tokenize(stdlib, out / "tokens", glob="**/*.py", vocab=4096, held_out=0.02)
+    tokens = tokenize(
+        stdlib,
+        out / "tokens",
+        glob="**/*.py",
+        exclude=("site-packages/*",),
+        vocab=4096,
+        held_out=0.02,
+    )  # the standard library's own files, not what was installed beside it
     print(f"tokenised: {tokens}", file=sys.stderr, flush=True)
     model_dir = out / "model"
     transformers.LlamaConfig(
@@ -116,7 +123,8 @@ def main() -> int:
             "",
             "    .venv/bin/python scripts/real_corpus.py",
             "",
-            f"{tokens.documents} files (`**/*.py` of the standard library), byte-level BPE of "
+            f"{tokens.documents} files (`**/*.py` of the standard library, site-packages "
+            f"left out), byte-level BPE of "
             f"{tokens.vocab_size} tokens trained on them: {tokens.train_tokens} training and "
             f"{tokens.heldout_tokens} held-out tokens. A tied-embedding Llama of "
             f"{row['parameters']} parameters, 64-token samples, global batch 16, "

@@ -1,7 +1,8 @@
 """``elaswave tokenize TEXT_DIR OUT_DIR``: text files into the token files ``--data``
 reads, with a Hugging Face ``tokenizers`` tokenizer, and a held-out split.
 
-The files under TEXT_DIR matching ``--glob`` are read in sorted order, each a document.
+The files under TEXT_DIR matching ``--glob`` and none of the ``--exclude`` patterns (on
+their path below TEXT_DIR) are read in sorted order, each a document.
 With ``--tokenizer FILE`` (a ``tokenizer.json``) they are encoded with it; otherwise a
 byte-level BPE of ``--vocab`` tokens is trained on them once and written to
 OUT_DIR/tokenizer.json. Documents are split by a hash of their path (the same split on
@@ -16,6 +17,7 @@ ignores context gets, the baseline a trained model's held-out loss should fall b
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import math
@@ -57,6 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("text_dir", type=Path)
     p.add_argument("out_dir", type=Path)
     p.add_argument("--glob", default="**/*", help="which files are text (default every file)")
+    p.add_argument(
+        "--exclude", action="append", default=[],
+        help="leave out files whose path below TEXT_DIR matches this pattern (repeatable; "
+        "e.g. 'site-packages/*')",
+    )  # fmt: skip
     p.add_argument("--tokenizer", type=Path, help="a tokenizer.json to use (default: train one)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary of a trained BPE")
     p.add_argument("--held-out", type=float, default=0.02, help="share of documents held out")
@@ -64,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     files = tokenize(
-        args.text_dir, args.out_dir, glob=args.glob, tokenizer=args.tokenizer,
+        args.text_dir, args.out_dir, glob=args.glob, exclude=tuple(args.exclude),
+        tokenizer=args.tokenizer,
         vocab=args.vocab, held_out=args.held_out,
     )  # fmt: skip
     print(
@@ -81,6 +89,7 @@ def tokenize(
     out_dir: Path,
     *,
     glob: str = "**/*",
+    exclude: tuple[str, ...] = (),
     tokenizer: Path | None = None,
     vocab: int = 4096,
     held_out: float = 0.02,
@@ -92,7 +101,12 @@ def tokenize(
         raise ValueError(f"--held-out {held_out}: must be in (0, 1)")
     if tokenizer is None and not 256 < vocab <= 1 << 20:
         raise ValueError(f"--vocab {vocab}: must be in (256, {1 << 20}]")
-    paths = sorted(p for p in text_dir.glob(glob) if p.is_file())
+    paths = sorted(
+        p
+        for p in text_dir.glob(glob)
+        if p.is_file()
+        and not any(fnmatch.fnmatch(str(p.relative_to(text_dir)), x) for x in exclude)
+    )
     if not paths:
         raise ValueError(f"no files under {str(text_dir)!r} match {glob!r}")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,13 +20,15 @@ def _texts(root: Path, count: int = 40) -> Path:
         body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(20))
         (root / f"m{i:02d}.py").write_text(body)
     (root / "notes.txt").write_text("not python\n")
+    (root / "vendored").mkdir()
+    (root / "vendored" / "other.py").write_text("left out\n")
     return root
 
 
 def test_text_files_become_token_files_with_a_held_out_split(tmp_path):
     texts = _texts(tmp_path / "texts")
     out = tmp_path / "tokens"
-    files = tokenize(texts, out, glob="*.py", vocab=300, held_out=0.2)
+    files = tokenize(texts, out, glob="**/*.py", exclude=("vendored/*",), vocab=300, held_out=0.2)
     assert files.documents == 40 and 0 < files.heldout_documents < 40
     assert files.dtype == "uint16" and files.vocab_size == 300
     record = json.loads((out / "tokens.json").read_text())
@@ -43,7 +45,14 @@ def test_text_files_become_token_files_with_a_held_out_split(tmp_path):
     assert 0 < files.unigram_heldout_loss < np.log(300)
     assert DataConfig(path=str(out / "train.bin"), dtype=files.dtype).dtype == "uint16"
     given = out / "tokenizer.json"
-    again = tokenize(texts, tmp_path / "again", glob="*.py", tokenizer=given, held_out=0.2)
+    again = tokenize(
+        texts,
+        tmp_path / "again",
+        glob="**/*.py",
+        exclude=("vendored/*",),
+        tokenizer=given,
+        held_out=0.2,
+    )
     assert again == files  # the same split and ids from the same inputs
     assert (tmp_path / "again" / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
 

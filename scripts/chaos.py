@@ -240,6 +240,7 @@ class Case:
             "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
             *(["--schedule", self.schedule] if self.schedule != "1f1b" else []),
+            *JOB_FILE,
         ]  # fmt: skip
 
     def args(self) -> list[str]:
@@ -514,6 +515,8 @@ def _session_pids(sid: int) -> list[int]:
 JOB_ENV: dict[str, str] | None = None
 """The jobs' environment: None (inherit), or with PYTHONPATH on a --snapshot copy."""
 JOB_CWD = ROOT
+JOB_FILE: list[str] = []
+"""``--config FILE`` for every case and twin (the campaign's ``--config``), or nothing."""
 """Where jobs start (outside the tree with --snapshot, so the copy is what imports)."""
 
 
@@ -987,6 +990,13 @@ def main(argv: list[str] | None = None) -> int:
         "fire in the weight-gradient half; default 0; the other draws do not change)",
     )
     parser.add_argument(
+        "--config",
+        type=Path,
+        help="a job file every case and its twin train with (e.g. a recipe of clipping "
+        "and a learning-rate schedule: examples/recipes/clip_cosine.toml); the draws do "
+        "not change",
+    )
+    parser.add_argument(
         "--snapshot",
         action="store_true",
         help="copy elaswave/ once at the start and run every job (and the checks) on the "
@@ -1005,7 +1015,11 @@ def main(argv: list[str] | None = None) -> int:
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
     root = (args.out / f"seed{args.seed}").resolve()
-    global JOB_ENV, JOB_CWD
+    global JOB_ENV, JOB_CWD, JOB_FILE
+    if args.config is not None:
+        if not args.config.is_file():
+            parser.error(f"--config {str(args.config)!r}: no such file")
+        JOB_FILE = ["--config", str(args.config.resolve())]
     if args.snapshot and not args.dry_run:
         root.mkdir(parents=True, exist_ok=True)
         code, digest = take_snapshot(root)

@@ -40,7 +40,9 @@ def _ours(source: str, run_dir, tokens: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    "tied", [False, pytest.param(True, marks=pytest.mark.long)]
+)  # long: the tied weight saved once and loaded: tests/unit/test_hf_model.py
 def test_an_exported_run_loads_in_transformers_with_the_same_logits(runs_dir, tied):
     directory = runs_dir / f"export_model_{tied}"
     transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tied).save_pretrained(directory)

@@ -38,3 +38,15 @@ def test_steps_and_changes_are_scalars_tensorboard_reads(tmp_path):
     assert scalars["plan/changes"] == [(1, 1.0), (2, 2.0)]
     assert scalars["plan/ranks"] == [(0, 4.0), (1, 3.0), (2, 4.0)]
     assert acc.Scalars("train/loss")[0].wall_time == 101.0
+
+
+def test_the_learning_rate_and_a_clipped_jobs_gradient_norm_are_scalars(tmp_path):
+    log = ScalarLog(tmp_path)
+    common = {"sender": "rank3", "rank": 3, "step_time_s": 0.5, "samples": 8}
+    log(StepCompleted(step=0, loss=4.5, lr=0.003, grad_norm=1.25, time=101.0, **common))
+    log(StepCompleted(step=1, loss=4.25, lr=0.002, time=102.0, **common))  # not clipped
+    log.close()
+    acc = _read(tmp_path)
+    lrs = [(e.step, round(e.value, 6)) for e in acc.Scalars("train/lr")]
+    assert lrs == [(0, 0.003), (1, 0.002)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/grad_norm")] == [(0, 1.25)]

@@ -255,7 +255,7 @@ def grad_clip(
 ) -> GradClip | None:
     """How ``optimizer`` clips the step's gradient (None when the job does not): over
     the plan's world group and the rank's TP group, a parameter kept whole on every TP
-    member counted on member 0 only."""
+    member counted on member 0 only, a tied weight on its embedding's copy only."""
     max_norm = ctx.cfg.optim.max_grad_norm
     if max_norm is None:
         return None

@@ -133,11 +133,14 @@ def _check_fits_in_memory(job) -> None:
 
 
 def _wants_profile(args: argparse.Namespace, job: JobConfig) -> bool:
-    """Whether --profile asks for measured layer costs (auto: for a Hugging Face model)."""
+    """Whether --profile asks for measured layer costs (auto: for a Hugging Face model
+    without tensor parallelism: profiling measures whole layers)."""
     if args.profile not in PROFILE_CHOICES:
         valid = ", ".join(PROFILE_CHOICES)
         raise ValueError(f"--profile {args.profile!r}: valid values are {valid}")
-    return bool(job.model.source) if args.profile == PROFILE_AUTO else args.profile == "on"
+    if args.profile == PROFILE_AUTO:
+        return bool(job.model.source) and job.layout.tp == 1
+    return args.profile == "on"
 
 
 def _profile(job: JobConfig) -> tuple[JobConfig, LayerProfile]:

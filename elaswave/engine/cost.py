@@ -233,7 +233,8 @@ def layer_costs(
         output_bytes_per_sample=hidden_out,
     )
 
-    weights = model.block_param_count() - 2 * h  # its norms' gains aside
+    whole = model.block_whole or 2 * h  # kept whole on every TP member: norms' gains
+    weights = model.block_param_count() - whole
     matmul = weights - ((q + 2 * kv) if model.qkv_bias and not model.block_params else 0)
     block_fwd = (2.0 * matmul * s + 4.0 * s * s * q) / tp
     scores = float(FP32_BYTES * a * s) if flash_attention else float(dtype_bytes * a * s * s)
@@ -244,7 +245,7 @@ def layer_costs(
         LayerCost(
             index=index,
             kind=LayerKind.BLOCK,
-            params=2 * h + weights // tp,
+            params=whole + weights // tp,
             fwd_flops_per_sample=block_fwd,
             bwd_flops_per_sample=2.0 * block_fwd,
             activation_bytes_per_sample=block_act,

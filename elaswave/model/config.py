@@ -43,6 +43,9 @@ class ModelConfig:
     """Parameters of one block as a Hugging Face model defines it (projections of any
     width, biases, norms inside attention, fused projections), counted from its
     modules; 0: counted from the fields above (the built-in block)."""
+    block_whole: int = 0
+    """Parameters of one block kept whole on every tensor-parallel member (norm gains,
+    norms inside attention); 0: the two norms' (``2 * hidden_size``)."""
     tie_embeddings: bool = False
     """The LM head's weight is the token embedding's (a Hugging Face model's
     ``tie_word_embeddings``; :mod:`elaswave.fabric.tied`)."""
@@ -66,8 +69,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
-        if self.head_size < 0 or self.block_params < 0:
-            raise ValueError("model.head_size and model.block_params must be >= 0")
+        if min(self.head_size, self.block_params, self.block_whole) < 0:
+            raise ValueError("model.head_size, block_params and block_whole must be >= 0")
         if not self.head_size and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "

@@ -49,7 +49,16 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import PipelineLayer, StepContext
 from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
-from elaswave.model.tensor_parallel import NO_TP, TpShard, refuse_tp
+from elaswave.model.tensor_parallel import (
+    NO_TP,
+    TpShard,
+    copy_to,
+    gather_last,
+    reduce_from,
+    refuse_tp,
+    shard_param,
+    split_dim,
+)
 
 TESTED_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "smollm3",
@@ -194,6 +203,11 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
     counted = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
     if counted != shape.block_param_count():  # priced from the model's own modules
         shape = dataclasses.replace(shape, block_params=counted)
+    whole = sum(
+        p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
+    )
+    if whole != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
+        shape = dataclasses.replace(shape, block_whole=whole)
     return shape
 
 
@@ -205,9 +219,19 @@ class HfEmbedding(PipelineLayer):
         super().__init__(index)
         self.embed_tokens = embed_tokens
         self.multiplier = multiplier
+        self.tp = NO_TP
+        self.lo = 0
+        """The first token id of this member's rows (vocabulary-parallel)."""
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        out = self.embed_tokens(x)
+        if self.tp.active:  # this member's rows, the others' summed over the group
+            local = x - self.lo
+            rows: Any = self.embed_tokens.weight
+            outside = (local < 0) | (local >= rows.shape[0])
+            out = self.embed_tokens(local.masked_fill(outside, 0))
+            out = reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        else:
+            out = self.embed_tokens(x)
         return out if self.multiplier is None else out * self.multiplier
 
 
@@ -247,9 +271,11 @@ class HfHead(PipelineLayer):
         self.lm_head = lm_head
         self.divide = getattr(cfg, "logits_scaling", None)
         self.multiply = getattr(cfg, "logit_scale", None)
+        self.tp = NO_TP
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))
+        hidden = copy_to(self.norm(x), self.tp)
+        logits = gather_last(self.lm_head(hidden), self.tp)  # vocabulary-parallel
         if self.divide is not None:
             logits = logits / self.divide
         if self.multiply is not None:
@@ -321,7 +347,7 @@ class HfModel:
         self.hf_config = load_hf_config(directory)
         self._skeleton = skeleton(self.hf_config, str(directory / "config.json"))
         self._weights = _weight_files(directory)
-        self._flags: dict[int, tuple[tuple[int, bool], ...]] = {}
+        self._flags: dict[tuple[int, int], tuple[tuple[int, bool], ...]] = {}
 
     def _new(self, index: int) -> PipelineLayer:
         """Layer ``index`` on the meta device: copies of the model's own modules."""
@@ -346,6 +372,9 @@ class HfModel:
             self._load(layer, index)
         else:
             self._initialise(layer, index, seed)
+        if tp.active:
+            refuse_hf_tp(self.config, tp.size)
+            _shard(layer, tp)
         return layer
 
     def _model_init(self, layer: PipelineLayer, seed: int, index: int) -> None:
@@ -407,11 +436,99 @@ class HfModel:
 
     def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
         refuse_tp(TpShard(0, tp), self.config)
-        if index not in self._flags:
+        if (index, tp) not in self._flags:
             with torch.device("meta"):
                 layer = self._new(index)
-            self._flags[index] = tuple((p.numel(), p.dim() >= 2) for p in layer.parameters())
-        return self._flags[index]
+            self._flags[(index, tp)] = tuple(
+                (p.numel() // (tp if split_dim(n) is not None else 1), p.dim() >= 2)
+                for n, p in layer.named_parameters()
+            )
+        return self._flags[(index, tp)]
 
     def per_sample_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _per_sample_loss(logits, targets)
+
+
+TP_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TP_MLP = ("gate_proj", "up_proj", "down_proj")
+"""The projections a decoder layer must have, by name, to be split for tensor
+parallelism (Megatron's column- and row-parallel pairs)."""
+
+
+def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
+    """ValueError naming why the Hugging Face model cannot be split ``tp`` ways: its
+    attention and MLP must be the separate q/k/v/o and gate/up/down projections (not
+    fused), with no bias after a row-parallel projection and no norm inside attention
+    (Qwen3's and OLMo-2's q and k norms)."""
+    directory = _directory(config.source)
+    where = f"{directory / 'config.json'}: --tp {tp}"
+    model = skeleton(load_hf_config(directory), where)
+    layer = model.model.layers[0]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = [
+        f"{part}.{leaf}"
+        for part, module, leaves in (("self_attn", attn, TP_ATTENTION), ("mlp", mlp, TP_MLP))
+        for leaf in leaves
+        if not isinstance(getattr(module, leaf, None), nn.Linear)
+    ]
+    if names:
+        raise ValueError(
+            f"{where}: the layers lack the separate projections tensor parallelism splits "
+            f"({', '.join(names)}; fused projections are not split): use --tp 1"
+        )
+    for row in (attn.o_proj, mlp.down_proj):  # type: ignore[union-attr]
+        if row.bias is not None:
+            raise ValueError(f"{where}: a bias after a row-parallel projection: use --tp 1")
+    for norm in ("q_norm", "k_norm"):
+        if getattr(attn, norm, None) is not None:
+            raise ValueError(
+                f"{where}: self_attn.{norm}, a norm inside attention, would see only this "
+                "member's heads (its gain's gradient summed over the group is not built): "
+                "use --tp 1"
+            )
+
+
+def _shard(layer: PipelineLayer, tp: TpShard) -> None:
+    """``layer`` (whole) as member ``tp.rank``'s piece: its column- and row-parallel
+    parameters cut (:func:`~elaswave.model.tensor_parallel.shard_param`), and the
+    group's collectives around its attention and MLP (Megatron's conjugate pair: the
+    input's gradient summed, the output summed), its vocabulary rows."""
+    with torch.no_grad():
+        for name, param in list(layer.named_parameters()):
+            if split_dim(name) is None:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            owner._parameters[leaf] = nn.Parameter(shard_param(name, param, tp).clone())
+    if isinstance(layer, HfEmbedding):
+        embedding: Any = layer.embed_tokens
+        rows = embedding.weight.shape[0]
+        layer.tp, layer.lo = tp, tp.rank * rows
+        pad = getattr(embedding, "padding_idx", None)
+        if pad is not None:
+            embedding.padding_idx = pad - layer.lo if 0 <= pad - layer.lo < rows else None
+    elif isinstance(layer, HfHead):
+        layer.tp = tp
+    elif isinstance(layer, HfDecoder):
+        decoder: Any = layer.layer
+        for part in (decoder.self_attn, decoder.mlp):
+            part.register_forward_pre_hook(_copy_input(tp), with_kwargs=True)
+            part.register_forward_hook(_reduce_output(tp))
+
+
+def _copy_input(tp: TpShard) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (copy_to(args[0], tp), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": copy_to(kwargs["hidden_states"], tp)}
+
+    return hook
+
+
+def _reduce_output(tp: TpShard) -> Any:
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (reduce_from(output[0], tp), *output[1:])
+        return reduce_from(output, tp)
+
+    return hook

@@ -73,8 +73,11 @@ NO_TP = TpShard()
 
 COLUMN: tuple[str, ...] = ("wq.weight", "wk.weight", "wv.weight", "w_gate.weight")
 COLUMN += ("w_up.weight", "embed.weight", "lm_head.weight")
-"""Parameters split along dimension 0 (output rows; vocabulary rows)."""
-ROW = ("wo.weight", "w_down.weight")
+COLUMN += ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias")
+COLUMN += ("v_proj.bias", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight")
+"""Parameters split along dimension 0 (output rows; vocabulary rows): the built-in
+model's and a Hugging Face decoder's (:mod:`elaswave.model.hf`)."""
+ROW = ("wo.weight", "w_down.weight", "o_proj.weight", "down_proj.weight")
 """Parameters split along dimension 1 (input columns)."""
 
 
@@ -185,9 +188,10 @@ def check_divisible(*, num_heads: int, num_kv_heads: int, ffn: int, vocab: int, 
 
 
 def refuse_tp(tp: TpShard, config: Any) -> None:
-    """ValueError when a model without tensor-parallel layers is asked for them."""
-    if tp.active and config.source:
+    """ValueError when a model without tensor-parallel layers is asked for them (a
+    Hugging Face model checks its own layers: :func:`elaswave.model.hf.refuse_hf_tp`)."""
+    if tp.active and config.source and not config.source.startswith("hf:"):
         raise ValueError(
             f"model {config.source!r} has no tensor-parallel layers: --tp {tp.size} needs "
-            "ElasWave's built-in model (use --tp 1 with Hugging Face and megatron-core models)"
+            "ElasWave's built-in model or a Hugging Face model (use --tp 1 with megatron-core)"
         )

@@ -211,3 +211,37 @@ def test_a_tied_weights_two_copies_start_equal_and_load_from_its_one_tensor(tmp_
     loaded = HfModel(hf_shape(f"hf:{directory}", seq_len=SEQ))
     head = loaded.build_layer(4, seed=0)
     assert torch.equal(head.lm_head.weight, hf.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "granite", "llama-tied"])
+def test_tensor_parallel_pieces_join_into_the_whole_layers(tmp_path, family):
+    """Member r of 2 holds rows (q, k, v, gate, up, the vocabulary) or columns (o, down)
+    of the whole layer's parameters, and joined they are the whole layer's."""
+    from elaswave.model.tensor_parallel import TpShard, merge_param
+
+    model = HfModel(hf_shape(_write(tmp_path, family), seq_len=SEQ))
+    for index in range(model.config.num_layers):
+        whole = dict(model.build_layer(index, seed=2).named_parameters())
+        pieces = [dict(model.build_layer(index, seed=2, tp=TpShard(r, 2)).named_parameters())
+                  for r in range(2)]  # fmt: skip
+        for name, param in whole.items():
+            joined = merge_param(name, [p[name] for p in pieces])
+            assert torch.equal(joined, param), (index, name)
+        sizes = [sum(p.numel() for p in piece.values()) for piece in pieces]
+        assert sizes[0] == sum(n for n, _ in model.decay_flags(index, 2))
+
+
+@pytest.mark.parametrize(
+    ("family", "message"),
+    [
+        ("phi3", r"--tp 2: the layers lack the separate projections .*fused"),
+        ("qwen3", r"--tp 2: self_attn\.q_norm, a norm inside attention"),
+        ("olmo2", r"--tp 2: self_attn\.q_norm"),
+        ("llama-biased-gelu", r"--tp 2: a bias after a row-parallel projection"),
+    ],
+)
+def test_a_model_tensor_parallelism_cannot_split_is_refused_naming_why(tmp_path, family, message):
+    source = _write(tmp_path, family)
+    with pytest.raises(ValueError, match=message):
+        build_job({"model": {"source": source}, "layout": {"tp": 2}})
+    build_job({"model": {"source": _write(tmp_path, "llama")}, "layout": {"tp": 2}})

@@ -80,6 +80,10 @@ class JobConfig:
         if tp > 1:
             m = self.model
             refuse_tp(TpShard(0, tp), m)
+            if m.source.startswith("hf:"):
+                from elaswave.model.hf import refuse_hf_tp  # imports transformers: only here
+
+                refuse_hf_tp(m, tp)
             check_divisible(
                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, ffn=m.ffn_hidden_size,
                 vocab=m.vocab_size, tp=tp,

@@ -46,7 +46,7 @@ class GradClip:
         """The global norm of the step's gradient, of which ``shard`` is this rank's
         part (every rank calls it at the same point of the step)."""
         part = torch.zeros(max(1, self.world_size), dtype=torch.float64, device=shard.device)
-        squares = shard.double().square()
+        squares = shard.double().square_()  # one float64 copy of the shard
         if self.counted is not None:
             squares.mul_(self.counted)
         part[0] = squares.sum()

@@ -103,8 +103,11 @@ class _Reduction:
     """The next layer to start (they start from the last layer down)."""
     works: list[CollectiveWork] = field(default_factory=list)
     error: BaseException | None = None
+    held: frozenset[int] = frozenset()
+    """Layers not started while backward runs (a tied weight's, summed with its other
+    copies first)."""
     deferred: list[int] = field(default_factory=list)
-    """Layers passed over while backward ran (a tied weight's): started at the step."""
+    """The held layers passed over: started at the step."""
 
 
 class ZeroAdamW:
@@ -278,6 +281,7 @@ class ZeroAdamW:
             left=[sum(p.requires_grad for p in ps) for ps in self.params],
             ready=[False] * n,
             next=n - 1,
+            held=frozenset(layer for layer, _ in self.tied.slots) if self.tied else frozenset(),
         )
         return self._reduction
 
@@ -300,11 +304,10 @@ class ZeroAdamW:
         left), in order. A failure to start is kept for :meth:`reduce_scatter_grads`."""
         if r.error is not None:
             return
-        held = {layer for layer, _ in self.tied.slots} if self.tied is not None else set()
-        while r.next >= 0 and (all_ or r.ready[r.next] or r.next in held):
+        while r.next >= 0 and (all_ or r.ready[r.next] or r.next in r.held):
             index = r.next
             r.next -= 1
-            if index in held:  # its gradient is summed with the other copies' first
+            if index in r.held:  # its gradient is summed with the other copies' first
                 r.deferred.append(index)
                 continue
             try:

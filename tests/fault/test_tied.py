@@ -82,3 +82,19 @@ def test_the_head_moves_when_the_pipeline_shortens_and_grows_back(runs_dir, tied
     shapes = [[st.ranks for st in r.plan.stages] for r in run.summary.recoveries]
     assert shapes[1] == [(0,)] and len(shapes[2]) == 2, shapes  # one stage, then two
     _matches(run, twin)
+
+
+# long: the clip masks: tests/unit/test_recipe.py; TP with the tied pair: test_model_adapters
+@pytest.mark.long
+def test_a_tied_tensor_parallel_models_gradient_norm_is_one_processs(runs_dir, tied):
+    """Clipping's norm counts the tied weight on its embedding's copy and what TP keeps
+    whole on member 0 only, both at once: dp2 x tp2 reports one process's norms."""
+    config = runs_dir / "tied_norm.toml"
+    config.write_text("[optim]\nmax_grad_norm = 1000.0\n")
+    job = (*tied, "--config", str(config), "--steps", "3", "--global-batch", "8",
+           "--micro-batch", "1", "--profile", "off")  # fmt: skip
+    one = train(runs_dir / "tied_norm_one", *job)
+    split = train(runs_dir / "tied_norm_tp", *job, "--dp", "2", "--tp", "2")
+    norms, expected = split.summary.grad_norm, one.summary.grad_norm
+    assert norms is not None and expected is not None
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(norms, expected, strict=True))

@@ -259,11 +259,15 @@ def grad_clip(
     max_norm = ctx.cfg.optim.max_grad_norm
     if max_norm is None:
         return None
-    counted = None
-    if ctx.tp is not None and ctx.member > 0:
-        counted = optimizer.shard_mask(lambda name: split_dim(name) is not None)
-    if optimizer.tied is not None:  # the head's copy of a tied weight counts once
-        counted = optimizer.shard_mask(lambda name: name != TIED_PARAMS[-1])
+    whole_elsewhere = ctx.tp is not None and ctx.member > 0  # counted on member 0
+    head_copy = optimizer.tied is not None  # a tied weight counts on its embedding's copy
+
+    def counts(name: str) -> bool:
+        if whole_elsewhere and split_dim(name) is None:
+            return False
+        return not (head_copy and name == TIED_PARAMS[-1])
+
+    counted = optimizer.shard_mask(counts) if whole_elsewhere or head_copy else None
     return GradClip(
         max_norm=max_norm,
         world=comm.collective(WORLD_GROUP),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,11 +54,14 @@ from elaswave.model.tensor_parallel import (
     NO_TP,
     TpShard,
     copy_to,
+    fused_parts,
     gather_last,
     reduce_from,
     refuse_tp,
     shard_param,
     split_dim,
+    sum_both,
+    summed_grad,
 )
 
 TESTED_FAMILIES = (
@@ -374,7 +378,7 @@ class HfModel:
             self._initialise(layer, index, seed)
         if tp.active:
             refuse_hf_tp(self.config, tp.size)
-            _shard(layer, tp)
+            _shard(layer, tp, self.config)
         return layer
 
     def _model_init(self, layer: PipelineLayer, seed: int, index: int) -> None:
@@ -453,13 +457,23 @@ TP_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 TP_MLP = ("gate_proj", "up_proj", "down_proj")
 """The projections a decoder layer must have, by name, to be split for tensor
 parallelism (Megatron's column- and row-parallel pairs)."""
+FUSED_TP = {"Phi3Attention": ("qkv_proj", "o_proj"), "Phi3MLP": ("gate_up_proj", "down_proj")}
+"""Modules whose fused projections are split by their known blocks of rows (Phi-3's
+q | k | v and gate | up: :func:`~elaswave.model.tensor_parallel.fused_parts`), by class:
+a fused weight's layout is not in its shape."""
+
+
+def _projections(module: Any, separate: tuple[str, ...]) -> tuple[str, ...]:
+    """The projections ``module`` must have: its known fused ones, else ``separate``."""
+    return FUSED_TP.get(type(module).__name__, separate)
 
 
 def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
     """ValueError naming why the Hugging Face model cannot be split ``tp`` ways: its
-    attention and MLP must be the separate q/k/v/o and gate/up/down projections (not
-    fused), with no bias after a row-parallel projection and no norm inside attention
-    (Qwen3's and OLMo-2's q and k norms)."""
+    attention and MLP must be the separate q/k/v/o and gate/up/down projections (or
+    fused ones of a known layout: :data:`FUSED_TP`), with no bias after a row-parallel
+    projection, and a q or k norm inside
+    attention only of a shape :func:`_attention_norm` splits (Qwen3's, OLMo-2's)."""
     directory = _directory(config.source)
     where = f"{directory / 'config.json'}: --tp {tp}"
     model = skeleton(load_hf_config(directory), where)
@@ -467,28 +481,48 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = [
         f"{part}.{leaf}"
-        for part, module, leaves in (("self_attn", attn, TP_ATTENTION), ("mlp", mlp, TP_MLP))
-        for leaf in leaves
+        for part, module, separate in (("self_attn", attn, TP_ATTENTION), ("mlp", mlp, TP_MLP))
+        for leaf in _projections(module, separate)
         if not isinstance(getattr(module, leaf, None), nn.Linear)
     ]
     if names:
         raise ValueError(
             f"{where}: the layers lack the separate projections tensor parallelism splits "
-            f"({', '.join(names)}; fused projections are not split): use --tp 1"
+            f"({', '.join(names)}; fused projections of an unknown layout are not split): "
+            "use --tp 1"
         )
-    for row in (attn.o_proj, mlp.down_proj):  # type: ignore[union-attr]
+    assert attn is not None  # it has its projections
+    assert mlp is not None
+    for row in (attn.o_proj, mlp.down_proj):
         if row.bias is not None:
             raise ValueError(f"{where}: a bias after a row-parallel projection: use --tp 1")
-    for norm in ("q_norm", "k_norm"):
-        if getattr(attn, norm, None) is not None:
+    for leaf in ("q_norm", "k_norm"):
+        norm = getattr(attn, leaf, None)
+        if norm is not None and _attention_norm(norm, attn, leaf) is None:
             raise ValueError(
-                f"{where}: self_attn.{norm}, a norm inside attention, would see only this "
-                "member's heads (its gain's gradient summed over the group is not built): "
-                "use --tp 1"
+                f"{where}: self_attn.{leaf} ({type(norm).__name__}) is neither a gain per "
+                "head nor an RMS norm over all heads with a gain only: use --tp 1"
             )
 
 
-def _shard(layer: PipelineLayer, tp: TpShard) -> None:
+def _attention_norm(norm: nn.Module, attn: nn.Module, leaf: str) -> str | None:
+    """How tensor parallelism splits a q or k norm inside attention: ``head`` (one gain
+    of head_dim shared by the heads, as Qwen3's: each member normalises its own heads),
+    ``width`` (an RMS norm over every head's width, as OLMo-2's: the sum of squares is
+    the group's), None if neither."""
+    params = dict(norm.named_parameters())
+    weight = params.get("weight")
+    if weight is None or len(params) != 1 or weight.dim() != 1:
+        return None
+    proj = getattr(attn, "q_proj" if leaf == "q_norm" else "k_proj")
+    if weight.numel() == getattr(attn, "head_dim", None):
+        return "head"
+    if weight.numel() == proj.out_features and hasattr(norm, "variance_epsilon"):
+        return "width"
+    return None
+
+
+def _shard(layer: PipelineLayer, tp: TpShard, shape: ModelConfig) -> None:
     """``layer`` (whole) as member ``tp.rank``'s piece: its column- and row-parallel
     parameters cut (:func:`~elaswave.model.tensor_parallel.shard_param`), and the
     group's collectives around its attention and MLP (Megatron's conjugate pair: the
@@ -499,7 +533,8 @@ def _shard(layer: PipelineLayer, tp: TpShard) -> None:
                 continue
             owner_name, _, leaf = name.rpartition(".")
             owner = layer.get_submodule(owner_name)
-            owner._parameters[leaf] = nn.Parameter(shard_param(name, param, tp).clone())
+            piece = shard_param(name, param, tp, fused_parts(name, shape))
+            owner._parameters[leaf] = nn.Parameter(piece.clone())
     if isinstance(layer, HfEmbedding):
         embedding: Any = layer.embed_tokens
         rows = embedding.weight.shape[0]
@@ -514,6 +549,40 @@ def _shard(layer: PipelineLayer, tp: TpShard) -> None:
         for part in (decoder.self_attn, decoder.mlp):
             part.register_forward_pre_hook(_copy_input(tp), with_kwargs=True)
             part.register_forward_hook(_reduce_output(tp))
+        if type(decoder.self_attn).__name__ in FUSED_TP:  # it slices q | k | v by count
+            _own_heads(decoder.self_attn, tp)
+        for leaf in ("q_norm", "k_norm"):
+            norm = getattr(decoder.self_attn, leaf, None)
+            if norm is None:
+                continue
+            # Whole on every member, used on the member's own heads: the gradients sum.
+            norm.weight.register_hook(summed_grad(tp))
+            if _attention_norm(norm, decoder.self_attn, leaf) == "width":
+                norm.forward = functools.partial(_norm_over_members, norm, tp)
+
+
+def _own_heads(attn: Any, tp: TpShard) -> None:
+    """Phi-3's attention counts the heads it slices its fused q | k | v output by: give
+    it this member's counts (its own copy of the config)."""
+    config = copy.copy(attn.config)
+    config.num_attention_heads //= tp.size
+    config.num_key_value_heads //= tp.size
+    attn.config = config
+    attn.num_key_value_heads //= tp.size
+
+
+def _norm_over_members(norm: Any, tp: TpShard, hidden: torch.Tensor) -> torch.Tensor:
+    """An RMS norm over a width the group splits (OLMo-2's q and k norms), on this
+    member's part of it: the mean square is the group's, the gain this part's slice of
+    the whole gain (its gradient summed over the group by :func:`summed_grad`). As
+    transformers' own computes it, in float32."""
+    dtype = hidden.dtype
+    x = hidden.to(torch.float32)
+    width = x.shape[-1]
+    squares = sum_both(x.pow(2).sum(-1, keepdim=True), tp)
+    x = x * torch.rsqrt(squares / (width * tp.size) + norm.variance_epsilon)
+    gain = norm.weight[tp.rank * width : (tp.rank + 1) * width]
+    return (gain * x).to(dtype)
 
 
 def _copy_input(tp: TpShard) -> Any:

@@ -75,8 +75,10 @@ COLUMN: tuple[str, ...] = ("wq.weight", "wk.weight", "wv.weight", "w_gate.weight
 COLUMN += ("w_up.weight", "embed.weight", "lm_head.weight")
 COLUMN += ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias")
 COLUMN += ("v_proj.bias", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight")
+COLUMN += ("qkv_proj.weight", "gate_up_proj.weight")
 """Parameters split along dimension 0 (output rows; vocabulary rows): the built-in
-model's and a Hugging Face decoder's (:mod:`elaswave.model.hf`)."""
+model's and a Hugging Face decoder's (:mod:`elaswave.model.hf`). The fused ones (Phi-3's
+q/k/v and gate/up) are blocks of rows, each split in turn: :func:`fused_parts`."""
 ROW = ("wo.weight", "w_down.weight", "o_proj.weight", "down_proj.weight")
 """Parameters split along dimension 1 (input columns)."""
 
@@ -92,24 +94,63 @@ def split_dim(name: str) -> int | None:
     return None
 
 
-def shard_param(name: str, whole: torch.Tensor, tp: TpShard) -> torch.Tensor:
-    """Member ``tp.rank``'s piece of parameter ``name`` (a view of ``whole``)."""
+class Shape(Protocol):
+    """What :func:`fused_parts` reads of a model's shape (a ModelConfig)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def ffn_hidden_size(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def fused_parts(name: str, shape: Shape) -> tuple[int, ...] | None:
+    """The blocks of rows a fused projection's weight ``name`` holds (Phi-3's q, k and v
+    heads; its gate and up halves), each split over the group in turn; None for any
+    other parameter."""
+    leaf = ".".join(name.rsplit(".", 2)[-2:])
+    if leaf == "qkv_proj.weight":
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        return (q, kv, kv)
+    if leaf == "gate_up_proj.weight":
+        return (shape.ffn_hidden_size, shape.ffn_hidden_size)
+    return None
+
+
+def shard_param(
+    name: str, whole: torch.Tensor, tp: TpShard, parts: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Member ``tp.rank``'s piece of parameter ``name`` (a view of ``whole``; a copy of
+    each block's piece where ``parts`` gives the blocks of a fused weight)."""
     dim = split_dim(name)
     if dim is None or not tp.active:
         return whole
-    if whole.shape[dim] % tp.size:
-        raise ValueError(
-            f"{name}: dimension {dim} of size {whole.shape[dim]} does not split {tp.size} ways"
-        )
-    return whole.chunk(tp.size, dim=dim)[tp.rank]
+    blocks = whole.split(list(parts), dim=dim) if parts else [whole]
+    for block in blocks:
+        if block.shape[dim] % tp.size:
+            raise ValueError(
+                f"{name}: dimension {dim} of size {block.shape[dim]} does not split {tp.size} ways"
+            )
+    pieces = [block.chunk(tp.size, dim=dim)[tp.rank] for block in blocks]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def merge_param(name: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Parameter ``name`` whole again from every member's piece, in member order."""
+def merge_param(
+    name: str, pieces: Sequence[torch.Tensor], parts: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Parameter ``name`` whole again from every member's piece, in member order
+    (``parts``: the blocks of a fused weight, as :func:`shard_param` took them)."""
     dim = split_dim(name)
     if dim is None or len(pieces) == 1:
         return pieces[0]
-    return torch.cat(list(pieces), dim=dim)
+    if not parts:
+        return torch.cat(list(pieces), dim=dim)
+    size = len(pieces)
+    own = [p.split([n // size for n in parts], dim=dim) for p in pieces]
+    return torch.cat([own[m][b] for b in range(len(parts)) for m in range(size)], dim=dim)
 
 
 class _CopyTo(torch.autograd.Function):
@@ -131,6 +172,17 @@ class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class _SumBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TpGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
 
 
 class _GatherLast(torch.autograd.Function):
@@ -165,6 +217,23 @@ def copy_to(x: torch.Tensor, tp: TpShard) -> torch.Tensor:
 def reduce_from(x: torch.Tensor, tp: TpShard) -> torch.Tensor:
     """The group's sum forward; identity backward."""
     return _ReduceFrom.apply(x, tp.collectives()) if tp.active else x
+
+
+def sum_both(x: torch.Tensor, tp: TpShard) -> torch.Tensor:
+    """The group's sum forward, and the sum of the gradients backward: for a statistic
+    that every member's different output depends on (a norm over a width TP splits)."""
+    return _SumBoth.apply(x, tp.collectives()) if tp.active else x
+
+
+def summed_grad(tp: TpShard) -> Any:
+    """A tensor hook that sums a gradient over the group: for a parameter every member
+    holds whole but uses on its own part of the work (a gain shared by the heads), so
+    that every member's gradient is the whole one."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, tp.collectives())
+
+    return hook
 
 
 def gather_last(x: torch.Tensor, tp: TpShard) -> torch.Tensor:

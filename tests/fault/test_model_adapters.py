@@ -118,11 +118,18 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
 
 
 TP_FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "granite"]
-"""Families whose dp2 x tp2 runs stay within 1e-5 of one process (Qwen3's and OLMo-2's
-norms inside attention and Phi-3's fused projections are refused by name:
-tests/unit/test_hf_model.py). Gemma and SmolLM3 split and train, but drift further in
-parameters (5.2e-5 and 1.3e-5 after 6 steps; losses within 1.8e-8 and Gemma's
-gradient norms within 9e-9 of one process): docs/capabilities.md."""
+"""Families whose dp2 x tp2 runs stay within 1e-5 of one process."""
+TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3"]
+"""Families that split and train under TP, whose parameters drift to or past 1e-5 of
+one process within 6 steps (2.3e-5, 9.9e-6, 1.3e-5, 5.2e-5, 1.3e-5; losses within
+6e-8): Qwen3's q and k norms per head and OLMo-2's over every head (the mean square
+summed over the group, and the gains' gradients), Phi-3's fused q | k | v and gate | up
+(split by their blocks of rows), Gemma's (1 + w) norms, SmolLM3's layers without
+rotary embedding. Their one-step gradients match the whole model's parameter by
+parameter within 6e-7, as Llama's do (tests/multiproc/test_hf_tensor_parallel.py):
+AdamW turns the last-bit differences of a sum taken in another order into steps of the
+full learning rate on elements whose gradient is small. Checked at the recovery
+tolerance: docs/capabilities.md."""
 
 
 # long: TP collectives: the built-in model's default TP tests (test_tensor_parallel.py)
@@ -136,6 +143,18 @@ def test_a_users_model_trains_the_same_under_tensor_parallelism(hf_runs, family)
     run = hf_runs(family, 2, 1, tp=2)
     diff = compare_runs(run.out, one.out)
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", TP_DRIFTING)
+def test_a_drifting_family_trains_under_tensor_parallelism_within_the_recovery_tolerance(
+    hf_runs, family
+):
+    """As above, for the families whose parameters drift past 1e-5 (see TP_DRIFTING):
+    losses within 1e-5, parameters within 1e-4."""
+    diff = compare_runs(hf_runs(family, 2, 1, tp=2).out, hf_runs(family, 1, 1).out)
+    assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-4, diff
 
 
 @pytest.mark.long

@@ -40,6 +40,7 @@ from elaswave.fabric.hostplane import bind_thread_device
 from elaswave.fabric.snapshot import state_record
 from elaswave.fabric.verify import Fingerprint
 from elaswave.model.llama import layer_index
+from elaswave.model.tensor_parallel import fused_parts
 from elaswave.runtime.job.results import Trace, WorkerResult, write_worker_result
 from elaswave.runtime.worker import executor
 from elaswave.runtime.worker.executor import Mailbox, PauseBox
@@ -283,7 +284,7 @@ class StepLoop:
         if replica == 0:
             params = {
                 layer_index(layer): {
-                    n: whole_param(n, p.detach(), self.ctx.tp).cpu()
+                    n: whole_param(n, p.detach(), self.ctx.tp, fused_parts(n, cfg.model)).cpu()
                     for n, p in layer.named_parameters()
                 }
                 for layer in trainer.layers

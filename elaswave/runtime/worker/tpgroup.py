@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -155,16 +156,19 @@ def unit_report(
     }
 
 
-def whole_param(name: str, piece: torch.Tensor, tp: TpLink | None) -> torch.Tensor:
+def whole_param(
+    name: str, piece: torch.Tensor, tp: TpLink | None, parts: Sequence[int] | None = None
+) -> torch.Tensor:
     """Parameter ``name`` whole, joined from every member's piece (each member calls it
     for the same parameters in the same order); ``piece`` itself without TP. The pieces
-    are gathered where ``piece`` lives (a device-plane collective)."""
+    are gathered where ``piece`` lives (a device-plane collective). ``parts``: the blocks
+    of a fused weight (:func:`~elaswave.model.tensor_parallel.fused_parts`)."""
     if tp is None or split_dim(name) is None:
         return piece
     flat = piece.contiguous().view(-1)
     out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
     tp.all_gather(out, flat)
-    return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)])
+    return merge_param(name, [p.view_as(piece) for p in out.chunk(tp.size)], parts)
 
 
 def unit_barrier(

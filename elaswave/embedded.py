@@ -206,6 +206,12 @@ def job(*, model: str | None = None, dataset: Sequence[Any] | None = None) -> Jo
     if dataset is not None:
         if active.step != active.first_step or active.step_times:
             raise RuntimeError("elaswave.job(dataset=...) must come before the first step")
+        if cfg.schedule.eval_every and cfg.data.heldout is None:
+            raise ValueError(
+                f"elaswave.job(dataset=...) with eval_every = {cfg.schedule.eval_every}: "
+                "the held-out windows of your dataset are not known; give --eval-data FILE "
+                "(a token file, data.heldout)"
+            )
         active.ctx.loader.set_source(
             _WindowSource(dataset, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
         )

@@ -57,18 +57,24 @@ The plan's ranks are then units (TP groups): summary.json's recoveries and the j
 messages name units, so the checks below map every victim process P to its unit
 P // tp, and a unit is a victim when any of its processes is.
 
+Held-out evaluation (--eval-every K, default 0): every case and its twin evaluate every
+K steps (``--eval-every K``); each optimizer fault at a step that evaluates moves, by a
+coin of its own generator (``random.Random(f"chaos-eval:{S}:{K}")``), to phase eval
+(inside the evaluation); a recovered case's held-out losses must match the twin's too.
+
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
 twins are cached per (dp, pp, tp, global batch, micro batch, steps, seed, device) under
 OUT/seedS/twins.
 
 Outcomes (``ok``: the first four; any other is a failure, and the script exits 1)
-    recovered       exit 0, every step done, per-step losses and final parameters within
-                    1e-4 (relative) of the twin, ``elaswave replay`` reproduces every
-                    announced plan (``replay_run(...).diverged is None``) and the plans
-                    are one committed announcement per recovery (as tests/runs.py checks),
-                    no worker or Core traceback, and every fail-stop recovery's ranks
-                    were fault victims (see below; units when tp > 1)
+    recovered       exit 0, every step done, per-step losses and final parameters (and
+                    held-out losses) within 1e-4 (relative) of the twin, ``elaswave
+                    replay`` reproduces every announced plan (``replay_run(...).diverged
+                    is None``) and the plans are one committed announcement per
+                    recovery (as tests/runs.py checks), no worker or Core traceback,
+                    and every fail-stop recovery's ranks were fault victims (see
+                    below; units when tp > 1)
     stopped-ok      exit 1 with one ``elaswave: job failed: ...`` line that names state
                     that really was lost, and no traceback. "Really lost" is checked
                     against the victims: the ranks with a RUN_DIR/faults/rankN.json record
@@ -217,6 +223,14 @@ class Case:
     then restored from a checkpoint inside the job."""
     schedule: str = "1f1b"
     """``--schedule`` (drawn by :func:`draw_schedule` with a generator of its own)."""
+    eval_every: int = 0
+    """``--eval-every`` (the campaign's, not drawn; the twin evaluates too, and the held-out
+    losses must match its): :func:`draw_eval` moves optimizer faults into evaluations."""
+
+    def evaluates(self, step: int) -> bool:
+        """Whether ``step`` ends with a held-out evaluation."""
+        every = self.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step == self.steps - 1)
 
     @property
     def world(self) -> int:
@@ -240,6 +254,7 @@ class Case:
             "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
             *(["--schedule", self.schedule] if self.schedule != "1f1b" else []),
+            *(["--eval-every", str(self.eval_every)] if self.eval_every else []),
             *JOB_FILE,
         ]  # fmt: skip
 
@@ -262,6 +277,7 @@ class Case:
             + f"_gb{self.global_batch}_mb{self.micro_batch}"
             f"_s{self.steps}_seed{self.train_seed}_{self.device}"
             + (f"_{self.schedule}" if self.schedule != "1f1b" else "")
+            + (f"_eval{self.eval_every}" if self.eval_every else "")
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -275,6 +291,7 @@ class Case:
             + (f" copies={self.snapshot_copies}" if self.snapshot_copies > 1 else "")
             + (f" checkpoint-every={self.checkpoint_every}" if self.checkpoint_every else "")
             + (f" schedule={self.schedule}" if self.schedule != "1f1b" else "")
+            + (f" eval-every={self.eval_every}" if self.eval_every else "")
         )
 
 
@@ -292,6 +309,25 @@ def draw_schedule(case: Case, weight: float) -> Case:
         for f in case.faults
     )
     return replace(case, schedule="zb-h1", faults=faults)
+
+
+def draw_eval(case: Case, every: int) -> Case:
+    """``case`` evaluating every ``every`` steps (0: as it is), each of its faults at phase
+    ``optimizer`` of a step that evaluates moved, by a coin of its own generator, to the
+    evaluation (``eval``); the rest of the draw is what any ``every`` draws."""
+    if every <= 0:
+        return case
+    case = replace(case, eval_every=every)
+    rng = random.Random(f"chaos-eval:{case.seed}:{case.index}")
+
+    def moved(fault: str) -> str:
+        head, _, phase = fault.rpartition(":")
+        step = int(head.rpartition("@")[2])
+        if phase == "optimizer" and case.evaluates(step) and rng.random() < 0.5:
+            return f"{head}:eval"
+        return fault
+
+    return replace(case, faults=tuple(moved(f) for f in case.faults))
 
 
 def _layouts() -> list[tuple[int, int]]:
@@ -810,10 +846,15 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
     if got != want:
         return Verdict("replay-diverged", f"replayed plans {got}, recoveries say {want}")
     assert twin is not None
-    diff = compare_runs(job.out, twin)
-    if not (diff.loss_rel <= TOL and diff.param_rel <= TOL):
+    try:
+        diff = compare_runs(job.out, twin)
+    except ValueError as exc:  # e.g. held-out losses of other steps than the twin's
+        return Verdict("mismatch", str(exc))
+    if not (diff.loss_rel <= TOL and diff.param_rel <= TOL and diff.eval_rel <= TOL):
         return Verdict(
-            "mismatch", f"loss {diff.loss_rel:.2e}, params {diff.param_rel:.2e} rel. to the twin"
+            "mismatch",
+            f"loss {diff.loss_rel:.2e}, params {diff.param_rel:.2e}, held-out loss "
+            f"{diff.eval_rel:.2e} rel. to the twin",
         )
     kinds = [str(r.kind) for r in summary.recoveries]
     return Verdict(
@@ -990,6 +1031,14 @@ def main(argv: list[str] | None = None) -> int:
         "fire in the weight-gradient half; default 0; the other draws do not change)",
     )
     parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="every case and its twin evaluate the held-out loss every K steps, which must "
+        "match; half the optimizer faults at a step that evaluates fire in the evaluation "
+        "(default 0; the other draws do not change)",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         help="a job file every case and its twin train with (e.g. a recipe of clipping "
@@ -1011,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more")
+    if args.eval_every < 0:
+        parser.error(f"--eval-every {args.eval_every}: must be 0 or more")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -1058,6 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
         case = draw_case(args.seed, index, args.tp_weight)
         case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
         case = draw_schedule(case, args.schedule_weight)
+        case = draw_eval(case, args.eval_every)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
@@ -1135,7 +1187,9 @@ def _tp_flag(args: argparse.Namespace) -> str:
     copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
     every = f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""
     zb = f" --schedule-weight {args.schedule_weight:g}" if args.schedule_weight else ""
-    return (f" --tp-weight {args.tp_weight:g}" if args.tp_weight else "") + copies + every + zb
+    held = f" --eval-every {args.eval_every}" if args.eval_every else ""
+    tp = f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
+    return tp + copies + every + zb + held
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:

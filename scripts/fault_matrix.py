@@ -53,7 +53,11 @@ def mean_rel(loss: list[float], ref: list[float]) -> float:
     return statistics.mean(abs(a - b) / b for a, b in zip(loss, ref, strict=True))
 
 
-STEP_PHASES = [p for p in StepPhase if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT)]
+STEP_PHASES = [
+    p
+    for p in StepPhase
+    if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT, StepPhase.EVAL)
+]
 """Points of a training step (plan and apply are points of a recovery: see control_plane)."""
 
 

@@ -90,7 +90,11 @@ LLAMA: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )  # fmt: skip
 """tests/fault/test_model_adapters.py's tiny Llama: a config.json, seeded weights."""
-PHASES = tuple(p for p in StepPhase if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT))
+PHASES = tuple(
+    p
+    for p in StepPhase
+    if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT, StepPhase.EVAL)
+)
 CHURN = (
     "kill:1@2:forward", "join@3", "hang:5@5:backward", "join@6", "kill:2@8:grad-sync", "join@9",
     "kill:6@11:snapshot", "join@12", "slow:3=2@13", "join@14", "kill:3@15:optimizer", "join@16",

@@ -92,9 +92,11 @@ def main() -> int:
                 "final_loss": read_summary(out).loss[-1],
                 "loss_rel_diff": diff.loss_rel,
                 "param_rel_diff": diff.param_rel,
+                "eval_rel_diff": diff.eval_rel,
                 "param_digest": read_summary(out).param_digest[:12],
             }
         )
+    evaluated = bool(read_summary(ref).eval_steps)
     suffix = "" if args.schedule == "1f1b" else f"_{args.schedule}"
     flag = "" if args.schedule == "1f1b" else f" --schedule {args.schedule}"
     if args.config:
@@ -108,13 +110,15 @@ def main() -> int:
         "",
         f"    .venv/bin/python scripts/layout_invariance.py{flag}",
         "",
-        "| dp | pp | tp | processes | final loss | max rel loss diff | rel param diff | digest |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dp | pp | tp | processes | final loss | max rel loss diff | rel param diff | digest |"
+        + (" max rel held-out loss diff |" if evaluated else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""),
     ]
     lines += [
         f"| {r['dp']} | {r['pp']} | {r['tp']} | {r['dp'] * r['pp'] * r['tp']} | "
         f"{r['final_loss']:.6f} | {r['loss_rel_diff']:.2e} | "
         f"{r['param_rel_diff']:.2e} | {r['param_digest']} |"
+        + (f" {r['eval_rel_diff']:.2e} |" if evaluated else "")
         for r in rows
     ]
     text = "\n".join(lines)
@@ -122,7 +126,7 @@ def main() -> int:
     args.docs.mkdir(exist_ok=True)
     (args.docs / f"layout_invariance{suffix}.md").write_text(text + "\n")
     (args.docs / f"layout_invariance{suffix}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    worst = max(max(r["loss_rel_diff"], r["param_rel_diff"]) for r in rows)
+    worst = max(max(r["loss_rel_diff"], r["param_rel_diff"], r["eval_rel_diff"]) for r in rows)
     return 0 if worst <= 1e-5 else 1
 
 

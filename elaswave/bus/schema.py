@@ -142,6 +142,14 @@ class StepCompleted(Event):
     grad_norm: float = -1.0
     """The step's global gradient norm before clipping; negative where the job does not
     clip gradients."""
+    eval_loss: float = -1.0
+    """The held-out loss of the step's parameters; negative where the step did not
+    evaluate (``--eval-every``)."""
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether the step evaluated the held-out loss (``eval_loss`` is its)."""
+        return self.eval_loss >= 0
 
     @property
     def clipped(self) -> bool:

@@ -54,6 +54,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", help="pre-tokenised token file (numpy memmap); default synthetic")
     p.add_argument("--data-dtype", help="token dtype of --data: uint16, int32 or int64")
+    p.add_argument(
+        "--eval-data",
+        help="held-out token file for --eval-every (default: the heldout.bin beside "
+        "--data's train.bin; synthetic data: other sequences of its chain)",
+    )
 
 
 def _add_command_flags(p: argparse.ArgumentParser) -> None:
@@ -130,7 +135,7 @@ def job_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The job's settings given as flags, by section (None: not given)."""
     values: dict[str, dict[str, Any]] = {
         "model": {"preset": args.model},
-        "data": {"path": args.data, "dtype": args.data_dtype},
+        "data": {"path": args.data, "dtype": args.data_dtype, "heldout": args.eval_data},
     }
     for name, section in SECTIONS.items():
         values[name] = {

@@ -183,6 +183,13 @@ def _train(args: argparse.Namespace) -> int:
         from elaswave.data.corpus import open_source
 
         open_source(job.data, vocab_size=job.model.vocab_size, seq_len=job.model.seq_len)
+    if job.schedule.eval_every:
+        from elaswave.data.corpus import open_heldout
+
+        open_heldout(
+            job.data, vocab_size=job.model.vocab_size, seq_len=job.model.seq_len,
+            windows=job.schedule.eval_batches * job.schedule.global_batch,
+        )  # fmt: skip
     profiling = _wants_profile(args, job)
     lay, sch = job.layout, job.schedule
     print(

@@ -107,11 +107,18 @@ class Progress:
             line += f"  lr {event.lr:.3g}"
         if event.clipped:
             line += f"  grad norm {event.grad_norm:.3g}"
+        if event.evaluated:
+            line += f"  held-out {event.eval_loss:.4f}"
         if not self.tty:
             self.stream.write(line + "\n")
             self.stream.flush()
             return
         SCREEN.status(self.stream, line)
+        if event.evaluated:  # kept on screen, not overwritten by the next step's line
+            SCREEN.say(
+                self.stream,
+                f"elaswave: held-out loss {event.eval_loss:.4f} after step {event.step + 1}",
+            )
         if event.step + 1 == self.steps:
             SCREEN.end()
 

@@ -31,6 +31,10 @@ class DataConfig:
     """Size of the synthetic corpus, in samples."""
     seed: int = 1234
     """Seed of the synthetic corpus and of the epoch permutations."""
+    heldout: str | None = None
+    """Held-out tokens for ``--eval-every`` (a token file of ``dtype``). None: beside a
+    ``train.bin`` of ``elaswave tokenize``, its ``heldout.bin``; with the synthetic corpus,
+    other sequences of the same chain."""
 
     def __post_init__(self) -> None:
         if self.dtype not in TOKEN_DTYPES:
@@ -56,9 +60,14 @@ class SyntheticCorpus:
     model that learns the chain reaches about 0.80 nats per token from ln(vocab).
     """
 
-    def __init__(self, *, vocab_size: int, seq_len: int, num_samples: int, seed: int) -> None:
+    def __init__(
+        self, *, vocab_size: int, seq_len: int, num_samples: int, seed: int, heldout: bool = False
+    ) -> None:
+        """``heldout``: other sequences of the same chain (a held-out set)."""
         rng = np.random.default_rng(seed)
         successors = rng.integers(0, vocab_size, size=(vocab_size, 3))
+        if heldout:
+            rng = np.random.default_rng((seed, 1))
         probs = np.array([0.7, 0.2, 0.1])
         tokens = np.empty((num_samples, seq_len + 1), dtype=np.int64)
         tokens[:, 0] = rng.integers(0, vocab_size, size=num_samples)
@@ -116,6 +125,55 @@ def open_source(cfg: DataConfig, *, vocab_size: int, seq_len: int) -> TokenSourc
             vocab_size=vocab_size, seq_len=seq_len, num_samples=cfg.num_samples, seed=cfg.seed
         )
     return TokenFile(cfg.path, dtype=cfg.dtype, seq_len=seq_len, vocab_size=vocab_size)
+
+
+def heldout_path(cfg: DataConfig) -> str | None:
+    """The held-out token file of ``cfg``: ``heldout``, else the ``heldout.bin`` beside a
+    ``train.bin`` (``elaswave tokenize``'s pair), else None."""
+    if cfg.heldout is not None or cfg.path is None:
+        return cfg.heldout
+    sibling = Path(cfg.path).with_name("heldout.bin")
+    return str(sibling) if Path(cfg.path).name == "train.bin" and sibling.is_file() else None
+
+
+def open_heldout(cfg: DataConfig, *, vocab_size: int, seq_len: int, windows: int) -> HeldOut:
+    """The ``windows`` held-out windows ``--eval-every`` evaluates; ValueError naming what
+    is missing."""
+    path = heldout_path(cfg)
+    source: TokenSource
+    if path is not None:
+        source = TokenFile(path, dtype=cfg.dtype, seq_len=seq_len, vocab_size=vocab_size)
+    elif cfg.path is not None:
+        raise ValueError(
+            f"--eval-every needs held-out tokens beside data.path = {cfg.path!r}: give "
+            "--eval-data FILE (data.heldout), e.g. elaswave tokenize's heldout.bin"
+        )
+    else:
+        source = SyntheticCorpus(
+            vocab_size=vocab_size, seq_len=seq_len, num_samples=max(windows, 1), seed=cfg.seed,
+            heldout=True,
+        )  # fmt: skip
+    if len(source) < windows:
+        raise ValueError(
+            f"data.heldout = {path!r}: {len(source)} windows of seq_len {seq_len}, an "
+            f"evaluation reads {windows} (eval_batches x global_batch); lower --eval-batches"
+        )
+    return HeldOut(source)
+
+
+class HeldOut:
+    """Held-out window ``i`` -> (inputs, targets), in the file's order: every evaluation
+    reads the same windows, whatever the layout."""
+
+    def __init__(self, source: TokenSource) -> None:
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def batch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.from_numpy(np.stack([self._source.window(i) for i in sample_ids]))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 class SampleLoader:

@@ -44,6 +44,8 @@ SAMPLE = {
         "rng": "stateful",
         "pipeline_schedule": "zb-h1",
         "trace_steps": 3,
+        "eval_every": 4,
+        "eval_batches": 2,
         "script": ["train.py", "--lr", "0.1"],
     },
     "elastic": {
@@ -88,6 +90,7 @@ FLAGS = [
     *("--partition", "balanced", "--worker-prefix", "nice -n 1"),
     *("--steps", "12", "--global-batch", "12", "--micro-batch", "2", "--seed", "7"),
     *("--precision", "bf16", "--rng", "stateful", "--schedule", "zb-h1", "--trace-steps", "3"),
+    *("--eval-every", "4", "--eval-batches", "2"),
     *("--no-recovery", "--rebalance", "migrate", "--migration", "blocking"),
     *("--migration-early", "1", "--straggler-detection", "--straggler-window", "4"),
     *("--straggler-threshold", "1.5", "--straggler-min-steps", "3", "--wait-for-nodes", "5"),

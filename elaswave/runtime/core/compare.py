@@ -51,10 +51,19 @@ def param_rel_diff(params: Params, ref: Params) -> float:
 class Comparison:
     loss_rel: float
     param_rel: float
+    eval_rel: float = 0.0
+    """The largest relative difference of a held-out loss (``--eval-every``; 0 where
+    neither run evaluated)."""
 
 
 def compare_runs(run_dir: Path, ref_dir: Path) -> Comparison:
+    run, ref = read_summary(run_dir), read_summary(ref_dir)
+    if run.eval_steps != ref.eval_steps:
+        raise ValueError(
+            f"runs evaluated after steps {list(run.eval_steps)} and {list(ref.eval_steps)}"
+        )
     return Comparison(
-        loss_rel=loss_rel_diff(read_summary(run_dir).loss, read_summary(ref_dir).loss),
+        loss_rel=loss_rel_diff(run.loss, ref.loss),
         param_rel=param_rel_diff(load_params(run_dir), load_params(ref_dir)),
+        eval_rel=loss_rel_diff(run.eval_loss, ref.eval_loss) if run.eval_loss else 0.0,
     )

@@ -70,6 +70,7 @@ def build_summary(
         k: sum(r.bus.get(k, 0) for r in results)
         for k in sorted({k for r in results for k in r.bus})
     }
+    eval_steps, eval_loss = _evaluations(results, logged, first, len(losses))
     return Summary(
         layout=Layout(dp=plan.stages[0].dp, pp=plan.pp, tp=tp),
         global_batch=plan.global_batch,
@@ -91,6 +92,8 @@ def build_summary(
         if optim is None
         else tuple(optim.lr_at(s) for s in range(first, first + len(losses))),
         grad_norm=_grad_norms(results, logged, first, len(losses)),
+        eval_steps=eval_steps,
+        eval_loss=eval_loss,
     )
 
 
@@ -140,6 +143,18 @@ def _grad_norms(
             return None
         norms.append(norm)
     return tuple(norms)
+
+
+def _evaluations(
+    results: Sequence[WorkerResult], logged: dict[int, StepCompleted], first: int, trained: int
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``eval_steps`` and ``eval_loss``: the held-out loss after each step that evaluated,
+    from the last stage's ranks or else the event log's StepCompleted records."""
+    by_step = {s: r.eval_loss for s, r in logged.items() if r.evaluated}
+    for r in results:
+        by_step.update(zip(r.eval_steps, r.eval_loss, strict=True))
+    steps = sorted(s for s in by_step if first <= s < first + trained)
+    return tuple(steps), tuple(by_step[s] for s in steps)
 
 
 def _step_times(

@@ -128,6 +128,8 @@ class ScalarLog:
                 values["train/lr"] = event.lr
             if event.clipped:
                 values["train/grad_norm"] = event.grad_norm
+            if event.evaluated:
+                values["eval/loss"] = event.eval_loss
             self.scalars(event.step, values, event.time)
         elif isinstance(event, RunStarted):
             self.ranks = event.world_size

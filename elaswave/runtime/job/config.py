@@ -20,7 +20,7 @@ from typing import Any
 
 from elaswave import rundir
 from elaswave.comm.spec import Device
-from elaswave.data.corpus import DataConfig
+from elaswave.data.corpus import DataConfig, heldout_path
 from elaswave.engine.cost import DeviceSpec, LayerCost, LayerKind, layer_costs
 from elaswave.engine.cost import device as cost_device
 from elaswave.engine.plan import Plan, initial_plan
@@ -113,12 +113,31 @@ class JobConfig:
                     f"backward, which schedule {schedule} has not (train with --schedule "
                     "zb-h1, or name phase backward)"
                 )
+            if spec.phase is StepPhase.EVAL and not self.schedule.evaluates(spec.step):
+                raise ValueError(
+                    f"fault {spec}: step {spec.step} does not evaluate (eval_every = "
+                    f"{self.schedule.eval_every}: steps K-1, 2K-1, ... and the last do)"
+                )
+        self._check_eval()
         resume_step = self.state.resume_step
         if resume_step is not None and not -1 <= resume_step < steps - 1:
             raise ValueError(
                 f"the checkpoint is at step {resume_step}, at or past the last step "
                 f"{steps - 1}: raise --steps to train further"
             )
+
+    def _check_eval(self) -> None:
+        """Where ``--eval-every`` finds its held-out tokens (recorded in ``data``)."""
+        schedule, data = self.schedule, self.data
+        if not schedule.eval_every:
+            return
+        heldout = heldout_path(data)
+        if heldout is None and data.path is not None:
+            raise ValueError(
+                f"eval_every = {schedule.eval_every}: no held-out tokens beside data.path = "
+                f"{data.path!r}; give --eval-data FILE (data.heldout)"
+            )
+        object.__setattr__(self, "data", dataclasses.replace(data, heldout=heldout))
 
     def _check_tp(self) -> None:
         """What tensor parallelism does not combine with (yet), named."""

@@ -9,7 +9,8 @@
 PHASE is where in the step the process dies: forward (after the first micro-batch's
 forward compute), backward (after its backward compute), grad-sync (before the
 reduce-scatter), snapshot (after the gradient shard was sent to the snapshot holder),
-optimizer (after the optimizer update, before the parameter all-gather). Two phases are
+optimizer (after the optimizer update, before the parameter all-gather), eval (after the
+first held-out micro-batch's forward, in a step that evaluates: --eval-every). Two phases are
 points of a recovery that redoes STEP: plan (the Core's plan has arrived, not yet
 acknowledged) and apply (the plan is committed, not yet applied). Default: forward.
 The worker's :class:`~elaswave.runtime.worker.faults.FaultInjector` carries them out.
@@ -33,6 +34,8 @@ class StepPhase(enum.StrEnum):
     GRAD_SYNC = "grad-sync"
     SNAPSHOT = "snapshot"
     OPTIMIZER = "optimizer"
+    EVAL = "eval"
+    """The held-out evaluation that ends a step (``--eval-every``), after the all-gather."""
     PLAN = "plan"
     APPLY = "apply"
 

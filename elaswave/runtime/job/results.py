@@ -84,6 +84,10 @@ class Summary:
     grad_norm: tuple[float, ...] | None = None
     """The global gradient norm of every step before clipping, as ``loss`` (None where
     the job does not clip gradients)."""
+    eval_steps: tuple[int, ...] = ()
+    """The steps after which the held-out loss was evaluated (``--eval-every``)."""
+    eval_loss: tuple[float, ...] = ()
+    """The mean held-out loss per window after each of ``eval_steps``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +144,10 @@ class WorkerResult:
     pipeline_s: tuple[float, ...] | None = None
     """Per step, as ``step_time_s``: the pipeline's part (to the end of the last action
     and its sends, before the optimizer step). None in results written before it."""
+    eval_steps: tuple[int, ...] = ()
+    """The steps it evaluated the held-out loss after, in the last stage."""
+    eval_loss: tuple[float, ...] = ()
+    """The held-out loss after each of ``eval_steps``."""
 
 
 def write_summary(run_dir: Path, summary: Summary) -> None:

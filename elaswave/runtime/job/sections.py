@@ -240,6 +240,22 @@ class ScheduleConfig:
     ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles;
     zb-cost, zero-bubble lists planned for the plan's own stage costs and memory; or
     ``auto``: whichever the planner simulates faster, chosen again at every change."""
+    eval_every: int = setting(
+        0,
+        metavar="K",
+        help="every K steps (and after the last) report the loss on held-out tokens "
+        "(--eval-data, or the heldout.bin beside --data's train.bin; default 0: never)",
+    )
+    """Every K steps and after the last, the mean loss per token of the held-out windows
+    (``data.heldout``), computed inside the step by the pipeline with no gradients, the
+    same on any layout (0: never)."""
+    eval_batches: int = setting(
+        1,
+        metavar="N",
+        help="held-out windows per evaluation, in global batches (default 1)",
+    )
+    """Held-out windows each evaluation reads: the first ``eval_batches x global_batch``
+    of the held-out tokens."""
     trace_steps: int = setting(
         2,
         metavar="N",
@@ -255,7 +271,8 @@ class ScheduleConfig:
     place of the built-in loop (:mod:`elaswave.embedded`). Empty: ``elaswave train``."""
 
     def __post_init__(self) -> None:
-        check_positive_int(self, "steps", "global_batch", "micro_batch")
+        check_positive_int(self, "steps", "global_batch", "micro_batch", "eval_batches")
+        check(self, "eval_every", lambda v: is_int(v) and v >= 0, "must be 0 (never) or more")
         choose(self, "precision", Precision, f"valid values are {listed(Precision)}")
         choose(self, "rng", RngKind, f"valid values are {', '.join(RNG_KINDS)}")
         choose(
@@ -263,6 +280,11 @@ class ScheduleConfig:
             f"valid values are {listed(ScheduleSetting)}",
         )  # fmt: skip
         object.__setattr__(self, "script", tuple(self.script))
+
+    def evaluates(self, step: int) -> bool:
+        """Whether step ``step`` ends with a held-out evaluation."""
+        every = self.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step == self.steps - 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -524,7 +546,7 @@ class InjectionConfig:
         help="inject a fault, repeatable: kill:RANK@STEP[:PHASE], "
         "kill-node:NODE@STEP[:PHASE], hang:RANK@STEP[:PHASE], slow:RANK=FACTOR@STEP "
         "(compute FACTOR x slower) or join@STEP (a worker joins); PHASE: forward, "
-        "backward, grad-sync, snapshot, optimizer",
+        "backward, grad-sync, snapshot, optimizer, eval (a step that evaluates)",
     )
     """Injected faults: kill:RANK@STEP[:PHASE], kill-node:NODE@STEP[:PHASE]."""
     bus_faults: str = setting(

@@ -34,6 +34,7 @@ from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.worker.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.evaluation import HeldOutEval, evaluate
 from elaswave.runtime.worker.migration import ShadowStep
 from elaswave.runtime.worker.split_backward import HeldWeights, backward_input, backward_weight
 
@@ -52,6 +53,10 @@ class StepResult:
     part of the step (what ``engine/steptime`` simulates), before the optimizer step."""
     times: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) of each action of ``trace``, in seconds from the step's start."""
+    eval_loss: float | None = None
+    """The held-out loss of the step's parameters (last stage, steps that evaluate)."""
+    eval_s: float = 0.0
+    """The evaluation's time, not counted in ``seconds``."""
 
 
 def _no_fault(phase: StepPhase, step: int) -> None:
@@ -99,14 +104,17 @@ class StageRunner:
         per_route: bool = False,
         receive_ahead: bool = True,
         actions: Sequence[Action] | None = None,
+        evaluation: HeldOutEval | None = None,
     ) -> None:
-        """``actions``: the stage's list where the plan's schedule depends on costs
+        """``evaluation``: the held-out windows to evaluate, and at which steps.
+        ``actions``: the stage's list where the plan's schedule depends on costs
         (:func:`~elaswave.engine.steptime.plan_lists`; default: :func:`stage_actions` of
         the plan's schedule).
         ``shadow``: a non-blocking layer migration that its step runs (once).
         ``bf16``: compute in bfloat16 (torch autocast; parameters, gradients and the
         optimizer stay fp32) and send activations and their gradients in bfloat16."""
         self.bf16 = bf16
+        self.evaluation = evaluation
         self.per_route = per_route
         """Pipeline traffic takes each route's pair link (gloo) rather than its stage
         boundary's group."""
@@ -225,17 +233,17 @@ class StageRunner:
             by_group.setdefault(id(group), (group, []))[1].append((tensor, peer_of(route)))
         return list(by_group.values())
 
-    def _post_recv(self, step: int, backward: bool, mb: int) -> tuple:
+    def post_recv(self, step: int, backward: bool, mb: int, tag: int | None = None) -> tuple:
         """Post the receives of micro-batch ``mb``'s activations (``backward``: their
-        gradients), one per route in sample order, as one batch per group;
-        :meth:`_Receives.take` waits."""
+        gradients), one per route in sample order, as one batch per group, with ``tag``
+        (default: the step's for ``mb``); :meth:`_Receives.take` waits."""
         routes = sorted(self.outbound(mb) if backward else self.inbound(mb), key=lambda r: r.lo)
         bufs = [self._activation(route.hi - route.lo) for route in routes]
-        tag = self._tag(step, mb, backward)
+        tag = self.tag(step, mb, backward) if tag is None else tag
         batches = self._batches(routes, bufs, backward, receiving=True)
         return [(group, group.batch([], ops, tag)) for group, ops in batches], bufs
 
-    def _send(
+    def send(
         self,
         tensor: torch.Tensor,
         routes: list[Route],
@@ -299,10 +307,17 @@ class StageRunner:
         if self.is_last:
             loss_sum.reduce(self.comm.collective(dp_group_name(self.stage)))
             total = loss_sum.value()
+        heldout = self.evaluation
+        evaluated = (
+            evaluate(self, heldout, step) if heldout is not None and heldout.due(step) else None
+        )
         self.optimizer.commit(step)
         return StepResult(
-            step, total, time.perf_counter() - started, trace, shadow, pipeline_s, times
-        )
+            step, total, time.perf_counter() - started - (evaluated.seconds if evaluated else 0),
+            trace, shadow, pipeline_s, times,
+            eval_loss=evaluated.loss if evaluated else None,
+            eval_s=evaluated.seconds if evaluated else 0.0,
+        )  # fmt: skip
 
     def _run_backward(
         self, step: int, op: Op, mb: int, saved: dict, held: dict, pending: list,
@@ -319,7 +334,7 @@ class StageRunner:
         if shadow is not None:
             shadow.after_backward(mb)
 
-    def _tag(self, step: int, mb: int, backward: bool) -> int:
+    def tag(self, step: int, mb: int, backward: bool) -> int:
         return p2p_tag(self.plan.generation, step, TagSpace.PIPELINE + 2 * mb + int(backward))
 
     def _forward(
@@ -362,12 +377,12 @@ class StageRunner:
         if self.pacer is not None:
             self.pacer.compute(layer_ids, len(ids), started, backward=False)
         if not self.is_last:
-            self._send(
+            self.send(
                 x.detach(),
                 self.outbound(mb),
                 self.share(mb)[0],
                 False,
-                self._tag(step, mb, False),
+                self.tag(step, mb, False),
                 pending,
             )
         return x_in, out, layer_ids
@@ -387,12 +402,12 @@ class StageRunner:
         if mb == 0:
             self.fault_hook(StepPhase.BACKWARD, step)
         if x_in is not None:
-            self._send(
+            self.send(
                 x_in.grad,
                 self.inbound(mb),
                 self.share(mb)[0],
                 True,
-                self._tag(step, mb, True),
+                self.tag(step, mb, True),
                 pending,
             )
 
@@ -409,9 +424,9 @@ class StageRunner:
         if mb == 0:
             self.fault_hook(StepPhase.BACKWARD, step)
         if x_in is not None:
-            self._send(
+            self.send(
                 x_in.grad, self.inbound(mb), self.share(mb)[0], True,
-                self._tag(step, mb, True), pending,
+                self.tag(step, mb, True), pending,
             )  # fmt: skip
         return held, layer_ids
 
@@ -461,7 +476,7 @@ class _Receives:
         if self.next < len(order):
             key = order[self.next]
             self.next += 1
-            self.posted[key] = self.runner._post_recv(self.step, *key)
+            self.posted[key] = self.runner.post_recv(self.step, *key)
 
     def take(self, backward: bool, mb: int) -> torch.Tensor:
         """Wait for micro-batch ``mb``'s activations (``backward``: their gradients),

@@ -37,16 +37,17 @@ from elaswave.comm.idle import IDLE
 from elaswave.comm.spec import Device, parse_device
 from elaswave.comm.store import connect_store
 from elaswave.comm.strict import StrictViolation
-from elaswave.data.corpus import SampleLoader, open_source
+from elaswave.data.corpus import SampleLoader, open_heldout, open_source
 from elaswave.engine.cost import device as device_spec
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import make_rng
 from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.job.child import RULE_BROKEN, die_with_parent, exit_now
-from elaswave.runtime.job.config import EMULATED_DEVICE, JobSpec
+from elaswave.runtime.job.config import EMULATED_DEVICE, JobConfig, JobSpec
 from elaswave.runtime.job.faults import validate_faults
 from elaswave.runtime.worker.early_release import EarlyRelease, device_groups
 from elaswave.runtime.worker.emulation import Pacer
+from elaswave.runtime.worker.evaluation import HeldOutEval
 from elaswave.runtime.worker.executor import Mailbox, PauseBox
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.frequency import EmulatedFrequency
@@ -217,7 +218,20 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
             pid_of=partial(_registered_pid, store),
         ),
         pacer=pacer,
+        evaluation=_evaluation(cfg),
     )
+
+
+def _evaluation(cfg: JobConfig) -> HeldOutEval | None:
+    """What ``--eval-every`` evaluates (None: nothing)."""
+    schedule = cfg.schedule
+    if not schedule.eval_every:
+        return None
+    held = open_heldout(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
+        windows=schedule.eval_batches * schedule.global_batch,
+    )  # fmt: skip
+    return HeldOutEval(held, schedule.eval_batches, schedule.evaluates)
 
 
 def _registered_pid(store: dist.Store, rank: int) -> int | None:

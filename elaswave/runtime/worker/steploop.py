@@ -105,6 +105,8 @@ class StepLoop:
         self.pipeline_times: dict[int, float] = {}
         self.losses: dict[int, float] = {}
         self.grad_norms: dict[int, float] = {}
+        self.eval_losses: dict[int, float] = {}
+        """The held-out loss after each step that evaluated (last stage)."""
         """The global gradient norm of each step with a loss here (where clipping)."""
         self.traces: list[Trace] = []
         self.optimizer_digests: dict[int, str] = {}
@@ -175,6 +177,7 @@ class StepLoop:
                     self.pipeline_times,
                     self.losses,
                     self.grad_norms,
+                    self.eval_losses,
                     self.optimizer_digests,
                     self.optimizer_prints,
                 ):
@@ -250,6 +253,7 @@ class StepLoop:
                     step_time_s=result.seconds, samples=trainer.plan.global_batch,
                     lr=cfg.optim.lr_at(step),
                     grad_norm=self.grad_norms.get(step, -1.0),
+                    eval_loss=self.eval_losses.get(step, -1.0),
                 )
             )  # fmt: skip
         return outcome
@@ -263,6 +267,8 @@ class StepLoop:
             norm = self.trainer.optimizer.grad_norms.get(step)
             if norm is not None:
                 self.grad_norms[step] = norm
+        if result.eval_loss is not None:
+            self.eval_losses[step] = result.eval_loss
         return StepOutcome(step, loss, result.seconds, plan.generation, recovered)
 
     def finish(self) -> None:
@@ -309,6 +315,8 @@ class StepLoop:
             replica=replica,
             step_time_s=tuple(times[s] for s in sorted(times)),
             pipeline_s=tuple(self.pipeline_times[s] for s in sorted(self.pipeline_times)),
+            eval_steps=tuple(sorted(self.eval_losses)),
+            eval_loss=tuple(self.eval_losses[s] for s in sorted(self.eval_losses)),
             loss=tuple(losses[s] for s in sorted(losses)) if losses else None,
             loss_steps=tuple(sorted(losses)),
             grad_norm=tuple(self.grad_norms[s] for s in sorted(losses))

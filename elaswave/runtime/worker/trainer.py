@@ -48,6 +48,7 @@ from elaswave.model.tensor_parallel import TpShard, split_dim
 from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.worker.emulation import Pacer
+from elaswave.runtime.worker.evaluation import HeldOutEval
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.holders import (
     owner_decay_mask,
@@ -91,6 +92,8 @@ class WorkerContext:
     """The TP group (None without tensor parallelism)."""
     plane_store: dist.Store | None = None
     """Where this member's plane meets (its groups and links); None: ``store``."""
+    evaluation: HeldOutEval | None = None
+    """The held-out windows ``--eval-every`` evaluates (None: no evaluation)."""
 
     @property
     def tp_shard(self) -> TpShard:
@@ -199,6 +202,7 @@ def build_runner(
         bf16=ctx.cfg.schedule.precision == "bf16",
         per_route=not own_device_plane(ctx),
         receive_ahead=not own_device_plane(ctx),
+        evaluation=ctx.evaluation,
         actions=(
             plan_lists(plan, ctx.cfg.layer_costs, ctx.cfg.cost_device)[plan.locate(ctx.rank)[0]]
             if plan.schedule.priced

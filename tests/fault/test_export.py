@@ -28,7 +28,11 @@ JOB = ("--dp", "2", "--pp", "2", "--steps", "6", "--global-batch", "8", "--micro
 
 def _ours(source: str, run_dir, tokens: torch.Tensor) -> torch.Tensor:
     """ElasWave's layers with the run's trained parameters, on ``tokens``."""
-    model = HfModel(hf_shape(source, seq_len=tokens.shape[1]))
+    return _forward(HfModel(hf_shape(source, seq_len=tokens.shape[1])), run_dir, tokens)
+
+
+def _forward(model, run_dir, tokens: torch.Tensor) -> torch.Tensor:
+    """``model``'s layers with the run's trained parameters, on ``tokens``."""
     params = load_params(run_dir)
     ctx = StepContext(step=0, sample_ids=(0,), rng=make_rng("counter", seed=0, rank=0))
     x = tokens
@@ -86,3 +90,39 @@ def test_export_refuses_what_it_cannot_write(runs_dir, tmp_path):
     (tmp_path / "full" / "x").write_text("")
     proc = elaswave("export", str(built_in.out), str(tmp_path / "full"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.long  # megatron's own GPTModel against the layers: tests/unit/test_megatron_model.py
+def test_an_exported_megatron_run_loads_in_megatrons_gpt_with_the_same_logits(runs_dir):
+    """A megatron-core run (dp2 x pp2, through a kill) exported as a Megatron torch-format
+    checkpoint: megatron's own GPTModel loads its ``model`` and gives the logits of
+    ElasWave's layers on the run's parameters."""
+    import json
+
+    from elaswave.model.megatron import MegatronModel, megatron_shape
+    from tests.unit.test_megatron_model import _gpt_model
+
+    spec = runs_dir / "export_gpt.json"
+    spec.write_text(json.dumps({"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                                "num_query_groups": 2, "ffn_hidden_size": 80,
+                                "vocab_size": 96}))  # fmt: skip
+    source = f"megatron:{spec}"
+    run = train(runs_dir / "export_megatron", "--model", source, *JOB,
+                "--fault", "kill:2@3:backward")  # fmt: skip
+    out = runs_dir / "exported_megatron"
+    proc = elaswave("export", str(run.out), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    checkpoint = torch.load(out / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt")
+    assert checkpoint["iteration"] == 6 and json.loads((out / "gpt.json").read_text())
+    model = MegatronModel(megatron_shape(source, seq_len=16))
+    gpt = _gpt_model(model)
+    gpt.load_state_dict(checkpoint["model"], strict=True)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 96, (2, 16), generator=gen)
+    x = _forward(model, run.out, tokens)
+    with torch.no_grad():
+        positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+        mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None]
+        theirs = gpt(tokens, positions, mask)
+    assert (x - theirs).abs().max().item() <= 1e-5

@@ -44,8 +44,8 @@ def main() -> int:
     kills = [x for r in LOST for x in ("--fault", f"kill:{r}@{args.kill_step}:forward")]
     steps = ["--steps", str(args.steps)]
     configs = {
-        "fault-free 1f1b": ("free_1f1b", []),
-        "loss, 1f1b": ("loss_1f1b", kills),
+        "fault-free 1f1b": ("free_1f1b", ["--schedule", "1f1b"]),
+        "loss, 1f1b": ("loss_1f1b", [*kills, "--schedule", "1f1b"]),
         "loss, auto": ("loss_auto", [*kills, "--schedule", "auto"]),
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,8 +147,7 @@ def run_elaswave(
         str(out),
         "--overwrite",
     ]
-    if zero_bubble:
-        cmd += ["--schedule", "zb-h1"]
+    cmd += ["--schedule", "zb-h1" if zero_bubble else "1f1b"]  # as its baseline runs
     if not snapshots:
         cmd.append("--no-snapshots")
     elif copies > 1:

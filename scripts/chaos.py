@@ -253,7 +253,7 @@ class Case:
             "--dp", str(self.dp), "--pp", str(self.pp), *tp, "--steps", str(self.steps),
             "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
-            *(["--schedule", self.schedule] if self.schedule != "1f1b" else []),
+            "--schedule", self.schedule,  # named even for 1f1b: the default is auto
             *(["--eval-every", str(self.eval_every)] if self.eval_every else []),
             *JOB_FILE,
         ]  # fmt: skip

@@ -70,7 +70,11 @@ def test_summary_contract(layout_runs):
 
 
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2)])
-def test_schedule_is_1f1b_from_recorded_traces(layout_runs, layout):
+def test_the_default_schedule_splits_the_backward_within_1f1bs_bound(layout_runs, layout):
+    """The default (``--schedule auto``) plans zero-bubble lists for these pipelines:
+    every micro-batch's forward, input-gradient and weight-gradient halves, once each,
+    holding activations no longer than 1F1B would (tests/fault/test_schedules.py runs
+    1F1B itself, whose bound is tight)."""
     dp, pp = layout
     workers = layout_runs[layout].workers()
     assert len(workers) == dp * pp
@@ -79,12 +83,10 @@ def test_schedule_is_1f1b_from_recorded_traces(layout_runs, layout):
             actions = [(op, mb) for op, mb in trace.actions]
             num_mb = 16 // (dp * 2)
             assert sorted(actions) == sorted(
-                [("F", m) for m in range(num_mb)] + [("B", m) for m in range(num_mb)]
+                [(op, m) for op in ("F", "I", "W") for m in range(num_mb)]
             )
             peak = max_in_flight(actions)
             assert peak <= pp - worker.stage, (worker.rank, peak)
-            # The bound is tight: 1F1B warms up as deep as the pipeline allows.
-            assert peak == min(pp - worker.stage, num_mb)
 
 
 def test_zero1_each_rank_holds_only_its_shard(layout_runs):

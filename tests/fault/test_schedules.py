@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from elaswave.engine.schedule import max_in_flight
 from elaswave.runtime.core.compare import compare_runs
 from tests.runs import train
 
@@ -20,6 +21,7 @@ JOB = ("--dp", "2", "--pp", "2", "--steps", "6", "--global-batch", "8", "--micro
 
 
 ZB = ("--schedule", "zb-h1")
+ONE_F_ONE_B = ("--schedule", "1f1b")
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +29,20 @@ def references(runs_dir):
     """The fault-free job under ZB-H1 and under 1F1B (equal parameters: the schedule
     changes the order of the work, not its numbers)."""
     zb = train(runs_dir / "schedules_zb", *JOB, *ZB)
-    one = train(runs_dir / "schedules_1f1b", *JOB)
+    one = train(runs_dir / "schedules_1f1b", *JOB, *ONE_F_ONE_B)
     assert compare_runs(zb.out, one.out).param_rel == 0.0
     return zb, one
+
+
+def test_1f1b_keeps_its_activation_bound_tight(references):
+    """1F1B's recorded traces: every micro-batch forward and backward once, and the
+    warm-up as deep as the pipeline allows (the activations it holds: P - stage)."""
+    _, one = references
+    for worker in one.workers():
+        for trace in worker.traces:
+            actions = [(op, mb) for op, mb in trace.actions]
+            assert sorted(actions) == sorted((op, m) for op in "FB" for m in range(4))
+            assert max_in_flight(actions) == min(2 - worker.stage, 4), worker.rank
 
 
 @pytest.mark.parametrize(
@@ -56,7 +69,7 @@ def test_auto_plans_the_schedule_at_the_start_and_at_a_change(runs_dir):
     emulated = ("--device", "emulated")
     run = train(runs_dir / "schedules_auto", *JOB, *emulated, "--schedule", "auto",
                 "--fault", "kill:1@3:forward")  # fmt: skip
-    one = train(runs_dir / "schedules_1f1b_emulated", *JOB, *emulated)
+    one = train(runs_dir / "schedules_1f1b_emulated", *JOB, *emulated, *ONE_F_ONE_B)
     assert len(run.summary.recoveries) == 1
     trace = json.loads((run.out / "workers" / "rank0.json").read_text())["traces"][0]
     assert {op for op, _ in trace["actions"]} == {"F", "I", "W"}

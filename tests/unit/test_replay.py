@@ -28,9 +28,11 @@ from tests.runs import elaswave
 
 CFG = JobConfig(
     layout=LayoutConfig(dp=3, pp=2),
-    schedule=ScheduleConfig(global_batch=24, micro_batch=1),
+    schedule=ScheduleConfig(global_batch=24, micro_batch=1, pipeline_schedule="1f1b"),
     elastic=ElasticConfig(rebalance="migrate"),
 )
+"""A job whose plan after losing rank 1 takes rotation blocks of 2 under 1F1B (pinned:
+the default, auto, would plan other lists and other blocks)."""
 
 
 def _announce(plan, failed: list[int], step: int, policy: str = "migrate"):

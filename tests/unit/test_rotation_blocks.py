@@ -122,12 +122,12 @@ def test_the_planner_holds_rotations_in_blocks_when_that_simulates_faster(monkey
 
 
 def test_a_block_gaining_less_than_the_threshold_is_not_taken():
-    """The emulated dp 4 x pp 4 job of docs/elastic_throughput.md loses rank 5: its best
-    block steps within BLOCK_GAIN of block 1, so the plan keeps block 1."""
+    """The emulated dp 4 x pp 4 job of docs/elastic_throughput.md (on 1F1B) loses rank
+    5: its best block steps within BLOCK_GAIN of block 1, so the plan keeps block 1."""
     cfg = JobConfig(
         model=ModelConfig(num_blocks=14),
         layout=LayoutConfig(dp=4, pp=4),
-        schedule=ScheduleConfig(global_batch=64, micro_batch=2),
+        schedule=ScheduleConfig(global_batch=64, micro_batch=2, pipeline_schedule="1f1b"),
     )
     resized, _ = resize_after_failure(cfg.plan(), {5})
     decision = rebalance(resized, layers=cfg.layer_costs, device=cfg.cost_device,

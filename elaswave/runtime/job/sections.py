@@ -229,17 +229,19 @@ class ScheduleConfig:
     """Dropout randomness: counter (keyed by sample and layer, layout-independent) or
     stateful (one generator per rank in execution order: the baseline)."""
     pipeline_schedule: ScheduleSetting = setting(
-        ScheduleSetting.ONE_F_ONE_B,
-        help="pipeline schedule: 1f1b (default), zb-h1 (the backward split in input- and "
-        "weight-gradient halves, the weight halves in what would be 1F1B's bubbles), "
-        "zb-cost (zero-bubble lists planned for the plan's own stage costs and memory) or "
-        "auto (the planner takes the one it simulates faster, for every plan)",
+        ScheduleSetting.AUTO,
+        help="pipeline schedule: auto (default: the planner takes the one it simulates "
+        "fastest within the device's memory, for every plan), 1f1b, zb-h1 (the backward "
+        "split in input- and weight-gradient halves, the weight halves in what would be "
+        "1F1B's bubbles) or zb-cost (zero-bubble lists planned for the plan's own stage "
+        "costs and memory)",
         aliases=(Alias(flag="--schedule", help="the same as --pipeline-schedule"),),
     )
-    """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`): 1F1B;
-    ZB-H1, whose backward is split and whose weight-gradient halves fill the bubbles;
-    zb-cost, zero-bubble lists planned for the plan's own stage costs and memory; or
-    ``auto``: whichever the planner simulates faster, chosen again at every change."""
+    """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`): ``auto``
+    (the default): whichever the planner simulates fastest within the device's memory,
+    chosen again at every change; or one of 1F1B; ZB-H1, whose backward is split and
+    whose weight-gradient halves fill the bubbles; zb-cost, zero-bubble lists planned
+    for the plan's own stage costs and memory."""
     eval_every: int = setting(
         0,
         metavar="K",

@@ -321,10 +321,10 @@ def draw_eval(case: Case, every: int) -> Case:
     rng = random.Random(f"chaos-eval:{case.seed}:{case.index}")
 
     def moved(fault: str) -> str:
-        head, _, phase = fault.rpartition(":")
-        step = int(head.rpartition("@")[2])
-        if phase == "optimizer" and case.evaluates(step) and rng.random() < 0.5:
-            return f"{head}:eval"
+        what, _, at = fault.partition("@")  # join@STEP and slow:R=F@STEP have no phase
+        step, _, phase = at.partition(":")
+        if phase == "optimizer" and case.evaluates(int(step)) and rng.random() < 0.5:
+            return f"{what}@{step}:eval"
         return fault
 
     return replace(case, faults=tuple(moved(f) for f in case.faults))

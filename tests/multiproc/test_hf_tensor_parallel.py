@@ -7,7 +7,6 @@ one-step gradients are exact to rounding) and a plain Llama."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,12 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from elaswave.comm.backend import GlooBackend
-from elaswave.comm.communicator import Communicator
-from elaswave.comm.spec import GroupSpec
 from elaswave.model.hf import HfModel, hf_shape
 from elaswave.model.llama import StepContext
 from elaswave.model.rng import make_rng
 from elaswave.model.tensor_parallel import TpShard, fused_parts, merge_param
 from tests.multiproc.test_dynamic_comm import Job
+from tests.multiproc.test_tensor_parallel import tp_member
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -55,11 +52,7 @@ def _step(source: str, tp: TpShard) -> tuple[float, torch.Tensor, dict[str, torc
 
 
 def _member(rank: int, store: dist.Store, size: int, source: str) -> tuple:
-    comm = Communicator(store, rank, GlooBackend(), timeout=timedelta(seconds=30))
-    comm.build([GroupSpec("tp", tuple(range(size)))])
-    torch.set_num_threads(1)
-    loss, logits, grads = _step(source, TpShard(rank, size, comm.collective("tp")))
-    return loss, logits.numpy(), {k: g.numpy() for k, g in grads.items()}
+    return tp_member(rank, store, size, _step, source)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@ the same loss, logits and gradients (the members' pieces joined again)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -44,10 +46,16 @@ def _step(cfg: ModelConfig, tp: TpShard) -> tuple[float, torch.Tensor, dict[str,
 
 
 def _member(rank: int, store: dist.Store, size: int, cfg: ModelConfig) -> tuple:
+    return tp_member(rank, store, size, _step, cfg)
+
+
+def tp_member(rank: int, store: dist.Store, size: int, step: Callable, model: Any) -> tuple:
+    """``step(model, shard)`` on TP member ``rank`` of a gloo group of ``size``: its loss,
+    logits and gradients, as numpy arrays."""
     comm = Communicator(store, rank, GlooBackend(), timeout=timedelta(seconds=30))
     comm.build([GroupSpec("tp", tuple(range(size)))])
     torch.set_num_threads(1)
-    loss, logits, grads = _step(cfg, TpShard(rank, size, comm.collective("tp")))
+    loss, logits, grads = step(model, TpShard(rank, size, comm.collective("tp")))
     # numpy arrays travel by value (a tensor would be shared memory, gone with the process)
     return loss, logits.numpy(), {k: g.numpy() for k, g in grads.items()}
 

@@ -9,7 +9,7 @@ windows and adds the same per-window losses, so the figure is the same on any la
 
 Being part of the step, an evaluation that a failure interrupts is redone with the step
 (``--fault kill:R@S:eval`` kills a rank during one); its time is not the step's
-(:attr:`~elaswave.runtime.worker.pipeline.StepResult.eval_s`).
+(:attr:`~elaswave.runtime.worker.pipeline.StepResult.seconds`).
 """
 
 from __future__ import annotations

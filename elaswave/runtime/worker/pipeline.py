@@ -45,6 +45,7 @@ class StepResult:
     loss_sum: float | None
     """Sum of per-sample losses over the whole global batch (last stage only)."""
     seconds: float
+    """The step's time, an evaluation's (``--eval-every``) left out."""
     trace: list[tuple[str, int]] = field(default_factory=list)
     migration: ShadowStep | None = None
     """The non-blocking migration this step completed, if any."""
@@ -55,8 +56,6 @@ class StepResult:
     """(start, end) of each action of ``trace``, in seconds from the step's start."""
     eval_loss: float | None = None
     """The held-out loss of the step's parameters (last stage, steps that evaluate)."""
-    eval_s: float = 0.0
-    """The evaluation's time, not counted in ``seconds``."""
 
 
 def _no_fault(phase: StepPhase, step: int) -> None:
@@ -316,7 +315,6 @@ class StageRunner:
             step, total, time.perf_counter() - started - (evaluated.seconds if evaluated else 0),
             trace, shadow, pipeline_s, times,
             eval_loss=evaluated.loss if evaluated else None,
-            eval_s=evaluated.seconds if evaluated else 0.0,
         )  # fmt: skip
 
     def _run_backward(

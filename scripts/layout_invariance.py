@@ -20,6 +20,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from elaswave.engine.schedule import Schedule
@@ -35,6 +36,10 @@ LAYOUTS = [
     if dp * pp * tp <= 8 and GLOBAL_BATCH % dp == 0
 ]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sets_model(config: Path | None) -> bool:
+    return config is not None and "model" in tomllib.loads(config.read_text())
 
 
 def main() -> int:
@@ -103,7 +108,9 @@ def main() -> int:
         suffix += f"_{args.tag}" if args.tag else "_config"
         flag += f" --config {args.config} --tag {args.tag}"
     lines = [
-        f"Layout invariance: {args.steps} steps, tiny model, dropout 0.1, global batch "
+        f"Layout invariance: {args.steps} steps, "
+        + ("the job file's model" if _sets_model(args.config) else "tiny model, dropout 0.1")
+        + f", global batch "
         f"{GLOBAL_BATCH}, micro-batch 1, schedule {args.schedule}, reference dp=1 x pp=1 x "
         "tp=1 under 1f1b (tolerance 1e-5)"
         + (f"; every layout with {args.config}" if args.config else ""),

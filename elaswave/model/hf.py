@@ -57,7 +57,6 @@ from elaswave.model.tensor_parallel import (
     fused_parts,
     gather_last,
     reduce_from,
-    refuse_tp,
     shard_param,
     split_dim,
     sum_both,
@@ -369,7 +368,6 @@ class HfModel:
         return HfDecoder(index, layer, rotary)
 
     def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
-        refuse_tp(tp, self.config)
         layer = self._new(index).to_empty(device="cpu")
         self._model_init(layer, seed, index)  # buffers and norms as the model has them
         if self._weights:
@@ -439,7 +437,6 @@ class HfModel:
             ) from None
 
     def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
-        refuse_tp(TpShard(0, tp), self.config)
         if (index, tp) not in self._flags:
             with torch.device("meta"):
                 layer = self._new(index)

@@ -4,7 +4,13 @@ FILE is a JSON object of the GPT's shape (:data:`KEYS`): a Llama-style megatron 
 RMSNorm, a SwiGLU MLP, rotary positions and no linear biases, the local (non Transformer
 Engine) layer spec of ``get_gpt_layer_local_spec``. It splits into ElasWave's layer list:
 layer 0 is ``LanguageModelEmbedding``, layers 1..N each one ``TransformerLayer``, layer
-N+1 the final norm and the ``ColumnParallelLinear`` output layer; tensor parallelism 1.
+N+1 the final norm and the ``ColumnParallelLinear`` output layer.
+
+Tensor parallelism (``--tp N``) runs megatron's own tensor-parallel layers: each member
+builds them for its TP group (:mod:`elaswave.model.megatron_tp`: megatron's collectives
+run on ElasWave's TP group) and gives them its piece of the whole layer's parameters
+(:meth:`MegatronModel.build_layer`), so the pieces of every TP degree join into the same
+layer; the head's vocabulary slices of the logits are joined by ElasWave.
 ElasWave's layers carry hidden states as ``[batch, seq, hidden]``; megatron's as
 ``[seq, batch, hidden]``, so each piece transposes at its edges. Each piece is built
 from its own (seed, layer) stream of torch's generator (megatron's CPU initialisation
@@ -50,7 +56,14 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.llama import PipelineLayer, StepContext
 from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
-from elaswave.model.tensor_parallel import NO_TP, TpShard, refuse_tp
+from elaswave.model.tensor_parallel import (
+    NO_TP,
+    TpShard,
+    fused_parts,
+    gather_last,
+    shard_param,
+    split_dim,
+)
 
 KEYS = {
     "num_layers": int,
@@ -141,16 +154,32 @@ def _world() -> Any:
     return dist.group.WORLD
 
 
-def process_groups() -> Any:
-    """megatron's ``ProcessGroupCollection`` with every group the size-1 world."""
+def process_groups(tp: Any = None) -> Any:
+    """megatron's ``ProcessGroupCollection``: the groups over the tensor-parallel axis
+    ``tp`` (a :class:`~elaswave.model.megatron_tp.MegatronTpGroup`; None: no TP), every
+    other the size-1 world (ElasWave runs data and pipeline parallelism itself)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    group = _world()
+    world = _world()
     groups = ProcessGroupCollection()
-    for name in ("tp", "pp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
-                 "dp", "dp_cp", "mp", "tp_dp_cp", "intra_dp_cp", "pos_embd"):  # fmt: skip
-        setattr(groups, name, group)
+    for name in ("pp", "cp", "ep", "embd", "dp", "dp_cp", "intra_dp_cp", "pos_embd"):
+        setattr(groups, name, world)
+    for name in ("tp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "mp", "tp_dp_cp"):
+        setattr(groups, name, world if tp is None else tp)
     return groups
+
+
+def _tp_group(tp: TpShard) -> Any:
+    """The group megatron's layers of member ``tp`` are built with."""
+    if not tp.active:
+        return _world()
+    from elaswave.model.megatron_tp import megatron_tp_group
+
+    # its split linears ask, in every forward, for a CUDA setting that speeds up their
+    # asynchronous all-reduce; ElasWave's TP group runs it before returning
+    warnings.filterwarnings("ignore", "When using async grad allreduce", UserWarning)
+    _world()  # megatron reads a group's size only once torch.distributed is initialised
+    return megatron_tp_group(tp)
 
 
 @functools.cache
@@ -250,13 +279,20 @@ class MegatronLayer(PipelineLayer):
 
 
 class MegatronHead(PipelineLayer):
-    def __init__(self, index: int, final_layernorm: nn.Module, output_layer: nn.Module) -> None:
+    """The final norm and the output layer; split over TP, the members' vocabulary
+    slices of the logits are joined by ElasWave (megatron's own gather allocates on
+    CUDA: mappings.py ``_gather_along_last_dim``)."""
+
+    def __init__(
+        self, index: int, final_layernorm: nn.Module, output_layer: nn.Module, tp: TpShard
+    ) -> None:
         super().__init__(index)
         self.final_layernorm = final_layernorm
         self.output_layer = output_layer
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.output_layer(self.final_layernorm(x))[0]
+        return gather_last(self.output_layer(self.final_layernorm(x))[0], self.tp)
 
 
 def to_gpt_state_dict(
@@ -290,19 +326,22 @@ class MegatronModel:
             )
         self.config = config
         self.raw = read_spec(config.source)
-        self._flags: dict[int, tuple[tuple[int, bool], ...]] = {}
+        self._flags: dict[int, tuple[tuple[str, int, bool], ...]] = {}
 
-    @functools.cached_property
-    def transformer_config(self) -> Any:
+    @functools.cache  # noqa: B019 (one model object per process, a few TP degrees)
+    def transformer_config(self, tp: int = 1) -> Any:
+        """megatron's config of this GPT split ``tp`` ways: a split layer is given the
+        whole layer's parameters (:meth:`build_layer`), so it initialises none."""
         with _quiet():
-            return self._transformer_config()
+            return self._transformer_config(tp)
 
-    def _transformer_config(self) -> Any:
+    def _transformer_config(self, tp: int) -> Any:
         from megatron.core.transformer.enums import AttnBackend
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         c = self.config
         return TransformerConfig(
+            tensor_model_parallel_size=tp, perform_initialization=tp == 1,
             num_layers=c.num_blocks, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
             num_query_groups=c.num_kv_heads, ffn_hidden_size=c.ffn_hidden_size,
             kv_channels=c.head_dim, normalization="RMSNorm", layernorm_epsilon=c.norm_eps,
@@ -315,7 +354,7 @@ class MegatronModel:
             attention_backend=AttnBackend.local,
         )  # fmt: skip
 
-    def _new(self, index: int) -> PipelineLayer:
+    def _new(self, index: int, tp: TpShard) -> PipelineLayer:
         from megatron.core import tensor_parallel
         from megatron.core.models.backends import LocalSpecProvider
         from megatron.core.models.common.embeddings.language_model_embedding import (
@@ -325,9 +364,9 @@ class MegatronModel:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        group = _world()
+        group = _tp_group(tp)
         _cpu_objects()
-        cfg, c, last = self.transformer_config, self.config, self.config.num_layers - 1
+        cfg, c, last = self.transformer_config(tp.size), self.config, self.config.num_layers - 1
         if not 0 <= index <= last:
             raise ValueError(f"layer index {index} out of range [0, {last + 1})")
         if index == 0:
@@ -344,27 +383,42 @@ class MegatronModel:
                 c.hidden_size, c.vocab_size, config=cfg, init_method=cfg.init_method,
                 bias=False, gather_output=False, tp_group=group,
             )  # fmt: skip
-            return MegatronHead(index, norm, output)
+            return MegatronHead(index, norm, output, tp)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        layer = build_module(spec, config=cfg, layer_number=index, pg_collection=process_groups())
+        groups = process_groups(group if tp.active else None)
+        layer = build_module(spec, config=cfg, layer_number=index, pg_collection=groups)
         rotary = RotaryEmbedding(
             kv_channels=c.head_dim, rotary_percent=1.0, rotary_base=int(c.rope_theta),
-            use_cpu_initialization=True, cp_group=group,
+            use_cpu_initialization=True, cp_group=_world(),
         )  # fmt: skip
         return MegatronLayer(index, layer, rotary)
 
     def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> PipelineLayer:
-        refuse_tp(tp, self.config)
+        """Layer ``index`` from its own stream of ``seed``; split over ``tp``, megatron's
+        tensor-parallel layer holding member ``tp.rank``'s piece of the whole layer's
+        parameters, so the pieces of every TP degree join into the same layer."""
         with torch.random.fork_rng(devices=[]), _quiet():
             torch.manual_seed(stream_key(seed, 0x3E6A, index) & ((1 << 63) - 1))
-            return self._new(index)
+            whole = self._new(index, NO_TP)
+            if not tp.active:
+                return whole
+            layer = self._new(index, tp)
+        pieces = dict(whole.named_parameters())
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(shard_param(name, pieces[name], tp, fused_parts(name, self.config)))
+        return layer
 
     def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
-        refuse_tp(TpShard(0, tp), self.config)
-        if index not in self._flags:
-            layer = self.build_layer(index, seed=0)  # small pieces; megatron builds no meta
-            self._flags[index] = tuple((p.numel(), p.dim() >= 2) for p in layer.parameters())
-        return self._flags[index]
+        if index not in self._flags:  # small pieces; megatron builds no meta
+            layer = self.build_layer(index, seed=0)
+            self._flags[index] = tuple(
+                (n, p.numel(), p.dim() >= 2) for n, p in layer.named_parameters()
+            )
+        return tuple(
+            (numel // (tp if split_dim(n) is not None else 1), matrix)
+            for n, numel, matrix in self._flags[index]
+        )
 
     def per_sample_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _per_sample_loss(logits, targets)

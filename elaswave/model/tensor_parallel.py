@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism for the built-in decoder.
+"""Megatron-style tensor parallelism for the built-in decoder (and the names by which a
+Hugging Face or megatron-core model's split parameters are cut and joined).
 
 A layer split ``size`` ways keeps, on member ``rank`` of its tensor-parallel (TP) group:
 
@@ -76,10 +77,15 @@ COLUMN += ("w_up.weight", "embed.weight", "lm_head.weight")
 COLUMN += ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias")
 COLUMN += ("v_proj.bias", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight")
 COLUMN += ("qkv_proj.weight", "gate_up_proj.weight")
+COLUMN += ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight")
+COLUMN += ("output_layer.weight",)
 """Parameters split along dimension 0 (output rows; vocabulary rows): the built-in
-model's and a Hugging Face decoder's (:mod:`elaswave.model.hf`). The fused ones (Phi-3's
-q/k/v and gate/up) are blocks of rows, each split in turn: :func:`fused_parts`."""
-ROW = ("wo.weight", "w_down.weight", "o_proj.weight", "down_proj.weight")
+model's, a Hugging Face decoder's (:mod:`elaswave.model.hf`) and a megatron-core GPT's
+(:mod:`elaswave.model.megatron`: its q/k/v rows are grouped by key-value head, so
+contiguous rows are whole groups). The fused ones (Phi-3's q/k/v and gate/up,
+megatron's gate/up) are blocks of rows, each split in turn: :func:`fused_parts`."""
+ROW: tuple[str, ...] = ("wo.weight", "w_down.weight", "o_proj.weight", "down_proj.weight")
+ROW += ("linear_proj.weight", "linear_fc2.weight")
 """Parameters split along dimension 1 (input columns)."""
 
 
@@ -109,13 +115,13 @@ class Shape(Protocol):
 
 def fused_parts(name: str, shape: Shape) -> tuple[int, ...] | None:
     """The blocks of rows a fused projection's weight ``name`` holds (Phi-3's q, k and v
-    heads; its gate and up halves), each split over the group in turn; None for any
-    other parameter."""
+    heads; its and megatron's gate and up halves), each split over the group in turn;
+    None for any other parameter."""
     leaf = ".".join(name.rsplit(".", 2)[-2:])
     if leaf == "qkv_proj.weight":
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         return (q, kv, kv)
-    if leaf == "gate_up_proj.weight":
+    if leaf in ("gate_up_proj.weight", "linear_fc1.weight"):
         return (shape.ffn_hidden_size, shape.ffn_hidden_size)
     return None
 
@@ -254,13 +260,3 @@ def check_divisible(*, num_heads: int, num_kv_heads: int, ffn: int, vocab: int, 
                 f"tp = {tp} does not divide model.{name} = {value}: tensor parallelism splits "
                 "heads, key/value heads, the MLP's inner width and the vocabulary evenly"
             )
-
-
-def refuse_tp(tp: TpShard, config: Any) -> None:
-    """ValueError when a model without tensor-parallel layers is asked for them (a
-    Hugging Face model checks its own layers: :func:`elaswave.model.hf.refuse_hf_tp`)."""
-    if tp.active and config.source and not config.source.startswith("hf:"):
-        raise ValueError(
-            f"model {config.source!r} has no tensor-parallel layers: --tp {tp.size} needs "
-            "ElasWave's built-in model or a Hugging Face model (use --tp 1 with megatron-core)"
-        )

@@ -117,8 +117,9 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
 
 
-TP_FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "granite"]
-"""Families whose dp2 x tp2 runs stay within 1e-5 of one process."""
+TP_FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "granite", "megatron"]
+"""Families whose dp2 x tp2 runs stay within 1e-5 of one process (megatron-core's
+through its own tensor-parallel layers)."""
 TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
 one process within 6 steps (2.3e-5, 9.9e-6, 1.3e-5, 5.2e-5, 1.3e-5; losses within
@@ -159,14 +160,14 @@ def test_a_drifting_family_trains_under_tensor_parallelism_within_the_recovery_t
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "megatron"])
 def test_a_users_tensor_parallel_model_recovers_from_a_member_killed_mid_backward(
-    runs_dir, hf_runs
+    runs_dir, hf_runs, family
 ):
-    """A TP member of unit 1 (dp2 x pp1 x tp2, Llama) is SIGKILLed in the backward of
-    step 3: its unit is lost, the other finishes every step and matches the fault-free
-    TP run."""
-    ref = hf_runs("llama", 2, 1, tp=2)
-    run = train(runs_dir / "llama_tp_kill", "--model", hf_runs.model("llama"), "--dp", "2",
+    """A TP member of unit 1 (dp2 x pp1 x tp2) is SIGKILLed in the backward of step 3:
+    its unit is lost, the other finishes every step and matches the fault-free TP run."""
+    ref = hf_runs(family, 2, 1, tp=2)
+    run = train(runs_dir / f"{family}_tp_kill", "--model", hf_runs.model(family), "--dp", "2",
                 "--pp", "1", "--tp", "2", *JOB, "--fault", "kill:3@3:backward")  # fmt: skip
     assert [r.ranks for r in run.summary.recoveries] == [(1,)]
     diff = compare_runs(run.out, ref.out)

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from elaswave.fabric.placement import place_snapshots_across
-from elaswave.model.config import ModelConfig
+from elaswave.model.megatron import megatron_shape
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
@@ -203,11 +203,14 @@ def test_what_tp_does_not_combine_with_is_named(sections, message):
         JobConfig.from_dict(sections)
 
 
-def test_models_without_tp_layers_refuse_tp(tmp_path):
+def test_a_megatron_model_tp_does_not_divide_is_refused_naming_the_dimension(tmp_path):
     spec = tmp_path / "gpt.json"
-    spec.write_text("{}")
-    with pytest.raises(ValueError, match="has no tensor-parallel layers"):
-        JobConfig(model=ModelConfig(source=f"megatron:{spec}"), layout=LayoutConfig(tp=2))
+    spec.write_text(json.dumps({"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                                "num_query_groups": 2, "ffn_hidden_size": 64,
+                                "vocab_size": 64}))  # fmt: skip
+    model = megatron_shape(f"megatron:{spec}", seq_len=16)
+    with pytest.raises(ValueError, match=re.escape("tp = 4 does not divide model.num_kv_heads")):
+        JobConfig(model=model, layout=LayoutConfig(tp=4))
 
 
 @pytest.mark.timeout(300)

@@ -15,11 +15,9 @@ import torch.distributed as dist
 import transformers
 
 from elaswave.model.hf import HfModel, hf_shape
-from elaswave.model.llama import StepContext
-from elaswave.model.rng import make_rng
 from elaswave.model.tensor_parallel import TpShard, fused_parts, merge_param
 from tests.multiproc.test_dynamic_comm import Job
-from tests.multiproc.test_tensor_parallel import tp_member
+from tests.multiproc.test_tensor_parallel import model_step, tp_member
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -32,23 +30,7 @@ SEQ = 16
 
 
 def _step(source: str, tp: TpShard) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss, logits and every parameter's gradient of one micro-batch through all layers."""
-    model = HfModel(hf_shape(source, seq_len=SEQ))
-    layers = [model.build_layer(i, seed=5, tp=tp) for i in range(model.config.num_layers)]
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(SHAPE["vocab_size"], (3, SEQ + 1), generator=gen)
-    ctx = StepContext(step=0, sample_ids=(0, 1, 2), rng=make_rng("counter", seed=5, rank=0))
-    x = tokens[:, :-1]
-    for layer in layers:
-        x = layer(x, ctx)
-    loss = model.per_sample_loss(x, tokens[:, 1:]).sum()
-    loss.backward()
-    grads = {
-        f"{index}.{name}": p.grad.clone()
-        for index, layer in enumerate(layers)
-        for name, p in layer.named_parameters()
-    }
-    return float(loss.detach()), x.detach(), grads
+    return model_step(HfModel(hf_shape(source, seq_len=SEQ)), tp)
 
 
 def _member(rank: int, store: dist.Store, size: int, source: str) -> tuple:

@@ -3,7 +3,7 @@ the same loss, logits and gradients (the members' pieces joined again)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -25,16 +25,24 @@ GQA = ModelConfig(num_blocks=1, num_heads=4, num_kv_heads=2, dropout=0.1)
 SAMPLES = (3, 8)
 
 
-def _step(cfg: ModelConfig, tp: TpShard) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss, logits and every parameter's gradient of one micro-batch through all layers."""
-    layers = [build_layer(cfg, i, seed=5, tp=tp) for i in range(cfg.num_layers)]
+def layers_step(
+    layers: Sequence[Any],
+    loss_fn: Callable,
+    *,
+    vocab: int,
+    seq: int,
+    samples: tuple[int, ...],
+    step: int = 0,
+) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss, logits and every parameter's gradient of one micro-batch of ``samples``
+    through ``layers`` (a whole model's, or a TP member's)."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(cfg.vocab_size, (len(SAMPLES), cfg.seq_len + 1), generator=gen)
-    ctx = StepContext(step=2, sample_ids=SAMPLES, rng=make_rng("counter", seed=5, rank=0))
+    tokens = torch.randint(vocab, (len(samples), seq + 1), generator=gen)
+    ctx = StepContext(step=step, sample_ids=samples, rng=make_rng("counter", seed=5, rank=0))
     x = tokens[:, :-1]
     for layer in layers:
         x = layer(x, ctx)
-    loss = per_sample_loss(x, tokens[:, 1:]).sum()
+    loss = loss_fn(x, tokens[:, 1:]).sum()
     loss.backward()
     grads = {
         f"{layer.index}.{name}": p.grad.clone()
@@ -43,6 +51,23 @@ def _step(cfg: ModelConfig, tp: TpShard) -> tuple[float, torch.Tensor, dict[str,
         if p.grad is not None
     }
     return float(loss.detach()), x.detach(), grads
+
+
+def model_step(model: Any, tp: TpShard) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`layers_step` through every layer of a user's ``model`` (Hugging Face,
+    megatron-core) as member ``tp`` builds them, over samples 0, 1, 2."""
+    c = model.config
+    layers = [model.build_layer(i, seed=5, tp=tp) for i in range(c.num_layers)]
+    return layers_step(
+        layers, model.per_sample_loss, vocab=c.vocab_size, seq=c.seq_len, samples=(0, 1, 2)
+    )
+
+
+def _step(cfg: ModelConfig, tp: TpShard) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
+    layers = [build_layer(cfg, i, seed=5, tp=tp) for i in range(cfg.num_layers)]
+    return layers_step(
+        layers, per_sample_loss, vocab=cfg.vocab_size, seq=cfg.seq_len, samples=SAMPLES, step=2
+    )
 
 
 def _member(rank: int, store: dist.Store, size: int, cfg: ModelConfig) -> tuple:

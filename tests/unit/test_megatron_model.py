@@ -46,7 +46,7 @@ def _gpt_model(model: MegatronModel):
     c = model.config
     model.build_layer(1, seed=0)  # the process-local world and megatron's CPU objects
     gpt = GPTModel(
-        model.transformer_config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+        model.transformer_config(), get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=c.vocab_size, max_sequence_length=c.seq_len, position_embedding_type="rope",
         rotary_base=int(c.rope_theta), pg_collection=process_groups(),
     )  # fmt: skip

@@ -30,7 +30,7 @@ from elaswave.engine.schedule import ScheduleSetting
 from elaswave.fabric.adamw import OptimizerConfig
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
-from elaswave.model.tensor_parallel import TpShard, check_divisible, refuse_tp
+from elaswave.model.tensor_parallel import check_divisible
 from elaswave.runtime.job.faults import StepPhase, validate_faults
 from elaswave.runtime.job.sections import (
     FLAT,
@@ -79,7 +79,6 @@ class JobConfig:
         tp = self.layout.tp
         if tp > 1:
             m = self.model
-            refuse_tp(TpShard(0, tp), m)
             if m.source.startswith("hf:"):
                 from elaswave.model.hf import refuse_hf_tp  # imports transformers: only here
 

@@ -336,6 +336,7 @@ class HfModel:
     """A Hugging Face causal LM split into ElasWave's pipeline layers."""
 
     dropout_sites: tuple[str, ...] = ()
+    backward_autocast = False
 
     def __init__(self, config: ModelConfig) -> None:
         directory = _directory(config.source)

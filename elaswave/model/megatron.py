@@ -316,6 +316,10 @@ class MegatronModel:
     """A megatron-core GPT split into ElasWave's pipeline layers."""
 
     dropout_sites: tuple[str, ...] = ()
+    backward_autocast = True
+    """megatron's linears save their fp32 weights and multiply them by the bf16 gradient
+    in backward under the forward's autocast, which they restore for CUDA only
+    (``custom_bwd``): ElasWave runs their backward under it on every device."""
 
     def __init__(self, config: ModelConfig) -> None:
         shape = megatron_shape(config.source, seq_len=config.seq_len)

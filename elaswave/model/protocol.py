@@ -17,9 +17,13 @@ and a batch format.
   model its dimensions; ``decay_flags(i)`` lists layer ``i``'s parameters in
   registration order (elements, takes weight decay), which the optimizer's shard
   layouts are built from.
-* **Tensor parallelism** (the built-in model only): ``build_layer(i, seed=, tp=)``
-  builds member ``tp.rank``'s piece of layer ``i`` (:mod:`elaswave.model.tensor_parallel`),
-  ``decay_flags(i, tp)`` lists a piece's parameters. Other models refuse ``tp > 1``.
+* **Tensor parallelism**: ``build_layer(i, seed=, tp=)`` builds member ``tp.rank``'s
+  piece of layer ``i`` (:mod:`elaswave.model.tensor_parallel`), ``decay_flags(i, tp)``
+  lists a piece's parameters.
+* **bf16.** The forward runs under torch autocast; ``backward_autocast``: the backward
+  runs under it too, for layers whose own autograd functions expect the forward's
+  autocast state back in their backward (megatron's linears restore it themselves on
+  CUDA only).
 
 :func:`pipeline_model` returns the implementation for a model config, once per process:
 ElasWave's built-in decoder (:mod:`elaswave.model.llama`), a Hugging Face causal LM
@@ -43,6 +47,8 @@ class PipelineModel(Protocol):
     dropout_sites: tuple[str, ...]
     """Where dropout draws from ElasWave's counter-based streams (the same masks under
     any layout); sites not listed have none, or are refused at load."""
+    backward_autocast: bool
+    """Whether the backward runs under the forward's autocast (bf16)."""
 
     def build_layer(self, index: int, *, seed: int, tp: TpShard = NO_TP) -> llama.PipelineLayer: ...
 
@@ -53,6 +59,8 @@ class PipelineModel(Protocol):
 
 class BuiltinModel:
     """ElasWave's Llama-style decoder (:mod:`elaswave.model.llama`)."""
+
+    backward_autocast = False
 
     dropout_sites: tuple[str, ...] = (
         "embedding output",

@@ -122,3 +122,30 @@ def test_what_cannot_be_split_or_kept_invariant_is_refused(tmp_path, extra, mess
         megatron_shape(_source(tmp_path, **extra), seq_len=SEQ)
     with pytest.raises(ValueError, match="does not exist"):
         megatron_shape(f"megatron:{tmp_path / 'none.json'}", seq_len=SEQ)
+
+
+def test_bf16_backward_runs_under_the_forwards_autocast(tmp_path):
+    """megatron's linears multiply the bf16 gradient by their saved fp32 weights, which
+    works only under the forward's autocast (restored by megatron for CUDA alone): the
+    model asks ElasWave's pipeline to run its backward under autocast (found by
+    --precision bf16 with a megatron model: "expected m1 and m2 to have the same
+    dtype")."""
+    model = MegatronModel(megatron_shape(_source(tmp_path), seq_len=SEQ))
+    assert model.backward_autocast
+    ctx = StepContext(step=0, sample_ids=(0, 1), rng=make_rng("counter", seed=0, rank=0))
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, SEQ), generator=torch.Generator())
+    layers = [model.build_layer(i, seed=7) for i in range(model.config.num_layers)]
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = tokens
+            for layer in layers:
+                x = layer(x, ctx)
+        return per_sample_loss(x, tokens).sum()
+
+    with pytest.raises(RuntimeError, match="same dtype"):
+        loss().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss().backward()
+    grads = [p.grad for layer in layers for p in layer.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads)

@@ -136,7 +136,10 @@ class StageRunner:
         self.loader = loader
         self.rng = rng
         self.model = model
-        self.per_sample_loss = pipeline_model(model).per_sample_loss  # once, not per micro-batch
+        user_model = pipeline_model(model)
+        self.per_sample_loss = user_model.per_sample_loss  # once, not per micro-batch
+        self.backward_autocast = bf16 and user_model.backward_autocast
+        """The backward runs under the forward's autocast (see the model protocol)."""
         self.device = device
         self.sampler = GlobalBatchSampler(plan.global_batch, plan.num_micro_batches)
         self.is_first = self.stage == 0
@@ -387,12 +390,9 @@ class StageRunner:
 
     def _backward(self, step: int, mb: int, saved, pending: list, inbox: _Receives) -> None:
         x_in, out, layer_ids = saved
-        if self.is_last:
-            started = time.perf_counter()
-            out.backward()
-        else:
-            grad = inbox.take(True, mb)
-            started = time.perf_counter()
+        grad = None if self.is_last else inbox.take(True, mb)
+        started = time.perf_counter()
+        with self._backward_context():
             torch.autograd.backward(out, grad)
         if self.pacer is not None:
             lo, hi = self.share(mb)
@@ -417,7 +417,8 @@ class StageRunner:
         x_in, out, layer_ids = saved
         grad = None if self.is_last else inbox.take(True, mb)
         started = time.perf_counter()
-        held = backward_input(out, grad, x_in, self.optimizer.accumulated)
+        with self._backward_context():
+            held = backward_input(out, grad, x_in, self.optimizer.accumulated)
         self._paced(mb, layer_ids, started, self.parts[0])
         if mb == 0:
             self.fault_hook(StepPhase.BACKWARD, step)
@@ -431,10 +432,16 @@ class StageRunner:
     def _weight(self, step: int, mb: int, held: HeldWeights, layer_ids: list[int]) -> None:
         """``W``: the weight gradients of micro-batch ``mb``."""
         started = time.perf_counter()
-        backward_weight(held, self.optimizer.accumulated)
+        with self._backward_context():
+            backward_weight(held, self.optimizer.accumulated)
         self._paced(mb, layer_ids, started, self.parts[1])
         if mb == 0:
             self.fault_hook(StepPhase.WEIGHT, step)
+
+    def _backward_context(self) -> torch.autocast:
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.backward_autocast
+        )
 
     def _paced(self, mb: int, layer_ids: list[int], started: float, part: float) -> None:
         if self.pacer is not None and part > 0:

@@ -5,10 +5,11 @@
 
 Cases (``--dry-run`` lists them):
 
-- ``layout-{tiny,llama}-{dp2,pp2,dp2xpp2,tp2,dp2xpp2-zb}``: the built-in model and a
-  Hugging Face Llama (config.json only, written here: no download) trained on ``--device
-  cuda`` and on ``--device cpu``; losses within 1e-5, final parameters within 1e-4
-  (relative, fp32). TP is the built-in model's only; ``-zb`` runs ``--schedule zb-h1``.
+- ``layout-{tiny,llama,megatron}-{dp2,pp2,dp2xpp2,tp2,dp2xpp2-zb}``: the built-in
+  model, a Hugging Face Llama (config.json only, written here: no download) and a
+  megatron-core GPT (its JSON shape file, written here; TP through megatron's own
+  layers) trained on ``--device cuda`` and on ``--device cpu``; losses within 1e-5,
+  final parameters within 1e-4 (relative, fp32). ``-zb`` runs ``--schedule zb-h1``.
 - ``{kill,hang}-{phase}``: SIGKILL (``kill``) or SIGSTOP (``hang``) of rank 1 of
   dp2 x pp2 in each phase of step 3 that fault injection supports (``weight``, the
   weight-gradient half of a split backward, under ``--schedule zb-h1``); the job must
@@ -83,13 +84,18 @@ LAYOUTS = {
 }  # fmt: skip
 SCHEDULE_OF = {"dp2xpp2-zb": "zb-h1"}
 """Layouts run under another pipeline schedule than 1F1B (the backward split in halves)."""
-MODELS = ("tiny", "llama")
+MODELS = ("tiny", "llama", "megatron")
 LLAMA: dict[str, Any] = dict(
     vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     tie_word_embeddings=False,
 )  # fmt: skip
 """tests/fault/test_model_adapters.py's tiny Llama: a config.json, seeded weights."""
+MEGATRON: dict[str, int] = dict(
+    num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    ffn_hidden_size=160, vocab_size=128,
+)  # fmt: skip
+"""tests/fault/test_model_adapters.py's megatron-core GPT: a JSON shape file."""
 PHASES = tuple(
     p
     for p in StepPhase
@@ -215,16 +221,22 @@ class Checker:
         return run
 
     def model(self, name: str) -> str:
-        """The ``--model`` value of ``name``: a preset, or an HF directory written here."""
+        """The ``--model`` value of ``name``: a preset, or a model file written here (an
+        HF directory, a megatron shape file)."""
         if name == "tiny":
             return name
         with self._lock:
             if name not in self._models:
-                import transformers  # only for the Hugging Face cases
-
                 directory = self.opts.out / "models" / name
-                transformers.LlamaConfig(**LLAMA).save_pretrained(directory)
-                self._models[name] = f"hf:{directory}"
+                directory.mkdir(parents=True, exist_ok=True)
+                if name == "megatron":
+                    (directory / "gpt.json").write_text(json.dumps(MEGATRON))
+                    self._models[name] = f"megatron:{directory / 'gpt.json'}"
+                else:
+                    import transformers  # only for the Hugging Face cases
+
+                    transformers.LlamaConfig(**LLAMA).save_pretrained(directory)
+                    self._models[name] = f"hf:{directory}"
             return self._models[name]
 
 
@@ -447,7 +459,6 @@ def all_cases() -> list[Case]:
         )
         for model in MODELS
         for layout in LAYOUTS
-        if not (model != "tiny" and LAYOUTS[layout][2] > 1)  # TP: the built-in model's
     ]
     cases += [
         Case(

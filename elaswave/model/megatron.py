@@ -16,11 +16,12 @@ ElasWave's layers carry hidden states as ``[batch, seq, hidden]``; megatron's as
 from its own (seed, layer) stream of torch's generator (megatron's CPU initialisation
 draws from it), so parameters do not depend on which stage builds them.
 
-Running on CPU (megatron-core 0.16, torch CPU): megatron's pieces need a torch.distributed
-world, which ElasWave does not otherwise create: a process-local one of size 1 is made
-(gloo over an in-memory store) and every parallel group is it. Three megatron paths
-assume CUDA; on a machine without it they are given CPU versions of megatron's own
-objects (no ``torch.cuda`` is patched):
+megatron's pieces need a torch.distributed world, which ElasWave does not otherwise
+create: a process-local one of size 1 is made (gloo over an in-memory store) and every
+parallel group but the TP group is it. ElasWave does not call megatron's
+``initialize_model_parallel``, so it installs the global objects megatron's layers read
+(memory buffer, RNG tracker). Three megatron paths assume CUDA; on a machine without it
+they are given CPU versions of megatron's own objects (no ``torch.cuda`` is patched):
 
 * ``GlobalMemoryBuffer.get_tensor`` allocates on ``torch.cuda.current_device()``
   (megatron/core/utils.py:631, used by ``DotProductAttention``): a CPU buffer is
@@ -183,10 +184,11 @@ def _tp_group(tp: TpShard) -> Any:
 
 
 @functools.cache
-def _cpu_objects() -> None:
-    """Give megatron CPU versions of its CUDA-only objects (see the module docstring)."""
-    if torch.cuda.is_available():
-        return
+def _megatron_objects() -> None:
+    """Give megatron the global objects ``initialize_model_parallel`` would have made,
+    which ElasWave does not call: its memory buffer (a CPU version without CUDA) and an
+    RNG tracker (of CPU generators: dropout is refused, so it draws nothing on any
+    device). See the module docstring."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.utils import GlobalMemoryBuffer
@@ -230,7 +232,8 @@ def _cpu_objects() -> None:
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(outer)
 
-    parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+    cuda = torch.cuda.is_available()
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer() if cuda else CpuMemoryBuffer()
     tracker = CpuRngTracker()
     for name in (
         mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
@@ -369,7 +372,7 @@ class MegatronModel:
         from megatron.core.transformer.spec_utils import build_module
 
         group = _tp_group(tp)
-        _cpu_objects()
+        _megatron_objects()
         cfg, c, last = self.transformer_config(tp.size), self.config, self.config.num_layers - 1
         if not 0 <= index <= last:
             raise ValueError(f"layer index {index} out of range [0, {last + 1})")

@@ -128,3 +128,21 @@ def test_a_weight_in_two_groups_is_counted_once() -> None:
     kept = _split_matches_one_backward(layer, seed=2)
     grouped = [id(w) for g in kept.groups for w in g.weights]
     assert sorted(grouped) == sorted(id(w) for w in layer.parameters()), "one group each"
+
+
+class _ViewOut(nn.Module):
+    """A stage whose output is a view: megatron's layers return ``[seq, batch, hidden]``
+    transposed to ElasWave's order, and ``.contiguous()`` returns the view itself when
+    a share is one sample (found by scripts/chaos seed 50505 case 3: megatron, ZB-H1,
+    "Can't detach views in-place" after a recovery gave a replica one sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w).unsqueeze(0).transpose(0, 1).contiguous().squeeze(1)
+
+
+def test_a_stage_whose_output_is_a_view_splits() -> None:
+    _split_matches_one_backward(_ViewOut(), seed=3)

@@ -99,7 +99,8 @@ def backward_input(
     x_in.grad = grads[0]
     for w, g in zip(apart, grads[1:], strict=True):
         _accumulate(w, g, accumulated)
-    out.detach_()  # the output side of the graph is not needed any more
+    if out._base is None:  # a view cannot be detached in place: its graph goes with it
+        out.detach_()  # the output side of the graph is not needed any more
     return HeldWeights(groups=groups)
 
 

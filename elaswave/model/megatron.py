@@ -176,9 +176,6 @@ def _tp_group(tp: TpShard) -> Any:
         return _world()
     from elaswave.model.megatron_tp import megatron_tp_group
 
-    # its split linears ask, in every forward, for a CUDA setting that speeds up their
-    # asynchronous all-reduce; ElasWave's TP group runs it before returning
-    warnings.filterwarnings("ignore", "When using async grad allreduce", UserWarning)
     _world()  # megatron reads a group's size only once torch.distributed is initialised
     return megatron_tp_group(tp)
 
@@ -232,6 +229,9 @@ def _megatron_objects() -> None:
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(outer)
 
+    # split linears ask, in every forward, for a CUDA setting that speeds up their
+    # asynchronous all-reduce; ElasWave's TP group runs it before returning
+    warnings.filterwarnings("ignore", "When using async grad allreduce", UserWarning)
     cuda = torch.cuda.is_available()
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer() if cuda else CpuMemoryBuffer()
     tracker = CpuRngTracker()

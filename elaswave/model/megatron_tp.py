@@ -53,9 +53,9 @@ class MegatronTpGroup:
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
         if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
-            raise NotImplementedError(
+            raise ValueError(
                 f"megatron asked its TP group for an all-reduce by {opts.reduceOp}: ElasWave's "
-                "TP group sums"
+                "TP group sums (the only reduction megatron's dense TP layers ask for)"
             )
         for tensor in tensors:
             self.tp.collectives().all_reduce(tensor)

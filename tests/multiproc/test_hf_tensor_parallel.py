@@ -16,8 +16,7 @@ import transformers
 
 from elaswave.model.hf import HfModel, hf_shape
 from elaswave.model.tensor_parallel import TpShard, fused_parts, merge_param
-from tests.multiproc.test_dynamic_comm import Job
-from tests.multiproc.test_tensor_parallel import model_step, tp_member
+from tests.multiproc.test_tensor_parallel import members_of, model_step, tp_member
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -51,11 +50,7 @@ def test_split_attention_norms_give_the_whole_layers_gradients(tmp_path: Path, f
     directory = tmp_path / family
     transformers.AutoConfig.for_model(model_type, **{**SHAPE, **own}).save_pretrained(directory)
     source = f"hf:{directory}"
-    job = Job(_member, 2, 2, source)
-    try:
-        members = job.results(2, timeout_s=120)
-    finally:
-        job.close()
+    members = members_of(_member, 2, source)
     loss, logits, grads = _step(source, TpShard())
     for rank in range(2):
         got_loss, got_logits, got = members[rank]

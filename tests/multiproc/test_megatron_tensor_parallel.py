@@ -13,8 +13,7 @@ import torch.distributed as dist
 
 from elaswave.model.megatron import MegatronModel, megatron_shape
 from elaswave.model.tensor_parallel import TpShard, fused_parts, merge_param, shard_param
-from tests.multiproc.test_dynamic_comm import Job
-from tests.multiproc.test_tensor_parallel import model_step, tp_member
+from tests.multiproc.test_tensor_parallel import members_of, model_step, tp_member
 
 SHAPE = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
          "ffn_hidden_size": 80, "vocab_size": 96}  # fmt: skip
@@ -37,11 +36,7 @@ def _member(rank: int, store: dist.Store, size: int, source: str) -> tuple:
 
 def test_megatron_tp_layers_give_the_whole_layers_loss_and_gradients(tmp_path: Path):
     source = _source(tmp_path)
-    job = Job(_member, 2, 2, source)
-    try:
-        members = job.results(2, timeout_s=180)
-    finally:
-        job.close()
+    members = members_of(_member, 2, source, timeout_s=180)
     loss, logits, grads = _step(source, TpShard())
     shape = megatron_shape(source, seq_len=SEQ)
     for rank in range(2):

@@ -74,6 +74,15 @@ def _member(rank: int, store: dist.Store, size: int, cfg: ModelConfig) -> tuple:
     return tp_member(rank, store, size, _step, cfg)
 
 
+def members_of(member: Callable, size: int, model: Any, timeout_s: float = 120) -> dict:
+    """What ``member(rank, store, size, model)`` returns on each of ``size`` processes."""
+    job = Job(member, size, size, model)
+    try:
+        return job.results(size, timeout_s=timeout_s)
+    finally:
+        job.close()
+
+
 def tp_member(rank: int, store: dist.Store, size: int, step: Callable, model: Any) -> tuple:
     """``step(model, shard)`` on TP member ``rank`` of a gloo group of ``size``: its loss,
     logits and gradients, as numpy arrays."""
@@ -89,11 +98,7 @@ def tp_member(rank: int, store: dist.Store, size: int, step: Callable, model: An
     ("size", "cfg"), [(2, CFG), (4, CFG), (2, GQA)], ids=["tp2", "tp4", "gqa-tp2"]
 )
 def test_tensor_parallel_layers_match_whole_layers(size: int, cfg: ModelConfig) -> None:
-    job = Job(_member, size, size, cfg)
-    try:
-        members = job.results(size, timeout_s=120)
-    finally:
-        job.close()
+    members = members_of(_member, size, cfg)
     loss, logits, grads = _step(cfg, TpShard())
     for rank in range(size):
         got_loss, got_logits, _ = members[rank]

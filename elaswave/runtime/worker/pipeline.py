@@ -10,6 +10,7 @@ by the global batch, so gradients do not depend on how samples are split among r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -438,10 +439,10 @@ class StageRunner:
         if mb == 0:
             self.fault_hook(StepPhase.WEIGHT, step)
 
-    def _backward_context(self) -> torch.autocast:
-        return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.backward_autocast
-        )
+    def _backward_context(self) -> contextlib.AbstractContextManager:
+        if not self.backward_autocast:  # every model but megatron's: nothing to enter
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _paced(self, mb: int, layer_ids: list[int], started: float, part: float) -> None:
         if self.pacer is not None and part > 0:

@@ -1,5 +1,7 @@
 """Steady state after a few ranks are lost, simulated, with ElasWave's planner choosing
-the pipeline schedule (``--schedule auto``) beside ElasWave on 1F1B, ReCycle and TorchFT.
+the pipeline schedule (``--schedule auto``, from the plan it runs before the loss:
+the schedule it chose for the fault-free job) beside ElasWave on 1F1B, ReCycle and
+TorchFT.
 
     .venv/bin/python scripts/after_loss_schedules.py [--md FILE] [--json FILE]
 
@@ -40,11 +42,13 @@ def rows(case: Case) -> list[dict]:
     plain = _job(case)
     auto = dataclasses.replace(plain, schedules=tuple(Schedule))
     base = baseline(plain).throughput
+    choosing = Rebalancing(layers=auto.layers, device=auto.device, schedules=auto.schedules)
+    start = with_schedule(auto.plan(), choosing)  # what `auto` runs before the loss
     losses = [[s * case.dp] for s in range(case.pp)]
     losses += [[s * case.dp for s in range(k)] for k in (2, 3) if k <= case.pp]
     out = []
     for failed in losses:
-        chosen = answer(SimPolicy.ELASWAVE, auto, auto.plan(), failed, shorten=False)
+        chosen = answer(SimPolicy.ELASWAVE, auto, start, failed, shorten=False)
         out.append({
             "case": case.name,
             "stages": sorted(r // case.dp for r in failed),

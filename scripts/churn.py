@@ -75,10 +75,13 @@ def steady_state(case: Case, schedules: tuple[Schedule, ...] = ()) -> list[dict]
     """Each policy's samples/s relative to fault-free once it has answered a few ranks
     lost (no change overheads): one rank of each stage in turn, then one rank in each of
     two and of three stages (replica 0's), the states a trace spends most time in.
-    ``schedules``: those ElasWave's planner chooses from (the reference stays the
-    fault-free job on 1F1B)."""
+    ``schedules``: those ElasWave's planner chooses from, from the plan it runs before
+    the loss (the reference stays the fault-free job on 1F1B)."""
     job = _job(case, schedules)
     base = baseline(_job(case)).throughput
+    choosing = Rebalancing(layers=job.layers, device=job.device, schedules=schedules)
+    start = {p: job.plan() for p in STEADY}
+    start[SimPolicy.ELASWAVE] = with_schedule(job.plan(), choosing)  # what it runs
     losses = [[s * case.dp] for s in range(case.pp)]
     losses += [[s * case.dp for s in range(k)] for k in (2, 3) if k <= case.pp]
     rows = []
@@ -86,7 +89,7 @@ def steady_state(case: Case, schedules: tuple[Schedule, ...] = ()) -> list[dict]
         rel = {}
         for p in STEADY:
             try:
-                rel[p.value] = answer(p, job, job.plan(), failed, shorten=False).throughput / base
+                rel[p.value] = answer(p, job, start[p], failed, shorten=False).throughput / base
             except Unrecoverable as exc:  # out of memory, or nothing left: shown as such
                 rel[p.value] = type(exc).__name__
         stages = sorted(r // case.dp for r in failed)
@@ -224,11 +227,12 @@ def markdown(rows: list[dict], costs: RecoveryCosts, steady: list[dict]) -> str:
         "only whole; so its step grows by more than the lost fraction. ReCycle keeps "
         "every replica and hides part of the re-routed work in the pipeline's bubbles by "
         "deferring weight-gradient passes (`elaswave/sim/recycle.py`). ElasWave's "
-        "planner now takes ZB-H1 where it simulates faster (`docs/schedules.md`): its "
-        "weight-gradient halves fill the bubbles 1F1B leaves, which recovers most of the "
-        "waits (the same table with `--schedule 1f1b` and `scripts/after_loss_schedules.py` "
-        "show both). Where ElasWave still trails ReCycle, two or three stages are short: "
-        "ZB-H1's lists are planned for equal stages, not for the survivors' uneven shares.",
+        "planner chooses the schedule (`docs/schedules.md`): zero-bubble lists whose "
+        "weight-gradient halves fill the bubbles 1F1B leaves, planned for the plan's own "
+        "stage costs, with the layers and clocks rebalanced under each schedule; from the "
+        "plan it runs before the loss (its fault-free job's) that puts it ahead of ReCycle "
+        "in every row above (the same table with `--schedule 1f1b` and "
+        "`scripts/after_loss_schedules.py` show both).",
         "",
         "On real processes (emulated device), a dp=3 x pp=2 job under a 20-event churn "
         "trace, with a stage lost whole and taken over by a rank of another stage: "

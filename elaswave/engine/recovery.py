@@ -140,24 +140,62 @@ def next_plan(
         policy is Policy.RESIZE and rebalancing is not None and rebalancing.slowdowns
     ):
         assert rebalancing is not None
-        try:
-            decision = rebalance(
-                resized,
-                layers=rebalancing.layers,
-                device=_device(rebalancing),
-                policy=policy,
-                slowdowns=rebalancing.slowdowns,
-                power_budget=rebalancing.power_budget,
-            )
-        except Infeasible as exc:  # the survivors' memory cannot hold their layers
-            raise Unrecoverable(f"the surviving ranks run out of memory: {exc}") from None
-        resized, reason = decision.plan, f"{reason}; {decision.reason}"
-    chosen = with_schedule(resized, rebalancing)
-    if chosen.schedule is not resized.schedule:
-        reason = f"{reason}; schedule {chosen.schedule} (simulated faster)"
+        chosen, why = _rebalanced(resized, rebalancing)
+        reason = f"{reason}; {why}"
+    else:
+        chosen = with_schedule(resized, rebalancing)
+        if chosen.schedule is not resized.schedule:
+            reason = f"{reason}; schedule {chosen.schedule} (simulated faster)"
     if chosen == plan:
         return plan, reason
     return dataclasses.replace(chosen, generation=plan.generation + 1), reason
+
+
+def _rebalanced(plan: Plan, rebalancing: Rebalancing) -> tuple[Plan, str]:
+    """``plan`` rebalanced (layers, clocks, dataflow) and its schedule chosen, together:
+    the rebalancing compares its candidates by their simulated step under one schedule,
+    and the layers and clocks that step fastest under 1F1B are not those that do under a
+    zero-bubble list (whose weight halves fill the bubbles a short-handed stage leaves).
+    So each schedule the job may run gets its own rebalancing (``plan``'s own first),
+    each result its schedule (:func:`with_schedule`; another than ``plan``'s only where
+    it fits), and the shortest simulated step wins; ties keep the earlier."""
+    device = _device(rebalancing)
+    layers = rebalancing.layers
+    choices = [plan.schedule]
+    if len(rebalancing.schedules) > 1:
+        choices += [s for s in rebalancing.schedules if s is not plan.schedule]
+    options: list[tuple[float, Plan, str, Schedule]] = []
+    for schedule in choices:
+        try:
+            decision = rebalance(
+                dataclasses.replace(plan, schedule=schedule), layers=layers, device=device,
+                policy=rebalancing.policy, slowdowns=rebalancing.slowdowns,
+                power_budget=rebalancing.power_budget,
+            )  # fmt: skip
+        except Infeasible as exc:  # the survivors' memory cannot hold their layers
+            if schedule is not plan.schedule:
+                continue
+            raise Unrecoverable(f"the surviving ranks run out of memory: {exc}") from None
+        chosen = with_schedule(decision.plan, rebalancing)
+        if chosen.schedule is not plan.schedule and not fits(chosen, layers, device):
+            continue
+        why = decision.reason
+        if chosen.schedule is not plan.schedule:
+            why = f"{why}; schedule {chosen.schedule} (simulated faster)"
+        if len(choices) == 1:
+            return chosen, why
+        slow = {r: f for r, f in rebalancing.slowdowns.items() if r in chosen.ranks}
+        step = plan_step_time(chosen, layers, device, slowdowns=slow).step_s
+        options.append((step, chosen, why, schedule))
+    best = min(range(len(options)), key=lambda i: (options[i][0], i))
+    _, chosen, why, under = options[best]
+    if best > 0:
+        steps = ", ".join(f"{s} {t * 1e3:.1f} ms" for t, _, _, s in options)
+        why = (
+            f"{why}; layers and clocks planned under {under} (simulated steps of the plans "
+            f"rebalanced under each schedule: {steps})"
+        )
+    return chosen, why
 
 
 def _device(rebalancing: Rebalancing) -> DeviceSpec:

@@ -10,7 +10,14 @@ from torch import nn
 from elaswave.model.config import TINY
 from elaswave.model.llama import StepContext, build_layer, per_sample_loss
 from elaswave.model.rng import CounterRng
-from elaswave.runtime.worker.split_backward import HeldWeights, backward_input, backward_weight
+from elaswave.runtime.worker.split_backward import (
+    HeldWeights,
+    _node,
+    backward_input,
+    backward_weight,
+    reverse_edges,
+    weight_groups,
+)
 
 CUTS = {"first": (0, 3), "middle": (2, 5), "last": (4, TINY.num_layers), "whole": (0, 6)}
 
@@ -146,3 +153,45 @@ class _ViewOut(nn.Module):
 
 def test_a_stage_whose_output_is_a_view_splits() -> None:
     _split_matches_one_backward(_ViewOut(), seed=3)
+
+
+def _torch_partition(out: torch.Tensor, x: torch.Tensor) -> set[frozenset]:
+    """torch's zero-bubble grouping of the same graph, its groups merged where they
+    share a weight: {(weights, nodes)} as frozensets."""
+    from torch.distributed.pipelining._backward import (  # 1.6 s of imports: here only
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
+    reverse = construct_reverse_graph([out.grad_fn])
+    leaves = [n for n in list(reverse) if hasattr(n, "variable") and n.variable is not x]
+    raw = get_param_groups([x.grad_fn or _node(x)], leaves, reverse)
+    merged: list[tuple[set, set]] = []
+    for g in raw:
+        params, nodes = set(g["params"]), set(g["intermediates"])
+        for other in [m for m in merged if m[0] & params]:
+            merged.remove(other)
+            params, nodes = params | other[0], nodes | other[1]
+        merged.append((params, nodes))
+    return {frozenset([frozenset(p), frozenset(n)]) for p, n in merged if n}
+
+
+@pytest.mark.parametrize("layer", ["tiny-middle", "shared", "offset"])
+def test_the_weight_groups_are_torchs_zero_bubble_groups(layer: str) -> None:
+    """:func:`weight_groups` partitions the weights as torch's zero-bubble stage does
+    (``torch.distributed.pipelining._backward``, which ElasWave does not import: its
+    package costs every job 1.6 s)."""
+    torch.manual_seed(4)
+    if layer == "tiny-middle":
+        layers = _stage("middle")
+        x = _inputs("middle")
+        out, _ = _forward(layers, x, "middle")
+    else:
+        module = _Shared() if layer == "shared" else _Offset()
+        x = torch.randn(3, 4, requires_grad=True)
+        out = module(x)
+    reverse = reverse_edges(out.grad_fn)
+    leaves = [n for n in reverse if hasattr(n, "variable") and n.variable is not x]
+    ours = weight_groups(_node(x), leaves, reverse)
+    assert len(ours) >= 1
+    assert {frozenset([frozenset(w), frozenset(n)]) for w, n in ours} == _torch_partition(out, x)

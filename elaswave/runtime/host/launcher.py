@@ -25,7 +25,7 @@ import structlog
 from elaswave import logs
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Event, Topic
+from elaswave.bus.schema import Event, RunFinished, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
 from elaswave.engine.change import State, state_from_json
@@ -124,6 +124,10 @@ class JobHost:
         self._reapers: list[asyncio.Task[None]] = []
         self._link: HostLink | None = None
         self._observer: asyncio.Task[None] | None = None
+        self._observing = asyncio.Event()
+        """Set once the observer's bus client has subscribed."""
+        self._seen_finish = asyncio.Event()
+        """Set once the observer has passed the run's end (RunFinished) on."""
 
     async def run(self) -> None:
         """Run Cores until one finishes the job (or fails it: JobFailed)."""
@@ -262,7 +266,7 @@ class JobHost:
                     await self.nodes.start(JobSpec.read(self.run_dir))
                 if self.on_event is not None and self._observer is None:
                     self._observer = asyncio.create_task(self._observe(), name="host-observer")
-                    await asyncio.sleep(0.2)  # let it connect before the first event
+                    await _first(self._observing.wait(), self._observer, OBSERVER_WAIT_S)
                 link.send({"op": LinkOp.OBSERVING})
             elif not isinstance(rank, int):
                 log.error("host.bad_core_request", request=request)
@@ -314,6 +318,7 @@ class JobHost:
             log_rejected=False,
         )
         await client.connect()
+        self._observing.set()
         try:
             while True:
                 event = await client.recv()
@@ -321,6 +326,8 @@ class JobHost:
                     self.on_event(event)
                 except Exception:
                     log.exception("host.on_event_failed", kind=str(event.KIND))
+                if isinstance(event, RunFinished):
+                    self._seen_finish.set()
         finally:
             await client.close()
 
@@ -335,10 +342,25 @@ class JobHost:
         if self.nodes is not None:
             await self.nodes.close()
         if self._observer is not None:
-            await asyncio.sleep(0.2)  # the last events (RunFinished) on their way
+            # the last events (RunFinished) on their way
+            await _first(self._seen_finish.wait(), self._observer, OBSERVER_WAIT_S)
             self._observer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._observer
+
+
+OBSERVER_WAIT_S = 0.2
+"""The longest the host waits for its observer to subscribe, or, at the end, to pass
+the run's last event on (a job that failed has none)."""
+
+
+async def _first(awaitable: Any, task: asyncio.Task[None], within_s: float) -> None:
+    """Wait for ``awaitable``, for at most ``within_s``, or until ``task`` ends."""
+    waiter = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({waiter, task}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 async def _relay(stream: asyncio.StreamReader, path: Path) -> None:

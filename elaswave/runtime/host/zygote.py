@@ -2,9 +2,10 @@
 worker start in milliseconds instead of importing Python and torch again (1.5-3 s each
 on a loaded 2-core host).
 
-``elaswave train`` forks the zygote before it starts any thread or event loop; the
-zygote, single-threaded, with the Core's and the worker's modules loaded, forks one
-process per request. A request names the kind (``core`` or ``worker``) and its
+``elaswave train`` forks the zygote before it starts any thread or event loop, with
+what it loaded for the job (torch, the model's library); the zygote, single-threaded,
+loads the Core's and the worker's modules and what torch loads on first use
+(:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind (``core`` or ``worker``) and its
 arguments and carries, as SCM_RIGHTS, its output's file descriptor (and a Core's end of
 the host link). The zygote answers ``{"pid": P}`` and, when it has reaped a process,
 ``{"exit": P, "code": C}`` (``-signal`` for a signal). It dies with the host; its
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import json
 import os
 import select
@@ -138,10 +140,22 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
+LAZY_IMPORTS = (
+    "torch.fx.experimental.symbolic_shapes",  # by every backward (torch.autograd), 0.8 s
+    "torch.utils.serialization",  # by torch.save
+    "numpy.random",
+)
+"""Modules torch and numpy import on first use, during a worker's first step: loaded
+once, here, instead of by every worker while its pipeline waits for it."""
+
+
 def _serve(sock: socket.socket) -> None:
     die_with_parent()
     from elaswave.runtime.core import process as coreproc  # loaded once, here, for every child
     from elaswave.runtime.worker import process as worker
+
+    for name in LAZY_IMPORTS:
+        importlib.import_module(name)
 
     # Every object loaded so far (torch, the model code) is the children's for good:
     # a full collection in a child then scans only what the child made, instead of

@@ -4,9 +4,11 @@
 
 ``I`` runs autograd from the stage's output to its input only, keeping, at each
 autograd node where a weight's gradient path leaves the input's, the gradient that
-flows into it (torch's own graph analysis, :mod:`torch.distributed.pipelining.
-_backward`, finds those nodes and groups the weights behind them). ``W`` runs autograd
-from those nodes, with the kept gradients, to the weights. Together they compute what
+flows into it (:func:`weight_groups` finds those nodes and groups the weights behind
+them: the grouping of torch's zero-bubble stage, :mod:`torch.distributed.pipelining.
+_backward`, whose package would cost every job's process starter 1.6 s of imports,
+torch's compiler among them). ``W`` runs autograd from those nodes, with the kept
+gradients, to the weights. Together they compute what
 one backward does, once each. Any model works (built-in, Hugging Face, megatron-core,
 tensor-parallel layers whose collectives lie on the input's path): the split reads
 only the autograd graph. A weight whose path to the output never meets the input's is
@@ -20,16 +22,12 @@ hooks would be (:meth:`elaswave.fabric.zero.ZeroAdamW.overlap_reduction`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    get_param_groups,
-)
 
 Accumulated = Callable[[torch.nn.Parameter], None]
 
@@ -64,7 +62,7 @@ def backward_input(
     :func:`backward_weight` needs."""
     if x_in is None:
         return HeldWeights(groups=[], whole=(out, grad))
-    reverse = construct_reverse_graph([_node(out)])
+    reverse = reverse_edges(_node(out))
     # The weights are the leaves the output reaches, whichever layers computed it (a
     # migrating step's shadow layers included), the stage's input aside.
     by_node = {
@@ -72,12 +70,9 @@ def backward_input(
         for n in reverse
         if hasattr(n, "variable") and n.variable is not x_in and n.variable.requires_grad
     }
-    raw = get_param_groups([_node(x_in)], list(by_node), reverse)
-    groups = [
-        _Group(weights=[by_node[n] for n in params], nodes=nodes)
-        for params, nodes in _merged((g["params"], g["intermediates"]) for g in raw)
-    ]
-    covered = {n for g in raw for n in g["params"]}
+    found = weight_groups(_node(x_in), list(by_node), reverse)
+    groups = [_Group(weights=[by_node[n] for n in ws], nodes=nodes) for ws, nodes in found]
+    covered = {n for ws, _ in found for n in ws}
     # weights the output reaches whose path never meets the input's: computed now
     apart = [w for n, w in by_node.items() if n not in covered]
     handles = []
@@ -104,20 +99,63 @@ def backward_input(
     return HeldWeights(groups=groups)
 
 
-def _merged(groups: Iterable[tuple[set[Node], set[Node]]]) -> list[tuple[list[Node], list[Node]]]:
-    """Weight groups (weights, the nodes their paths meet the input's at) merged where
-    they share a weight: torch's grouping puts a weight whose paths meet the input's at
-    nodes of two groups into both, and each must be computed once, from every node its
-    paths meet."""
-    merged: list[tuple[set[Node], set[Node]]] = []
-    for params, nodes in groups:
-        params, nodes = set(params), set(nodes)
-        for other in [m for m in merged if m[0] & params]:
-            merged.remove(other)
-            params |= other[0]
+def reverse_edges(root: Node) -> dict[Node, list[Node]]:
+    """Every autograd node ``root``'s graph reaches, with the nodes it passes gradient
+    back to (its consumers: the edges of the graph reversed)."""
+    reverse: dict[Node, list[Node]] = {root: []}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in reverse:
+                reverse[nxt] = []
+                queue.append(nxt)
+            reverse[nxt].append(node)
+    return reverse
+
+
+def _reach(
+    start: Node, reverse: Mapping[Node, list[Node]], stop: Collection[Node] = ()
+) -> tuple[set[Node], set[Node]]:
+    """The nodes reached from ``start`` towards the output without passing a node of
+    ``stop``, and the nodes of ``stop`` met on the way."""
+    seen, met, queue = {start}, set(), deque([start])
+    while queue:
+        for up in reverse.get(queue.popleft(), ()):
+            if up in seen:
+                continue
+            if up in stop:
+                met.add(up)
+                continue
+            seen.add(up)
+            queue.append(up)
+    return seen, met
+
+
+def weight_groups(
+    x_node: Node, weights: Iterable[Node], reverse: Mapping[Node, list[Node]]
+) -> list[tuple[list[Node], list[Node]]]:
+    """The weights (their accumulator nodes) in groups, each with the nodes where its
+    weights' gradient paths meet the input's (those ``I`` reaches): weights that meet
+    it at a shared node, or through a shared weight, are one group, whose gradients
+    ``W`` computes in one pass from those nodes. A weight whose path never meets the
+    input's is in no group. The partition torch's zero-bubble stage computes (its
+    groups merged where they share a weight, as each weight must be computed once)."""
+    on_path, _ = _reach(x_node, reverse)
+    groups: list[tuple[set[Node], set[Node]]] = []
+    for weight in weights:
+        _, met = _reach(weight, reverse, stop=on_path)
+        if not met:
+            continue
+        members, nodes = {weight}, met
+        for other in [g for g in groups if g[1] & nodes]:
+            groups.remove(other)
+            members |= other[0]
             nodes |= other[1]
-        merged.append((params, nodes))
-    return [(list(params), list(nodes)) for params, nodes in merged]
+        groups.append((members, nodes))
+    return [(list(members), list(nodes)) for members, nodes in groups]
 
 
 def _keeper(group: _Group, i: int) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -168,7 +206,10 @@ def _group_weights(group: _Group, accumulated: Accumulated) -> None:
 def _node(t: torch.Tensor) -> Node:
     """The autograd node ``t``'s gradient flows into (its grad_fn, or a leaf's
     accumulator)."""
-    node = _get_grad_fn_or_grad_acc(t)
+    node = t.grad_fn
+    if node is None and t.requires_grad:  # a leaf: its accumulator, through a view
+        node = t.view_as(t).grad_fn
+        node = None if node is None else node.next_functions[0][0]
     if node is None:
         raise ValueError("a tensor of the stage's backward has no autograd node")
     return node

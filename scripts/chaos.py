@@ -295,15 +295,19 @@ class Case:
         )
 
 
-def draw_schedule(case: Case, weight: float) -> Case:
-    """``case`` under ZB-H1 with chance ``weight`` (a generator of its own: the rest of
-    the case is what every weight draws), its ``backward`` faults then moved to the
-    weight-gradient half (``weight``) by a coin each."""
+def draw_schedule(case: Case, weight: float, schedule: str = "zb-h1") -> Case:
+    """``case`` under ``schedule`` with chance ``weight`` (a generator of its own: the
+    rest of the case is what every weight draws). Under ZB-H1 its ``backward`` faults
+    are then moved to the weight-gradient half (``weight``) by a coin each; under
+    ``auto`` (the planner chooses the schedule, and with migrate policies the layers and
+    clocks under each) they stay where they are, as auto may choose 1F1B."""
     if weight <= 0:
         return case
     rng = random.Random(f"chaos-schedule:{case.seed}:{case.index}")
     if rng.random() >= weight:
         return case
+    if schedule == "auto":
+        return replace(case, schedule="auto")
     faults = tuple(
         f[: -len("backward")] + "weight" if f.endswith(":backward") and rng.random() < 0.5 else f
         for f in case.faults
@@ -918,6 +922,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (f" --snapshot-copies {case.snapshot_copies}" if case.snapshot_copies > 1 else "")
         + (f" --checkpoint-every {case.checkpoint_every}" if case.checkpoint_every else "")
         + (" --schedule-weight 1" if case.schedule != "1f1b" else "")  # its coins, the same
+        + (" --drawn-schedule auto" if case.schedule == "auto" else "")
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -1031,6 +1036,13 @@ def main(argv: list[str] | None = None) -> int:
         "fire in the weight-gradient half; default 0; the other draws do not change)",
     )
     parser.add_argument(
+        "--drawn-schedule",
+        choices=("zb-h1", "auto"),
+        default="zb-h1",
+        help="the schedule a case drawn by --schedule-weight runs (default zb-h1; auto: "
+        "the planner chooses, its backward faults stay in the backward)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -1108,7 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
     for index in indices:
         case = draw_case(args.seed, index, args.tp_weight)
         case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
-        case = draw_schedule(case, args.schedule_weight)
+        case = draw_schedule(case, args.schedule_weight, args.drawn_schedule)
         case = draw_eval(case, args.eval_every)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
@@ -1187,6 +1199,7 @@ def _tp_flag(args: argparse.Namespace) -> str:
     copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
     every = f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""
     zb = f" --schedule-weight {args.schedule_weight:g}" if args.schedule_weight else ""
+    zb += " --drawn-schedule auto" if args.schedule_weight and args.drawn_schedule == "auto" else ""
     held = f" --eval-every {args.eval_every}" if args.eval_every else ""
     tp = f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
     return tp + copies + every + zb + held

@@ -2,15 +2,16 @@
 worker start in milliseconds instead of importing Python and torch again (1.5-3 s each
 on a loaded 2-core host).
 
-``elaswave train`` forks the zygote before it starts any thread or event loop, with
-what it loaded for the job (torch, the model's library); the zygote, single-threaded,
-loads the Core's and the worker's modules and what torch loads on first use
-(:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind (``core`` or ``worker``) and its
-arguments and carries, as SCM_RIGHTS, its output's file descriptor (and a Core's end of
-the host link). The zygote answers ``{"pid": P}`` and, when it has reaped a process,
-``{"exit": P, "code": C}`` (``-signal`` for a signal). It dies with the host; its
-children die with it. Without a zygote (``run_job`` called from a program), or with a
-``worker_prefix`` (a command must run in front of each worker), the host execs them.
+``elaswave train`` forks the zygote before it starts any thread or event loop, with what
+it loaded for the job (torch, the model's library); the zygote, single-threaded, loads
+the Core's and the worker's modules and what torch loads on first use
+(:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind
+(``core`` or ``worker``) and its arguments and carries, as SCM_RIGHTS, its output's file
+descriptor (and a Core's end of the host link). The zygote answers ``{"pid": P}`` and,
+when it has reaped a process, ``{"exit": P, "code": C}`` (``-signal`` for a signal). It
+dies with the host; its children die with it. Without a zygote (``run_job`` called from
+a program), or with a ``worker_prefix`` (a command must run in front of each worker),
+the host execs them.
 """
 
 from __future__ import annotations

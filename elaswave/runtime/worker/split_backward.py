@@ -2,18 +2,17 @@
 (:mod:`elaswave.engine.schedule`): ``I`` computes the gradient of the stage's input
 (what the previous stage waits for), ``W`` later computes the weight gradients.
 
-``I`` runs autograd from the stage's output to its input only, keeping, at each
-autograd node where a weight's gradient path leaves the input's, the gradient that
-flows into it (:func:`weight_groups` finds those nodes and groups the weights behind
-them: the grouping of torch's zero-bubble stage, :mod:`torch.distributed.pipelining.
-_backward`, whose package would cost every job's process starter 1.6 s of imports,
-torch's compiler among them). ``W`` runs autograd from those nodes, with the kept
-gradients, to the weights. Together they compute what
-one backward does, once each. Any model works (built-in, Hugging Face, megatron-core,
-tensor-parallel layers whose collectives lie on the input's path): the split reads
-only the autograd graph. A weight whose path to the output never meets the input's is
-computed by ``I`` itself; the first stage, whose input is data, has no ``I`` to run and
-runs the whole backward as its ``W``.
+``I`` runs autograd from the stage's output to its input only, keeping, at each autograd
+node where a weight's gradient path leaves the input's, the gradient that flows into it
+(:func:`weight_groups` finds those nodes and groups the weights behind them: the
+grouping of torch's zero-bubble stage, :mod:`torch.distributed.pipelining._backward`,
+whose package would cost every job's process starter 1.6 s of imports, torch's compiler
+among them). ``W`` runs autograd from those nodes, with the kept gradients, to the
+weights. Together they compute what one backward does, once each. Any model works
+(built-in, Hugging Face, megatron-core, tensor-parallel layers whose collectives lie on
+the input's path): the split reads only the autograd graph. A weight whose path to the
+output never meets the input's is computed by ``I`` itself; the first stage, whose input
+is data, has no ``I`` to run and runs the whole backward as its ``W``.
 
 Weight gradients are accumulated in place into ``.grad`` (the optimizer's gradient
 buffer), and ``accumulated`` is called for each weight, as autograd's post-accumulate

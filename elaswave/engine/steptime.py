@@ -206,7 +206,19 @@ def plan_lists(
         )
     if device is None or not layers:
         raise ValueError(f"schedule {plan.schedule} needs the cost model's layers and device")
-    return _zb_cost_search(plan, tuple(layers), device)
+    return _zb_cost_search(_shape(plan), tuple(layers), device)
+
+
+def _shape(plan: Plan) -> Plan:
+    """``plan`` as zb-cost's search sees it: which ranks hold a stage, and the plan's
+    generation, change no list, so plans that differ only there share one search (the
+    planner prices many candidates of one shape at a change, and a churning job's nodes
+    come back under new ids to shapes it has had)."""
+    stages, first = [], 0
+    for st in plan.stages:
+        stages.append(dataclasses.replace(st, ranks=tuple(range(first, first + st.dp))))
+        first += st.dp
+    return dataclasses.replace(plan, generation=0, stages=tuple(stages))
 
 
 ZB_COST_PENDING_W = (1, 2, 4)
@@ -240,7 +252,7 @@ def zb_cost_candidates(
     return list(dict.fromkeys(out))  # the same lists once, in order
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def _zb_cost_search(
     plan: Plan, layers: tuple[LayerCost, ...], device: DeviceSpec
 ) -> tuple[tuple[Action, ...], ...]:

@@ -252,7 +252,7 @@ def zb_cost_candidates(
     return list(dict.fromkeys(out))  # the same lists once, in order
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # a plan of 10^5 devices keys ~4 MB: at most 1 GB
 def _zb_cost_search(
     plan: Plan, layers: tuple[LayerCost, ...], device: DeviceSpec
 ) -> tuple[tuple[Action, ...], ...]:

@@ -72,15 +72,29 @@ def with_schedule(plan: Plan, rebalancing: Rebalancing | None) -> Plan:
         return plan
     if not rebalancing.layers:
         return plan
+    found = _fastest(plan, rebalancing, kept=plan.schedule)
+    return plan if found is None else found[1]
+
+
+def _fastest(
+    plan: Plan, rebalancing: Rebalancing, *, kept: Schedule
+) -> tuple[float, Plan] | None:
+    """(simulated step, plan) of ``plan`` under the fastest of ``rebalancing.schedules``
+    that fits the device's memory or is ``kept`` (ties: the earlier); None when none is.
+    ``rebalancing`` has the cost model's layers and device."""
     layers, device = rebalancing.layers, rebalancing.device
+    assert device is not None
     slowdowns = {r: f for r, f in rebalancing.slowdowns.items() if r in plan.ranks}
     trials = [dataclasses.replace(plan, schedule=s) for s in rebalancing.schedules]
     timed = [
         (plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s, index, trial)
         for index, trial in enumerate(trials)
-        if trial.schedule is plan.schedule or fits(trial, layers, device)
+        if trial.schedule is kept or fits(trial, layers, device)
     ]
-    return min(timed, key=lambda t: (t[0], t[1]))[2]
+    if not timed:
+        return None
+    step, _, best = min(timed, key=lambda t: (t[0], t[1]))
+    return step, best
 
 
 def fits(plan: Plan, layers: Sequence[LayerCost], device: DeviceSpec) -> bool:
@@ -157,8 +171,8 @@ def _rebalanced(plan: Plan, rebalancing: Rebalancing) -> tuple[Plan, str]:
     and the layers and clocks that step fastest under 1F1B are not those that do under a
     zero-bubble list (whose weight halves fill the bubbles a short-handed stage leaves).
     So each schedule the job may run gets its own rebalancing (``plan``'s own first),
-    each result its schedule (:func:`with_schedule`; another than ``plan``'s only where
-    it fits), and the shortest simulated step wins; ties keep the earlier."""
+    each result its fastest schedule (another than ``plan``'s only where it fits), and
+    the shortest simulated step wins; ties keep the earlier."""
     device = _device(rebalancing)
     layers = rebalancing.layers
     choices = [plan.schedule]
@@ -176,16 +190,15 @@ def _rebalanced(plan: Plan, rebalancing: Rebalancing) -> tuple[Plan, str]:
             if schedule is not plan.schedule:
                 continue
             raise Unrecoverable(f"the surviving ranks run out of memory: {exc}") from None
-        chosen = with_schedule(decision.plan, rebalancing)
-        if chosen.schedule is not plan.schedule and not fits(chosen, layers, device):
+        if len(choices) == 1:  # nothing to choose: the plan keeps its schedule
+            return decision.plan, decision.reason
+        found = _fastest(decision.plan, rebalancing, kept=plan.schedule)
+        if found is None:  # no schedule of this rebalancing fits memory
             continue
+        step, chosen = found
         why = decision.reason
         if chosen.schedule is not plan.schedule:
             why = f"{why}; schedule {chosen.schedule} (simulated faster)"
-        if len(choices) == 1:
-            return chosen, why
-        slow = {r: f for r, f in rebalancing.slowdowns.items() if r in chosen.ranks}
-        step = plan_step_time(chosen, layers, device, slowdowns=slow).step_s
         options.append((step, chosen, why, schedule))
     best = min(range(len(options)), key=lambda i: (options[i][0], i))
     _, chosen, why, under = options[best]

@@ -146,10 +146,21 @@ def zero_bubble(
     holds = [m] * p if held is None else list(held)
     if len(holds) != p or min(holds) < 1:
         raise ValueError(f"held {holds}: one limit of at least 1 per stage")
-    run = _ListRun(p, m, costs, cap, limits, holds)
+    return [list(x) for x in _planned(m, tuple(costs), cap, tuple(limits), tuple(holds))]
+
+
+@functools.lru_cache(maxsize=1024)  # a planner prices many plans of one pipeline at a change
+def _planned(
+    m: int,
+    costs: tuple[OpCosts, ...],
+    cap: int,
+    limits: tuple[int, ...],
+    holds: tuple[int, ...],
+) -> tuple[tuple[Action, ...], ...]:
+    run = _ListRun(len(costs), m, costs, cap, limits, holds)
     while run.left:
         run.next_action()
-    return run.lists
+    return tuple(tuple(x) for x in run.lists)
 
 
 def equal_costs(num_stages: int) -> list[OpCosts]:
@@ -187,7 +198,12 @@ def stage_actions(
 
 class _ListRun:
     """The list scheduler of :func:`zero_bubble`: one action at a time, on the stage
-    whose next action can start first."""
+    whose next action can start first (ties: the lower stage).
+
+    A stage's pending ``W`` are always its oldest input-gradient halves, so its state
+    is four counters (forwards, inputs, weights) and when it is free; an action changes
+    only its own stage's next choice and its neighbours' (a forward readies the next
+    stage's, an input gradient the previous stage's), so only those are re-examined."""
 
     def __init__(
         self,
@@ -198,76 +214,76 @@ class _ListRun:
         limits: Sequence[int],
         holds: Sequence[int],
     ) -> None:
-        self.p, self.m, self.costs, self.cap, self.limits = p, m, costs, cap, limits
-        self.holds = holds
-        self.weights = [0] * p
+        self.p, self.m, self.costs, self.cap = p, m, costs, cap
+        self.limits, self.holds = list(limits), list(holds)
         self.free = [0.0] * p
         self.lists: list[list[Action]] = [[] for _ in range(p)]
-        self.fwd_end: dict[tuple[int, int], float] = {}
-        self.input_end: dict[tuple[int, int], float] = {}
+        self.fwd_end = [[0.0] * m for _ in range(p)]
+        self.input_end = [[0.0] * m for _ in range(p)]
         self.forwards = [0] * p
         self.inputs = [0] * p
-        self.pending: list[list[int]] = [[] for _ in range(p)]
+        self.weights = [0] * p
         self.left = 3 * p * m
+        self.best: list[tuple[float, Op, int] | None] = [self._choice(s) for s in range(p)]
 
-    def _choices(self, s: int) -> list[tuple[float, int, Op, int]]:
-        """(start, priority, op, micro-batch) of what stage ``s`` may run next."""
-        out = []
-        if self.pending[s]:
-            urgent = len(self.pending[s]) >= self.cap
-            out.append((self.free[s], 0 if urgent else 3, Op.WEIGHT, self.pending[s][0]))
-        if self.inputs[s] < self.forwards[s]:
-            mb = self.inputs[s]
+    def _choice(self, s: int) -> tuple[float, Op, int] | None:
+        """(start, op, micro-batch) of what stage ``s`` runs next if chosen: of the
+        actions it may run, those that can start first, and of those a ``W`` once
+        :attr:`cap` are pending, then ``I``, then ``F``, then any ``W``."""
+        free = self.free[s]
+        fwd, inp, wgt = self.forwards[s], self.inputs[s], self.weights[s]
+        best: tuple[float, int, Op, int] | None = None
+        if inp > wgt:
+            best = (free, 0 if inp - wgt >= self.cap else 3, Op.WEIGHT, wgt)
+        if inp < fwd:
             if s == self.p - 1:
-                ready: float | None = self.fwd_end[(s, mb)]
-            elif (up := self.input_end.get((s + 1, mb))) is not None:
-                ready = up + self.costs[s + 1].send_bwd_s
+                ready: float | None = self.fwd_end[s][inp]
+            elif self.inputs[s + 1] > inp:
+                ready = self.input_end[s + 1][inp] + self.costs[s + 1].send_bwd_s
             else:
                 ready = None
             if ready is not None:
-                out.append((max(self.free[s], ready), 1, Op.INPUT, mb))
-        in_flight = self.forwards[s] - self.inputs[s]
-        held = self.forwards[s] - self.weights[s]
-        if self.forwards[s] < self.m and in_flight < self.limits[s] and held < self.holds[s]:
-            mb = self.forwards[s]
+                cand = (ready if ready > free else free, 1, Op.INPUT, inp)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        if fwd < self.m and fwd - inp < self.limits[s] and fwd - wgt < self.holds[s]:
             if s == 0:
                 ready = 0.0
-            elif (prev := self.fwd_end.get((s - 1, mb))) is not None:
-                ready = prev + self.costs[s - 1].send_fwd_s
+            elif self.forwards[s - 1] > fwd:
+                ready = self.fwd_end[s - 1][fwd] + self.costs[s - 1].send_fwd_s
             else:
                 ready = None
             if ready is not None:
-                out.append((max(self.free[s], ready), 2, Op.FORWARD, mb))
-        return out
+                cand = (ready if ready > free else free, 2, Op.FORWARD, fwd)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        return None if best is None else (best[0], best[2], best[3])
 
     def next_action(self) -> None:
-        best: tuple[float, int, int, Op, int] | None = None
-        for s in range(self.p):
-            choices = self._choices(s)
-            if not choices:
-                continue
-            start = min(c[0] for c in choices)
-            _, prio, op, mb = min((c for c in choices if c[0] <= start), key=lambda c: c[1])
-            if best is None or (start, s) < (best[0], best[2]):
-                best = (start, prio, s, op, mb)
-        if best is None:
+        s, chosen = -1, None
+        for t, c in enumerate(self.best):
+            if c is not None and (chosen is None or c[0] < chosen[0]):
+                s, chosen = t, c
+        if chosen is None:
             raise RuntimeError("the zero-bubble planner made no progress")
-        start, _, s, op, mb = best
+        start, op, mb = chosen
         cost = self.costs[s]
-        end = start + {Op.FORWARD: cost.fwd_s, Op.INPUT: cost.input_s}.get(op, cost.weight_s)
-        self.free[s] = end
         self.lists[s].append((op, mb))
         self.left -= 1
         if op is Op.FORWARD:
-            self.fwd_end[(s, mb)] = end
+            end = self.free[s] = start + cost.fwd_s
+            self.fwd_end[s][mb] = end
             self.forwards[s] += 1
         elif op is Op.INPUT:
-            self.input_end[(s, mb)] = end
+            end = self.free[s] = start + cost.input_s
+            self.input_end[s][mb] = end
             self.inputs[s] += 1
-            self.pending[s].append(mb)
         else:
-            self.pending[s].pop(0)
+            self.free[s] = start + cost.weight_s
             self.weights[s] += 1
+        for t in (s - 1, s, s + 1):
+            if 0 <= t < self.p:
+                self.best[t] = self._choice(t)
 
 
 def check(

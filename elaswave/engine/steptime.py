@@ -257,7 +257,9 @@ def _zb_cost_search(
     plan: Plan, layers: tuple[LayerCost, ...], device: DeviceSpec
 ) -> tuple[tuple[Action, ...], ...]:
     candidates = zb_cost_candidates(plan, layers, device)
-    steps = [plan_step_time(plan, layers, device, lists=c).step_s for c in candidates]
+    cost = {c.index: c for c in layers}
+    work, links = _replica_work(plan, cost, device, {}), _stage_links(plan, cost, device)
+    steps = [_walk(plan, work, links, c).step_s for c in candidates]
     return candidates[min(range(len(steps)), key=lambda i: (steps[i], i))]
 
 
@@ -365,15 +367,41 @@ class _Links:
     """Where each sender's routes start (routes are sorted by sender)."""
     srcs: np.ndarray
     """The senders, in that order."""
+    into_dst: np.ndarray
+    """[k, receiver] the sender of the receiver's k-th route; receivers with fewer
+    routes are padded with the sender count (a column of zeros beside the senders'
+    times): a receiver's arrival is one gather and one maximum."""
+    into_dst_s: np.ndarray
+    """[k, receiver] that route's transfer time (0 where padded)."""
+    into_src: np.ndarray
+    """[k, sender] likewise, the receivers whose gradients come back to each sender."""
+    into_src_s: np.ndarray
 
 
 def _links(plan: Plan, s: int, mb: int, bytes_per_sample: float, device: DeviceSpec) -> _Links:
     """The routes of :meth:`Plan.routes` (same pairs, same order), computed on arrays:
     a rotation's period can be thousands of micro-batches at 10^5 devices."""
-    a_hi = np.cumsum(plan.stages[s].shares(mb))
-    a_lo = a_hi - plan.stages[s].shares(mb)
-    b_hi = np.cumsum(plan.stages[s + 1].shares(mb))
-    b_lo = b_hi - plan.stages[s + 1].shares(mb)
+    a, b = plan.stages[s].shares(mb), plan.stages[s + 1].shares(mb)
+    if len(a) + len(b) > _SHARED_ROUTES_MAX:
+        return _routes.__wrapped__(a, b, bytes_per_sample, device)
+    return _routes(a, b, bytes_per_sample, device)
+
+
+_SHARED_ROUTES_MAX = 512
+"""Replicas of two stages up to which their routes are kept for the next plan that has
+them (a planner prices many plans whose stages share routes; 4,096 kept of at most
+this size take at most ~200 MB)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _routes(
+    a: tuple[int, ...], b: tuple[int, ...], bytes_per_sample: float, device: DeviceSpec
+) -> _Links:
+    """:func:`_links` between replicas with shares ``a`` and ``b``."""
+    a_hi = np.cumsum(a)
+    a_lo = a_hi - a
+    b_hi = np.cumsum(b)
+    b_lo = b_hi - b
     first = np.searchsorted(b_hi, a_lo, side="right")  # first receiver ending after a_lo
     stop = np.searchsorted(b_lo, a_hi, side="left")  # receivers starting before a_hi
     counts = np.maximum(stop - first, 0)
@@ -391,7 +419,28 @@ def _links(plan: Plan, s: int, mb: int, bytes_per_sample: float, device: DeviceS
     by_dst = np.argsort(dst, kind="stable")
     dsts, dst_starts = np.unique(dst[by_dst], return_index=True)
     srcs, src_starts = np.unique(src, return_index=True)
-    return _Links(src, dst, seconds, by_dst, dst_starts, dsts, src_starts, srcs)
+    into_dst, into_dst_s = _padded(dst, src, seconds, receivers=len(b), pad=len(a))
+    into_src, into_src_s = _padded(src, dst, seconds, receivers=len(a), pad=len(b))
+    return _Links(
+        src, dst, seconds, by_dst, dst_starts, dsts, src_starts, srcs,
+        into_dst, into_dst_s, into_src, into_src_s,
+    )  # fmt: skip
+
+
+def _padded(
+    to: np.ndarray, frm: np.ndarray, seconds: np.ndarray, *, receivers: int, pad: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([k, receiver] sender of each receiver's k-th route, padded with ``pad``; the
+    routes' seconds, 0 where padded) of routes ``frm`` -> ``to``."""
+    counts = np.bincount(to, minlength=receivers)
+    depth = max(1, int(counts.max(initial=0)))
+    index = np.full((depth, receivers), pad, dtype=np.intp)
+    secs = np.zeros((depth, receivers))
+    order = np.argsort(to, kind="stable")
+    rank = np.arange(len(to)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index[rank, to[order]] = frm[order]
+    secs[rank, to[order]] = seconds[order]
+    return index, secs
 
 
 def plan_step_time(
@@ -412,12 +461,21 @@ def plan_step_time(
     for the routes returning gradients. A replica is done when its compute and its last
     send are; a stage's collectives start when its last replica is done.
     """
-    slow = dict(slowdowns or {})
     cost = {c.index: c for c in layers}
-    work = _replica_work(plan, cost, device, slow)
-    links = _stage_links(plan, cost, device)
     if lists is None and plan.schedule.priced:
         lists = plan_lists(plan, layers, device)
+    work = _replica_work(plan, cost, device, dict(slowdowns or {}))
+    return _walk(plan, work, _stage_links(plan, cost, device), lists)
+
+
+def _walk(
+    plan: Plan,
+    work: _ReplicaWork,
+    links: Sequence[Sequence[_Links]],
+    lists: Sequence[Sequence[Action]] | None,
+) -> StepSim:
+    """:func:`plan_step_time` of ``plan`` running ``lists`` (None: its schedule's), its
+    replicas' work and routes given (zb-cost's candidates share them)."""
     order = action_order(plan.pp, plan.num_micro_batches, plan.schedule, lists)
     fwd_end, bwd_end, free = _run_actions(plan, work, links, order)
     done = _sends_done(plan, links, fwd_end, bwd_end, free)
@@ -486,6 +544,9 @@ def _stage_links(
     return links
 
 
+_MAX = np.maximum.reduce
+
+
 def _run_actions(
     plan: Plan,
     work: _ReplicaWork,
@@ -494,31 +555,35 @@ def _run_actions(
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """(forward ends, backward ends: ``B`` or ``I``) [micro-batch, replica] of every
     stage, and when each replica's compute is done, walking the plan's lists in
-    dependency order (``order``: :func:`action_order`)."""
+    dependency order (``order``: :func:`action_order`). The ends carry one more column,
+    always 0: where :attr:`_Links.into_dst` pads."""
     p, m = plan.pp, plan.num_micro_batches
-    fwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
-    bwd_end = [np.zeros((m, st.dp)) for st in plan.stages]
+    fwd_end = [np.zeros((m, st.dp + 1)) for st in plan.stages]
+    bwd_end = [np.zeros((m, st.dp + 1)) for st in plan.stages]
     free = [np.zeros(st.dp) for st in plan.stages]
+    parts = [split_parts(first=s == 0) for s in range(p)]
     for s, op, mb in order:
-        ready = np.zeros(plan.stages[s].dp)
         phase = mb % len(work.fwd[s])
         if op is Op.FORWARD:
             if s > 0:
                 ln = links[s - 1][mb % len(links[s - 1])]
-                arrive = fwd_end[s - 1][mb, ln.src] + ln.seconds
-                ready[ln.dsts] = np.maximum.reduceat(arrive[ln.by_dst], ln.dst_starts)
-            end = fwd_end[s][mb] = np.maximum(free[s], ready) + work.fwd[s][phase]
+                ready = _MAX(fwd_end[s - 1][mb][ln.into_dst] + ln.into_dst_s, axis=0)
+                end = np.maximum(free[s], ready)
+                end += work.fwd[s][phase]
+            else:
+                end = free[s] + work.fwd[s][phase]
+            fwd_end[s][mb, :-1] = end
         elif op is Op.WEIGHT:
-            end = free[s] + work.bwd[s][phase] * split_parts(first=s == 0)[1]
+            end = free[s] + work.bwd[s][phase] * parts[s][1]
         else:
             if s < p - 1:
                 ln = links[s][mb % len(links[s])]
-                arrive = bwd_end[s + 1][mb, ln.dst] + ln.seconds
-                ready[ln.srcs] = np.maximum.reduceat(arrive, ln.src_starts)
+                ready = _MAX(bwd_end[s + 1][mb][ln.into_src] + ln.into_src_s, axis=0)
             else:
-                ready = fwd_end[s][mb]
-            part = 1.0 if op is Op.BACKWARD else split_parts(first=s == 0)[0]
-            end = bwd_end[s][mb] = np.maximum(free[s], ready) + work.bwd[s][phase] * part
+                ready = fwd_end[s][mb, :-1]
+            end = np.maximum(free[s], ready)
+            end += work.bwd[s][phase] if op is Op.BACKWARD else work.bwd[s][phase] * parts[s][0]
+            bwd_end[s][mb, :-1] = end
         free[s] = end
     return fwd_end, bwd_end, free
 
@@ -534,10 +599,16 @@ def _sends_done(
     m = plan.num_micro_batches
     done = [f.copy() for f in free]
     for s in range(plan.pp - 1):  # sends: activations to s + 1, gradients back to s
-        for ph, ln in enumerate(links[s]):
-            mbs = slice(ph, m, len(links[s]))
+        row = links[s]
+        first: dict[int, int] = {}  # each set of routes' first phase (phases share sets)
+        for ph, ln in enumerate(row):
+            first.setdefault(id(ln), ph)
+        group = np.array([first[id(ln)] for ln in row])[np.arange(m) % len(row)]
+        for ph in first.values():
+            ln = row[ph]
             if not ln.src.size:
                 continue
+            mbs = np.flatnonzero(group == ph)
             out = fwd_end[s][mbs][:, ln.src].max(axis=0) + ln.seconds
             np.maximum.at(done[s], ln.src, out)
             back = bwd_end[s + 1][mbs][:, ln.dst].max(axis=0) + ln.seconds

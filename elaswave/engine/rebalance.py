@@ -44,7 +44,7 @@ from elaswave.engine.dataflow import regroup, regroupings
 from elaswave.engine.dvfs import FrequencyDecision, plan_frequency
 from elaswave.engine.graph import Infeasible, plan_layers
 from elaswave.engine.plan import Plan, StagePlan
-from elaswave.engine.steptime import plan_step_time
+from elaswave.engine.steptime import plan_step_time, step_lower_bound
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
 
@@ -377,17 +377,23 @@ def _best_block(
 ) -> tuple[float, int]:
     """(simulated step, block) of the rotation block length in :data:`ROTATION_BLOCKS`
     under which ``plan`` steps fastest, if by more than :data:`BLOCK_GAIN` against
-    block 1 (ties: the shorter block); a plan that does not rotate has only block 1."""
+    block 1 (ties: the shorter block); a plan that does not rotate has only block 1.
+    A block whose :func:`~elaswave.engine.steptime.step_lower_bound` cannot beat that
+    is not simulated."""
+
+    def trial(block: int) -> Plan:
+        return dataclasses.replace(plan, stages=_in_blocks(plan.stages, block))
 
     def step(block: int) -> float:
-        trial = dataclasses.replace(plan, stages=_in_blocks(plan.stages, block))
-        return plan_step_time(trial, layers, device, slowdowns=slowdowns).step_s
+        return plan_step_time(trial(block), layers, device, slowdowns=slowdowns).step_s
 
     single = step(1)
+    need = single * (1.0 - BLOCK_GAIN)  # a block that cannot step faster is not walked
     longer = [b for b in ROTATION_BLOCKS if b > 1] if any(s.rotate for s in plan.stages) else []
-    steps = {block: step(block) for block in longer}
+    bound = {b: step_lower_bound(trial(b), layers, device, slowdowns=slowdowns) for b in longer}
+    steps = {b: step(b) for b in longer if bound[b] < need}
     block = min(steps, key=lambda b: (steps[b], b), default=1)
-    if block > 1 and steps[block] < single * (1.0 - BLOCK_GAIN):
+    if block > 1 and steps[block] < need:
         return steps[block], block
     return single, 1
 

@@ -490,6 +490,29 @@ def _walk(
     return StepSim(step, finish, tuple(busy))
 
 
+def step_lower_bound(
+    plan: Plan,
+    layers: Sequence[LayerCost],
+    device: DeviceSpec,
+    *,
+    slowdowns: Mapping[int, float] | None = None,
+) -> float:
+    """A time no step of ``plan`` can beat, whatever its lists: each replica computes
+    its whole step's work one action after another, from its first forward on (which,
+    for a replica with a share of the first micro-batch, waits for that micro-batch's
+    forwards on the stages before it), and then its stage's collectives. Cheap (no
+    walk): a planner skips the candidates that cannot win."""
+    work = _replica_work(plan, {c.index: c for c in layers}, device, dict(slowdowns or {}))
+    m, head, bound = plan.num_micro_batches, 0.0, 0.0
+    for s in range(plan.pp):
+        phase = np.arange(m) % len(work.fwd[s])
+        busy = (work.fwd[s][phase] + work.bwd[s][phase]).sum(axis=0)
+        first = work.fwd[s][0] > 0  # replicas with a share of micro-batch 0
+        bound = max(bound, float((busy + np.where(first, head, 0.0)).max()) + work.sync[s])
+        head += float(work.fwd[s][0][first].min()) if first.any() else 0.0
+    return bound * (1.0 - 1e-9)  # below any walk's rounding of the same sums
+
+
 @dataclass(frozen=True, kw_only=True)
 class _ReplicaWork:
     """Per stage: what each replica computes in each phase of the stage's rotation."""

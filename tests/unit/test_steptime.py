@@ -11,8 +11,14 @@ from hypothesis import strategies as st
 from elaswave.engine.cost import compute_time, device, layer_costs, p2p_time, ring_allreduce_time
 from elaswave.engine.dataflow import resize_after_failure
 from elaswave.engine.plan import Plan, StagePlan, initial_plan
-from elaswave.engine.schedule import Op, one_f_one_b
-from elaswave.engine.steptime import StageTimes, plan_step_time, simulate_step, stage_times
+from elaswave.engine.schedule import Op, Schedule, one_f_one_b
+from elaswave.engine.steptime import (
+    StageTimes,
+    plan_step_time,
+    simulate_step,
+    step_lower_bound,
+    stage_times,
+)
 from elaswave.model.config import ModelConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,6 +179,25 @@ def test_the_vectorised_replica_simulation_matches_an_event_loop_over_the_routes
     dev = device("emulated")
     got = plan_step_time(plan, layers, dev, slowdowns=slow).step_s
     assert got == pytest.approx(_reference(plan, layers, dev, slow), rel=1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_plans(), st.sampled_from(list(Schedule)))
+def test_no_schedule_steps_faster_than_the_lower_bound(case, schedule):
+    """The bound a planner skips candidates by holds under every schedule's lists,
+    slowdowns and rotations; on a pipeline of one stage (nothing to wait for) it is
+    the step."""
+    plan, slow = case
+    plan = dataclasses.replace(plan, schedule=schedule)
+    layers = layer_costs(ModelConfig(num_blocks=14), dtype_bytes=4)
+    dev = device("emulated")
+    bound = step_lower_bound(plan, layers, dev, slowdowns=slow)
+    assert 0 < bound <= plan_step_time(plan, layers, dev, slowdowns=slow).step_s
+    one = initial_plan(num_layers=16, dp=2, pp=1, global_batch=8, micro_batch=1)
+    one = dataclasses.replace(one, schedule=schedule)
+    assert step_lower_bound(one, layers, dev) == pytest.approx(
+        plan_step_time(one, layers, dev).step_s, rel=1e-8
+    )
 
 
 def test_rotating_shares_cost_between_their_mean_and_their_largest():

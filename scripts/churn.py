@@ -277,6 +277,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--quick", action="store_true", help="the first case, one seed")
     parser.add_argument(
+        "--cases", default=",".join(str(i) for i in range(len(CASES))),
+        help=f"which cases, by index (0..{len(CASES) - 1}, default all): runs in parallel "
+        "write their own OUT and their rows are joined into one churn.json",
+    )  # fmt: skip
+    parser.add_argument(
         "--schedule", choices=["auto", "1f1b"], default="auto",
         help="ElasWave's schedules: auto (its planner chooses, default) or 1f1b only",
     )  # fmt: skip
@@ -295,8 +300,18 @@ def main() -> None:
         plot(rows, args.out / "churn.png")
         print(f"wrote {args.out}/churn.{{md,png}} from {args.out}/churn.json")
         return
-    seeds = [int(s) for s in args.seeds.split(",")]
-    cases = CASES[:1] if args.quick else CASES
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        picked = [int(i) for i in args.cases.split(",")]
+        cases = [CASES[i] for i in picked if i >= 0]
+        if len(cases) != len(picked):
+            raise IndexError
+    except (ValueError, IndexError):
+        parser.error(
+            f"--seeds {args.seeds!r} --cases {args.cases!r}: comma-separated integers, "
+            f"cases 0..{len(CASES) - 1}"
+        )
+    cases = cases[:1] if args.quick else cases
     costs = RecoveryCosts()
     rows = []
     for case in cases:

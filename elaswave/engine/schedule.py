@@ -149,7 +149,7 @@ def zero_bubble(
     return [list(x) for x in _planned(m, tuple(costs), cap, tuple(limits), tuple(holds))]
 
 
-@functools.lru_cache(maxsize=1024)  # a planner prices many plans of one pipeline at a change
+@functools.lru_cache(maxsize=512)  # a change prices many plans of one pipeline: their lists recur
 def _planned(
     m: int,
     costs: tuple[OpCosts, ...],

@@ -357,16 +357,6 @@ class _Links:
     """Receiver replica of each route."""
     seconds: np.ndarray
     """Transfer time of each route's samples."""
-    by_dst: np.ndarray
-    """Route indexes sorted by receiver."""
-    dst_starts: np.ndarray
-    """Where each receiver's routes start in ``by_dst``."""
-    dsts: np.ndarray
-    """The receivers, in that order."""
-    src_starts: np.ndarray
-    """Where each sender's routes start (routes are sorted by sender)."""
-    srcs: np.ndarray
-    """The senders, in that order."""
     into_dst: np.ndarray
     """[k, receiver] the sender of the receiver's k-th route; receivers with fewer
     routes are padded with the sender count (a column of zeros beside the senders'
@@ -416,15 +406,9 @@ def _routes(
     src, dst, width = src[keep], dst[keep], width[keep]
     widths, which = np.unique(width, return_inverse=True)  # a few distinct sizes
     seconds = np.array([p2p_time(w * bytes_per_sample, device) for w in widths])[which]
-    by_dst = np.argsort(dst, kind="stable")
-    dsts, dst_starts = np.unique(dst[by_dst], return_index=True)
-    srcs, src_starts = np.unique(src, return_index=True)
     into_dst, into_dst_s = _padded(dst, src, seconds, receivers=len(b), pad=len(a))
     into_src, into_src_s = _padded(src, dst, seconds, receivers=len(a), pad=len(b))
-    return _Links(
-        src, dst, seconds, by_dst, dst_starts, dsts, src_starts, srcs,
-        into_dst, into_dst_s, into_src, into_src_s,
-    )  # fmt: skip
+    return _Links(src, dst, seconds, into_dst, into_dst_s, into_src, into_src_s)
 
 
 def _padded(

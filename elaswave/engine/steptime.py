@@ -366,6 +366,10 @@ class _Links:
     into_src: np.ndarray
     """[k, sender] likewise, the receivers whose gradients come back to each sender."""
     into_src_s: np.ndarray
+    src_reach: np.ndarray
+    """Per sender, the longest of its routes' transfers (-inf: it sends nothing)."""
+    dst_reach: np.ndarray
+    """Per receiver, likewise for the gradients it sends back."""
 
 
 def _links(plan: Plan, s: int, mb: int, bytes_per_sample: float, device: DeviceSpec) -> _Links:
@@ -408,7 +412,13 @@ def _routes(
     seconds = np.array([p2p_time(w * bytes_per_sample, device) for w in widths])[which]
     into_dst, into_dst_s = _padded(dst, src, seconds, receivers=len(b), pad=len(a))
     into_src, into_src_s = _padded(src, dst, seconds, receivers=len(a), pad=len(b))
-    return _Links(src, dst, seconds, into_dst, into_dst_s, into_src, into_src_s)
+    src_reach = np.full(len(a), -np.inf)
+    np.maximum.at(src_reach, src, seconds)
+    dst_reach = np.full(len(b), -np.inf)
+    np.maximum.at(dst_reach, dst, seconds)
+    return _Links(
+        src, dst, seconds, into_dst, into_dst_s, into_src, into_src_s, src_reach, dst_reach
+    )
 
 
 def _padded(
@@ -602,22 +612,16 @@ def _sends_done(
     bwd_end: Sequence[np.ndarray],
     free: Sequence[np.ndarray],
 ) -> list[np.ndarray]:
-    """When each replica is done: its compute and its last send."""
+    """When each replica is done: its compute and its last send (a send leaves when its
+    micro-batch's compute ends, so a replica's last is at the latest of those ends plus
+    that micro-batch's longest route)."""
     m = plan.num_micro_batches
     done = [f.copy() for f in free]
     for s in range(plan.pp - 1):  # sends: activations to s + 1, gradients back to s
         row = links[s]
-        first: dict[int, int] = {}  # each set of routes' first phase (phases share sets)
-        for ph, ln in enumerate(row):
-            first.setdefault(id(ln), ph)
-        group = np.array([first[id(ln)] for ln in row])[np.arange(m) % len(row)]
-        for ph in first.values():
-            ln = row[ph]
-            if not ln.src.size:
-                continue
-            mbs = np.flatnonzero(group == ph)
-            out = fwd_end[s][mbs][:, ln.src].max(axis=0) + ln.seconds
-            np.maximum.at(done[s], ln.src, out)
-            back = bwd_end[s + 1][mbs][:, ln.dst].max(axis=0) + ln.seconds
-            np.maximum.at(done[s + 1], ln.dst, back)
+        each = np.arange(m) % len(row)
+        out = np.stack([ln.src_reach for ln in row])[each]  # [micro-batch, sender]
+        np.maximum(done[s], _MAX(fwd_end[s][:, :-1] + out, axis=0), out=done[s])
+        back = np.stack([ln.dst_reach for ln in row])[each]
+        np.maximum(done[s + 1], _MAX(bwd_end[s + 1][:, :-1] + back, axis=0), out=done[s + 1])
     return done

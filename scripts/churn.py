@@ -284,8 +284,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first case, one seed")
     parser.add_argument(
         "--cases", default=",".join(str(i) for i in range(len(CASES))),
-        help=f"which cases, by index (0..{len(CASES) - 1}, default all): runs in parallel "
-        "write their own OUT and their rows are joined into one churn.json",
+        help=f"which cases, by index (0..{len(CASES) - 1}, default all); runs of different "
+        "cases may go in parallel, each with its own OUT, their rows then joined into one "
+        "churn.json and --render",
     )  # fmt: skip
     parser.add_argument(
         "--schedule", choices=["auto", "1f1b"], default="auto",

@@ -16,8 +16,8 @@ from elaswave.engine.steptime import (
     StageTimes,
     plan_step_time,
     simulate_step,
-    step_lower_bound,
     stage_times,
+    step_lower_bound,
 )
 from elaswave.model.config import ModelConfig
 

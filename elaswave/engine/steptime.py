@@ -349,14 +349,9 @@ def _sync_s(stage: StagePlan, cost: Mapping[int, LayerCost], device: DeviceSpec)
 
 @dataclass(frozen=True)
 class _Links:
-    """The routes between stage ``s`` and ``s + 1`` in one phase of their rotations."""
+    """The routes between stage ``s`` and ``s + 1`` in one phase of their rotations, as
+    the walk reads them. Kept for other plans with the same shares: read-only."""
 
-    src: np.ndarray
-    """Sender replica of each route, ascending."""
-    dst: np.ndarray
-    """Receiver replica of each route."""
-    seconds: np.ndarray
-    """Transfer time of each route's samples."""
     into_dst: np.ndarray
     """[k, receiver] the sender of the receiver's k-th route; receivers with fewer
     routes are padded with the sender count (a column of zeros beside the senders'
@@ -416,9 +411,10 @@ def _routes(
     np.maximum.at(src_reach, src, seconds)
     dst_reach = np.full(len(b), -np.inf)
     np.maximum.at(dst_reach, dst, seconds)
-    return _Links(
-        src, dst, seconds, into_dst, into_dst_s, into_src, into_src_s, src_reach, dst_reach
-    )
+    arrays = (into_dst, into_dst_s, into_src, into_src_s, src_reach, dst_reach)
+    for array in arrays:
+        array.flags.writeable = False
+    return _Links(*arrays)
 
 
 def _padded(

@@ -20,12 +20,13 @@ megatron's pieces need a torch.distributed world, which ElasWave does not otherw
 create: a process-local one of size 1 is made (gloo over an in-memory store) and every
 parallel group but the TP group is it. ElasWave does not call megatron's
 ``initialize_model_parallel``, so it installs the global objects megatron's layers read
-(memory buffer, RNG tracker). Three megatron paths assume CUDA; on a machine without it
-they are given CPU versions of megatron's own objects (no ``torch.cuda`` is patched):
+(memory buffer, RNG tracker). Three megatron paths assume CUDA; they are given versions
+of megatron's own objects that follow the job's device (no ``torch.cuda`` is patched):
 
 * ``GlobalMemoryBuffer.get_tensor`` allocates on ``torch.cuda.current_device()``
-  (megatron/core/utils.py:631, used by ``DotProductAttention``): a CPU buffer is
-  installed as megatron's global buffer.
+  (megatron/core/utils.py:631, used by ``DotProductAttention``): the buffer installed
+  allocates on the device of the activations of the layer running, so a job on the CPU
+  of a machine that has GPUs keeps its attention on the CPU.
 * The RNG tracker seeds CUDA generators (tensor_parallel/random.py:235) and attention
   forks it even without dropout (dot_product_attention.py:217): a tracker of CPU
   generators with the same API is installed.
@@ -147,6 +148,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+class _Activations:
+    """The device of the activations of the megatron layer running (the memory buffer's)."""
+
+    device = torch.device("cpu")
+
+
+_ACTIVATIONS = _Activations()
+
+
 @functools.cache
 def _world() -> Any:
     """A process-local torch.distributed world of size 1 (megatron's groups need one)."""
@@ -183,19 +193,23 @@ def _tp_group(tp: TpShard) -> Any:
 @functools.cache
 def _megatron_objects() -> None:
     """Give megatron the global objects ``initialize_model_parallel`` would have made,
-    which ElasWave does not call: its memory buffer (a CPU version without CUDA) and an
+    which ElasWave does not call: its memory buffer (on the activations' device) and an
     RNG tracker (of CPU generators: dropout is refused, so it draws nothing on any
     device). See the module docstring."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.utils import GlobalMemoryBuffer
 
-    class CpuMemoryBuffer(GlobalMemoryBuffer):
+    class DeviceMemoryBuffer(GlobalMemoryBuffer):
+        """megatron's buffer on :data:`_ACTIVATIONS`' device (set by each layer's forward)."""
+
         def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            n = functools.reduce(operator.mul, tensor_shape, 1)
-            buf = self.buffer.get((name, dtype))
+            n, device = functools.reduce(operator.mul, tensor_shape, 1), _ACTIVATIONS.device
+            buf = self.buffer.get((name, dtype, device))
             if buf is None or buf.numel() < n:
-                buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+                buf = self.buffer[(name, dtype, device)] = torch.empty(
+                    n, dtype=dtype, device=device
+                )
             return buf[:n].view(*tensor_shape)
 
     class CpuRngTracker:
@@ -232,8 +246,7 @@ def _megatron_objects() -> None:
     # split linears ask, in every forward, for a CUDA setting that speeds up their
     # asynchronous all-reduce; ElasWave's TP group runs it before returning
     warnings.filterwarnings("ignore", "When using async grad allreduce", UserWarning)
-    cuda = torch.cuda.is_available()
-    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer() if cuda else CpuMemoryBuffer()
+    parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer()
     tracker = CpuRngTracker()
     for name in (
         mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
@@ -276,6 +289,7 @@ class MegatronLayer(PipelineLayer):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         rope, mask = self._rope_and_mask(x)
+        _ACTIVATIONS.device = x.device  # where attention's scores buffer is allocated
         out = self.layer(x.transpose(0, 1), attention_mask=mask, rotary_pos_emb=rope)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(0, 1).contiguous()

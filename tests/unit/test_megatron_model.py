@@ -149,3 +149,25 @@ def test_bf16_backward_runs_under_the_forwards_autocast(tmp_path):
         loss().backward()
     grads = [p.grad for layer in layers for p in layer.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads)
+
+
+def test_a_cpu_job_on_a_machine_with_gpus_keeps_attention_on_the_cpu(tmp_path, monkeypatch):
+    """megatron's global memory buffer allocates on ``torch.cuda.current_device()``: a
+    job on the CPU of a GPU machine failed in attention ("batch1 is on cpu, different
+    from other tensors on cuda:0"). The buffer ElasWave installs follows the activations."""
+    from elaswave.model import megatron
+
+    def no_cuda_device() -> int:
+        raise AssertionError("a CPU job asked torch.cuda for its device")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda_device)
+    megatron._megatron_objects.cache_clear()  # installed as on a machine with GPUs
+    try:
+        model = MegatronModel(megatron_shape(_source(tmp_path), seq_len=SEQ))
+        layer = model.build_layer(1, seed=0)
+        ctx = StepContext(step=0, sample_ids=(0, 1), rng=make_rng("counter", seed=0, rank=0))
+        out = layer(torch.randn(2, SEQ, SHAPE["hidden_size"]), ctx)
+        assert out.device.type == "cpu" and out.shape == (2, SEQ, SHAPE["hidden_size"])
+    finally:
+        megatron._megatron_objects.cache_clear()

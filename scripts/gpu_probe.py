@@ -25,6 +25,7 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import (
     Event,
     FailureDetected,
+    RecoveryFinished,
     RecoveryReady,
     RecoveryStarted,
     StepCompleted,
@@ -215,11 +216,12 @@ class Growth:
     threads_after: int
     """The most threads one survivor had (before, after)."""
     joiner_threads_after: int | None
-    """Threads of the worker that started last, at the end (None: no worker joined).
-    A rank holds threads per communicator and per peer connection (NCCL's proxy and
-    socket threads, torch's watchdog), so a job that grows gives every member more; the
-    last joiner holds the final plan's groups and nothing of earlier ones: a survivor
-    that holds many more leaked them."""
+    """Threads, at the end, of the last started of the joiners a change added (None: no
+    worker joined; one that started too late to be added holds no groups). A rank holds
+    threads per communicator and per peer connection (NCCL's proxy and socket threads,
+    torch's watchdog), so a job that grows gives every member more; the last joiner
+    holds the final plan's groups and nothing of earlier ones: a survivor that holds
+    many more leaked them."""
     gpu_mib_before: int | None
     gpu_mib_after: int | None
     """The most GPU memory one survivor held (None: not measured)."""
@@ -243,7 +245,11 @@ def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
     if not alive:
         return None
     started = {e.pid: e.time for e in events if isinstance(e, WorkerStarted)}
-    joiners = [pid for pid in new.threads if pid in started and started[pid] > first]
+    added = {x for e in events if isinstance(e, RecoveryFinished) for x in e.joined}
+    ranks = {e.pid: e.rank for e in events if isinstance(e, WorkerStarted)}
+    joiners = [  # a joiner the job no longer needed (its steps ran out) holds no groups
+        pid for pid in new.threads if started.get(pid, 0.0) > first and ranks[pid] in added
+    ]
     last_joiner = max(joiners, key=lambda pid: started[pid], default=None)
 
     def most(values: Mapping[int, int] | None) -> int | None:

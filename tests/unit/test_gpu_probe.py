@@ -8,7 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from elaswave.bus.schema import RecoveryStarted, StepCompleted, WorkerStarted
+from elaswave.bus.schema import RecoveryFinished, RecoveryStarted, StepCompleted, WorkerStarted
 
 _PATH = Path(__file__).resolve().parents[2] / "scripts" / "gpu_probe.py"
 _SPEC = importlib.util.spec_from_file_location("gpu_probe", _PATH)
@@ -28,12 +28,15 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
         _started(11, 0.0),
         RecoveryStarted(sender="core", step=2, kind="join", ranks=[12], reason="", time=5.0),
         _started(12, 6.0),
-        _started(13, 8.0),
+        RecoveryFinished(sender="core", step=2, kind="join", ranks=[12], mttr_s=1.0, joined=[12]),
+        _started(13, 8.0),  # too late: no change adds it
+        _started(14, 9.0),
+        RecoveryFinished(sender="core", step=6, kind="join", ranks=[14], mttr_s=1.0, joined=[14]),
         StepCompleted(sender="w", rank=0, step=9, loss=1.0, step_time_s=1.0, samples=4, time=20.0),
     ]
     samples = [
         Sample(t=4.0, threads={10: 30, 11: 31}, gpu_mib={10: 100}),
-        Sample(t=19.0, threads={10: 50, 12: 52, 13: 47}, gpu_mib={10: 120}),
+        Sample(t=19.0, threads={10: 50, 12: 52, 13: 5, 14: 47}, gpu_mib={10: 120}),
         Sample(t=21.0, threads={10: 99, 13: 99}, gpu_mib={10: 999}),  # after the last step
     ]
     grown = growth(samples, events)
@@ -43,8 +46,8 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
         30,
         50,
     )  # pid 11 is gone at the end
-    assert grown.joiner_threads_after == 47  # pid 13 started last
+    assert grown.joiner_threads_after == 47  # pid 14 was added last (13 never was)
     assert (grown.gpu_mib_before, grown.gpu_mib_after) == (100, 120)
-    no_join = [e for e in events if not (isinstance(e, WorkerStarted) and e.pid > 11)]
+    no_join = [e for e in events if not isinstance(e, RecoveryFinished)]
     grown = growth(samples, no_join)
     assert grown is not None and grown.joiner_threads_after is None

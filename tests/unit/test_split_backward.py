@@ -195,3 +195,50 @@ def test_the_weight_groups_are_torchs_zero_bubble_groups(layer: str) -> None:
     ours = weight_groups(_node(x), leaves, reverse)
     assert len(ours) >= 1
     assert {frozenset([frozenset(w), frozenset(n)]) for w, n in ours} == _torch_partition(out, x)
+
+
+class _CustomLinear(torch.autograd.Function):
+    """A linear as megatron-core's are: a custom autograd Function."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class _CustomLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_CustomLinear.apply(torch.tanh(x), self.weight))
+
+
+def test_weights_behind_a_custom_function_split_where_torch_cannot_check_its_node(monkeypatch):
+    """torch 2.11 cannot read a custom Function node's input metadata, which
+    ``torch.autograd.grad`` checks a gradient against when it starts from an edge of the
+    graph ("Attribute '_input_metadata' is invalid": every megatron pipeline on a GPU
+    machine's torch 2.11). ``W`` must not depend on that check."""
+    real = torch.autograd._make_grads
+
+    def as_torch_2_11(outputs, grads, *args, **kwargs):
+        for out in outputs:
+            if isinstance(out, torch.autograd.graph.GradientEdge) and isinstance(
+                out.node, torch.autograd.function.BackwardCFunction
+            ):
+                raise RuntimeError("Attribute '_input_metadata' is invalid for this instance")
+        return real(outputs, grads, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "_make_grads", as_torch_2_11)
+    kept = _split_matches_one_backward(_CustomLayer(), seed=5)
+    assert any(
+        isinstance(n, torch.autograd.function.BackwardCFunction)
+        for g in kept.groups
+        for n in g.nodes
+    ), "the custom Function's node is where W starts"

@@ -192,14 +192,28 @@ def _group_weights(group: _Group, accumulated: Accumulated) -> None:
     try:
         if edges:
             targets = [GradientEdge(_node(w), 0) for w in group.weights]
-            dweights = torch.autograd.grad(
-                edges, targets, grad_outputs=grads, retain_graph=True, allow_unused=True
-            )
+            dweights = _grad_from_edges(edges, targets, grads)
     finally:
         for handle in handles:
             handle.remove()
     for w, g in zip(group.weights, dweights, strict=True):
         _accumulate(w, g, accumulated)
+
+
+def _grad_from_edges(
+    edges: Sequence[GradientEdge], targets: Sequence[GradientEdge], grads: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)``,
+    the graph kept. That function first checks each gradient's shape against its edge's
+    node, which torch before 2.13 cannot do for the node of a custom
+    ``autograd.Function`` (megatron-core's linears: "Attribute '_input_metadata' is
+    invalid", torch 2.11 on a GPU machine); each kept gradient flowed into its edge
+    during ``I``, so the engine is called as that function calls it, unchecked."""
+    from torch.autograd.graph import _engine_run_backward
+
+    return _engine_run_backward(
+        tuple(edges), tuple(grads), True, False, tuple(targets), True, accumulate_grad=False
+    )
 
 
 def _node(t: torch.Tensor) -> Node:

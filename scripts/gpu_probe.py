@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
@@ -47,6 +48,8 @@ class Sample:
     """Threads of each process under the job host, by pid."""
     gpu_mib: Mapping[int, int] | None
     """GPU memory of each process nvidia-smi lists, by pid (None: no nvidia-smi)."""
+    names: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    """Each process's threads by name (digits as ``#``), by pid."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +91,18 @@ def _threads(pid: int) -> int | None:
     )
 
 
+def _thread_names(pid: int) -> dict[str, int]:
+    """``pid``'s threads by name (/proc's 15-character names, digits as ``#``)."""
+    names: dict[str, int] = {}
+    try:
+        for task in (Path("/proc") / str(pid) / "task").iterdir():
+            name = re.sub(r"[0-9]+", "#", (task / "comm").read_text().strip())
+            names[name] = names.get(name, 0) + 1
+    except OSError:
+        pass  # gone meanwhile
+    return names
+
+
 def _gpu_mib() -> dict[int, int] | None:
     """GPU memory (MiB) by pid from nvidia-smi; None when it is missing or fails."""
     smi = shutil.which("nvidia-smi")
@@ -116,7 +131,8 @@ def sample(root: int, *, gpu: bool) -> Sample:
     threads = {pid: n for pid in found if (n := _threads(pid)) is not None}
     usage = _gpu_mib() if gpu else None
     mine = None if usage is None else {pid: usage[pid] for pid in found if pid in usage}
-    return Sample(t=time.time(), threads=threads, gpu_mib=mine)
+    names = {pid: _thread_names(pid) for pid in threads}
+    return Sample(t=time.time(), threads=threads, gpu_mib=mine, names=names)
 
 
 def run_train(
@@ -225,6 +241,10 @@ class Growth:
     gpu_mib_before: int | None
     gpu_mib_after: int | None
     """The most GPU memory one survivor held (None: not measured)."""
+    thread_excess: str = ""
+    """The threads the survivor with the most holds at the end beyond the last joiner
+    (where none joined: beyond its own before the first change), by name: what a leak
+    would be made of."""
 
 
 def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
@@ -255,11 +275,20 @@ def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
     def most(values: Mapping[int, int] | None) -> int | None:
         return None if values is None else max((values.get(pid, 0) for pid in alive), default=0)
 
+    busiest = max(alive, key=lambda pid: new.threads[pid])
+    base = old.names.get(busiest, {}) if last_joiner is None else new.names.get(last_joiner, {})
     return Growth(
         survivors=len(alive),
+        thread_excess=_excess(new.names.get(busiest, {}), base),
         threads_before=max(old.threads[pid] for pid in alive),
         threads_after=max(new.threads[pid] for pid in alive),
         joiner_threads_after=None if last_joiner is None else new.threads[last_joiner],
         gpu_mib_before=most(old.gpu_mib),
         gpu_mib_after=most(new.gpu_mib),
     )
+
+
+def _excess(names: Mapping[str, int], base: Mapping[str, int]) -> str:
+    """``name+k`` for each thread name ``names`` holds ``k`` more of than ``base``."""
+    more = {n: c - base.get(n, 0) for n, c in names.items() if c > base.get(n, 0)}
+    return " ".join(f"{n}+{k}" for n, k in sorted(more.items(), key=lambda nk: (-nk[1], nk[0])))

@@ -36,7 +36,12 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
     ]
     samples = [
         Sample(t=4.0, threads={10: 30, 11: 31}, gpu_mib={10: 100}),
-        Sample(t=19.0, threads={10: 50, 12: 52, 13: 5, 14: 47}, gpu_mib={10: 120}),
+        Sample(
+            t=19.0,
+            threads={10: 50, 12: 52, 13: 5, 14: 47},
+            gpu_mib={10: 120},
+            names={10: {"pt_nccl_watchdg": 6, "python3": 44}, 14: {"pt_nccl_watchdg": 3}},
+        ),
         Sample(t=21.0, threads={10: 99, 13: 99}, gpu_mib={10: 999}),  # after the last step
     ]
     grown = growth(samples, events)
@@ -48,6 +53,7 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
     )  # pid 11 is gone at the end
     assert grown.joiner_threads_after == 47  # pid 14 was added last (13 never was)
     assert (grown.gpu_mib_before, grown.gpu_mib_after) == (100, 120)
+    assert grown.thread_excess == "python3+44 pt_nccl_watchdg+3"
     no_join = [e for e in events if not isinstance(e, RecoveryFinished)]
     grown = growth(samples, no_join)
     assert grown is not None and grown.joiner_threads_after is None

@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 Accumulated = Callable[[torch.nn.Parameter], None]
@@ -48,6 +49,9 @@ class HeldWeights:
 
     groups: list[_Group]
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    anchors: list[Node] = field(default_factory=list)
+    """torch's own nodes that keep the groups' custom-Function nodes alive once the
+    output's graph is let go (:func:`anchors`)."""
 
 
 def backward_input(
@@ -93,9 +97,34 @@ def backward_input(
     x_in.grad = grads[0]
     for w, g in zip(apart, grads[1:], strict=True):
         _accumulate(w, g, accumulated)
-    if out._base is None:  # a view cannot be detached in place: its graph goes with it
+    held, whole = anchors([n for g in groups for n in g.nodes], reverse)
+    if out._base is None and not whole:  # a view cannot be detached in place
         out.detach_()  # the output side of the graph is not needed any more
-    return HeldWeights(groups=groups)
+    return HeldWeights(groups=groups, anchors=held)
+
+
+def anchors(nodes: Iterable[Node], reverse: Mapping[Node, list[Node]]) -> tuple[list[Node], bool]:
+    """What keeps ``nodes`` alive for ``W`` once the output's graph is let go. A node is
+    owned by the nodes that consume it; a Python reference to torch's own node owns it
+    too, but torch before 2.13 holds a custom ``autograd.Function``'s node only weakly
+    from Python (megatron-core's linears: on torch 2.11 ``W`` found them freed). So each
+    custom node is anchored by its nearest consumers that are torch's own nodes. Returns
+    those, and whether some custom node has only custom nodes down to the output (then
+    the output's graph must be kept whole)."""
+    held: dict[Node, None] = {}
+    todo = [n for n in nodes if isinstance(n, BackwardCFunction)]
+    seen, whole = set(todo), False
+    while todo:
+        users = reverse.get(todo.pop(), [])
+        whole |= not users
+        for user in users:
+            if isinstance(user, BackwardCFunction):
+                if user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+            else:
+                held[user] = None
+    return list(held), whole
 
 
 def reverse_edges(root: Node) -> dict[Node, list[Node]]:
@@ -177,6 +206,7 @@ def backward_weight(held: HeldWeights, accumulated: Accumulated) -> None:
     for group in held.groups:
         _group_weights(group, accumulated)
     held.groups.clear()
+    held.anchors.clear()
 
 
 def _group_weights(group: _Group, accumulated: Accumulated) -> None:
@@ -192,28 +222,14 @@ def _group_weights(group: _Group, accumulated: Accumulated) -> None:
     try:
         if edges:
             targets = [GradientEdge(_node(w), 0) for w in group.weights]
-            dweights = _grad_from_edges(edges, targets, grads)
+            dweights = torch.autograd.grad(
+                edges, targets, grad_outputs=grads, retain_graph=True, allow_unused=True
+            )
     finally:
         for handle in handles:
             handle.remove()
     for w, g in zip(group.weights, dweights, strict=True):
         _accumulate(w, g, accumulated)
-
-
-def _grad_from_edges(
-    edges: Sequence[GradientEdge], targets: Sequence[GradientEdge], grads: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)``,
-    the graph kept. That function first checks each gradient's shape against its edge's
-    node, which torch before 2.13 cannot do for the node of a custom
-    ``autograd.Function`` (megatron-core's linears: "Attribute '_input_metadata' is
-    invalid", torch 2.11 on a GPU machine); each kept gradient flowed into its edge
-    during ``I``, so the engine is called as that function calls it, unchecked."""
-    from torch.autograd.graph import _engine_run_backward
-
-    return _engine_run_backward(
-        tuple(edges), tuple(grads), True, False, tuple(targets), True, accumulate_grad=False
-    )
 
 
 def _node(t: torch.Tensor) -> Node:

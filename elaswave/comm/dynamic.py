@@ -93,7 +93,9 @@ class ChangePlan:
     drop: tuple[str, ...]
     """Groups of the old membership not carried over."""
     retire_links: tuple[Pair, ...]
-    """Pooled links taken out: those touching a removed rank."""
+    """Pooled links taken out: those touching a removed rank, and those no group of the
+    new membership uses (a change's remap links, routes the new plan does not keep), so
+    that a rank's links follow its plan rather than pile up over changes."""
     new_links: tuple[Pair, ...]
     """Links this rank creates for its rings, in creation order (by pair)."""
     kept_links: tuple[Pair, ...]
@@ -112,6 +114,24 @@ def check_change(*, rank: int, specs: Sequence[GroupSpec], removed: Collection[i
     stale = [s.name for s in specs if set(s.ranks) & set(removed)]
     if stale:
         raise ValueError(f"groups {stale} still contain removed ranks {sorted(removed)}")
+
+
+def links_used(
+    rank: int, specs: Iterable[GroupSpec], *, is_ring: Callable[[GroupSpec], bool] = is_dp_group
+) -> frozenset[Pair]:
+    """The pooled links ``rank``'s groups of ``specs`` run over: its ring neighbours'
+    and its 2-rank groups'. Both ends of a pair find the same answer from the same
+    specs (a pair is used when some group holds both as ring neighbours or as its two
+    members), so both keep a link or both retire it, with no message."""
+    used: set[Pair] = set()
+    for spec in specs:
+        if rank not in spec.ranks:
+            continue
+        if is_ring(spec):
+            used.update(p for p in ring_pairs(spec.ranks) if rank in p)
+        elif len(spec.ranks) == 2:
+            used.add(pair(*spec.ranks))
+    return frozenset(used)
 
 
 def plan_change(
@@ -134,7 +154,8 @@ def plan_change(
     specs = list(specs)
     check_change(rank=rank, specs=specs, removed=removed)
     old = {s.name: s for s in current}
-    retire = sorted(p for p in pooled if p[0] in removed or p[1] in removed)
+    used = links_used(rank, specs, is_ring=is_ring)
+    retire = sorted(p for p in pooled if p[0] in removed or p[1] in removed or p not in used)
     pooled_after = set(pooled) - set(retire)
     reuse, rings, pairs, groups = [], [], [], []
     for spec in sorted((s for s in specs if rank in s.ranks), key=lambda s: s.name):
@@ -186,6 +207,19 @@ class ChangeStats:
         return asdict(self)
 
 
+def may_be_parked(group: CommGroup) -> bool:
+    """Whether a wait may be blocked on ``group``, so that freeing it now could take the
+    process down (a gloo group freed under a blocked wait does). Rings and pair groups
+    post every operation on their links, which hold each until it completes: one whose
+    links hold nothing pending blocks no wait (a thread still running one of its
+    collectives holds it itself). A full group keeps no such record: always kept."""
+    if isinstance(group, PairGroup):
+        return group.link.posted.pending() > 0
+    if isinstance(group, RingGroup):
+        return any(link.posted.pending() > 0 for link in group.links)
+    return True
+
+
 class DynamicCommunicator:
     """A worker's named groups (rings over pooled links, and gloo groups) under changes.
 
@@ -213,7 +247,8 @@ class DynamicCommunicator:
         self.links = LinkPool(store, rank, backend, timeout=timeout, abort=abort)
         self._comm = self._communicator(generation)
         self.retired: list[CommGroup] = []
-        """Groups no change carried over. Kept alive: one may have a wait parked on it."""
+        """Groups no change carried over that may have a wait parked on them, kept alive
+        (:func:`may_be_parked`); the others are let go at the next change."""
 
     @property
     def comm(self) -> Communicator:
@@ -326,7 +361,7 @@ class DynamicCommunicator:
         for spec in plan.pairs:
             new.put(PairGroup(spec, self.rank, self.links, timeout=self.timeout, abort=self.abort))
         dropped = [old[name] for name in plan.drop]
-        self.retired.extend(dropped)
+        self.retired = [g for g in [*self.retired, *dropped] if may_be_parked(g)]
         old.dropped = dropped
         self._comm = new
         seconds = time.perf_counter() - started
@@ -341,8 +376,8 @@ class DynamicCommunicator:
         return stats
 
     def _retire_links(self, plan: ChangePlan, removed: Collection[int]) -> list[Pair]:
-        """Take the pooled links touching a removed rank out of the pool."""
-        return self.links.retire(removed)
+        """Take the plan's retired links out of the pool."""
+        return self.links.retire((), pairs=plan.retire_links)
 
     def _create_groups(self, plan: ChangePlan, generation: int, into: Communicator) -> None:
         """Create the plan's full groups, by name (the links come after)."""

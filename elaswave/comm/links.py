@@ -73,9 +73,10 @@ class LinkPool:
     """This process's links, keyed by pair; shared by every ring and pair group.
 
     Both ends of a link always hold the same entry: links are created by both ends in the
-    same change and retired only when one end is removed (or all at once, by a full
-    rebuild), so "is the pair in my pool" has the same answer on both ends and needs no
-    message.
+    same change and retired by both ends in the same change (when one end is removed, or
+    when no group of the new membership uses the pair: :func:`~elaswave.comm.dynamic.
+    links_used`), or all at once by a full rebuild, so "is the pair in my pool" has the
+    same answer on both ends and needs no message.
     """
 
     def __init__(
@@ -142,9 +143,17 @@ class LinkPool:
             log.debug("link.connected", rank=self.rank, pair=key, generation=generation)
         return created
 
-    def retire(self, ranks: Collection[int] | None = None) -> list[Pair]:
-        """Take the links touching any of ``ranks`` (all links if None) out of the pool."""
-        keys = [k for k in self._links if ranks is None or k[0] in ranks or k[1] in ranks]
+    def retire(
+        self, ranks: Collection[int] | None = None, *, pairs: Collection[Pair] = ()
+    ) -> list[Pair]:
+        """Take the links touching any of ``ranks`` (all links if both are left out), and
+        those of ``pairs``, out of the pool."""
+        every = ranks is None and not pairs
+        keys = [
+            k
+            for k in self._links
+            if every or k in pairs or (ranks is not None and (k[0] in ranks or k[1] in ranks))
+        ]
         # A wait blocks only on an operation that has not completed: the others can go.
         self.retired = [link for link in self.retired if link.posted.pending()]
         for key in sorted(keys):

@@ -167,6 +167,11 @@ class RingGroup:
         """The links this process uses in the ring (at most two)."""
         return sorted({end[0].pair for end in (self._prev, self._next) if end is not None})
 
+    @property
+    def links(self) -> list[Link]:
+        """The links themselves (at most two)."""
+        return [end[0] for end in (self._prev, self._next) if end is not None]
+
     def __repr__(self) -> str:
         return f"RingGroup({self.name!r}, ranks={self.spec.ranks}, rank={self.rank})"
 

@@ -52,3 +52,21 @@ def test_an_idle_retired_link_goes_at_the_next_retirement() -> None:
     assert len(pools[0].retired) == 1  # kept through the change that retires it
     pools[0].retire([])
     assert pools[0].retired == []
+
+
+def test_a_dropped_pair_group_is_kept_only_while_its_link_has_a_pending_operation() -> None:
+    """The dynamic communicator let go none of the groups its changes dropped, and with
+    them their links: a survivor of a churn trace held a gloo group per change."""
+    from elaswave.comm.dynamic import may_be_parked
+    from elaswave.comm.links import PairGroup
+    from elaswave.comm.spec import GroupSpec
+
+    pools = _pools()
+    group = PairGroup(GroupSpec("remap.0-1", (0, 1)), 0, pools[0], timeout=WAIT)
+    assert not may_be_parked(group)
+    got = torch.zeros(1)
+    pending = group.irecv(got, 1, 9)
+    assert may_be_parked(group)  # a wait may block on it: freeing it could abort us
+    pools[1].get(0, 1).send(torch.ones(1), 0, 9).wait(WAIT)
+    pending.wait(WAIT)
+    assert not may_be_parked(group)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from benchmarks.rebuild import RebuildStrategy, plan_rebuild
 from elaswave.comm.abort import AbortSignal, StepAborted
-from elaswave.comm.dynamic import ChangePlan, is_dp_group, plan_change, shrink_specs
+from elaswave.comm.dynamic import ChangePlan, is_dp_group, links_used, plan_change, shrink_specs
 from elaswave.comm.links import pair
 from elaswave.comm.ring import (
     RingGroup,
@@ -359,3 +359,44 @@ def test_a_collective_aborted_after_reserving_leaves_the_ring_tainted(collective
     with pytest.raises(StepAborted):
         run()
     assert ring.tainted, "the ring's counter moved: it must be rebuilt, not reused"
+
+
+# ------------------------------------------------------------------ links that go unused
+
+
+def test_a_link_no_group_uses_any_more_is_retired_on_both_ends() -> None:
+    """A change's remap link, or a route the new plan does not keep, is retired when the
+    next change no longer uses it, though both ends live: a survivor's links follow its
+    plan (on a GPU, churn left a survivor 16 gloo links more than the last joiner)."""
+    ring = GroupSpec("dp.s0", (0, 1, 2, 3))
+    remap = GroupSpec("remap.0-2", (0, 2))
+    pooled = {(0, 1), (0, 3), (0, 2)}  # ring neighbours, and last change's remap link
+    for rank in (0, 2):
+        mine = {p for p in pooled | {(1, 2), (2, 3)} if rank in p}
+        plan = plan_change(rank=rank, current=[ring, remap], pooled=mine, specs=[ring])
+        assert plan.retire_links == ((0, 2),), rank
+        assert plan.drop == ("remap.0-2",)
+        kept = plan_change(rank=rank, current=[ring, remap], pooled=mine, specs=[ring, remap])
+        assert kept.retire_links == () and kept.reuse == ("dp.s0", "remap.0-2")
+
+
+_specs = st.lists(
+    st.tuples(st.booleans(), st.lists(st.integers(0, 7), min_size=2, max_size=6, unique=True)),
+    max_size=8,
+).map(
+    lambda raw: [
+        GroupSpec(f"{'dp' if ring else 'x'}.{i}", tuple(ranks if ring else ranks[:2]))
+        for i, (ring, ranks) in enumerate(raw)
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_specs)
+def test_both_ends_of_a_pair_agree_whether_it_is_used(specs: list[GroupSpec]) -> None:
+    """Keeping or retiring a link needs no message: both ends decide alike."""
+    for a in range(8):
+        for b in range(a + 1, 8):
+            on_a = (a, b) in links_used(a, specs)
+            on_b = (a, b) in links_used(b, specs)
+            assert on_a == on_b, (a, b, specs)

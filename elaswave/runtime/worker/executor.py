@@ -54,6 +54,19 @@ from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
 log = structlog.get_logger(__name__)
 
+STOP_DUMP_S = 10.0
+"""A rank that has not stopped this long after hearing a failure writes every thread's
+stack to its log (:func:`dump_unless_stopped`): one held where no abort reaches (a
+launch on a communicator, a device allocation) then shows where. A stop takes well
+under a second; on an H200, a stage's ranks once took 29 s, and nothing said where."""
+
+
+def dump_unless_stopped() -> None:
+    """Called on the thread that hears a failure (before the training thread can read
+    it): unless :func:`recover` has it within :data:`STOP_DUMP_S` (the training thread
+    stopped), every thread's stack goes to this worker's log."""
+    faulthandler.dump_traceback_later(STOP_DUMP_S, exit=False)
+
 
 class Mailbox:
     """The Core's announcements, put by the bus thread, taken by the training loop.
@@ -255,6 +268,7 @@ def recover(
             if cause is None:
                 raise
             raise cause from None  # a communication error nobody explains: not a recovery
+    faulthandler.cancel_dump_traceback_later()  # stopped, and heard: dump_unless_stopped
     log.info(
         "recovery.stopped",
         announced=str(announced.KIND),

@@ -48,7 +48,7 @@ from elaswave.runtime.job.faults import validate_faults
 from elaswave.runtime.worker.early_release import EarlyRelease, device_groups
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.evaluation import HeldOutEval
-from elaswave.runtime.worker.executor import Mailbox, PauseBox
+from elaswave.runtime.worker.executor import Mailbox, PauseBox, dump_unless_stopped
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.frequency import EmulatedFrequency
 from elaswave.runtime.worker.heartbeat import HeartbeatSender
@@ -110,6 +110,7 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
         if isinstance(event, FailureDetected) and event.generation == abort.generation:
             abort.set(f"ranks {event.ranks} failed ({event.source})", event.ranks)
             early.failed(event.ranks)
+            dump_unless_stopped()
         if isinstance(event, RecoveryFinished):  # no roll-back reaches that change now
             inbox.settled.note(event.generation)
             return

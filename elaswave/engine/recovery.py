@@ -76,9 +76,7 @@ def with_schedule(plan: Plan, rebalancing: Rebalancing | None) -> Plan:
     return plan if found is None else found[1]
 
 
-def _fastest(
-    plan: Plan, rebalancing: Rebalancing, *, kept: Schedule
-) -> tuple[float, Plan] | None:
+def _fastest(plan: Plan, rebalancing: Rebalancing, *, kept: Schedule) -> tuple[float, Plan] | None:
     """(simulated step, plan) of ``plan`` under the fastest of ``rebalancing.schedules``
     that fits the device's memory or is ``kept`` (ties: the earlier); None when none is.
     ``rebalancing`` has the cost model's layers and device."""

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from elaswave.bus.eventlog import read_event_log
+from elaswave.bus.schema import RecoveryReady
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.results import Layout
 from tests.fault.recovery import JOB, STEPS, check_recovered
@@ -75,11 +77,11 @@ def test_regrouped_micro_batches_match_fault_free_run(runs_dir, rotating_referen
 @pytest.mark.long  # rotation blocks: tests/unit/test_rotation_blocks.py
 def test_rotation_blocks_match_fault_free_run(runs_dir, rotating_reference):
     """The same job with the kill in stage 0: its survivors rotate 2 + 1 and 1 + 2, each
-    held for 2 micro-batches (blocks simulate faster than rotating every micro-batch),
-    so the routes to stage 1 change every other micro-batch; the run matches the
-    fault-free one."""
+    held for 2 micro-batches (blocks simulate faster than rotating every micro-batch
+    under 1F1B; ``auto`` now takes zb-cost, under which they do not), so the routes to
+    stage 1 change every other micro-batch; the run matches the fault-free one."""
     run = train(runs_dir / "block_kill", *ROTATING_JOB, "--rebalance", "migrate",
-                "--fault", "kill:1@3:backward")  # fmt: skip
+                "--schedule", "1f1b", "--fault", "kill:1@3:backward")  # fmt: skip
     check_recovered(run, rotating_reference, world=6, failed=[[1]])
     (rec,) = run.summary.recoveries
     stages = rec.plan.stages
@@ -423,16 +425,24 @@ def test_a_stage_lost_whole_a_step_ahead_of_its_snapshot_holders_is_taken_over(
     runs_dir, stage_ref, phase
 ):
     """Regression (scripts/chaos --seed 14 --case 121): the node holding all of stage 1
-    dies in step 4 after stage 1 shipped that step's gradients to its holders in stage 0,
-    whose own step 4 then fails on the dead holders: the survivors have committed step 3
-    and roll back to step 2 (stage 1 might have been a step behind), but the holders kept
-    only their two newest versions, 3 and 4, and every survivor stopped. Holders now keep
-    every version from the step before their own committed step."""
+    dies in step 4 after stage 1 shipped that step's gradients to its holders in stage 0:
+    the survivors roll back to the step before their newest committed one (stage 1 might
+    have been a step behind), but the holders kept only their two newest versions and
+    every survivor stopped. Holders now keep every version from the step before their
+    own committed step. (When this was found, stage 0's own step 4 failed on the dead
+    holders and the survivors had committed 3, rolling back to 2; they now finish step
+    4 first and roll back to 3, by the same rule.)"""
     run = train(runs_dir / f"stage_ahead_{phase}", *STAGE_JOB, "--ranks-per-node", "2",
                 "--fault", f"kill-node:1@4:{phase}")  # fmt: skip
     assert run.summary.steps_completed == 16
     (rec,) = run.summary.recoveries
-    assert rec.ranks == (2, 3) and rec.committed_step == 2, rec
+    reported = {
+        r.event.committed_step
+        for r in read_event_log(run.out / "events.log")
+        if isinstance(r.event, RecoveryReady)
+    }
+    assert len(reported) == 1 and min(reported) >= 3, reported  # step 4 began on stage 0
+    assert rec.ranks == (2, 3) and rec.committed_step == min(reported) - 1, (rec, reported)
     diff = compare_runs(run.out, stage_ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"

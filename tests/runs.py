@@ -16,6 +16,7 @@ import zmq
 from elaswave.runtime.core.compare import load_params
 from elaswave.runtime.core.replay import replay_run
 from elaswave.runtime.job.results import Summary, WorkerResult, read_summary, read_worker_results
+from tests import forkserver
 
 
 @dataclass
@@ -47,6 +48,10 @@ def _job(args: tuple[str, ...]) -> list[str]:
 
 
 def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``elaswave ARGS`` to its end, its output captured (text); started by the tests'
+    fork server (:mod:`tests.forkserver`) unless ``ELASWAVE_TEST_EXEC=1``."""
+    if forkserver.enabled():
+        return forkserver.run(_job(args), timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", "elaswave.cli.main", *_job(args)],
         capture_output=True,
@@ -56,9 +61,16 @@ def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
-def launch(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+Job = subprocess.Popen | forkserver.Command
+"""A job in the background: what the tests use of ``subprocess.Popen``."""
+
+
+def launch(out: Path, *args: str, env: dict[str, str] | None = None) -> Job:
     """``elaswave train`` in the background; its stderr goes to OUT.stderr beside OUT."""
     with out.with_suffix(".stderr").open("w") as err:
+        if forkserver.enabled():
+            argv = _job(("train", "--out", str(out), *args))
+            return forkserver.start(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
         return subprocess.Popen(
             [sys.executable, "-m", "elaswave.cli.main", *_job(("train", "--out", str(out), *args))],
             stdout=subprocess.DEVNULL,
@@ -102,7 +114,7 @@ def plain_publisher(endpoint: str) -> Iterator[zmq.Socket]:
         ctx.term()
 
 
-def await_logged(out: Path, job: subprocess.Popen, kind: type, timeout_s: float = 120) -> None:
+def await_logged(out: Path, job: Job, kind: type, timeout_s: float = 120) -> None:
     """Wait until RUN_DIR/events.log holds an event of ``kind`` while ``job`` runs."""
     from elaswave.bus.eventlog import read_event_log
 
@@ -114,16 +126,21 @@ def await_logged(out: Path, job: subprocess.Popen, kind: type, timeout_s: float 
 
 
 @contextlib.contextmanager
-def background_job(out: Path, *args: str) -> Iterator[subprocess.Popen]:
+def background_job(out: Path, *args: str) -> Iterator[Job]:
     """``elaswave train`` running in the background; yields once RUN_DIR/job.json exists.
 
     stdout and stderr are pipes (text). The job is killed if still running on exit.
     """
-    job = subprocess.Popen(
-        [sys.executable, "-m", "elaswave.cli.main", *_job(("train", "--out", str(out), *args))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    argv = _job(("train", "--out", str(out), *args))
+    job = (
+        forkserver.start(argv)
+        if forkserver.enabled()
+        else subprocess.Popen(
+            [sys.executable, "-m", "elaswave.cli.main", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     )
     try:
         deadline = time.monotonic() + 60

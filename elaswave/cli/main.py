@@ -226,6 +226,7 @@ def _agent(args: argparse.Namespace) -> int:
     import uvloop
 
     from elaswave.runtime.host.nodeagent import parse_endpoint, run_agent
+    from elaswave.runtime.host.zygote import Zygote
 
     if args.node_rank < 0 or (args.nnodes is not None and args.node_rank >= args.nnodes > 0):
         limit = f"[0, {args.nnodes})" if args.nnodes else "non-negative"
@@ -236,15 +237,20 @@ def _agent(args: argparse.Namespace) -> int:
     slots = args.ranks_per_node or 1
     out = args.out or Path("runs/train")
     print(f"elaswave: node {args.node_rank} agent ({slots} workers) joining {args.rdzv_endpoint}")
-    code = uvloop.run(
-        run_agent(
-            out,
-            node=args.node_rank,
-            slots=slots,
-            endpoint=args.rdzv_endpoint,
-            keys_dir=args.bus_keys,
+    zygote = Zygote.start()  # before any thread or event loop: it forks this host's workers
+    try:
+        code = uvloop.run(
+            run_agent(
+                out,
+                node=args.node_rank,
+                slots=slots,
+                endpoint=args.rdzv_endpoint,
+                keys_dir=args.bus_keys,
+                zygote=zygote,
+            )
         )
-    )
+    finally:
+        zygote.close()
     print(f"elaswave: node {args.node_rank} agent: the run {'finished' if code == 0 else 'failed'}")
     return code
 

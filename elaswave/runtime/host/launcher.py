@@ -42,7 +42,6 @@ from elaswave.rundir import (
     OUTPUTS,
     PROFILE,
     core_log,
-    rank_log,
 )
 from elaswave.runtime.core.process import JOB_FAILED
 from elaswave.runtime.core.summary import build_summary
@@ -51,7 +50,8 @@ from elaswave.runtime.host.nodeagent import JOB_KEY, parse_endpoint
 from elaswave.runtime.host.nodes import RemoteNodes
 from elaswave.runtime.host.profile import LayerProfile
 from elaswave.runtime.host.tensorboard import ScalarLog
-from elaswave.runtime.host.zygote import ForkedProcess, Zygote
+from elaswave.runtime.host.workers import start_worker
+from elaswave.runtime.host.zygote import Zygote
 from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, HostLink, LinkOp
 from elaswave.runtime.job.results import Summary, read_summary, write_summary
@@ -75,27 +75,6 @@ def _prepare_run_dir(run_dir: Path, *, resume_dir: str | None) -> None:
         elif path.exists():
             path.unlink()
     (run_dir / LOGS).mkdir()
-
-
-async def _spawn(
-    cfg: JobConfig, run_dir: Path, rank: int, *, join: bool = False
-) -> asyncio.subprocess.Process:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with rank_log(run_dir, rank).open("wb") as out:
-        return await asyncio.create_subprocess_exec(
-            *cfg.layout.worker_command(rank),
-            sys.executable,
-            "-m",
-            "elaswave.runtime.worker.process",
-            "--run-dir",
-            str(run_dir),
-            "--rank",
-            str(rank),
-            *(["--join"] if join else []),
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-        )
 
 
 class JobHost:
@@ -291,13 +270,7 @@ class JobHost:
         zygote, or exec'd with its prefix."""
         if self.nodes is not None and (node := self.nodes.node_of(rank, join=join)) != 0:
             return await self.nodes.spawn(rank, node, join=join)
-        if self.zygote is None or self.cfg.layout.worker_prefix:
-            return await _spawn(self.cfg, self.run_dir, rank, join=join)
-        argv = ["--run-dir", str(self.run_dir), "--rank", str(rank), *(["--join"] * join)]
-        env: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with rank_log(self.run_dir, rank).open("wb") as out:
-            pid = await self.zygote.spawn("worker", argv, env, [out.fileno()])
-        return ForkedProcess(self.zygote, pid)
+        return await start_worker(self.cfg, self.run_dir, rank, join=join, zygote=self.zygote)
 
     async def _reap(self, rank: int, proc: Any) -> None:
         code = await proc.wait()

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import sys
 import uuid
 from pathlib import Path
 
@@ -36,7 +34,9 @@ from elaswave.bus.schema import (
     WorkerSpawned,
 )
 from elaswave.comm.store import connect_store
-from elaswave.runtime.job.config import JobSpec
+from elaswave.runtime.host.workers import start_worker
+from elaswave.runtime.host.zygote import ForkedProcess, Zygote
+from elaswave.runtime.job.config import JobConfig, JobSpec
 
 log = structlog.get_logger(__name__)
 
@@ -59,9 +59,11 @@ async def run_agent(
     slots: int,
     endpoint: str,
     keys_dir: str | None,
+    zygote: Zygote | None = None,
     timeout_s: float = 300.0,
 ) -> int:
-    """Serve as node ``node``'s agent until the run finishes; 0 when it finished well."""
+    """Serve as node ``node``'s agent until the run finishes; 0 when it finished well.
+    ``zygote``: forks this host's workers (:mod:`elaswave.runtime.host.workers`)."""
     host, port = parse_endpoint(endpoint)
     store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
     text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
@@ -73,8 +75,7 @@ async def run_agent(
         topics=(Topic.CONTROL, Topic.LIFECYCLE), keys=keys, log_rejected=False,
     )  # fmt: skip
     await client.connect()
-    heartbeat_s = spec.config.liveness.heartbeat_interval_s
-    agent = _Agent(run_dir, node=node, client=client, heartbeat_s=heartbeat_s)
+    agent = _Agent(spec.config, run_dir, node=node, client=client, zygote=zygote)
     beating = asyncio.create_task(agent.heartbeat(), name="node-heartbeat")
     joined = NodeJoined(
         sender=client.sender, node=node, slots=slots, incarnation=agent.incarnation,
@@ -96,10 +97,14 @@ class _Agent:
     """This host's side of the job: its workers, started and signalled as node 0 asks,
     their exits reported, and its heartbeat."""
 
-    def __init__(self, run_dir: Path, *, node: int, client: BusClient, heartbeat_s: float):
-        self.run_dir, self.node, self.client, self.heartbeat_s = run_dir, node, client, heartbeat_s
+    def __init__(
+        self, cfg: JobConfig, run_dir: Path, *, node: int, client: BusClient, zygote: Zygote | None
+    ) -> None:
+        self.cfg, self.run_dir, self.node = cfg, run_dir, node
+        self.client, self.zygote = client, zygote
+        self.heartbeat_s = cfg.liveness.heartbeat_interval_s
         self.incarnation = uuid.uuid4().hex[:12]
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, asyncio.subprocess.Process | ForkedProcess] = {}
         self.reapers: list[asyncio.Task[None]] = []
 
     async def heartbeat(self) -> None:
@@ -131,7 +136,7 @@ class _Agent:
     async def _spawn(self, rank: int, *, join: bool) -> None:
         sender, node = self.client.sender, self.node
         try:
-            proc = await _spawn(self.run_dir, rank, join=join)
+            proc = await start_worker(self.cfg, self.run_dir, rank, join=join, zygote=self.zygote)
         except OSError as exc:
             await self.client.publish(
                 WorkerSpawned(sender=sender, node=node, rank=rank, error=str(exc))
@@ -141,7 +146,7 @@ class _Agent:
         self.reapers.append(asyncio.create_task(self._reap(rank, proc)))
         await self.client.publish(WorkerSpawned(sender=sender, node=node, rank=rank, pid=proc.pid))
 
-    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _reap(self, rank: int, proc: asyncio.subprocess.Process | ForkedProcess) -> None:
         code = await proc.wait()
         exited = WorkerExited(sender=self.client.sender, node=self.node, rank=rank, code=code)
         await self.client.publish(exited)
@@ -170,13 +175,3 @@ def _take_spec(run_dir: Path, text: str, node: int) -> JobSpec:
         tmp.write_text(text)
         tmp.replace(path)
     return JobSpec.read(run_dir)
-
-
-async def _spawn(run_dir: Path, rank: int, *, join: bool) -> asyncio.subprocess.Process:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with rundir.rank_log(run_dir, rank).open("wb") as out:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "elaswave.runtime.worker.process", "--run-dir", str(run_dir),
-            "--rank", str(rank), *(["--join"] if join else []),
-            stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-        )  # fmt: skip

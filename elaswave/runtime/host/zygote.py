@@ -3,7 +3,8 @@ worker start in milliseconds instead of importing Python and torch again (1.5-3 
 on a loaded 2-core host).
 
 ``elaswave train`` forks the zygote before it starts any thread or event loop, with what
-it loaded for the job (torch, the model's library); the zygote, single-threaded, loads
+it loaded for the job (torch, the model's library), and so does each other host's agent
+for that host's workers (:mod:`elaswave.runtime.host.workers`); the zygote, single-threaded, loads
 the Core's and the worker's modules and what torch loads on first use
 (:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind
 (``core`` or ``worker``) and its arguments and carries, as SCM_RIGHTS, its output's file

@@ -239,7 +239,7 @@ def _serve(path: str) -> None:
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
             conn, _ = listener.accept()
-            pid = _start(conn, listener)
+            pid = _start(conn, [listener, *owners.values()])
             if pid is None:
                 conn.close()
             else:
@@ -247,7 +247,9 @@ def _serve(path: str) -> None:
         _reap(owners)
 
 
-def _start(conn: socket.socket, listener: socket.socket) -> int | None:
+def _start(conn: socket.socket, others: list[socket.socket]) -> int | None:
+    """Fork the command ``conn`` asks for; its pid. ``others``: the server's other
+    sockets, closed in the child (its job's processes would hold them open)."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     while message and not message.endswith(b"\n"):  # a stream: the rest may come later
         more = conn.recv(1 << 20)
@@ -261,8 +263,8 @@ def _start(conn: socket.socket, listener: socket.socket) -> int | None:
     request = json.loads(message)
     pid = os.fork()
     if pid == 0:
-        listener.close()
-        conn.close()
+        for sock in (*others, conn):
+            sock.close()
         _child(request, fds)
     for fd in fds:
         os.close(fd)

@@ -6,10 +6,12 @@ job's Core and workers, :mod:`elaswave.runtime.host.zygote`).
 A command run this way is a process of its own: ``elaswave.cli.main.main(argv)`` in a
 child forked from a single-threaded server that has only imported modules, with the
 caller's environment, working directory and standard streams (passed as SCM_RIGHTS), its
-exit code reported when the server reaps it. What a fresh interpreter does and a fork
-does not (import-time environment, the ``python -m`` entry point) stays tested by the
-commands the tests exec: :func:`tests.runs.launch`, :func:`tests.runs.background_job`,
-the README's commands (``tests/fault/test_run_script.py``) and the start-up tests.
+exit code reported when the server reaps it. :func:`tests.runs.elaswave`,
+:func:`tests.runs.launch` and :func:`tests.runs.background_job` start commands here. What
+a fresh interpreter does and a fork does not (import-time environment, the ``python -m``
+entry point) stays tested by the commands the tests exec: the README's command
+(``tests/fault/test_run_script.py``, ``fresh=True``), the start-up tests, the hosts of
+``tests/fault/test_multihost.py``, ``scripts/gpu_check`` and the examples.
 ``ELASWAVE_TEST_EXEC=1`` makes every command exec.
 
 The server is started on first use, one per test process, and dies with it.

@@ -47,10 +47,11 @@ def _job(args: tuple[str, ...]) -> list[str]:
     return list(args)
 
 
-def elaswave(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def elaswave(*args: str, timeout: float = 240, fresh: bool = False) -> subprocess.CompletedProcess:
     """``elaswave ARGS`` to its end, its output captured (text); started by the tests'
-    fork server (:mod:`tests.forkserver`) unless ``ELASWAVE_TEST_EXEC=1``."""
-    if forkserver.enabled():
+    fork server (:mod:`tests.forkserver`) unless ``fresh`` (a new interpreter, as a
+    person's shell starts it) or ``ELASWAVE_TEST_EXEC=1``."""
+    if forkserver.enabled() and not fresh:
         return forkserver.run(_job(args), timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", "elaswave.cli.main", *_job(args)],

@@ -19,8 +19,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf_llama.py"
 STEPS = 20
 
 
-def _run(out: Path, *flags: str, script: Path = EXAMPLE) -> Run:
-    proc = elaswave("run", "--out", str(out), *flags, str(script))
+def _run(out: Path, *flags: str, script: Path = EXAMPLE, fresh: bool = False) -> Run:
+    proc = elaswave("run", "--out", str(out), *flags, str(script), fresh=fresh)
     assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     run = Run(out, proc)
     check_replay(run)
@@ -29,9 +29,12 @@ def _run(out: Path, *flags: str, script: Path = EXAMPLE) -> Run:
 
 @pytest.fixture(scope="module")
 def example_runs(runs_dir) -> dict[str, Run]:
-    """The README's command (dp2 x pp2, 20 steps), and the same script in one process."""
+    """The README's command (dp2 x pp2, 20 steps) in a new interpreter, as a person runs
+    it, and the same script in one process."""
     return {
-        "2x2": _run(runs_dir / "run_2x2", "--dp", "2", "--pp", "2", "--steps", str(STEPS)),
+        "2x2": _run(
+            runs_dir / "run_2x2", "--dp", "2", "--pp", "2", "--steps", str(STEPS), fresh=True
+        ),
         "1x1": _run(runs_dir / "run_1x1", "--dp", "1", "--pp", "1", "--steps", str(STEPS)),
     }
 

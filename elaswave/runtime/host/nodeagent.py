@@ -102,7 +102,6 @@ class _Agent:
     ) -> None:
         self.cfg, self.run_dir, self.node = cfg, run_dir, node
         self.client, self.zygote = client, zygote
-        self.heartbeat_s = cfg.liveness.heartbeat_interval_s
         self.incarnation = uuid.uuid4().hex[:12]
         self.procs: dict[int, asyncio.subprocess.Process | ForkedProcess] = {}
         self.reapers: list[asyncio.Task[None]] = []
@@ -113,7 +112,7 @@ class _Agent:
         )
         while True:
             await self.client.publish(beat)
-            await asyncio.sleep(self.heartbeat_s)
+            await asyncio.sleep(self.cfg.liveness.heartbeat_interval_s)
 
     async def serve(self) -> bool:
         """Answer node 0's requests until the run finishes; whether it finished well.

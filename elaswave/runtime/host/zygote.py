@@ -4,9 +4,9 @@ on a loaded 2-core host).
 
 ``elaswave train`` forks the zygote before it starts any thread or event loop, with what
 it loaded for the job (torch, the model's library), and so does each other host's agent
-for that host's workers (:mod:`elaswave.runtime.host.workers`); the zygote, single-threaded, loads
-the Core's and the worker's modules and what torch loads on first use
-(:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind
+for that host's workers (:mod:`elaswave.runtime.host.workers`). The zygote,
+single-threaded, loads the Core's and the worker's modules and what torch loads on first
+use (:data:`LAZY_IMPORTS`), then forks one process per request. A request names the kind
 (``core`` or ``worker``) and its arguments and carries, as SCM_RIGHTS, its output's file
 descriptor (and a Core's end of the host link). The zygote answers ``{"pid": P}`` and,
 when it has reaped a process, ``{"exit": P, "code": C}`` (``-signal`` for a signal). It

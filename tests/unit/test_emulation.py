@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from elaswave.engine.cost import compute_time, device, layer_costs
 from elaswave.model.config import TINY
 from elaswave.runtime.job.faults import FaultKind, parse_fault
-from elaswave.runtime.worker.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.emulation import DelayedSend, Pacer, precise_sleep, sleep_until
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.frequency import EmulatedFrequency
 
@@ -88,6 +89,44 @@ def test_delayed_send_posts_after_the_delay() -> None:
     send = DelayedSend(lambda: posted.append(time.perf_counter()) or "work", 0.05)
     assert send.work(5.0) == "work"
     assert posted[0] - started >= 0.045
+
+
+def test_delayed_sends_share_one_thread_and_post_in_due_order() -> None:
+    """Sends posted out of order of their delays are posted in order of their due times,
+    none before it, from one thread whatever their number (not a thread per send)."""
+    posted: list[tuple[int, float, str]] = []
+    started = time.perf_counter()
+    delays = [0.3, 0.1, 0.2, 0.0, 0.1]  # apart by more than a loaded host stalls
+
+    def post(i: int) -> int:
+        posted.append((i, time.perf_counter(), threading.current_thread().name))
+        return i
+
+    sends = [DelayedSend(lambda i=i: post(i), d) for i, d in enumerate(delays)]
+    assert [s.work(5.0) for s in sends] == list(range(len(delays)))
+    assert [i for i, _, _ in posted] == [3, 1, 4, 2, 0]  # by due time, ties in send order
+    assert all(t - started >= delays[i] for i, t, _ in posted)
+    assert {name for _, _, name in posted} == {"delayed-sends"}
+
+
+def test_a_delayed_send_that_fails_reports_its_error() -> None:
+    def post() -> str:
+        raise RuntimeError("peer gone")
+
+    with pytest.raises(RuntimeError, match="peer gone"):
+        DelayedSend(post, 0.0).work(5.0)
+    assert DelayedSend(lambda: "next", 0.0).work(5.0) == "next"  # the poster goes on
+
+
+def test_a_paced_wait_never_ends_before_its_deadline() -> None:
+    for seconds in (0.0, 1e-4, 2e-3):
+        started = time.perf_counter()
+        precise_sleep(seconds)
+        assert time.perf_counter() - started >= seconds
+    deadline = time.perf_counter() + 1e-3
+    sleep_until(deadline)
+    assert time.perf_counter() >= deadline
+    sleep_until(deadline - 1.0)  # already past: returns at once
 
 
 def test_slow_fault_parses_and_applies_from_its_step() -> None:

@@ -17,6 +17,9 @@ waiting ``FACTOR - 1`` times the measured compute.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +33,28 @@ from elaswave.engine.cost import ring_allreduce_time as ring_time
 from elaswave.runtime.worker.frequency import EmulatedFrequency
 
 log = structlog.get_logger(__name__)
+
+SPIN_S = 2e-4
+"""The last part of an emulated wait spent reading the clock instead of sleeping. The
+kernel wakes a sleeper about 0.1 ms late on this kind of host (timer slack and the
+scheduler's wake-up), and a pipeline of short emulated actions adds that up along its
+critical path: 24 actions of 5 ms each on a stage of ``dp1 x pp4`` under ZB-H1 lost 3 ms
+a step to it. Polling costs at most this much CPU per wait."""
+
+
+def sleep_until(deadline: float) -> None:
+    """Return at ``deadline`` (``time.perf_counter``), within microseconds: sleep to
+    :data:`SPIN_S` before it, then poll the clock."""
+    ahead = deadline - time.perf_counter() - SPIN_S
+    if ahead > 0:
+        time.sleep(ahead)
+    while time.perf_counter() < deadline:
+        pass
+
+
+def precise_sleep(seconds: float) -> None:
+    """``time.sleep`` that ends on time (:func:`sleep_until`)."""
+    sleep_until(time.perf_counter() + seconds)
 
 
 @dataclass
@@ -66,7 +91,7 @@ class Pacer:
     slowdown: float = 1.0
     """Fail-slow factor applied to compute time."""
     clock: StepClock = field(default_factory=StepClock)
-    sleep: Callable[[float], None] = time.sleep
+    sleep: Callable[[float], None] = precise_sleep
     waited: Callable[[], float] | None = None
     """Seconds this process has spent in its layers' own collectives so far (its TP
     group's, :class:`~elaswave.runtime.worker.tpgroup.TpLink`): on real devices a fail-slow
@@ -153,18 +178,59 @@ class Pacer:
 W = TypeVar("W")
 
 
+class _Poster:
+    """One thread per process that runs callbacks at their due times (the delayed sends
+    of an emulated device): a send is a push on its heap, not a thread of its own
+    (``threading.Timer`` started one per send, on the sender's critical path)."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="delayed-sends", daemon=True)
+        self._thread.start()
+
+    def at(self, deadline: float, fire: Callable[[], None]) -> None:
+        """Run ``fire`` on the poster's thread at ``deadline`` (``time.perf_counter``)."""
+        with self._changed:
+            heapq.heappush(self._due, (deadline, next(self._order), fire))
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._due or self._due[0][0] - time.perf_counter() > SPIN_S:
+                    left = self._due[0][0] - time.perf_counter() - SPIN_S if self._due else None
+                    self._changed.wait(left)
+                deadline, _, fire = heapq.heappop(self._due)
+            sleep_until(deadline)
+            fire()
+
+
+_POSTER: tuple[int, _Poster] | None = None
+_POSTER_LOCK = threading.Lock()
+
+
+def _poster() -> _Poster:
+    """This process's poster, started on first use (a forked child starts its own)."""
+    global _POSTER
+    with _POSTER_LOCK:
+        if _POSTER is None or _POSTER[0] != os.getpid():
+            _POSTER = (os.getpid(), _Poster())
+        return _POSTER[1]
+
+
 class DelayedSend(Generic[W]):
     """A point-to-point send posted after the modelled transfer time, off the caller's
-    thread, so that compute goes on meanwhile; :meth:`work` waits for the post."""
+    thread (the process's :class:`_Poster`), so that compute goes on meanwhile;
+    :meth:`work` waits for the post."""
 
     def __init__(self, post: Callable[[], W], delay_s: float) -> None:
         self._posted = threading.Event()
         self._work: tuple[W] | None = None
         self._error: BaseException | None = None
         self._post = post
-        self._timer = threading.Timer(delay_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+        _poster().at(time.perf_counter() + delay_s, self._fire)
 
     def _fire(self) -> None:
         try:

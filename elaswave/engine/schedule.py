@@ -13,18 +13,29 @@ forwards, then alternates one forward and one backward, then drains the remainin
 backwards. At most ``P - s`` micro-batches are in flight on stage ``s``, which bounds
 its activation memory.
 
-**Zero bubble** (:func:`zero_bubble`, ZB-H1 at equal costs: :func:`zb_h1`): the backward
-split in ``I`` and ``W``; each stage runs, by list scheduling over the whole pipeline,
-the first of ``I`` (its gradient arrived), ``F`` (its input arrived, fewer than
-``P - s`` micro-batches between ``F`` and ``I``, 1F1B's bound) and ``W`` (the oldest
-pending one) that can start when it is free, and a ``W`` first once ``P - 1`` are
-pending. The ``W`` work fills what would be the bubbles of 1F1B: with forward, input-
-and weight-gradient passes of equal time, the bubble falls from 1F1B's ``(P - 1)/M`` of
-the step toward ``(P - 1)/3M`` (arXiv 2401.10241). Given each stage's own costs (a
-stage that carries a larger share of a micro-batch after a loss), the same planner
-places that stage's extra ``W`` work where its neighbours' waits would idle it.
-:func:`zero_bubble` also takes a cap on pending ``W`` and per-stage caps on the
-forwards in flight (``F`` to ``I``) and held (``F`` to ``W``: what memory holds).
+**Zero bubble**: the backward split in ``I`` and ``W``, the ``W`` work placed where
+1F1B's bubbles would be: with forward, input- and weight-gradient passes of equal time,
+the bubble falls from 1F1B's ``(P - 1)/M`` of the step to ``(P - 1)/3M`` (arXiv
+2401.10241). Two constructions:
+
+* :func:`deferred_weights`: 1F1B with every backward split and stage ``s``'s weight
+  halves run ``s`` micro-batches late (the paper's handcrafted ZB-H1; torch's
+  ``ScheduleInterleavedZeroBubble`` builds the same lists at one stage per rank). At
+  equal costs its step is ``3M + P - 1`` units whenever ``M >= P``, and no stage holds
+  more than ``P`` micro-batches (1F1B's peak, on its first stage).
+* :func:`zero_bubble`, list scheduling over the whole pipeline: each stage runs the
+  first of ``I`` (its gradient arrived), ``F`` (its input arrived, fewer than ``P - s``
+  micro-batches between ``F`` and ``I``, 1F1B's bound) and ``W`` (the oldest pending
+  one) that can start when it is free, and a ``W`` first once ``P - 1`` are pending.
+  Given each stage's own costs (a stage that carries a larger share of a micro-batch
+  after a loss), it places that stage's extra ``W`` work where its neighbours' waits
+  would idle it. It also takes a cap on pending ``W`` and per-stage caps on the
+  forwards in flight (``F`` to ``I``) and held (``F`` to ``W``: what memory holds).
+
+**ZB-H1** (:func:`zb_h1`) is whichever of the two gives the shorter step at equal
+costs (:func:`span`): the deferred lists for ``M >= P`` (one unit shorter than the list
+scheduler's there), the list scheduler's for some pipelines of fewer micro-batches
+than stages.
 
 **zb-cost** (:attr:`Schedule.ZB_COST`): the zero-bubble lists chosen for the plan at
 hand, by the replica-by-replica simulation, among :func:`zero_bubble`'s at several of
@@ -169,14 +180,93 @@ def equal_costs(num_stages: int) -> list[OpCosts]:
     return [OpCosts(1.0, 0.0, 2.0), *[OpCosts()] * (num_stages - 1)]
 
 
+def deferred_weights(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action]:
+    """Stage ``stage``'s 1F1B list with every backward split and its weight halves
+    deferred by the stage's index: 1F1B's ``P - s - 1`` warm-up forwards, then for each
+    micro-batch ``k`` the next forward, ``I`` of ``k`` and ``W`` of ``k - s``, then the
+    ``W`` left (the module docstring)."""
+    _check_stage(num_stages, stage, num_micro_batches)
+    m = num_micro_batches
+    warmup = min(num_stages - stage - 1, m)
+    actions: list[Action] = [(Op.FORWARD, mb) for mb in range(warmup)]
+    for mb in range(m):
+        if warmup + mb < m:
+            actions.append((Op.FORWARD, warmup + mb))
+        actions.append((Op.INPUT, mb))
+        if mb >= stage:
+            actions.append((Op.WEIGHT, mb - stage))
+    actions += [(Op.WEIGHT, mb) for mb in range(max(0, m - stage), m)]
+    return actions
+
+
+def span(lists: Sequence[Sequence[Action]], costs: Sequence[OpCosts]) -> float:
+    """The step of a pipeline running these lists at these per-stage costs: each action
+    as soon as its stage is free and its input is there (a forward's from the stage
+    before, an input gradient's from the stage after, each after its send)."""
+    p = len(lists)
+    free = [0.0] * p
+    ends: dict[tuple[bool, int, int], float] = {}
+    """(gradient, stage, micro-batch): when a forward or a backward's input half ended."""
+    nxt = [0] * p
+    left = sum(len(x) for x in lists)
+    while left:
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(lists[s]):
+                op, mb = lists[s][nxt[s]]
+                ready = _input_ready(op, s, mb, costs, ends)
+                if ready is None:
+                    break
+                free[s] = max(free[s], ready) + _seconds(op, costs[s])
+                if op is not Op.WEIGHT:
+                    ends[(op is not Op.FORWARD, s, mb)] = free[s]
+                nxt[s] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise ValueError("the lists wait on each other: no action can start")
+    return max(free)
+
+
+def _input_ready(
+    op: Op, s: int, mb: int, costs: Sequence[OpCosts], ends: dict[tuple[bool, int, int], float]
+) -> float | None:
+    """When ``op`` of micro-batch ``mb`` on stage ``s`` has its input (None: not yet)."""
+    if op is Op.WEIGHT or (op is Op.FORWARD and s == 0):
+        return 0.0
+    if op is Op.FORWARD:
+        end = ends.get((False, s - 1, mb))
+        return None if end is None else end + costs[s - 1].send_fwd_s
+    if s == len(costs) - 1:  # the loss: after the stage's own forward
+        return ends.get((False, s, mb))
+    end = ends.get((True, s + 1, mb))
+    return None if end is None else end + costs[s + 1].send_bwd_s
+
+
+def _seconds(op: Op, cost: OpCosts) -> float:
+    if op is Op.FORWARD:
+        return cost.fwd_s
+    if op is Op.INPUT:
+        return cost.input_s
+    if op is Op.WEIGHT:
+        return cost.weight_s
+    return cost.input_s + cost.weight_s
+
+
 @functools.lru_cache(maxsize=64)
 def _zb_h1_lists(num_stages: int, num_micro_batches: int) -> tuple[tuple[Action, ...], ...]:
-    lists = zero_bubble(num_micro_batches=num_micro_batches, costs=equal_costs(num_stages))
-    return tuple(tuple(x) for x in lists)
+    p, m = num_stages, num_micro_batches
+    costs = equal_costs(p)
+    deferred = tuple(
+        tuple(deferred_weights(num_stages=p, stage=s, num_micro_batches=m)) for s in range(p)
+    )
+    planned = tuple(tuple(x) for x in zero_bubble(num_micro_batches=m, costs=costs))
+    return min((deferred, planned), key=lambda lists: span(lists, costs))  # ties: deferred
 
 
 def zb_h1(*, num_stages: int, stage: int, num_micro_batches: int) -> list[Action]:
-    """Stage ``stage``'s ZB-H1 list: :func:`zero_bubble` at :func:`equal_costs`."""
+    """Stage ``stage``'s ZB-H1 list: of :func:`deferred_weights` and :func:`zero_bubble`
+    at :func:`equal_costs`, the lists with the shorter :func:`span`."""
     _check_stage(num_stages, stage, num_micro_batches)
     return list(_zb_h1_lists(num_stages, num_micro_batches)[stage])
 

@@ -53,7 +53,9 @@ from elaswave.engine.schedule import (
     OpCosts,
     Schedule,
     equal_costs,
+    max_held,
     stage_actions,
+    zb_h1,
     zero_bubble,
 )
 from elaswave.fabric.remap import FP32_BYTES
@@ -234,12 +236,13 @@ def zb_cost_candidates(
     largest the planner sees every micro-batch as slow as the slowest replica's, and
     packs worse); ``W`` pending up to ``(P - 1)`` times :data:`ZB_COST_PENDING_W`; at
     most 1F1B's ``P - s`` forwards in flight, or as many as the stage's memory holds;
-    every stage within its memory (:func:`held_limits`). The first is ZB-H1's list
-    wherever ZB-H1 fits."""
+    every stage within its memory (:func:`held_limits`). The first is ZB-H1's lists
+    (:func:`~elaswave.engine.schedule.zb_h1`) wherever they fit."""
     p, m = plan.pp, plan.num_micro_batches
     held = held_limits(plan, layers, device)
     own = op_costs(stage_times(plan, layers, device, mean=True))
-    out = []
+    zb = tuple(tuple(zb_h1(num_stages=p, stage=s, num_micro_batches=m)) for s in range(p))
+    out = [zb] if all(max_held(x) <= h for x, h in zip(zb, held, strict=True)) else []
     for costs in (equal_costs(p), own):
         for times in ZB_COST_PENDING_W:
             for in_flight in ([p - s for s in range(p)], held):

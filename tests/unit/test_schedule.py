@@ -17,9 +17,11 @@ from elaswave.engine.schedule import (
     OpCosts,
     Schedule,
     check,
+    equal_costs,
     max_held,
     max_in_flight,
     one_f_one_b,
+    span,
     stage_actions,
     zb_h1,
     zero_bubble,
@@ -27,6 +29,7 @@ from elaswave.engine.schedule import (
 from elaswave.engine.steptime import (
     StageTimes,
     held_limits,
+    op_costs,
     plan_lists,
     plan_step_time,
     simulate_step,
@@ -52,16 +55,58 @@ def test_every_list_is_valid_and_within_the_activation_bound(schedule: Schedule)
                 assert max_in_flight(acts) <= min(p - s, m)
 
 
-def test_zb_h1_splits_every_backward_and_defers_weight_halves() -> None:
-    acts = zb_h1(num_stages=4, stage=0, num_micro_batches=8)
-    assert {op for op, _ in acts} == {Op.FORWARD, Op.INPUT, Op.WEIGHT}
-    first_w = acts.index((Op.WEIGHT, 0))
-    assert first_w > acts.index((Op.INPUT, 0)) + 1, "W of the first micro-batch deferred"
-    pending = peak = 0
-    for op, _ in acts:
-        pending += {Op.INPUT: 1, Op.WEIGHT: -1}.get(op, 0)
-        peak = max(peak, pending)
-    assert peak <= 3, "at most P - 1 weight halves pending"
+def _text(actions: list[tuple[Op, int]]) -> str:
+    return " ".join(f"{op}{mb}" for op, mb in actions)
+
+
+def test_zb_h1_defers_each_stages_weight_halves_by_its_index() -> None:
+    """The paper's handcrafted ZB-H1 (torch's ScheduleInterleavedZeroBubble builds the
+    same lists at one stage per rank: these are its lists for 2 and 4 stages)."""
+    lists = [_text(zb_h1(num_stages=2, stage=s, num_micro_batches=4)) for s in range(2)]
+    assert lists == [
+        "F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3",
+        "F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3",
+    ]
+    last = _text(zb_h1(num_stages=4, stage=3, num_micro_batches=8))
+    assert last == "F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7"
+    first = _text(zb_h1(num_stages=4, stage=0, num_micro_batches=8))
+    assert first.startswith("F0 F1 F2 F3 I0 W0 F4 I1 W1")
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_h1_reaches_the_zero_bubble_step_within_1f1b_peak_memory(p: int) -> None:
+    """At equal costs (the first stage's backward all weight half) ZB-H1's step is
+    3M + P - 1 units, a bubble of (P - 1)/3M, for every M >= P; below, never longer
+    than the list scheduler's; no stage holds more than P micro-batches (1F1B's peak,
+    on its first stage), and each stage keeps 1F1B's activation bound."""
+    costs = equal_costs(p)
+    for m in range(1, 25):
+        lists = [zb_h1(num_stages=p, stage=s, num_micro_batches=m) for s in range(p)]
+        for s, acts in enumerate(lists):
+            check(acts, num_stages=p, stage=s, num_micro_batches=m)
+            assert max_held(acts) <= min(p, m)
+        planned = zero_bubble(num_micro_batches=m, costs=costs)
+        assert span(lists, costs) <= span(planned, costs)
+        if m >= p:
+            assert span(lists, costs) == 3 * m + p - 1
+            assert span(planned, costs) >= 3 * m + p - 1 + (p > 1 and m > 1)
+
+
+def test_span_times_lists_as_the_step_simulation_does() -> None:
+    """The planner's own timing of lists against steptime's, on uneven costs and sends."""
+    times = [(1.0, 2.0, 0.3, 0.0), (1.5, 2.5, 0.1, 0.4), (0.8, 1.9, 0.0, 0.1)]
+    stages = [StageTimes(f, b, send_f, send_b, sync_s=0.0) for f, b, send_f, send_b in times]
+    for schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
+        lists = [
+            stage_actions(schedule, num_stages=3, stage=s, num_micro_batches=6) for s in range(3)
+        ]
+        expected = simulate_step(stages, 6, schedule).step_s
+        assert span(lists, op_costs(stages)) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="wait on each other"):
+        span(
+            [[(Op.FORWARD, 0), (Op.INPUT, 0), (Op.WEIGHT, 0)], [(Op.INPUT, 0), (Op.FORWARD, 0)]],
+            equal_costs(2),
+        )
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (6, 12)])

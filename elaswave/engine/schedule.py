@@ -205,8 +205,7 @@ def span(lists: Sequence[Sequence[Action]], costs: Sequence[OpCosts]) -> float:
     before, an input gradient's from the stage after, each after its send)."""
     p = len(lists)
     free = [0.0] * p
-    ends: dict[tuple[bool, int, int], float] = {}
-    """(gradient, stage, micro-batch): when a forward or a backward's input half ended."""
+    ends: dict[tuple[bool, int, int], float] = {}  # (gradient?, stage, mb): F's or I's end
     nxt = [0] * p
     left = sum(len(x) for x in lists)
     while left:

@@ -200,9 +200,15 @@ def deferred_weights(*, num_stages: int, stage: int, num_micro_batches: int) -> 
 
 
 def span(lists: Sequence[Sequence[Action]], costs: Sequence[OpCosts]) -> float:
-    """The step of a pipeline running these lists at these per-stage costs: each action
-    as soon as its stage is free and its input is there (a forward's from the stage
-    before, an input gradient's from the stage after, each after its send)."""
+    """The step of a pipeline running these lists at these per-stage costs (the last
+    stage to finish: :func:`finish_times`)."""
+    return max(finish_times(lists, costs))
+
+
+def finish_times(lists: Sequence[Sequence[Action]], costs: Sequence[OpCosts]) -> list[float]:
+    """When each stage ends its list, every action run as soon as its stage is free and
+    its input is there (a forward's from the stage before, an input gradient's from the
+    stage after, each after its send)."""
     p = len(lists)
     free = [0.0] * p
     ends: dict[tuple[bool, int, int], float] = {}  # (gradient?, stage, mb): F's or I's end
@@ -224,7 +230,7 @@ def span(lists: Sequence[Sequence[Action]], costs: Sequence[OpCosts]) -> float:
                 moved = True
         if not moved:
             raise ValueError("the lists wait on each other: no action can start")
-    return max(free)
+    return free
 
 
 def _input_ready(

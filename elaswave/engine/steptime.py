@@ -22,9 +22,10 @@ Two granularities, one schedule:
   from :func:`stage_times` or from a caller that reshapes them (ReCycle's re-routed
   work in :mod:`elaswave.sim.recycle`).
 
-Both walk the same dependency order of (stage, action), which depends only on the number
-of stages and micro-batches (:func:`action_order`); the replica model is vectorised over
-each stage's replicas, so 10^5 devices cost a few hundred milliseconds per step.
+:func:`simulate_step` times its lists with the planner's own
+:func:`~elaswave.engine.schedule.finish_times`; :func:`plan_step_time` walks the lists'
+dependency order of (stage, action) (:func:`action_order`), its replica model vectorised
+over each stage's replicas, so 10^5 devices cost a few hundred milliseconds per step.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from elaswave.engine.schedule import (
     OpCosts,
     Schedule,
     equal_costs,
+    finish_times,
     max_held,
     stage_actions,
     zb_h1,
@@ -272,26 +274,14 @@ def simulate_step(
     schedule: Schedule = Schedule.ONE_F_ONE_B,
 ) -> StepSim:
     """The step time of a pipeline with these per-stage times under ``schedule`` (not a
-    :attr:`~elaswave.engine.schedule.Schedule.priced` one: :func:`plan_step_time`)."""
+    :attr:`~elaswave.engine.schedule.Schedule.priced` one: :func:`plan_step_time`): its
+    lists timed by :func:`~elaswave.engine.schedule.finish_times`, each stage's DP
+    collectives after its last action."""
     p, m = len(stages), num_micro_batches
-    fwd_end = np.zeros((p, m))
-    bwd_end = np.zeros((p, m))
-    free = [0.0] * p
-    for s, op, mb in action_order(p, m, schedule):
-        st = stages[s]
-        if op is Op.FORWARD:
-            ready = 0.0 if s == 0 else fwd_end[s - 1, mb] + stages[s - 1].send_fwd_s
-        elif op is Op.WEIGHT:
-            ready = 0.0
-        else:
-            ready = fwd_end[s, mb] if s == p - 1 else bwd_end[s + 1, mb] + stages[s + 1].send_bwd_s
-        end = max(free[s], ready) + op_seconds(op, st.fwd_s, st.bwd_s, first=s == 0)
-        free[s] = end
-        if op is Op.FORWARD:
-            fwd_end[s, mb] = end
-        elif op is not Op.WEIGHT:
-            bwd_end[s, mb] = end
-    finish = tuple(free)
+    if p < 1 or m < 1:
+        raise ValueError(f"{p} stages, {m} micro-batches: need at least 1 of each")
+    lists = [stage_actions(schedule, num_stages=p, stage=s, num_micro_batches=m) for s in range(p)]
+    finish = tuple(finish_times(lists, op_costs(stages)))
     step = max(f + st.sync_s for f, st in zip(finish, stages, strict=True))
     busy = tuple(m * (st.fwd_s + st.bwd_s) for st in stages)
     return StepSim(step, finish, busy)

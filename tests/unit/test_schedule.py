@@ -18,6 +18,7 @@ from elaswave.engine.schedule import (
     Schedule,
     check,
     equal_costs,
+    finish_times,
     max_held,
     max_in_flight,
     one_f_one_b,
@@ -29,7 +30,6 @@ from elaswave.engine.schedule import (
 from elaswave.engine.steptime import (
     StageTimes,
     held_limits,
-    op_costs,
     plan_lists,
     plan_step_time,
     simulate_step,
@@ -92,21 +92,26 @@ def test_zb_h1_reaches_the_zero_bubble_step_within_1f1b_peak_memory(p: int) -> N
             assert span(planned, costs) >= 3 * m + p - 1 + (p > 1 and m > 1)
 
 
-def test_span_times_lists_as_the_step_simulation_does() -> None:
-    """The planner's own timing of lists against steptime's, on uneven costs and sends."""
-    times = [(1.0, 2.0, 0.3, 0.0), (1.5, 2.5, 0.1, 0.4), (0.8, 1.9, 0.0, 0.1)]
-    stages = [StageTimes(f, b, send_f, send_b, sync_s=0.0) for f, b, send_f, send_b in times]
-    for schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
-        lists = [
-            stage_actions(schedule, num_stages=3, stage=s, num_micro_batches=6) for s in range(3)
-        ]
-        expected = simulate_step(stages, 6, schedule).step_s
-        assert span(lists, op_costs(stages)) == pytest.approx(expected)
+def test_span_times_lists_by_their_dependencies() -> None:
+    """Two stages, two micro-batches, 1F1B, by hand: stage 0 (F 1, backward 2, all of it
+    the weight half; activations take 0.3 to send), stage 1 (F 1.5, backward 2.5;
+    gradients take 0.4). Stage 1: F0 1.3-2.8, B0 -5.3, F1 -6.8, B1 -9.3; stage 0: F0 0-1,
+    F1 -2, B0 5.7-7.7, B1 9.7-11.7. steptime's simulation is these times plus the DP
+    collectives."""
+    costs = [OpCosts(1.0, 0.0, 2.0, send_fwd_s=0.3), OpCosts(1.5, 1.25, 1.25, send_bwd_s=0.4)]
+    lists = [one_f_one_b(num_stages=2, stage=s, num_micro_batches=2) for s in range(2)]
+    assert finish_times(lists, costs) == pytest.approx([11.7, 9.3])
+    assert span(lists, costs) == pytest.approx(11.7)
+    stages = [StageTimes(1.0, 2.0, 0.3, 0.0, sync_s=0.5), StageTimes(1.5, 2.5, 0.0, 0.4, 0.1)]
+    sim = simulate_step(stages, 2, Schedule.ONE_F_ONE_B)
+    assert sim.compute_end_s == pytest.approx((11.7, 9.3)) and sim.step_s == pytest.approx(12.2)
     with pytest.raises(ValueError, match="wait on each other"):
         span(
             [[(Op.FORWARD, 0), (Op.INPUT, 0), (Op.WEIGHT, 0)], [(Op.INPUT, 0), (Op.FORWARD, 0)]],
             equal_costs(2),
         )
+    with pytest.raises(ValueError, match="0 stages"):
+        simulate_step([], 4)
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (6, 12)])

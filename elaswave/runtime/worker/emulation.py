@@ -187,8 +187,7 @@ class _Poster:
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="delayed-sends", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="delayed-sends", daemon=True).start()
 
     def at(self, deadline: float, fire: Callable[[], None]) -> None:
         """Run ``fire`` on the poster's thread at ``deadline`` (``time.perf_counter``)."""

@@ -48,6 +48,14 @@ was tried on one H200 with eight ranks sharing it: every rank went silent for ov
 while its communicators connected, and the Core fenced them all; docs/gpu_check.md.)"""
 
 
+NCCL_DEFAULT_ENV = {"NCCL_SET_THREAD_NAME": "1"}
+"""What ElasWave sets for NCCL unless the user set it: NCCL's own threads (a
+communicator's proxy and service threads) named at the OS level ("NCCL Progress", ...)
+rather than keeping the process's name, as ElasWave's threads are
+(:mod:`elaswave.osthreads`), so a worker's threads can be told apart by name (``top -H``,
+``/proc/PID/task``, scripts/gpu_check's churn case)."""
+
+
 LAUNCH_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 """torch's bound, in whole seconds, on a launch that waits on a non-blocking NCCL
 communicator (30 minutes by default), read once per process."""
@@ -141,6 +149,8 @@ class NcclBackend:
 
     def __init__(self, comm_timeout_s: float = 60.0) -> None:
         _set_env(NCCL_ENV | {LAUNCH_TIMEOUT_ENV: str(launch_timeout_s(comm_timeout_s))})
+        for name, value in NCCL_DEFAULT_ENV.items():
+            os.environ.setdefault(name, value)
         self._device: torch.device | None = None
 
     def create(

@@ -9,6 +9,7 @@ import pytest
 
 from elaswave.comm.backend import (
     LAUNCH_TIMEOUT_ENV,
+    NCCL_DEFAULT_ENV,
     NCCL_ENV,
     GlooBackend,
     NcclBackend,
@@ -44,3 +45,15 @@ def test_a_launch_waits_at_most_half_the_comm_timeout(monkeypatch: pytest.Monkey
     NcclBackend(comm_timeout_s=40.0)
     assert os.environ[LAUNCH_TIMEOUT_ENV] == "20"
     assert [launch_timeout_s(t) for t in (0.5, 3.0, 60.0, 600.0)] == [1, 1, 30, 300]
+
+
+def test_nccl_names_its_threads_unless_the_user_said_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NCCL_SET_THREAD_NAME", "x")  # registered, so restored afterwards
+    monkeypatch.delenv("NCCL_SET_THREAD_NAME")
+    NcclBackend()
+    assert os.environ["NCCL_SET_THREAD_NAME"] == NCCL_DEFAULT_ENV["NCCL_SET_THREAD_NAME"] == "1"
+    monkeypatch.setenv("NCCL_SET_THREAD_NAME", "0")
+    NcclBackend()
+    assert os.environ["NCCL_SET_THREAD_NAME"] == "0"

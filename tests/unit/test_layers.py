@@ -4,10 +4,10 @@ meet only on the bus.
 Every import of an ``elaswave`` module is checked, at module level or inside a function,
 under ``TYPE_CHECKING`` or not: ``bus`` -> ``comm`` -> ``fabric`` -> ``engine`` ->
 ``runtime`` and ``sim`` -> ``api`` and ``embedded`` -> ``cli`` (an arrow points from a
-layer to one that may import it); ``model``, ``data``, ``rundir`` and ``logs`` are leaves
-any layer may import. Inside the runtime, ``job`` imports no other subpackage, ``core``
-and ``worker`` never import each other, and only ``host`` (which starts them) imports
-both.
+layer to one that may import it); ``model``, ``data``, ``rundir``, ``logs`` and
+``osthreads`` are leaves any layer may import. Inside the runtime, ``job`` imports no
+other subpackage, ``core`` and ``worker`` never import each other, and only ``host``
+(which starts them) imports both.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import elaswave
 
 PACKAGE = Path(elaswave.__file__).parent
-LEAVES = {"model", "data", "rundir", "logs", "__init__"}
+LEAVES = {"model", "data", "rundir", "logs", "osthreads", "__init__"}
 RANK = {
     "bus": 0,
     "comm": 1,

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from elaswave import logs
+from elaswave import logs, osthreads
 from elaswave.bus.schema import CORE_SENDER, RunFinished, RunStarted
 from elaswave.comm.store import connect_store
 from elaswave.engine.record import RecoveryRecord
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.configure(json=True)  # RUN_DIR/logs/coreN.log; the job host renders what it relays
     structlog.contextvars.bind_contextvars(core=args.incarnation)
+    osthreads.name_new_threads()
     link = CoreLink.from_fd(int(os.environ[LINK_FD_ENV]))
     import uvloop
 

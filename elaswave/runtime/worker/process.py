@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elaswave import logs
+from elaswave import logs, osthreads
 from elaswave.bus.schema import (
     Event,
     EventKind,
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join", action="store_true", help="join the running job")
     args = parser.parse_args(argv)
     logs.configure(json=True)
+    osthreads.name_new_threads()
     try:
         run_worker(args.run_dir, args.rank, join=args.join)
     except Exception as exc:

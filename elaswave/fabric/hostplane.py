@@ -100,17 +100,33 @@ class HostCopy:
 class HostCopier(Protocol):
     """Copies a device tensor into a new host-plane buffer off the training stream."""
 
-    def copy(self, tensor: torch.Tensor) -> HostCopy:
+    def copy(self, tensor: torch.Tensor, extra: int = 0) -> HostCopy:
         """Start copying ``tensor`` (its producer's work already issued on the calling
-        thread's current stream); its memory may be reused once the copy is waited."""
+        thread's current stream); its memory may be reused once the copy is waited.
+        ``extra``: elements the buffer has beyond ``tensor``'s (then flat), for the
+        caller to fill (a frame's trailer: :mod:`elaswave.fabric.snapshot`)."""
         ...
+
+
+def _buffer_for(tensor: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host-plane buffer for ``tensor`` and ``extra`` elements more, and the view of
+    it that ``tensor``'s values go to."""
+    if not extra:
+        out = host_empty(tensor.shape, tensor.dtype)
+        return out, out
+    out = host_empty(tensor.numel() + extra, tensor.dtype)
+    return out, out[: tensor.numel()].view(tensor.shape)
 
 
 class CpuHostCopier:
     """The host's copier: a plain copy, complete when it returns."""
 
-    def copy(self, tensor: torch.Tensor) -> HostCopy:
-        return HostCopy(mark_host(tensor.detach().clone(memory_format=torch.contiguous_format)))
+    def copy(self, tensor: torch.Tensor, extra: int = 0) -> HostCopy:
+        if not extra:
+            return HostCopy(mark_host(tensor.detach().clone(memory_format=torch.contiguous_format)))
+        out, values = _buffer_for(tensor, extra)
+        values.copy_(tensor.detach())
+        return HostCopy(out)
 
 
 class CudaHostCopier:
@@ -120,15 +136,15 @@ class CudaHostCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, tensor: torch.Tensor) -> HostCopy:
+    def copy(self, tensor: torch.Tensor, extra: int = 0) -> HostCopy:
         source = tensor.detach()
-        out = host_empty(source.shape, source.dtype)
+        out, values = _buffer_for(source, extra)
         done = torch.cuda.Event()
         # After what the training stream has issued so far (the producer of the tensor),
         # without making the training stream wait for the copy.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            out.copy_(source, non_blocking=True)
+            values.copy_(source, non_blocking=True)
             done.record(self.stream)
         source.record_stream(self.stream)  # the allocator keeps it until the copy is done
         return HostCopy(out, done.synchronize)

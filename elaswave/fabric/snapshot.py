@@ -39,6 +39,7 @@ from elaswave.fabric.hostplane import (
     host_copier,
     host_empty,
     host_state,
+    host_zeros,
 )
 from elaswave.fabric.verify import Fingerprint, state_fingerprint
 
@@ -49,6 +50,24 @@ PIECE_WAIT_S = 60.0
 another thread is running (a millisecond or so; past this that thread is stuck)."""
 
 _END = object()
+
+GRADIENT, END = 1.0, 0.0
+"""The last element of each frame an owner sends a holder: with ``GRADIENT`` the frame
+is the step's gradient shard and this trailer; ``END`` says the owner's sender was
+closed (a change ends every generation's snapshot streams) and sends nothing more in
+this generation. The holder's receive for the next step is posted before the owner
+knows whether it will run that step; a live owner that abandons it ends the stream with
+an ``END`` frame on that step's tag, so that no keeper's thread stays parked on a live
+link, holding the thread, its buffer and the link's group for good (scripts/gpu_check's
+churn: a survivor held one parked keeper thread per change). An exact value in every
+floating-point type, in a slot that a gradient never fills."""
+
+
+def end_frame(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The frame that ends an owner's stream to a keeper of a ``numel``-element shard."""
+    frame = host_zeros(numel + 1, dtype)
+    frame[-1] = END
+    return frame
 
 
 def state_digest(state: ShardState) -> str:
@@ -128,6 +147,9 @@ class SnapshotKeeper:
     """This keeper's idle work, while queued."""
     _broken: bool = False
     """An update raised halfway: ``base`` is no step's version."""
+    _ended: int | None = None
+    """The step whose frame ended the owner's stream (its sender was closed): no
+    version after ``newest`` will come."""
     _done: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _closed: bool = False
@@ -163,11 +185,21 @@ class SnapshotKeeper:
         )
         self._thread.start()
 
+    @property
+    def receiving(self) -> bool:
+        """Whether the keeper's thread still runs (blocked on the next frame, or storing one)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _grad(self, step: int) -> torch.Tensor:
+        """``step``'s gradient: its frame without the trailer (the lock held)."""
+        return self._grads[step][:-1].view(self._base.master.shape)
+
     def _run(self) -> None:
         """Receive each step's gradient, the steps after ``initial_step`` in order; the
         receive for the next step is posted as soon as the last one is stored. The
         updates are idle work (:mod:`elaswave.comm.idle`); :meth:`catch_up` is the
-        training thread's fallback where waits leave them behind."""
+        training thread's fallback where waits leave them behind. Ends at an ``END``
+        frame (the owner closed its sender), or when the link fails (a dead owner)."""
         bind_thread_device(self.device)
         step = self.initial_step
         while not self._closed:
@@ -176,11 +208,14 @@ class SnapshotKeeper:
                 with self._done:
                     grad = self._spares.pop() if self._spares else None
                 if grad is None:
-                    grad = host_empty(self._base.master.shape, self._base.master.dtype)
+                    grad = host_empty(self._base.master.numel() + 1, self._base.master.dtype)
                 # Blocks this thread only; a dead owner ends it with CommError.
                 self.link.recv_detached(
                     grad, self.owner, tag=p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
                 )
+                trailer = grad[-1].item()
+                if trailer not in (GRADIENT, END):
+                    raise CommError(self.link.name, "snapshot", f"frame trailer {trailer!r}")
             except BaseException as exc:  # surfaced to the training thread by wait()
                 if not self._closed:
                     log.warning("snapshot.failed", owner=self.owner, step=step, error=str(exc))
@@ -189,6 +224,10 @@ class SnapshotKeeper:
                     self._done.notify_all()
                 return
             with self._done:
+                if trailer == END:
+                    self._ended = step
+                    self._done.notify_all()
+                    return
                 if self._closed:  # a version was taken: it must not change
                     return
                 self._grads[step] = grad
@@ -237,7 +276,7 @@ class SnapshotKeeper:
             if self._base_step >= to_step:
                 return False
             step = self._base_step + 1
-            pieces = adamw_pieces(self._base, self._grads[step], step=step, cfg=self.cfg)
+            pieces = adamw_pieces(self._base, self._grad(step), step=step, cfg=self.cfg)
             self._partial = (step, pieces)
         step, pieces = self._partial
         self._applying = True
@@ -289,7 +328,12 @@ class SnapshotKeeper:
     def _await(self, step: int, timeout_s: float) -> None:
         """Block until ``step``'s version can be given (the lock held); raise if never."""
         self._done.wait_for(
-            lambda: step <= self.newest or self.error is not None or self._closed,
+            lambda: (
+                step <= self.newest
+                or self.error is not None
+                or self._closed
+                or self._ended is not None
+            ),
             timeout=timeout_s,
         )
         if self._base_step <= step <= self.newest:
@@ -300,6 +344,12 @@ class SnapshotKeeper:
             )
         if self.error is not None:
             raise CommError(self.link.name, "snapshot", self.error)
+        if self._ended is not None:
+            raise CommError(
+                self.link.name,
+                "snapshot",
+                f"step {step} never sent: the owner ended its snapshots at step {self._ended}",
+            )
         raise CommError(
             self.link.name,
             "snapshot",
@@ -349,15 +399,15 @@ class SnapshotKeeper:
         called after every update (the lock held, no update running)."""
         state = host_state(self._base)
         for k in range(self._base_step + 1, step + 1):
-            adamw_update(state, self._grads[k], step=k, cfg=self.cfg)
+            adamw_update(state, self._grad(k), step=k, cfg=self.cfg)
             if each is not None:
                 each(state)
         return state
 
     def close(self) -> None:
-        """Stop keeping. Returns at once: a keeper blocked on a gradient that will never
-        come (its owner abandoned the step, or training ended) stays parked on its daemon
-        thread."""
+        """Stop keeping. Returns at once; the keeper's thread, blocked on the owner's
+        next frame, ends when the owner's ``END`` frame comes (its sender closed at the
+        same change) or its link fails (the owner died)."""
         with self._done:
             self._closed = True
             self._done.notify_all()
@@ -387,10 +437,15 @@ class SnapshotSender:
         device: torch.device | None = None,
         abort: AbortSignal | None = None,
         more: Sequence[tuple[P2PGroup, int]] = (),
+        initial_step: int = -1,
+        shard: tuple[int, torch.dtype] | None = None,
     ) -> None:
         """``device``: where the gradient shards live (default: the host). ``abort``:
         ends :meth:`wait_delivered` when the Core announces a failure. ``more``: the
-        link and holder of each further copy."""
+        link and holder of each further copy. ``initial_step``: the step the holders'
+        keepers start after (their first receive is for the step after it).
+        ``shard``: the shard's element count and type, for the ``END`` frame
+        :meth:`close` sends (None: those of the shards sent; nothing is sent if none was)."""
         self.abort = abort
         self.link = link
         self.holder = holder
@@ -400,8 +455,10 @@ class SnapshotSender:
         self.error: BaseException | None = None
         self._copier = host_copier(device or torch.device("cpu"))
         self._queue: queue.Queue[
-            tuple[list[tuple[P2PGroup, dist.Work]] | None, HostCopy, int] | None
+            tuple[list[tuple[P2PGroup, dist.Work]] | None, HostCopy, int] | _Ending
         ] = queue.Queue()
+        self._next_step = initial_step + 1
+        self._shard = shard
         self._idle = threading.Condition()
         self._in_flight = 0
         self.cpu_s = 0.0
@@ -417,7 +474,9 @@ class SnapshotSender:
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
         """Send ``step``'s gradient shard (not modified afterwards) to the holder."""
-        copy = self._copier.copy(grad_shard)
+        copy = self._copier.copy(grad_shard, extra=1)
+        copy.tensor[-1] = GRADIENT  # the copy stream fills the elements before it only
+        self._next_step, self._shard = step + 1, (grad_shard.numel(), grad_shard.dtype)
         work = self._post(copy, step) if copy.ready else None
         with self._idle:
             self._in_flight += 1
@@ -425,7 +484,7 @@ class SnapshotSender:
 
     def _run(self) -> None:
         bind_thread_device(self.device)
-        while (item := self._queue.get()) is not None:
+        while not isinstance(item := self._queue.get(), _Ending):
             work, copy, step = item  # the buffer stays alive until the send is done
             try:
                 if work is None:  # a device copy: post once it has landed
@@ -443,6 +502,18 @@ class SnapshotSender:
                 self._in_flight -= 1
                 self.cpu_s = time.thread_time()
                 self._idle.notify_all()
+        self._end(item)
+
+    def _end(self, ending: _Ending) -> None:
+        """Send each holder the ``END`` frame on the tag of the step it waits for."""
+        if ending.shard is None:
+            return
+        frame = end_frame(*ending.shard)
+        try:
+            for link, posted in self._post(HostCopy(frame), ending.step):
+                link.wait_detached(posted, "send")
+        except BaseException as exc:  # a holder that died or left: its link failed
+            log.info("snapshot.end_not_sent", holder=self.holder, error=str(exc))
 
     def wait_delivered(self, timeout_s: float) -> None:
         """Wait until the holder has every gradient sent so far (a holder that failed
@@ -478,5 +549,16 @@ class SnapshotSender:
                 )
 
     def close(self) -> None:
-        """Stop sending; returns at once (a send blocked on a dead holder stays parked)."""
-        self._queue.put(None)
+        """Stop sending, and end each holder's stream (:data:`END`) once what was
+        queued is sent. Returns at once; the thread ends when the holders have the
+        frame, or their links fail."""
+        self._queue.put(_Ending(self._next_step, self._shard))
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """A sender's close, queued behind its sends: the step the holders' keepers wait
+    for next, and the shard's element count and type (None: none was ever known)."""
+
+    step: int
+    shard: tuple[int, torch.dtype] | None

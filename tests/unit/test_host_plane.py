@@ -29,7 +29,7 @@ from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.remap import RemapPlan, Source
 from elaswave.fabric.remap import Transfer as RemapTransfer
 from elaswave.fabric.remap_exec import execute_remap
-from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
+from elaswave.fabric.snapshot import GRADIENT, SnapshotKeeper, SnapshotSender
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,6 +61,9 @@ def test_the_host_copier_gives_a_marked_copy_and_leaves_the_source_on_the_device
     assert copy.ready and is_host(copy.tensor) and not is_host(grad)
     assert copy.tensor.data_ptr() != grad.data_ptr()
     assert torch.equal(copy.tensor, grad)
+    framed = host_copier(CPU).copy(grad.view(2, 3), extra=1)  # a flat buffer, one more
+    assert framed.tensor.shape == (7,) and is_host(framed.tensor)
+    assert torch.equal(framed.tensor[:6], grad)
     bind_thread_device(CPU)  # nothing to bind on the host
     bind_thread_device(None)
 
@@ -100,7 +103,8 @@ def test_snapshot_shipping_sends_a_host_copy_and_the_keeper_keeps_host_buffers()
     sender.send(grad, step=0)
     sender.flush(timeout_s=10)
     shipped = link.sent.get(timeout=10)
-    assert is_host(shipped) and not is_host(grad) and torch.equal(shipped, grad)
+    assert is_host(shipped) and not is_host(grad) and torch.equal(shipped[:-1], grad)
+    assert shipped[-1] == GRADIENT  # the frame's trailer
     assert link.threads == {threading.current_thread().name}, "a host copy is posted at once"
     sender.close()
 

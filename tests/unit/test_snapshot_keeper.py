@@ -58,18 +58,23 @@ def test_the_step_a_lost_stage_rolls_back_to_is_still_held(holder, behind, ahead
 
 
 class _Owner:
-    """The owner's end of a snapshot link: gradients for the keeper, then its death."""
+    """The owner's end of a snapshot link: gradients for the keeper (each sent as its
+    frame), then its death (None) or the end of its stream (``END``)."""
 
     name = "snap.3-0"
 
     def __init__(self) -> None:
-        self.sent: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.sent: queue.Queue[torch.Tensor | float | None] = queue.Queue()
 
     def recv_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         grad = self.sent.get(timeout=10)
         if grad is None:
             raise CommError(self.name, "recv", "connection closed by peer")
-        tensor.copy_(grad)
+        if isinstance(grad, float):
+            tensor.copy_(snapshot.end_frame(tensor.numel() - 1, tensor.dtype))
+            return
+        tensor[:-1].copy_(grad)
+        tensor[-1] = snapshot.GRADIENT
 
 
 def _started(

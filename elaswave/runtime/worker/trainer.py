@@ -406,9 +406,10 @@ def attach_snapshots(
     holders = placement.holders_of(ctx.rank)
     if holders:
         links = [(comm.p2p(snapshot_link_name(ctx.rank, h)), h) for h in holders]
+        master = optimizer.state.master
         optimizer.snapshot = SnapshotSender(
             *links[0], generation=plan.generation, device=ctx.device, abort=ctx.abort,
-            more=links[1:],
+            more=links[1:], initial_step=step, shard=(master.numel(), master.dtype),
         )  # fmt: skip
     keepers = []
     for owner in placement.holds(ctx.rank):

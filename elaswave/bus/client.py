@@ -254,9 +254,12 @@ class BusClient:
             ) from None
 
     async def flush(self, timeout_s: float = 2.0) -> bool:
-        """Before exiting: publish again what the Core's log lacks of this client's recent
-        reliable messages, until it has them all (True) or ``timeout_s`` passes. After
-        the process is gone no one could answer for them. Without a log service: True."""
+        """Publish again what the Core's log lacks of this client's recent reliable
+        messages, until it has them all (True) or ``timeout_s`` passes. Without a log
+        service: True. Until then a message lives only in this client's history, and a
+        gap is repaired only while the process answers: a client calls this before
+        exiting, and after a message the log must keep even if the process is killed
+        right after (:meth:`~elaswave.bus.session.Session.confirm`)."""
         if self._fetcher is None or self._pub is None:
             return True
         deadline = time.monotonic() + timeout_s

@@ -197,6 +197,10 @@ class Fetcher:
         self._keys = keys
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
+        self._one_at_a_time = asyncio.Lock()
+        """Held from a request to its reply: a client's repairs (``maintain``) and its
+        :meth:`~elaswave.bus.client.BusClient.flush` share the socket, and two readers
+        waiting at once can each take the other's reply and drop it as an old one."""
 
     async def fetch(
         self, want: dict[tuple[str, str], list[int]], timeout_s: float
@@ -230,9 +234,9 @@ class Fetcher:
             self._sock.connect(self.endpoint)
         request_id = next(self._ids)
         body = {"id": request_id, op: [[s, t, seqs] for (s, t), seqs in items.items()]}
-        await self._sock.send(msgpack.packb(body, use_bin_type=True))
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s), self._one_at_a_time:
+                await self._sock.send(msgpack.packb(body, use_bin_type=True))
                 while True:
                     reply = msgpack.unpackb(await self._sock.recv(), raw=False)
                     if isinstance(reply, dict) and reply.get("id") == request_id:

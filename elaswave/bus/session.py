@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -66,7 +67,8 @@ class Session:
     Publishing: :meth:`publish` is thread-safe and never blocks. Events go onto a bounded
     queue drained by the session's thread; when it is full the event is dropped and
     counted in :attr:`dropped` (with a warning log at 1, 2, 4, 8, ... drops). Events
-    published while :meth:`close` runs may be lost.
+    published while :meth:`close` runs may be lost. :meth:`confirm` blocks until the
+    Core's log holds what was published (a sudden death loses nothing before it).
 
     Receiving: the session receives every event on ``topics`` (all by default),
     including the ones it published itself; invalid messages are skipped and counted in
@@ -218,6 +220,42 @@ class Session:
         except RuntimeError:  # the loop is closed
             self._drop(event, "session closed")
 
+    def confirm(self, timeout_s: float = 2.0) -> bool:
+        """Wait until the Core's log holds every reliable event published so far; False
+        when it does not within ``timeout_s``. Without a log service: True at once.
+
+        A published event the Core missed is repaired from this process's history, and
+        only while the process lives to answer: one the run's record must keep even if
+        the process is killed right after (a worker's start) is confirmed before the
+        process goes on. Blocks the calling thread; not from a callback.
+        """
+        loop = self._loop
+        if loop is None:
+            raise BusError(f"session {self.sender!r}: confirm() before start()")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("confirm() on the session's own thread would wait on itself")
+        confirming = self._confirm(timeout_s)
+        try:
+            future = asyncio.run_coroutine_threadsafe(confirming, loop)
+        except RuntimeError:  # the loop is closed
+            confirming.close()
+            return False
+        try:
+            return future.result(timeout_s + 1.0)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return False
+
+    async def _confirm(self, timeout_s: float) -> bool:
+        assert self._outbox is not None
+        deadline = time.monotonic() + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._outbox.join()  # what publish() queued before this call is sent
+        except TimeoutError:
+            return False
+        return await self._client.flush(max(0.0, deadline - time.monotonic()))
+
     def subscribe(
         self, callback: Callback, kinds: Iterable[EventKind | str] | None = None
     ) -> Callable[[], None]:
@@ -335,7 +373,11 @@ class Session:
     async def _send(self, client: BusClient) -> None:
         assert self._outbox is not None
         while True:
-            await client.publish(await self._outbox.get())
+            event = await self._outbox.get()
+            try:
+                await client.publish(event)
+            finally:
+                self._outbox.task_done()  # for confirm()
 
     @property
     def stale(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -12,9 +14,20 @@ import zmq
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.codec import encode
+from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.logservice import Fetcher, LogIndex, LogService
-from elaswave.bus.reliable import BusFaults, SeqTracker
-from elaswave.bus.schema import FailureDetected, Heartbeat, RecoveryReady, StepCompleted, Topic
+from elaswave.bus.reliable import BusFaults, FaultyLink, SeqTracker
+from elaswave.bus.schema import (
+    FailureDetected,
+    Heartbeat,
+    RecoveryReady,
+    StepCompleted,
+    Topic,
+    WorkerStarted,
+)
+from elaswave.bus.session import Session
+from elaswave.runtime.core.recorder import EVENT_LOG, Core
+from elaswave.runtime.worker.steploop import StepLoop
 
 
 def test_tracker_drops_duplicates_and_fills_gaps_late() -> None:
@@ -250,3 +263,65 @@ def test_a_client_about_to_exit_publishes_again_what_the_core_lacks() -> None:
 
     lacking, flushed = asyncio.run(go())
     assert flushed and lacking == []
+
+
+class _LoseFirstCopies(BusFaults):
+    """Faults that lose the first copy of every lifecycle message, and nothing else."""
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def injector(self, name: str) -> FaultyLink:
+        return _LosingLink(self)
+
+
+class _LosingLink(FaultyLink):
+    def __init__(self, faults: BusFaults) -> None:
+        super().__init__(faults, random.Random(0))
+        self._seen: set[bytes] = set()
+
+    def feed(self, frames: list[bytes]) -> None:
+        if frames[0] == Topic.LIFECYCLE.value.encode() and frames[1] not in self._seen:
+            self._seen.add(frames[1])
+            self.counts["dropped"] += 1
+            return
+        super().feed(frames)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
+    tmp_path, monkeypatch
+) -> None:
+    """The Core's receive loses a worker's WorkerStarted, and the worker is killed in its
+    first step: it flushes nothing on the way out and answers no resend request. Its
+    start is in the event log all the same: the worker waits for the log to hold it
+    before it goes on (the lossy-bus recovery test lost rank 1's start this way)."""
+
+    async def nothing(timeout_s: float = 2.0) -> bool:
+        return True
+
+    async def go() -> None:
+        async with Core(tmp_path, faults=_LoseFirstCopies()) as core:
+            listener = asyncio.create_task(core.listen())
+            session = Session(
+                "rank1", core.publish_endpoint, core.subscribe_endpoint,
+                topics=[Topic.CONTROL, Topic.RECOVERY], fetch_endpoint=core.fetch_endpoint,
+            )  # fmt: skip
+            await asyncio.to_thread(session.start)
+            worker = SimpleNamespace(
+                ctx=SimpleNamespace(leader=True), session=session, sender="rank1", rank=1
+            )
+            await asyncio.to_thread(StepLoop._started, worker, 0, 1)
+            monkeypatch.setattr(session.client, "flush", nothing)  # SIGKILL: no last words
+            await asyncio.to_thread(session.close)
+            core.forget_worker(1)
+            await asyncio.sleep(0.5)  # what the Core could still do on its own
+            listener.cancel()
+            assert core.client.faults_injected["dropped"] >= 1
+
+    asyncio.run(go())
+    started = [
+        r.event for r in read_event_log(tmp_path / EVENT_LOG) if isinstance(r.event, WorkerStarted)
+    ]
+    assert [(e.rank, e.seq) for e in started] == [(1, 1)]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import structlog
 import torch
 
 from elaswave import rundir
@@ -49,6 +50,8 @@ from elaswave.runtime.worker.outage import CoreWatch
 from elaswave.runtime.worker.pipeline import StepResult
 from elaswave.runtime.worker.tpgroup import unit_barrier, whole_param
 from elaswave.runtime.worker.trainer import Trainer, WorkerContext, initial_trainer
+
+log = structlog.get_logger(__name__)
 
 
 class _PausedAtBoundary(Exception):
@@ -124,6 +127,9 @@ class StepLoop:
         self.finished = False
 
     def _started(self, stage: int, replica: int, *, joining: bool = False) -> None:
+        """Announce this process, and wait until the Core's log holds the announcement:
+        a copy the Core's receive lost is repaired only while this process answers, and
+        a rank killed in its first steps would leave the run without its start."""
         if not self.ctx.leader:
             return  # member 0 speaks for the TP group
         self.session.publish(
@@ -132,6 +138,8 @@ class StepLoop:
                 pid=os.getpid(), host=socket.gethostname(), joining=joining,
             )
         )  # fmt: skip
+        if not self.session.confirm():
+            log.warning("worker.start_not_logged", rank=self.rank)
 
     @property
     def done(self) -> bool:

@@ -21,7 +21,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -454,9 +454,9 @@ class SnapshotSender:
         self.device = device
         self.error: BaseException | None = None
         self._copier = host_copier(device or torch.device("cpu"))
-        self._queue: queue.Queue[
-            tuple[list[tuple[P2PGroup, dist.Work]] | None, HostCopy, int] | _Ending
-        ] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[_Posted] | None, HostCopy, int] | _Ending] = (
+            queue.Queue()
+        )
         self._next_step = initial_step + 1
         self._shard = shard
         self._idle = threading.Condition()
@@ -468,9 +468,14 @@ class SnapshotSender:
         )
         self._thread.start()
 
-    def _post(self, copy: HostCopy, step: int) -> list[tuple[P2PGroup, dist.Work]]:
+    def _post(self, copy: HostCopy, step: int, skip: Collection[int] = ()) -> list[_Posted]:
+        """Post ``copy`` to every holder but those in ``skip`` (their links failed)."""
         tag = p2p_tag(self.generation, step, TagSpace.SNAPSHOT)
-        return [(link, link.isend(copy.tensor, holder, tag)) for link, holder in self._targets]
+        return [
+            _Posted(link, holder, link.isend(copy.tensor, holder, tag))
+            for link, holder in self._targets
+            if holder not in skip
+        ]
 
     def send(self, grad_shard: torch.Tensor, step: int) -> None:
         """Send ``step``'s gradient shard (not modified afterwards) to the holder."""
@@ -483,37 +488,57 @@ class SnapshotSender:
         self._queue.put((work, copy, step))
 
     def _run(self) -> None:
+        """Wait for each queued send, in order. A holder whose link fails gets nothing
+        more; the others go on receiving every step, and at :meth:`close` their ``END``
+        frame, on the tag of the step each of them waits for next."""
         bind_thread_device(self.device)
+        failed: set[int] = set()
         while not isinstance(item := self._queue.get(), _Ending):
             work, copy, step = item  # the buffer stays alive until the send is done
             try:
                 if work is None:  # a device copy: post once it has landed
                     copy.wait()
-                    work = self._post(copy, step)
-                for link, posted in work:
-                    link.wait_detached(posted, "send")
-            except BaseException as exc:
-                log.warning("snapshot.send_failed", holder=self.holder, step=step, error=str(exc))
-                with self._idle:
-                    self.error = exc
-                    self._idle.notify_all()
+                    work = self._post(copy, step, skip=failed)
+            except BaseException as exc:  # the copy, or a post on a failed link
+                self._failed(exc, step)
                 return
+            for sent in work:
+                if sent.holder in failed:
+                    continue
+                try:
+                    sent.link.wait_detached(sent.work, "send")
+                except BaseException as exc:
+                    failed.add(sent.holder)
+                    self._failed(exc, step, sent.holder)
             with self._idle:
                 self._in_flight -= 1
                 self.cpu_s = time.thread_time()
                 self._idle.notify_all()
-        self._end(item)
+        self._end(item, failed)
 
-    def _end(self, ending: _Ending) -> None:
-        """Send each holder the ``END`` frame on the tag of the step it waits for."""
+    def _failed(self, exc: BaseException, step: int, holder: int | None = None) -> None:
+        """A send failed (the holder died or left): ends :meth:`wait_delivered`."""
+        log.warning("snapshot.send_failed", holder=holder, step=step, error=str(exc))
+        with self._idle:
+            self.error = self.error or exc
+            self._idle.notify_all()
+
+    def _end(self, ending: _Ending, failed: Collection[int]) -> None:
+        """Send each holder whose link has not failed the ``END`` frame, on the tag of
+        the step it waits for (each has every step sent before)."""
         if ending.shard is None:
             return
         frame = end_frame(*ending.shard)
         try:
-            for link, posted in self._post(HostCopy(frame), ending.step):
-                link.wait_detached(posted, "send")
-        except BaseException as exc:  # a holder that died or left: its link failed
-            log.info("snapshot.end_not_sent", holder=self.holder, error=str(exc))
+            posted = self._post(HostCopy(frame), ending.step, skip=failed)
+        except BaseException as exc:  # a link failed meanwhile
+            log.info("snapshot.end_not_sent", error=str(exc))
+            return
+        for sent in posted:
+            try:
+                sent.link.wait_detached(sent.work, "send")
+            except BaseException as exc:  # a holder that died or left meanwhile
+                log.info("snapshot.end_not_sent", holder=sent.holder, error=str(exc))
 
     def wait_delivered(self, timeout_s: float) -> None:
         """Wait until the holder has every gradient sent so far (a holder that failed
@@ -553,6 +578,15 @@ class SnapshotSender:
         queued is sent. Returns at once; the thread ends when the holders have the
         frame, or their links fail."""
         self._queue.put(_Ending(self._next_step, self._shard))
+
+
+@dataclass(frozen=True)
+class _Posted:
+    """A frame's send to one holder, posted."""
+
+    link: P2PGroup
+    holder: int
+    work: dist.Work
 
 
 @dataclass(frozen=True)

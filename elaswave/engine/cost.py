@@ -418,14 +418,18 @@ SNAPSHOT_GRAD_BUFFERS = 2
 (:class:`~elaswave.fabric.snapshot.SnapshotKeeper`: one received, one spare)."""
 
 
-def snapshot_host_bytes(params: int, *, dp: int, copies: int = 1) -> float:
+def snapshot_host_bytes(
+    params: int, *, dp: int, copies: int = 1, grad_buffers: int = SNAPSHOT_GRAD_BUFFERS
+) -> float:
     """Host bytes one rank holds for snapshots when it keeps ``copies`` of them, each of
     a shard of a stage with ``params`` parameters over ``dp`` replicas (the placement
     spreads copies evenly: each rank holds about ``copies``): the shard's fp32 master
-    weights and two moments, and the keeper's gradient buffers."""
+    weights and two moments, and the keeper's ``grad_buffers`` gradient buffers, each a
+    frame of the shard and its trailer (:data:`elaswave.fabric.snapshot.END`)."""
     if dp < 1 or copies < 1:
         raise ValueError(f"dp = {dp}, copies = {copies}: both must be at least 1")
-    return copies * (STATE_TENSORS + SNAPSHOT_GRAD_BUFFERS) * FP32_BYTES * params / dp
+    shard = params / dp
+    return copies * FP32_BYTES * (STATE_TENSORS * shard + grad_buffers * (shard + 1))
 
 
 @dataclass(frozen=True, kw_only=True)

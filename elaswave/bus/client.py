@@ -46,7 +46,15 @@ from elaswave.bus.codec import decode, encode
 from elaswave.bus.keys import BusKeys, use_curve
 from elaswave.bus.logservice import Fetcher
 from elaswave.bus.reliable import RELIABLE_TOPICS, BusFaults, FaultyLink, SentHistory, SeqTracker
-from elaswave.bus.schema import Beacon, Event, Hello, ResendRequest, SchemaError, Topic
+from elaswave.bus.schema import (
+    CORE_SENDER,
+    Beacon,
+    Event,
+    Hello,
+    ResendRequest,
+    SchemaError,
+    Topic,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -66,6 +74,12 @@ REPAIR_AFTER_S = 0.05
 
 RETRY_S = 0.3
 """A gap still open this long after a repair attempt is asked for again."""
+
+NUMBERING_ASK_S = 5.0
+"""Seconds :meth:`BusClient.connect` waits for the Core's log to say where the Core's
+numbering stands: asked once, while a job starts and its host is busiest, so longer
+than a repair's fetch; shorter than the handshake's default, so that a session that
+cannot reach the bus still reports the handshake's error in time."""
 
 
 class BusError(RuntimeError):
@@ -96,8 +110,10 @@ class BusClient:
             without the right ones the handshake never completes (:class:`BusError`).
         fetch_endpoint: the Core's log service (:mod:`elaswave.bus.logservice`), where
             :meth:`maintain` fetches missed messages; None: ask their senders instead.
+            :meth:`connect` also asks it where to start counting the Core's messages.
         from_start: expect every sender's numbers from 1 (the Core, which starts first);
-            otherwise a sender's first beacon or message sets where this client starts.
+            otherwise a sender's first beacon or message sets where this client starts
+            (the Core's: its log, when this client has ``fetch_endpoint``).
         faults: faults to inject into what this client receives (tests).
         nonce: the identity its hello carries (default: a new one). A restarted process
             that continues its predecessor's numbering (:meth:`resume_numbering`) passes
@@ -156,6 +172,7 @@ class BusClient:
         """Missing message numbers asked for again (fetches and resend requests)."""
         self.fetched = 0
         """Messages the Core's log service returned."""
+        self._from_start = from_start
         self.tracker = SeqTracker(from_start=from_start)
         self._reliable = frozenset(t.value for t in self.topics & RELIABLE_TOPICS)
         self._history = SentHistory()
@@ -193,6 +210,7 @@ class BusClient:
             raise BusError(f"bus client {self.sender!r} was closed; create a new one")
         if self._pub is not None:
             raise BusError(f"bus client {self.sender!r} is already connected")
+        await self._count_the_core_from_its_log()
         context = zmq.asyncio.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._sub = context.socket(zmq.SUB)
@@ -222,6 +240,37 @@ class BusClient:
         )
 
     start = connect
+
+    async def _count_the_core_from_its_log(self) -> None:
+        """Start counting the Core's reliable topics after the last numbers its log holds,
+        asked before this client subscribes.
+
+        Otherwise the first of the Core's messages or beacons received would set the
+        start (:class:`~elaswave.bus.reliable.SeqTracker`): had the transport lost every
+        one before an announcement, and the announcement too, the next beacon would
+        count the announcement as sent before this client existed, never to be fetched
+        (a rank then never hears a failure, and the Core waits for it to stop until its
+        deadline). The Core logs each of its messages before sending it, so its log
+        holds its last numbers exactly; each later message is received, or missed and
+        seen missing (a beacon, a later number) and fetched. Without an answer the first
+        evidence sets the start, as without a log service (logged).
+        """
+        if self._fetcher is None or self._from_start or not self._reliable:
+            return
+        keys = [(CORE_SENDER, topic) for topic in sorted(self._reliable)]
+        timeout_s = min(NUMBERING_ASK_S, self._handshake_timeout)
+        last = await self._fetcher.last(keys, timeout_s=timeout_s)
+        if last is None:
+            logger.warning(
+                "bus_core_numbering_unknown",
+                receiver=self.sender,
+                endpoint=self._fetcher.endpoint,
+                timeout_s=timeout_s,
+            )
+            return
+        for (sender, topic), seq in last.items():
+            if (sender, topic) in keys:
+                self.tracker.advertise(sender, topic, seq)
 
     async def _handshake(self, sub_sync: zmq.Socket[bytes]) -> None:
         assert self._pub is not None

@@ -16,11 +16,17 @@ Wire format (msgpack maps; one request frame, one reply frame after the ROUTER e
     request: {"id": N, "have": [[sender, topic, [seq, ...]], ...]}
     reply:   {"id": N, "missing": [[sender, topic, [seq, ...]], ...]}
 
-    either:  {"id": N, "error": "what was wrong with the request"}
+    request: {"id": N, "last": [[sender, topic, []], ...]}
+    reply:   {"id": N, "last": [[sender, topic, seq], ...]}
+
+    any:     {"id": N, "error": "what was wrong with the request"}
 
 The second asks which of a sender's messages the Core lacks: a worker about to exit
 publishes those again (:meth:`~elaswave.bus.client.BusClient.flush`), since after it
-exits no one can.
+exits no one can. The third asks for a sender's highest number held (0: none): the
+Core logs each of its own messages before sending it, so for the Core that is its last
+number, where a client that connects starts counting it
+(:meth:`~elaswave.bus.client.BusClient.connect`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ logger = structlog.get_logger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_REPLY_MESSAGES = 1024
+
+_OPS = ("want", "have", "last")
+"""What a request asks for (the name of its one list): messages, which of them the Core
+lacks, the last numbers it holds."""
+_ONE_OF_OPS = "a 'want', 'have' or 'last' list"
 
 
 class LogIndex:
@@ -74,6 +85,12 @@ class LogIndex:
             kept = self._messages.get((sender, topic))
             return list(seqs) if kept is None else [s for s in seqs if s not in kept]
 
+    def last(self, sender: str, topic: str) -> int:
+        """The highest number held of (``sender``, ``topic``); 0 when none is."""
+        with self._lock:
+            kept = self._messages.get((sender, topic))
+            return 0 if kept is None else max(kept, default=0)
+
 
 def _answer(index: LogIndex, body: bytes) -> dict[str, Any]:
     """The reply to one request; a bad request gets an error naming what was wrong."""
@@ -84,13 +101,14 @@ def _answer(index: LogIndex, body: bytes) -> dict[str, Any]:
     except Exception as exc:
         return {"id": None, "error": f"undecodable request ({type(exc).__name__})"}
     if not isinstance(request, dict):
-        return {"id": None, "error": "request must be a map with a 'want' or 'have' list"}
-    op = "want" if "want" in request else "have"
+        return {"id": None, "error": f"request must be a map with {_ONE_OF_OPS}"}
+    op = next((op for op in _OPS if op in request), _OPS[0])
     items = request.get(op)
     if not isinstance(items, list):
-        return {"id": request.get("id"), "error": "request must have a 'want' or 'have' list"}
+        return {"id": request.get("id"), "error": f"request must have {_ONE_OF_OPS}"}
     frames: list[list[bytes]] = []
     missing: list[list[Any]] = []
+    last: list[list[Any]] = []
     for item in items:
         ok = isinstance(item, list) and len(item) == 3
         if ok:
@@ -101,10 +119,14 @@ def _answer(index: LogIndex, body: bytes) -> dict[str, Any]:
             return {"id": request.get("id"), "error": f"bad {op} entry {item!r:.80}"}
         if op == "want":
             frames.extend(index.get(sender, topic, seqs))
+        elif op == "last":
+            last.append([sender, topic, index.last(sender, topic)])
         elif lacked := index.lacks(sender, topic, seqs):
             missing.append([sender, topic, lacked])
     if op == "have":
         return {"id": request.get("id"), "missing": missing}
+    if op == "last":
+        return {"id": request.get("id"), "last": last}
     return {"id": request.get("id"), "frames": frames[:MAX_REPLY_MESSAGES]}
 
 
@@ -221,6 +243,20 @@ class Fetcher:
             (m[0], m[1]): m[2]
             for m in reply["missing"]
             if isinstance(m, list) and len(m) == 3 and isinstance(m[2], list)
+        }
+
+    async def last(
+        self, keys: Iterable[tuple[str, str]], timeout_s: float
+    ) -> dict[tuple[str, str], int] | None:
+        """The highest number the Core holds of each (sender, topic) of ``keys``, 0 for
+        none (None: no answer in time)."""
+        reply = await self._ask("last", {key: [] for key in keys}, timeout_s)
+        if reply is None or not isinstance(reply.get("last"), list):
+            return None
+        return {
+            (m[0], m[1]): m[2]
+            for m in reply["last"]
+            if isinstance(m, list) and len(m) == 3 and type(m[2]) is int
         }
 
     async def _ask(

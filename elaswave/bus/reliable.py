@@ -10,6 +10,9 @@ deliver:
   (a reordered message is delivered, late);
 - a sender's last numbers travel in its periodic :class:`~elaswave.bus.schema.Beacon`, so
   a lost *last* message is noticed too;
+- a worker starts counting the Core's numbers where the Core's log stands when it
+  connects (:meth:`~elaswave.bus.client.BusClient.connect`), not at the first one it
+  happens to receive: a lost announcement is then never taken for one sent before it;
 - workers fetch what they miss from the Core's log (:mod:`elaswave.bus.logservice`); the
   Core, which has no log above it, asks the sender to publish again from its
   :class:`SentHistory` (:class:`~elaswave.bus.schema.ResendRequest`).
@@ -50,7 +53,9 @@ class SeqTracker:
     The first evidence of a (sender, topic) sets where its numbering starts for this
     receiver: a beacon (its advertised number is the start) or a message (the one before
     it is). ``from_start`` receivers (the Core, which starts before every other process)
-    expect every sender from 1.
+    expect every sender from 1. A client with the Core's log advertises the Core's
+    numbers from the log before it subscribes, so that its first evidence of the Core
+    never comes after a lost message of the Core's.
     """
 
     def __init__(self, *, from_start: bool = False) -> None:

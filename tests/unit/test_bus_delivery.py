@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import random
 from types import SimpleNamespace
 
@@ -13,11 +14,12 @@ import zmq
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
-from elaswave.bus.codec import encode
+from elaswave.bus.codec import decode, encode
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.logservice import Fetcher, LogIndex, LogService
 from elaswave.bus.reliable import BusFaults, FaultyLink, SeqTracker
 from elaswave.bus.schema import (
+    CORE_SENDER,
     FailureDetected,
     Heartbeat,
     RecoveryReady,
@@ -118,19 +120,21 @@ def test_log_service_answers_fetches_and_refuses_bad_requests() -> None:
     service = LogService(index).start()
     try:
 
-        async def go() -> tuple[list[list[bytes]], dict]:
+        async def go() -> tuple[list[list[bytes]], dict[tuple[str, str], int] | None, dict]:
             fetcher = Fetcher(service.endpoint)
             got = await fetcher.fetch({("core", "recovery"): [1, 4, 5, 9]}, timeout_s=5)
+            last = await fetcher.last([("core", "recovery"), ("core", "control")], timeout_s=5)
             fetcher.close()
             raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             raw.connect(service.endpoint)
             await raw.send(msgpack.packb({"id": 1, "want": [["core", "recovery", ["x"]]]}))
             reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
             raw.close(linger=0)
-            return got, reply
+            return got, last, reply
 
-        got, reply = asyncio.run(go())
+        got, last, reply = asyncio.run(go())
         assert got == [[b"recovery", b"4"], [b"recovery", b"5"]]  # 1 fell out of the index
+        assert last == {("core", "recovery"): 5, ("core", "control"): 0}
         assert "bad want entry" in reply["error"]
     finally:
         service.close()
@@ -325,3 +329,75 @@ def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
         r.event for r in read_event_log(tmp_path / EVENT_LOG) if isinstance(r.event, WorkerStarted)
     ]
     assert [(e.rank, e.seq) for e in started] == [(1, 1)]
+
+
+class _LoseTheCoreUntilItAnnounces(BusFaults):
+    """Faults that lose every message of the Core's up to its first failure
+    announcement included, and nothing after it."""
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def injector(self, name: str) -> FaultyLink:
+        return _UntilAnnouncedLink(self)
+
+
+class _UntilAnnouncedLink(FaultyLink):
+    def __init__(self, faults: BusFaults) -> None:
+        super().__init__(faults, random.Random(0))
+        self.announced = False
+
+    def feed(self, frames: list[bytes]) -> None:
+        event = decode(frames)
+        if event.sender == CORE_SENDER and not self.announced:
+            self.announced = isinstance(event, FailureDetected)
+            self.counts["dropped"] += 1
+            return
+        super().feed(frames)
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_first_announcement_is_fetched_though_no_beacon_came_before_it(
+    tmp_path,
+) -> None:
+    """A worker loses the Core's beacons from its start on, then the Core's first
+    failure announcement: the first it hears of the Core's recovery topic is a beacon
+    that counts the announcement already. The worker still fetches it from the Core's
+    log (the lossy-bus recovery test, seed 16, waited 60 s on a rank that never heard
+    rank 1's failure and never stopped)."""
+
+    async def go() -> tuple[list[FailureDetected], BusClient]:
+        async with Core(tmp_path) as core:
+            listener = asyncio.create_task(core.listen())
+            await asyncio.sleep(0.1)  # the job's workers start after the Core's first beacon
+            worker = BusClient(
+                "rank3", core.publish_endpoint, core.subscribe_endpoint,
+                topics=[Topic.CONTROL, Topic.RECOVERY], fetch_endpoint=core.fetch_endpoint,
+                faults=_LoseTheCoreUntilItAnnounces(),
+            )  # fmt: skip
+            await worker.connect()
+            heard: list[FailureDetected] = []
+
+            async def receive() -> None:
+                while True:
+                    event = await worker.recv()
+                    if isinstance(event, FailureDetected):
+                        heard.append(event)
+
+            tasks = [asyncio.create_task(receive()), asyncio.create_task(worker.maintain())]
+            await asyncio.sleep(0.6)  # two of the Core's beacons, both lost
+            await core.publish(FailureDetected(sender="", ranks=[1], source="process-exit"))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3.0):  # beacons every 0.25 s; a repair in 0.05 s
+                    while not heard:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+            for task in (*tasks, listener):
+                task.cancel()
+            await worker.close()
+            return heard, worker
+
+    heard, worker = asyncio.run(go())
+    assert worker.faults_injected["dropped"] >= 3  # two beacons and the announcement
+    assert [e.ranks for e in heard] == [[1]]
+    assert worker.fetched >= 1

@@ -6,7 +6,10 @@ import asyncio
 import collections
 import contextlib
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import cast
 
 import msgpack
 import pytest
@@ -269,18 +272,25 @@ def test_a_client_about_to_exit_publishes_again_what_the_core_lacks() -> None:
     assert flushed and lacking == []
 
 
-class _LoseFirstCopies(BusFaults):
-    """Faults that lose the first copy of every lifecycle message, and nothing else."""
+@dataclass(frozen=True)
+class _Scripted(BusFaults):
+    """Faults of one scripted kind, whatever the probabilities: every receive goes
+    through a ``link`` of its own."""
+
+    link: Callable[[BusFaults], FaultyLink] | None = None
 
     @property
     def active(self) -> bool:
         return True
 
     def injector(self, name: str) -> FaultyLink:
-        return _LosingLink(self)
+        assert self.link is not None, "a scripted fault names its link"
+        return self.link(self)
 
 
 class _LosingLink(FaultyLink):
+    """Loses the first copy of every lifecycle message, and nothing else."""
+
     def __init__(self, faults: BusFaults) -> None:
         super().__init__(faults, random.Random(0))
         self._seen: set[bytes] = set()
@@ -306,7 +316,7 @@ def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
         return True
 
     async def go() -> None:
-        async with Core(tmp_path, faults=_LoseFirstCopies()) as core:
+        async with Core(tmp_path, faults=_Scripted(link=_LosingLink)) as core:
             listener = asyncio.create_task(core.listen())
             session = Session(
                 "rank1", core.publish_endpoint, core.subscribe_endpoint,
@@ -316,7 +326,8 @@ def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
             worker = SimpleNamespace(
                 ctx=SimpleNamespace(leader=True), session=session, sender="rank1", rank=1
             )
-            await asyncio.to_thread(StepLoop._started, worker, 0, 1)
+            # the parts of a StepLoop that announcing its start reads
+            await asyncio.to_thread(StepLoop._started, cast(StepLoop, worker), 0, 1)
             monkeypatch.setattr(session.client, "flush", nothing)  # SIGKILL: no last words
             await asyncio.to_thread(session.close)
             core.forget_worker(1)
@@ -331,19 +342,10 @@ def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
     assert [(e.rank, e.seq) for e in started] == [(1, 1)]
 
 
-class _LoseTheCoreUntilItAnnounces(BusFaults):
-    """Faults that lose every message of the Core's up to its first failure
-    announcement included, and nothing after it."""
-
-    @property
-    def active(self) -> bool:
-        return True
-
-    def injector(self, name: str) -> FaultyLink:
-        return _UntilAnnouncedLink(self)
-
-
 class _UntilAnnouncedLink(FaultyLink):
+    """Loses every message of the Core's up to its first failure announcement
+    included, and nothing after it."""
+
     def __init__(self, faults: BusFaults) -> None:
         super().__init__(faults, random.Random(0))
         self.announced = False
@@ -374,7 +376,7 @@ def test_a_lost_first_announcement_is_fetched_though_no_beacon_came_before_it(
             worker = BusClient(
                 "rank3", core.publish_endpoint, core.subscribe_endpoint,
                 topics=[Topic.CONTROL, Topic.RECOVERY], fetch_endpoint=core.fetch_endpoint,
-                faults=_LoseTheCoreUntilItAnnounces(),
+                faults=_Scripted(link=_UntilAnnouncedLink),
             )  # fmt: skip
             await worker.connect()
             heard: list[FailureDetected] = []

@@ -104,3 +104,26 @@ def test_simulated_step_times_match_an_emulated_run_within_10_percent(
         assert abs(predicted / measured - 1) < 0.10, (
             f"simulated {predicted:.3f} s, ran {measured:.3f} s"
         )
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "pp", "batch", "micro_batch"), [(2, 2, 16, 2), (1, 4, 16, 2)])
+def test_the_schedule_the_planner_chooses_runs_in_the_time_it_predicts(
+    runs_dir, dp, pp, batch, micro_batch
+):
+    """Under ``--schedule auto`` the planner picks the fault-free job's schedule by its
+    simulated step (a zero-bubble list on these layouts): the emulated job steps within
+    10% of that prediction (summary.json's ``predicted_step_s``, the initial plan's), on a
+    host the test has to itself."""
+    run = train(
+        runs_dir / f"simauto{dp}x{pp}",
+        *("--device", "emulated", "--dp", str(dp), "--pp", str(pp), "--steps", "12"),
+        *("--global-batch", str(batch), "--micro-batch", str(micro_batch)),
+    )
+    predicted = run.summary.predicted_step_s
+    measured = statistics.median(run.summary.step_time_s[2:])
+    assert predicted is not None
+    assert abs(predicted / measured - 1) < 0.10, (
+        f"simulated {predicted:.3f} s, ran {measured:.3f} s"
+    )

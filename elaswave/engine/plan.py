@@ -339,12 +339,13 @@ def initial_plan(
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """A plan as summary.json records it: its micro-batches per step and, per stage, its
-    layers, ranks, micro-batch shares (whether they rotate, and in blocks of how
-    many micro-batches) and clock."""
+    """A plan as summary.json records it: its micro-batches per step, its pipeline
+    schedule and, per stage, its layers, ranks, micro-batch shares (whether they
+    rotate, and in blocks of how many micro-batches) and clock."""
     return {
         "generation": plan.generation,
         "num_micro_batches": plan.num_micro_batches,
+        "schedule": plan.schedule.value,
         "stages": [
             {
                 "layers": [s.layer_start, s.layer_stop],

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from elaswave.bus.schema import RecoveryKind
 from elaswave.engine.migration import MigrationDecision, MigrationMode
 from elaswave.engine.plan import Plan, plan_summary
+from elaswave.engine.schedule import Schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,9 @@ class PlanSummary:
     generation: int
     num_micro_batches: int
     stages: tuple[StageSummary, ...]
+    schedule: Schedule | None = None
+    """The pipeline schedule the plan runs; None in a summary written before it was
+    recorded (2026-11-28), which says nothing of it."""
 
     @classmethod
     def of(cls, plan: Plan) -> PlanSummary:
@@ -269,9 +273,11 @@ def _migration_from_json(doc: Mapping[str, Any]) -> MigrationRecord:
 
 
 def _summary_to_json(plan: PlanSummary) -> dict[str, Any]:
+    schedule = {} if plan.schedule is None else {"schedule": plan.schedule.value}
     return {
         "generation": plan.generation,
         "num_micro_batches": plan.num_micro_batches,
+        **schedule,
         "stages": [
             {
                 "layers": list(s.layers),
@@ -290,6 +296,7 @@ def _summary_from_json(doc: Mapping[str, Any]) -> PlanSummary:
     return PlanSummary(
         generation=int(doc["generation"]),
         num_micro_batches=int(doc["num_micro_batches"]),
+        schedule=Schedule(doc["schedule"]) if "schedule" in doc else None,
         stages=tuple(
             StageSummary(
                 layers=(int(s["layers"][0]), int(s["layers"][1])),

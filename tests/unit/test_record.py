@@ -22,6 +22,7 @@ from elaswave.engine.record import (
     record_to_json,
     recorded,
 )
+from elaswave.engine.schedule import Schedule
 
 PLAN = initial_plan(num_layers=6, dp=2, pp=2, global_batch=8, micro_batch=1)
 
@@ -130,6 +131,17 @@ def test_a_plan_summary_is_the_plan_s_summary() -> None:
     )
     doc = record_to_json(sample_record(plan=PlanSummary.of(plan)))
     assert doc["plan"] == json.loads(json.dumps(plan_summary(plan)))
+
+
+def test_a_plan_summary_carries_the_plan_s_schedule() -> None:
+    plan = dataclasses.replace(PLAN, schedule=Schedule.ZB_COST)
+    summary = PlanSummary.of(plan)
+    assert summary.schedule is Schedule.ZB_COST
+    doc = json.loads(json.dumps(record_to_json(sample_record(plan=summary))))
+    assert doc["plan"]["schedule"] == "zb-cost"
+    assert record_from_json(doc).plan.schedule is Schedule.ZB_COST
+    del doc["plan"]["schedule"]  # a summary.json written before schedules were recorded
+    assert record_from_json(doc).plan.schedule is None
 
 
 def test_a_malformed_record_is_one_clear_error() -> None:

@@ -122,8 +122,6 @@ class CpuHostCopier:
     """The host's copier: a plain copy, complete when it returns."""
 
     def copy(self, tensor: torch.Tensor, extra: int = 0) -> HostCopy:
-        if not extra:
-            return HostCopy(mark_host(tensor.detach().clone(memory_format=torch.contiguous_format)))
         out, values = _buffer_for(tensor, extra)
         values.copy_(tensor.detach())
         return HostCopy(out)

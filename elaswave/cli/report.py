@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.bus.schema import Event, RecoveryKind, StragglerDetected
+from elaswave.engine.schedule import Schedule
 from elaswave.rundir import EVENT_LOG, JOB, REPORT, SUMMARY
 
 PLOT_EXTRA = "install the plot extra: pip install 'elaswave[plot]'"
+_SCHEDULES = tuple(s.value for s in Schedule)
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,17 @@ class PlanRow:
 
     label: str
     stages: tuple[StageRow, ...]
+    schedule: str | None = None
+    """The pipeline schedule it runs (None: a summary written before schedules were
+    recorded)."""
 
     @property
     def layer_text(self) -> str:
         return " ".join(s.layer_text for s in self.stages)
+
+    @property
+    def schedule_text(self) -> str:
+        return self.schedule or "?"
 
     @property
     def dp_text(self) -> str:
@@ -103,6 +112,10 @@ class Change:
         )
         if self.before.has_clocks or self.after.has_clocks:
             text += f"; MHz {self.before.mhz_text} → {self.after.mhz_text}"
+        if self.before.schedule != self.after.schedule:
+            text += f"; schedule {self.before.schedule_text} → {self.after.schedule_text}"
+        elif self.after.schedule is not None:
+            text += f"; schedule {self.after.schedule}"
         extra = [self.what]
         if self.bytes_moved is not None:
             extra.append(f"{self.bytes_moved} bytes moved")
@@ -203,7 +216,8 @@ class Report:
             f"elaswave: report of {self.run_name}: {n} steps ({span}), "
             f"{self.mean_samples_per_s:.1f} samples/s, {self.timing_text}, "
             f"{len(self.changes)} plan change(s)",
-            f"initial plan: layers {self.plans[0].layer_text}; dp {self.plans[0].dp_text}",
+            f"initial plan: layers {self.plans[0].layer_text}; dp {self.plans[0].dp_text}"
+            + (f"; schedule {self.plans[0].schedule}" if self.plans[0].schedule else ""),
         ]
         return out + [c.line() for c in self.changes]
 
@@ -283,6 +297,16 @@ class _Doc:
             )
         return tuple(values)
 
+    def schedule(self, plan: Any, where: str) -> str | None:
+        """A plan's ``schedule`` (None where the document predates it)."""
+        if not isinstance(plan, dict) or "schedule" not in plan:
+            return None
+        value = self.get(plan, "schedule", str, where)
+        if value not in _SCHEDULES:
+            known = ", ".join(_SCHEDULES)
+            raise ValueError(f"{self.source}: {where}.schedule {value!r} (known: {known})")
+        return str(value)
+
     def stages(self, plan: Any, where: str) -> tuple[StageRow, ...]:
         """The stages of a plan as :func:`elaswave.engine.plan.plan_summary` writes."""
         raw = self.get(plan, "stages", list, where)
@@ -333,16 +357,20 @@ def build_report(
     if not isinstance(timing, str):
         raise ValueError(f"{source}: timing should be str, not {type(timing).__name__}")
 
-    plans = [PlanRow("initial", _Doc(JOB).stages(initial_plan, "plan"))]
+    job = _Doc(JOB)
+    schedule = job.schedule(initial_plan, "plan")
+    plans = [PlanRow("initial", job.stages(initial_plan, "plan"), schedule)]
     changes = []
     for i, rec in enumerate(doc.get(summary, "recoveries", list, "")):
         at = f"recoveries[{i}]"
         step = doc.get(rec, "step", int, at)
         kind = doc.get(rec, "kind", str, at)
         ranks = doc.ints(rec, "ranks", at)
+        plan = doc.get(rec, "plan", dict, at)
         after = PlanRow(
             f"step {step}: {kind} {rank_text(ranks)}",
-            doc.stages(doc.get(rec, "plan", dict, at), f"{at}.plan"),
+            doc.stages(plan, f"{at}.plan"),
+            doc.schedule(plan, f"{at}.plan"),
         )
         moved, mttr = rec.get("bytes_moved"), rec.get("mttr_s")
         changes.append(
@@ -549,7 +577,7 @@ def _draw_plans(ax: Any, report: Report) -> None:
     colours = mpl.colormaps["tab10"]
     labels = []
     for y, plan in enumerate(report.plans):
-        labels.append(plan.label)
+        labels.append(f"{plan.label} ({plan.schedule})" if plan.schedule else plan.label)
         for i, stage in enumerate(plan.stages):
             lo, hi = stage.layers
             ax.barh(y, hi - lo, left=lo, height=0.7, color=colours(i % 10), edgecolor="white")

@@ -111,6 +111,22 @@ def test_printed_lines_name_step_kind_ranks_and_layers():
     assert len(lines) == 4
 
 
+def _scheduled() -> tuple[dict, dict]:
+    summary = _summary()
+    summary["recoveries"][0]["plan"]["schedule"] = "zb-cost"
+    summary["recoveries"][1]["plan"]["schedule"] = "zb-cost"
+    return summary, {**INITIAL, "schedule": "1f1b"}
+
+
+def test_printed_lines_name_each_plans_schedule_and_its_changes():
+    report = build_report(*_scheduled(), run_name="r")
+    assert [p.schedule for p in report.plans] == ["1f1b", "zb-cost", "zb-cost"]
+    lines = report.lines()
+    assert lines[1] == "initial plan: layers [0,3) [3,6); dp 2 2; schedule 1f1b"
+    assert "dp 2 2 → 1 2; schedule 1f1b → zb-cost (shrink" in lines[2]
+    assert "MHz base base → 1650 base; schedule zb-cost (grow" in lines[3]
+
+
 def test_throughput_is_global_batch_over_step_time_from_the_first_step():
     steps, rates = throughput([0.5, 0.25, 0.0], 16, first_step=10)
     assert steps == (10, 11, 12)
@@ -207,6 +223,14 @@ def _with(path: list, value) -> dict:
             _with(["recoveries", 1, "plan", "stages", 0, "mhz"], "fast"),
             "recoveries[1].plan.stages[0].mhz should be int or float",
         ),
+        (
+            _with(["recoveries", 0, "plan", "schedule"], "fast"),
+            "recoveries[0].plan.schedule 'fast' (known: 1f1b, zb-h1, zb-cost)",
+        ),
+        (
+            _with(["recoveries", 1, "plan", "schedule"], 2),
+            "recoveries[1].plan.schedule should be str, not int 2",
+        ),
     ],
 )
 def test_malformed_summary_is_named_by_file_and_field(summary, message):
@@ -229,6 +253,7 @@ def test_load_report_takes_the_initial_plan_from_job_json(tmp_path):
     assert report.run_name == "run"
     assert report.plans[0].layer_text == "[0,3) [3,6)"  # the default tiny model, pp 2
     assert report.plans[0].dp_text == "2 2"
+    assert report.plans[0].schedule == JobConfig().plan().schedule.value
     assert report.verdicts == ()  # no events.log: no verdicts, not an error
 
 

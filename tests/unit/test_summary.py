@@ -45,3 +45,19 @@ def test_the_summary_predicts_the_initial_plan_step_time_from_the_job_costs(tmp_
     assert summary.predicted_step_s == plan_step_time(plan, layers, dev).step_s > 0
     bare = build_summary(run_dir=tmp_path, plan=plan, steps=2, num_events=0, device="cpu")
     assert bare.predicted_step_s is None
+
+
+def test_the_summary_records_the_initial_plans_schedule_through_summary_json(tmp_path):
+    from elaswave.engine.schedule import Schedule
+    from elaswave.runtime.job.results import read_summary, write_summary
+
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "params").mkdir()
+    torch.save({0: {"w": torch.ones(2)}}, tmp_path / "params" / "stage0.pt")
+    _worker(tmp_path, 0, 0, [1.0, 1.0], loss=[2.0, 1.0])
+    plan = initial_plan(num_layers=4, dp=1, pp=2, global_batch=8, micro_batch=1,
+                        schedule=Schedule.ZB_H1)  # fmt: skip
+    summary = build_summary(run_dir=tmp_path, plan=plan, steps=2, num_events=0, device="cpu")
+    assert summary.schedule is Schedule.ZB_H1
+    write_summary(tmp_path, summary)
+    assert read_summary(tmp_path).schedule is Schedule.ZB_H1

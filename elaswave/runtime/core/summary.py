@@ -94,6 +94,7 @@ def build_summary(
         grad_norm=_grad_norms(results, logged, first, len(losses)),
         eval_steps=eval_steps,
         eval_loss=eval_loss,
+        schedule=plan.schedule,
     )
 
 

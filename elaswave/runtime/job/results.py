@@ -22,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 from elaswave import rundir
 from elaswave.engine.codec import Forms, from_json, to_json
 from elaswave.engine.record import RecoveryRecord, record_from_json, record_to_json
+from elaswave.engine.schedule import Schedule
 
 _FORMS: Forms = {RecoveryRecord: (record_to_json, record_from_json)}
 SCHEMA_KEY = "schema_version"
@@ -88,6 +89,9 @@ class Summary:
     """The steps after which the held-out loss was evaluated (``--eval-every``)."""
     eval_loss: tuple[float, ...] = ()
     """The mean held-out loss per window after each of ``eval_steps``."""
+    schedule: Schedule | None = None
+    """The pipeline schedule of the initial plan (its ``--schedule`` choice; each
+    change's plan records its own). None in summaries written before it was recorded."""
 
 
 @dataclass(frozen=True, kw_only=True)

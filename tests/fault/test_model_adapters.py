@@ -117,16 +117,17 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
 
 
-TP_FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "granite", "megatron"]
+TP_FAMILIES = ["llama", "mistral", "qwen2", "granite", "megatron"]
 """Families whose dp2 x tp2 runs stay within 1e-5 of one process (megatron-core's
 through its own tensor-parallel layers)."""
-TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3"]
+TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3", "llama-tied"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
-one process within 6 steps (2.3e-5, 9.9e-6, 1.3e-5, 5.2e-5, 1.3e-5; losses within
-6e-8): Qwen3's q and k norms per head and OLMo-2's over every head (the mean square
-summed over the group, and the gains' gradients), Phi-3's fused q | k | v and gate | up
-(split by their blocks of rows), Gemma's (1 + w) norms, SmolLM3's layers without
-rotary embedding. Their one-step gradients match the whole model's parameter by
+one process within 6 steps (2.3e-5, 9.9e-6, 1.3e-5, 5.2e-5, 1.3e-5, 1.12e-5; losses
+within 6e-8): Qwen3's q and k norms per head and OLMo-2's over every head (the mean
+square summed over the group, and the gains' gradients), Phi-3's fused q | k | v and
+gate | up (split by their blocks of rows), Gemma's (1 + w) norms, SmolLM3's layers
+without rotary embedding, the tied Llama's head sharing the embedding's
+vocabulary-parallel weight (its gradient summed from both uses). Their one-step gradients match the whole model's parameter by
 parameter within 6e-7, as Llama's do (tests/multiproc/test_hf_tensor_parallel.py):
 AdamW turns the last-bit differences of a sum taken in another order into steps of the
 full learning rate on elements whose gradient is small. Checked at the recovery

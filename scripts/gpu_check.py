@@ -20,7 +20,8 @@ Cases (``--dry-run`` lists them):
   rank, joins: :data:`CHURN`); the two ranks that live through all of it must hold no
   more threads at the end than the worker that joined last (the job grows from 8 to 16
   ranks, and threads grow with communicators and peers) and gain no GPU memory between
-  the first change and the last step (sampled from /proc and nvidia-smi); MTTR median.
+  the first change and the last step (sampled from /proc and nvidia-smi); MTTR median,
+  and the survivors' resident host memory against the last joiner's (a figure).
 - ``snapshot-overhead``: dp2 x pp2 with and without host snapshots (throughput, the
   snapshot threads' CPU share; parameters must be identical).
 

@@ -50,6 +50,8 @@ class Sample:
     """GPU memory of each process nvidia-smi lists, by pid (None: no nvidia-smi)."""
     names: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     """Each process's threads by name (digits as ``#``), by pid."""
+    rss_mib: Mapping[int, int] = field(default_factory=dict)
+    """Each process's resident host memory (MiB), by pid."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +83,22 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def _threads(pid: int) -> int | None:
+def _status(pid: int, key: str) -> int | None:
+    """The first number of ``pid``'s /proc status line ``key`` (None: gone or absent)."""
     try:
         status = (Path("/proc") / str(pid) / "status").read_text()
     except OSError:
         return None
-    return next(
-        (int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), None
-    )
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith(key)), None)
+
+
+def _threads(pid: int) -> int | None:
+    return _status(pid, "Threads:")
+
+
+def _rss_mib(pid: int) -> int | None:
+    kib = _status(pid, "VmRSS:")
+    return None if kib is None else kib // 1024
 
 
 def _thread_names(pid: int) -> dict[str, int]:
@@ -132,7 +142,8 @@ def sample(root: int, *, gpu: bool) -> Sample:
     usage = _gpu_mib() if gpu else None
     mine = None if usage is None else {pid: usage[pid] for pid in found if pid in usage}
     names = {pid: _thread_names(pid) for pid in threads}
-    return Sample(t=time.time(), threads=threads, gpu_mib=mine, names=names)
+    rss = {pid: mib for pid in threads if (mib := _rss_mib(pid)) is not None}
+    return Sample(t=time.time(), threads=threads, gpu_mib=mine, names=names, rss_mib=rss)
 
 
 def run_train(
@@ -241,6 +252,14 @@ class Growth:
     gpu_mib_before: int | None
     gpu_mib_after: int | None
     """The most GPU memory one survivor held (None: not measured)."""
+    rss_mib_before: int | None = None
+    rss_mib_after: int | None = None
+    """The most resident host memory one survivor held (None: not measured): what a
+    survivor keeps of the changes it went through (host snapshot buffers, the buffers of
+    operations its communicators still hold) shows here on every device."""
+    joiner_rss_mib_after: int | None = None
+    """The last joiner's resident host memory at the end (None: none joined, or not
+    measured): what a rank holds that went through none of the earlier changes."""
     thread_excess: str = ""
     """The threads the survivor with the most holds at the end beyond the last joiner
     (where none joined: beyond its own before the first change), by name: what a leak
@@ -285,6 +304,9 @@ def growth(samples: Sequence[Sample], events: Sequence[Event]) -> Growth | None:
         joiner_threads_after=None if last_joiner is None else new.threads[last_joiner],
         gpu_mib_before=most(old.gpu_mib),
         gpu_mib_after=most(new.gpu_mib),
+        rss_mib_before=most(old.rss_mib) if old.rss_mib else None,
+        rss_mib_after=most(new.rss_mib) if new.rss_mib else None,
+        joiner_rss_mib_after=None if last_joiner is None else new.rss_mib.get(last_joiner),
     )
 
 

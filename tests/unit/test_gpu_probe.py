@@ -35,11 +35,12 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
         StepCompleted(sender="w", rank=0, step=9, loss=1.0, step_time_s=1.0, samples=4, time=20.0),
     ]
     samples = [
-        Sample(t=4.0, threads={10: 30, 11: 31}, gpu_mib={10: 100}),
+        Sample(t=4.0, threads={10: 30, 11: 31}, gpu_mib={10: 100}, rss_mib={10: 700, 11: 900}),
         Sample(
             t=19.0,
             threads={10: 50, 12: 52, 13: 5, 14: 47},
             gpu_mib={10: 120},
+            rss_mib={10: 750, 12: 2000, 14: 640},
             names={10: {"pt_nccl_watchdg": 6, "python3": 44}, 14: {"pt_nccl_watchdg": 3}},
         ),
         Sample(t=21.0, threads={10: 99, 13: 99}, gpu_mib={10: 999}),  # after the last step
@@ -53,6 +54,8 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
     )  # pid 11 is gone at the end
     assert grown.joiner_threads_after == 47  # pid 14 was added last (13 never was)
     assert (grown.gpu_mib_before, grown.gpu_mib_after) == (100, 120)
+    assert (grown.rss_mib_before, grown.rss_mib_after) == (700, 750)  # survivors only
+    assert grown.joiner_rss_mib_after == 640
     assert grown.thread_excess == "python3+44 pt_nccl_watchdg+3"
     no_join = [e for e in events if not isinstance(e, RecoveryFinished)]
     grown = growth(samples, no_join)

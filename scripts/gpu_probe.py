@@ -89,7 +89,8 @@ def _status(pid: int, key: str) -> int | None:
         status = (Path("/proc") / str(pid) / "status").read_text()
     except OSError:
         return None
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith(key)), None)
+    lines = (line for line in status.splitlines() if line.startswith(key))
+    return next((int(line.split()[1]) for line in lines), None)
 
 
 def _threads(pid: int) -> int | None:

@@ -127,8 +127,9 @@ within 6e-8): Qwen3's q and k norms per head and OLMo-2's over every head (the m
 square summed over the group, and the gains' gradients), Phi-3's fused q | k | v and
 gate | up (split by their blocks of rows), Gemma's (1 + w) norms, SmolLM3's layers
 without rotary embedding, the tied Llama's head sharing the embedding's
-vocabulary-parallel weight (its gradient summed from both uses). Their one-step gradients match the whole model's parameter by
-parameter within 6e-7, as Llama's do (tests/multiproc/test_hf_tensor_parallel.py):
+vocabulary-parallel weight (its gradient summed from both uses). Their one-step
+gradients match the whole model's parameter by parameter within 6e-7, as Llama's do
+(tests/multiproc/test_hf_tensor_parallel.py):
 AdamW turns the last-bit differences of a sum taken in another order into steps of the
 full learning rate on elements whose gradient is small. Checked at the recovery
 tolerance: docs/capabilities.md."""

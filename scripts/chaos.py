@@ -1025,8 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint-every",
         type=int,
         default=0,
-        help="write a checkpoint every K steps in every case without TP (default 0: none; "
-        "lost state is then restored inside the job; the draws do not change)",
+        help="write a checkpoint every K steps in every case, TP ones included (default 0: "
+        "none; lost state is then restored inside the job; the draws do not change)",
     )
     parser.add_argument(
         "--schedule-weight",

@@ -572,6 +572,32 @@ def test_every_member_lost_while_a_join_is_applied_names_the_lost_stage() -> Non
     assert "SIGTERM" not in stop.reason
 
 
+def test_every_member_lost_while_a_join_is_applied_says_no_checkpoint_could_restore() -> None:
+    """Found by scripts/chaos (seed 35711, case 12: dp2 x pp1 x tp4, checkpoints every 3,
+    a join at step 2, unit 1 hung in step 2's snapshot, then node 0 killed while the
+    join's plan was applied): the job restores checkpoints, but none of step 1 (its
+    last completed step) or before was on disk, so the stop was right; its message
+    named the lost stage but not that no checkpoint could restore it, as every other
+    lost-state stop of a job with checkpoints does."""
+    state, rules = _applying_a_join()
+    rules = dataclasses.replace(rules, restore=True)
+    for event in (inp.OnDisk((2,)), inp.StepDone(1, 999.0)):  # newer than step 1: no use
+        state, _ = protocol.step(rules, state, event, 1000.0)
+    state, _ = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
+    state, actions = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    (stop,) = [a for a in actions if isinstance(a, act.Stop)]
+    assert "stage 0 (layers 0-5) lost all its ranks [0, 1]: no replica holds its layers" in (
+        stop.reason
+    )
+    assert "no complete checkpoint of step 1 or before to restore" in stop.reason
+    # A job that writes no checkpoints restores none, and does not say so.
+    state, rules = _applying_a_join()
+    state, _ = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
+    state, actions = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    (stop,) = [a for a in actions if isinstance(a, act.Stop)]
+    assert "checkpoint" not in stop.reason
+
+
 def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_window() -> None:
     """Found by scripts/chaos (seed 9, case 288: dp2 x pp1, rank 1 killed while the plan
     adding rank 2 was applied; rank 0 then failed on its remap link with rank 1 and

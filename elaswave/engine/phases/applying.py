@@ -138,7 +138,7 @@ def every_member_lost(r: Rules, s: State, c: Change, p: Applying, e: Exited, now
     after a fault while they applied it: no member is left to roll back."""
     faults = all(s.codes.get(x, 0) < 0 or x in s.fenced for x in s.plan.ranks)
     p = replace(p, exited={**p.exited, e.rank: (e.code, now)})  # this exit too
-    return _all_lost(s, c) if faults else window(r, s, c, p)
+    return _all_lost(r, s, c) if faults else window(r, s, c, p)
 
 
 def window(r: Rules, s: State, c: Change, p: Applying) -> str:
@@ -157,15 +157,19 @@ def window(r: Rules, s: State, c: Change, p: Applying) -> str:
     )
 
 
-def _all_lost(s: State, c: Change) -> str:
+def _all_lost(r: Rules, s: State, c: Change) -> str:
     """Why the job stops when every rank of the plan is gone while a plan adding joiners
-    is applied: the joiners hold no state until it is."""
+    is applied: the joiners hold no state until it is, and (in a job that restores
+    checkpoints) no checkpoint of the job's last completed step or before is complete,
+    or the joiners would take it (:func:`~elaswave.engine.phases.shared.restorable`)."""
     gone = {x: s.codes[x] for x in s.plan.ranks if x in s.codes}
     try:
         resize_after_failure(s.plan, s.plan.ranks)
         lost = "no rank of the plan survives"
     except Unrecoverable as exc:
         lost = str(exc)
+    if r.restore:  # as a plan that finds state lost says it (planning.restored)
+        lost = f"{lost}; no complete checkpoint of step {s.done_step} or before to restore"
     joiners = sorted(s.alive & set(c.joined))
     return (
         f"{c.detail}; then, while waiting for every rank to apply the recovery plan: "

@@ -613,6 +613,16 @@ def test_a_member_failing_on_its_link_with_a_killed_one_during_a_join_is_the_win
     assert "rank 1 exited with signal SIGKILL; then ranks [0] stopped on errors" in stop.reason
     assert "no member of the plan is left to roll back" in stop.reason
     assert "lost all its ranks" not in stop.reason
+    assert "no complete checkpoint" not in stop.reason
+    # In a job that restores checkpoints (none complete yet) the stop says none could.
+    state, rules = _applying_a_join()
+    rules = dataclasses.replace(rules, restore=True)
+    state, _ = protocol.step(rules, state, inp.Exited(1, -9), 1000.0)
+    state, actions = protocol.step(rules, state, inp.Exited(0, 1, why), 1000.1)
+    (stop,) = [a for a in actions if isinstance(a, act.Stop)]
+    assert "roll back to the state before it (joining ranks hold none); no complete " in (
+        stop.reason
+    )
 
 
 def test_members_that_finish_before_a_late_join_pauses_them_end_the_job_done() -> None:

@@ -153,7 +153,17 @@ def window(r: Rules, s: State, c: Change, p: Applying) -> str:
     return (
         f"{c.detail}; then, while waiting for every rank to apply the recovery plan: "
         f"{describe(s, cause)}{after}; no member of the plan is left to roll back to the "
-        f"state before it (joining ranks hold none): the job stops; {r.resume_hint}"
+        f"state before it (joining ranks hold none){_no_checkpoint(r, s)}: the job stops; "
+        f"{r.resume_hint}"
+    )
+
+
+def _no_checkpoint(r: Rules, s: State) -> str:
+    """What a stop of a job that restores checkpoints adds: none it could restore was
+    complete (it is reached only then: :func:`~elaswave.engine.phases.shared.restorable`),
+    as a plan that finds state lost says it (``planning.restored``)."""
+    return (
+        f"; no complete checkpoint of step {s.done_step} or before to restore" if r.restore else ""
     )
 
 
@@ -168,8 +178,7 @@ def _all_lost(r: Rules, s: State, c: Change) -> str:
         lost = "no rank of the plan survives"
     except Unrecoverable as exc:
         lost = str(exc)
-    if r.restore:  # as a plan that finds state lost says it (planning.restored)
-        lost = f"{lost}; no complete checkpoint of step {s.done_step} or before to restore"
+    lost += _no_checkpoint(r, s)
     joiners = sorted(s.alive & set(c.joined))
     return (
         f"{c.detail}; then, while waiting for every rank to apply the recovery plan: "

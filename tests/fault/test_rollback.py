@@ -9,6 +9,8 @@ process started again; replay reproduces every plan, the taken-back one included
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
@@ -65,14 +67,40 @@ def test_a_join_torn_by_a_failure_is_rolled_back_and_the_joiner_added_again(runs
     nothing, is added by a join after it, with a plan numbered from the store's."""
     job = ("--dp", "2", "--pp", "2", "--steps", "12", "--global-batch", "8",
            "--micro-batch", "2", "--ranks-per-node", "1")  # fmt: skip
-    kills = [a for s in range(4, 12) for a in ("--fault", f"kill:3@{s}:apply")]
-    run = train(runs_dir / "join", *job, "--fault", "join@3", *kills)
-    twin = train(runs_dir / "twin", *job)
+    kills = [f"kill:3@{s}:apply" for s in range(4, 12)]
+    _joined_again(runs_dir / "join", job, "join@3", kills, failed=3, joiner=4)
+
+
+def _joined_again(
+    out: Path, job: tuple[str, ...], join: str, kills: list[str], *, failed: int, joiner: int
+) -> None:
+    """A join taken back by the failure of ``failed`` (one of ``kills`` fires at the
+    first apply after the join), then ``failed`` answered without ``joiner``, which a
+    join after it adds; the run matches its twin."""
+    faults = [a for fault in (join, *kills) for a in ("--fault", fault)]
+    run = train(out, *job, *faults)
+    twin = train(out.with_name(out.name + "_twin"), *job)
     first, second, third = run.summary.recoveries
-    assert first.kind == "join" and first.rolled_back and list(first.joined) == [4]
-    assert second.kind == "fail-stop" and list(second.ranks) == [3] and not second.joined
-    assert third.kind == "join" and list(third.joined) == [4] and not third.rolled_back
-    _matches(run, twin, world=5)
+    assert first.kind == "join" and first.rolled_back and list(first.joined) == [joiner]
+    assert second.kind == "fail-stop" and list(second.ranks) == [failed] and not second.joined
+    assert third.kind == "join" and list(third.joined) == [joiner] and not third.rolled_back
+    _matches(run, twin, world=joiner + 1)
+
+
+def test_a_joiner_whose_own_apply_finished_goes_back_to_wait_when_its_plan_is_taken_back(
+    runs_dir,
+):
+    """Rank 1 dies at the end of its apply of the plan that adds joiner 4, before it
+    reports it applied (whenever the join comes). The joiner's own apply finished, so
+    it was training under that plan when the Core took it back; it used to die of it
+    ("the Core rolls back the plan of generation 1, and rank 4 kept nothing from before
+    it": chaos seed 57721 with two copies and checkpoints, case 135, where rank 0's
+    report of its apply went down with its node). It now drops what it built and is
+    added by a join after the failure's change, and the run matches its twin."""
+    job = ("--dp", "4", "--pp", "1", "--steps", "10", "--global-batch", "8",
+           "--micro-batch", "1", "--ranks-per-node", "1")  # fmt: skip
+    kills = [f"kill:1@{s}:applied" for s in range(3, 9)]
+    _joined_again(runs_dir / "joined_back", job, "join@2", kills, failed=1, joiner=4)
 
 
 # long: restore in the job: test_restore_in_job.py; the Core's side: tests/unit/test_protocol.py

@@ -10,9 +10,10 @@ PHASE is where in the step the process dies: forward (after the first micro-batc
 forward compute), backward (after its backward compute), grad-sync (before the
 reduce-scatter), snapshot (after the gradient shard was sent to the snapshot holder),
 optimizer (after the optimizer update, before the parameter all-gather), eval (after the
-first held-out micro-batch's forward, in a step that evaluates: --eval-every). Two phases are
-points of a recovery that redoes STEP: plan (the Core's plan has arrived, not yet
-acknowledged) and apply (the plan is committed, not yet applied). Default: forward.
+first held-out micro-batch's forward, in a step that evaluates: --eval-every). Three phases
+are points of a recovery that redoes STEP: plan (the Core's plan has arrived, not yet
+acknowledged), apply (the plan is committed, not yet applied) and applied (applied on
+this rank, not yet reported to the Core). Default: forward.
 The worker's :class:`~elaswave.runtime.worker.faults.FaultInjector` carries them out.
 """
 
@@ -38,6 +39,8 @@ class StepPhase(enum.StrEnum):
     """The held-out evaluation that ends a step (``--eval-every``), after the all-gather."""
     PLAN = "plan"
     APPLY = "apply"
+    APPLIED = "applied"
+    """The end of a plan's apply: applied on this rank, not yet reported to the Core."""
 
 
 class FaultKind(enum.StrEnum):

@@ -48,7 +48,7 @@ from elaswave.runtime.job.faults import StepPhase
 from elaswave.runtime.job.inputs import announced_rebalancing
 from elaswave.runtime.worker.held_checkpoint import write_part
 from elaswave.runtime.worker.memento import Memento, Settled, keep, nothing_kept
-from elaswave.runtime.worker.reconfigure import reconfigure, restore, roll_back
+from elaswave.runtime.worker.reconfigure import drop, reconfigure, restore, roll_back
 from elaswave.runtime.worker.tpgroup import TP_GROUP, unit_barrier, unit_report
 from elaswave.runtime.worker.trainer import Trainer, WorkerContext
 
@@ -276,6 +276,8 @@ def recover(
         cause=str(cause),
     )
     _release(ctx, trainer, announced)
+    if _joined_by_torn_plan(trainer, announced):
+        return _rejoin(ctx, session, inbox, trainer, gen)
     kept = _kept_for(ctx, trainer, announced)
     report: dict[str, Any] = {
         "committed_step": trainer.committed_step,
@@ -288,6 +290,26 @@ def recover(
     on_checkpoint = _report(ctx, session, gen, report, trainer, kept)
     decision = _next_plan(inbox, gen, timeout, on_checkpoint)
     return _apply(ctx, session, inbox, decision, base, trainer, kept, timeout, on_checkpoint)
+
+
+def _joined_by_torn_plan(trainer: Trainer, announced: Event) -> bool:
+    """Whether ``announced`` rolls back the plan that added this rank, whose own apply
+    of it finished (it trains under it, and kept nothing from before)."""
+    rollback = isinstance(announced, FailureDetected) and announced.rollback
+    return rollback and trainer.joined
+
+
+def _rejoin(
+    ctx: WorkerContext, session: Session, inbox: Mailbox, trainer: Trainer, gen: int
+) -> Trainer:
+    """The plan of generation ``gen`` that added this rank is taken back: as a joiner
+    whose apply was torn (:func:`_after_torn_apply`), drop what it built under it and
+    wait for a plan that adds it again."""
+    log.warning("recovery.join_taken_back", generation=gen)
+    drop(trainer)
+    plane = ctx.plane_store and fresh_client(ctx.plane_store)
+    fresh = dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
+    return join(fresh, session, inbox, after=gen)
 
 
 def _kept_for(ctx: WorkerContext, trainer: Trainer, announced: Event) -> Memento | None:
@@ -508,6 +530,7 @@ def _apply(
             )  # fmt: skip
         except StepAborted as exc:
             return _after_torn_apply(ctx, session, inbox, decision, trainer, kept, exc, timeout)
+    ctx.faults.at(StepPhase.APPLIED, decision.committed_step + 1)
     if not ctx.leader:
         return trainer
     session.publish(
@@ -556,7 +579,8 @@ def _keep_until_settled(
     announces the change finished; after a restore, the checkpoint's step, to restore
     again."""
     if kept is None:
-        return  # a joiner: a roll-back adds it again
+        trainer.joined = True  # a joiner: a roll-back adds it again
+        return
     if decision.restore:
         step = decision.committed_step
         kept = Memento(plan=base, step=step, layers=kept.layers, layout=None, state=None)

@@ -231,7 +231,7 @@ def roll_back(
             + ("no state" if kept.state is None else f"step {kept.step}")
             + ": planners disagree"
         )
-    _drop(current)
+    drop(current)
     trainer, applied = reconfigure(
         ctx, None, kept, base, new_plan, failed, committed_step,
         rebuild=set(), migration=BLOCKING, store=fresh_client(ctx.comm_store),
@@ -240,7 +240,7 @@ def roll_back(
     return trainer, applied
 
 
-def _drop(trainer: Trainer | None) -> None:
+def drop(trainer: Trainer | None) -> None:
     """Stop ``trainer``'s work and abort its device groups (where work parks, every one)."""
     if trainer is not None:
         trainer.close_snapshots()
@@ -477,7 +477,7 @@ def restore(
     participant whose apply of the last plan was torn holds groups in no known state,
     so none is reused; restores are rare, and this keeps them simple."""
     stage = new_plan.stages[new_plan.locate(ctx.rank)[0]]
-    _drop(old)
+    drop(old)
     t0 = time.perf_counter()
     # A new connection to the store: a group creation a torn apply abandoned (its peer
     # dead) may still hold the worker's own in a wait until the store's timeout.

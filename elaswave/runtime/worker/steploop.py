@@ -200,7 +200,8 @@ class StepLoop:
             break
         outcome = self._completed(step, result, recovered)
         self.step = step + 1
-        if trainer.memento is not None and self.inbox.settled.covers(trainer.plan.generation):
+        unsettled = trainer.memento is not None or trainer.joined
+        if unsettled and self.inbox.settled.covers(trainer.plan.generation):
             trainer.forget()  # the change is finished: no roll-back reaches it
         for keeper in trainer.keepers:  # updates no wait for communication has done
             keeper.catch_up()

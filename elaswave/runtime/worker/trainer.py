@@ -141,6 +141,10 @@ class Trainer:
     memento: Memento | None = None
     """What this rank committed before the change that made this trainer, kept until
     the change is settled (a torn apply rolls back to it)."""
+    joined: bool = False
+    """The change that made this trainer added this rank, which held nothing before:
+    until it is settled, a roll-back of its plan sends the rank back to wait as a
+    joiner (:func:`elaswave.runtime.worker.executor.recover`)."""
 
     @property
     def comm(self) -> Communicator:
@@ -164,6 +168,7 @@ class Trainer:
     def forget(self) -> None:
         """Drop the memento: the change that made this trainer is settled."""
         self.memento = None
+        self.joined = False
 
     def close_snapshots(self) -> None:
         for keeper in self.keepers:

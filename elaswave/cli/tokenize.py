@@ -101,15 +101,24 @@ def tokenize(
         raise ValueError(f"--held-out {held_out}: must be in (0, 1)")
     if tokenizer is None and not 256 < vocab <= 1 << 20:
         raise ValueError(f"--vocab {vocab}: must be in (256, {1 << 20}]")
+    try:
+        found = [p for p in text_dir.glob(glob) if p.is_file()]
+    except (ValueError, NotImplementedError) as exc:  # '', '/abs', 'a**': pathlib's words
+        raise ValueError(
+            f"--glob {glob!r}: {exc}; give a pattern relative to TEXT_DIR such as '**/*.txt'"
+        ) from None
     paths = sorted(
         p
-        for p in text_dir.glob(glob)
-        if p.is_file()
-        and not any(fnmatch.fnmatch(str(p.relative_to(text_dir)), x) for x in exclude)
+        for p in found
+        if not any(fnmatch.fnmatch(str(p.relative_to(text_dir)), x) for x in exclude)
     )
     if not paths:
-        raise ValueError(f"no files under {str(text_dir)!r} match {glob!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+        left = f" after --exclude {', '.join(map(repr, exclude))}" if found else ""
+        raise ValueError(f"no files under {str(text_dir)!r} match {glob!r}{left}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"OUT_DIR {str(out_dir)!r}: a file is in the way of a directory") from None
     tok = _tokenizer(paths, tokenizer, vocab)
     tok.save(str(out_dir / "tokenizer.json"))
     end = tok.token_to_id(END)

@@ -64,9 +64,20 @@ def test_text_files_become_token_files_with_a_held_out_split(tmp_path):
         ({"held_out": 1.5}, "--held-out 1.5: must be in"),
         ({"vocab": 100}, "--vocab 100: must be in"),
         ({"tokenizer": Path("/nonexistent.json")}, "is not a tokenizer.json"),
+        ({"glob": "/etc/*"}, r"--glob '/etc/\*': Non-relative patterns are unsupported; give"),
+        ({"glob": "**a"}, r"--glob '\*\*a': Invalid pattern"),
+        ({"exclude": ("*",)}, r"no files under .* match '\*.py' after --exclude '\*'"),
     ],
 )
 def test_bad_input_is_refused_naming_it(tmp_path, kwargs, message):
     texts = _texts(tmp_path / "texts", count=3)
     with pytest.raises(ValueError, match=message):
         tokenize(texts, tmp_path / "out", **{"glob": "*.py", **kwargs})
+
+
+@pytest.mark.parametrize("out", ["file", "file/below"])
+def test_an_out_dir_a_file_blocks_is_refused_naming_it(tmp_path, out):
+    texts = _texts(tmp_path / "texts", count=3)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"OUT_DIR '.*/file.*': a file is in the way"):
+        tokenize(texts, tmp_path / out, glob="*.py")

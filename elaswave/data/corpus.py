@@ -43,6 +43,8 @@ class DataConfig:
             )
         if self.num_samples < 1:
             raise ValueError(f"data.num_samples = {self.num_samples}: must be at least 1")
+        if self.seed < 0:  # numpy's generators take no negative seed
+            raise ValueError(f"data.seed = {self.seed}: must be >= 0")
 
 
 class TokenSource(Protocol):
@@ -86,29 +88,46 @@ class SyntheticCorpus:
 class TokenFile:
     """A user's pre-tokenised corpus: a flat file of token ids, read through a memmap."""
 
-    def __init__(self, path: str | Path, *, dtype: str, seq_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        dtype: str,
+        seq_len: int,
+        vocab_size: int,
+        setting: str = "data.path",
+    ) -> None:
+        """``setting``: the setting that named ``path``, for the errors (data.path, or
+        data.heldout for the held-out tokens)."""
         path = Path(path)
+        where = f"{setting} = {str(path)!r}"
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.dtype = {dtype!r}: valid values are {', '.join(TOKEN_DTYPES)}")
         if not path.is_file():
-            raise ValueError(f"data.path = {str(path)!r}: no such file")
+            raise ValueError(f"{where}: no such file")
         itemsize = np.dtype(dtype).itemsize
         size = path.stat().st_size
         if size % itemsize:
             raise ValueError(
-                f"data.path = {str(path)!r}: {size} bytes is not a whole number of "
-                f"{dtype} tokens; is data.dtype right?"
+                f"{where}: {size} bytes is not a whole number of {dtype} tokens; is "
+                "data.dtype right?"
+            )
+        count = size // itemsize
+        if count <= seq_len:  # an empty file included: numpy cannot map one
+            raise ValueError(
+                f"{where}: {count} tokens, need at least {seq_len + 1} for one sample of "
+                f"seq_len {seq_len}"
             )
         self._tokens = np.memmap(path, dtype=dtype, mode="r")
         self._seq_len = seq_len
         self._len = (len(self._tokens) - 1) // seq_len
-        if self._len < 1:
-            raise ValueError(
-                f"data.path = {str(path)!r}: {len(self._tokens)} tokens, need at least "
-                f"{seq_len + 1} for one sample of seq_len {seq_len}"
-            )
-        top = int(self._tokens[: min(len(self._tokens), 1 << 20)].max())
+        head = self._tokens[: min(len(self._tokens), 1 << 20)]
+        top, bottom = int(head.max()), int(head.min())
         if top >= vocab_size:
+            raise ValueError(f"{where}: token id {top} >= model.vocab_size {vocab_size}")
+        if bottom < 0:
             raise ValueError(
-                f"data.path = {str(path)!r}: token id {top} >= model.vocab_size {vocab_size}"
+                f"{where}: token id {bottom} is negative; ids must be in [0, {vocab_size})"
             )
 
     def __len__(self) -> int:
@@ -142,7 +161,9 @@ def open_heldout(cfg: DataConfig, *, vocab_size: int, seq_len: int, windows: int
     path = heldout_path(cfg)
     source: TokenSource
     if path is not None:
-        source = TokenFile(path, dtype=cfg.dtype, seq_len=seq_len, vocab_size=vocab_size)
+        source = TokenFile(
+            path, dtype=cfg.dtype, seq_len=seq_len, vocab_size=vocab_size, setting="data.heldout"
+        )
     elif cfg.path is not None:
         raise ValueError(
             f"--eval-every needs held-out tokens beside data.path = {cfg.path!r}: give "

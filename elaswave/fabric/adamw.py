@@ -58,13 +58,17 @@ class OptimizerConfig:
     replica and TP member), as ``torch.nn.utils.clip_grad_norm_``; None: no clipping."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr = {self.lr!r}: must be positive")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr = {self.lr!r}: must be a positive finite number")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optim.{name} = {getattr(self, name)!r}: must be in [0, 1)")
-        if self.weight_decay < 0 or self.eps <= 0:
-            raise ValueError("optim.weight_decay must be >= 0 and optim.eps > 0")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"optim.weight_decay = {self.weight_decay!r}: must be a finite number >= 0"
+            )
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"optim.eps = {self.eps!r}: must be a positive finite number")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
         try:

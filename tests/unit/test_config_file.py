@@ -24,6 +24,8 @@ def test_toml_and_overrides_merge(tmp_path):
         ('[train]\ndevice = "tpu"', "unknown device 'tpu'; valid devices: cpu, cpu-strict"),
         ('[model]\npreset = "gpt5"', "unknown model preset 'gpt5'"),
         ("[train]\nwait_for_nodes_s = -5", "wait_for_nodes_s = -5: must be from 0 to 86400"),
+        ("[data]\nseed = -5", r"data.seed = -5: must be >= 0"),
+        ("[optim]\nlr = inf", r"optim.lr = inf: must be a positive finite number"),
     ],
 )
 def test_bad_config_files_name_the_value(tmp_path, text, message):

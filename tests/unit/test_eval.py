@@ -75,6 +75,25 @@ def test_a_token_file_without_held_out_tokens_is_refused_naming_the_flag(tmp_pat
         JobConfig(data=data, schedule=ScheduleConfig(eval_every=2))
 
 
+@pytest.mark.parametrize(
+    ("count", "message"),
+    [
+        (None, "no such file"),
+        (0, "0 tokens, need at least 33"),
+        (10, "10 tokens, need at least 33"),
+    ],
+)
+def test_a_bad_held_out_file_is_named_as_the_held_out_setting(
+    tmp_path: Path, count: int | None, message: str
+) -> None:
+    path = tmp_path / "held.bin"
+    if count is not None:
+        _tokens(path, count)
+    data = DataConfig(heldout=str(path))
+    with pytest.raises(ValueError, match=f"^data.heldout = '{path}': {message}"):
+        open_heldout(data, vocab_size=128, seq_len=32, windows=8)
+
+
 def test_an_eval_fault_at_a_step_that_does_not_evaluate_is_refused() -> None:
     with pytest.raises(ValueError, match=r"step 2 does not evaluate \(eval_every = 2"):
         JobConfig(

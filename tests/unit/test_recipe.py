@@ -47,6 +47,9 @@ def test_a_decaying_schedule_without_decay_steps_decays_over_the_rest_of_the_job
         ({"min_lr": 0.5, "lr": 0.1}, "optim.min_lr = 0.5: must be in [0, lr = 0.1]"),
         ({"decay_steps": 0}, "optim.decay_steps = 0: must be at least 1"),
         ({"max_grad_norm": 0.0}, "optim.max_grad_norm = 0.0: must be positive"),
+        ({"lr": float("inf")}, "optim.lr = inf: must be a positive finite number"),
+        ({"weight_decay": float("nan")}, "optim.weight_decay = nan: must be a finite number >= 0"),
+        ({"eps": 0.0}, "optim.eps = 0.0: must be a positive finite number"),
     ],
 )
 def test_a_bad_recipe_setting_is_refused_naming_it(settings: dict, message: str) -> None:

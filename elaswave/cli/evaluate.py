@@ -73,11 +73,20 @@ def evaluate(
         params = load_params(run_dir)
     except FileNotFoundError:
         raise ValueError(f"{str(run_dir)!r} has no trained parameters (did it finish?)") from None
+    missing = sorted(set(range(cfg.num_layers)) - set(params))
+    if missing:
+        raise ValueError(f"{str(run_dir)!r} lacks the parameters of layers {missing}")
     model = pipeline_model(cfg)
     layers = []
     for index in range(cfg.num_layers):
         layer = model.build_layer(index, seed=0)
-        layer.load_state_dict(params[index])
+        try:
+            layer.load_state_dict(params[index])
+        except RuntimeError as exc:  # names or shapes not the model's
+            first = str(exc).splitlines()[-1].strip()
+            raise ValueError(
+                f"{str(run_dir)!r}: the parameters of layer {index} do not fit its model ({first})"
+            ) from None
         layers.append(layer.eval())
     count = min(len(source), max_samples)
     total, rng = 0.0, make_rng("counter", seed=0, rank=0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 from elaswave import rundir
 
@@ -61,7 +62,7 @@ def export(run_dir: Path, out_dir: Path) -> Path:
     """Write ``run_dir``'s model into ``out_dir``; ValueError naming what is wrong."""
     from safetensors.torch import save_file
 
-    from elaswave.model.hf import TIED_PARAMS, load_hf_config, to_hf_state_dict
+    from elaswave.model.hf import TIED_PARAMS, load_hf_config, skeleton, to_hf_state_dict
     from elaswave.runtime.core.compare import load_params
     from elaswave.runtime.job.config import JobSpec
 
@@ -76,6 +77,9 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{str(out_dir)!r} exists and is not an empty directory")
+    blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{str(out_dir)!r} cannot be made: {str(blocking)!r} is not a directory")
     try:
         params = load_params(run_dir)
     except FileNotFoundError:
@@ -85,11 +89,15 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         raise ValueError(f"{str(run_dir)!r} lacks the parameters of layers {missing}")
     if model.source.startswith("megatron:"):
         return _megatron(run_dir, out_dir, model.source, params)
-    state = to_hf_state_dict(params, model.num_layers)
+    try:
+        state = to_hf_state_dict(params, model.num_layers)
+    except KeyError as exc:  # a parameter name the model does not have
+        raise ValueError(f"{str(run_dir)!r}: {exc.args[0]}") from None
     if model.tie_embeddings:  # one tensor, as transformers saves a tied weight
         state.pop(f"{TIED_PARAMS[1]}")
     source = Path(model.source[3:])
     config = load_hf_config(source)
+    _check_shapes(run_dir, state, skeleton(config, str(source / "config.json")))
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}
@@ -98,6 +106,17 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         if (source / name).is_file():
             shutil.copy2(source / name, out_dir / name)
     return out_dir
+
+
+def _check_shapes(run_dir: Path, state: dict, model: Any) -> None:
+    """Refuse parameters whose shapes are not those of ``model`` (on the meta device)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, tensor in state.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{str(run_dir)!r}: parameter {name} has shape {tuple(tensor.shape)}, the "
+                f"model's is {shapes[name]}"
+            )
 
 
 MEGATRON_CHECKPOINT_VERSION = 3.0

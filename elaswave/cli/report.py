@@ -352,6 +352,8 @@ def build_report(
     if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
         raise ValueError(f"{source}: step_time_s should be a list of numbers")
     first_step = doc.get(summary, "first_step", int, "") if "first_step" in summary else 0
+    if first_step < 0:
+        raise ValueError(f"{source}: first_step = {first_step}: must be >= 0")
     device = doc.get(summary, "device", str, "")
     timing = summary.get("timing", "emulated" if device == "emulated" else "measured")
     if not isinstance(timing, str):

@@ -163,6 +163,12 @@ def test_a_log_without_recoveries_has_nothing_to_replay(tmp_path):
         (lambda d: None, "has no job.json: not a run directory"),
         (lambda d: (d / "job.json").write_text("{}"), "does not describe a job"),
         (lambda d: (d / "job.json").write_text("not json"), "does not describe a job"),
+        (
+            lambda d: (d / "job.json").write_text(
+                '{"run_id": "x", "config": {"model": {"source": 5}}, "endpoints": {}}'
+            ),
+            "does not describe a job (AttributeError",
+        ),
     ],
 )
 def test_not_a_run_is_one_clear_error(tmp_path, setup, message):

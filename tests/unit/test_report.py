@@ -277,6 +277,12 @@ def test_load_report_takes_the_initial_plan_from_job_json(tmp_path):
             r"job.json' is corrupt: its config is invalid \(dp = 0",
         ),
         (lambda run: (run / "events.log").write_bytes(b"\xc1" * 8), "events.log' is corrupt"),
+        (
+            lambda run: (run / "summary.json").write_text(
+                json.dumps({**json.loads((run / "summary.json").read_text()), "first_step": -3})
+            ),
+            "summary.json': first_step = -3: must be >= 0",
+        ),
     ],
 )
 def test_load_report_bad_run_dirs(tmp_path, setup, message):

@@ -25,8 +25,30 @@ def load_params(run_dir: Path) -> Params:
     if not files:
         raise FileNotFoundError(f"no parameter files under {run_dir / rundir.PARAMS}")
     for path in files:
-        params.update(torch.load(path, weights_only=True))
+        try:
+            stage = torch.load(path, weights_only=True)
+        except Exception as exc:  # torch.load raises many kinds for a file not its own
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise ValueError(
+                f"{str(path)!r} is not a parameter file that a run saved (torch.load: {why})"
+            ) from None
+        if not _is_params(stage):
+            raise ValueError(
+                f"{str(path)!r} is not a parameter file that a run saved: expected "
+                "{layer index: {parameter name: tensor}}"
+            )
+        params.update(stage)
     return dict(sorted(params.items()))
+
+
+def _is_params(stage: object) -> bool:
+    """Whether ``stage`` is shaped as a stage's parameter file: {int: {str: Tensor}}."""
+    return isinstance(stage, dict) and all(
+        isinstance(index, int)
+        and isinstance(layer, dict)
+        and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in layer.items())
+        for index, layer in stage.items()
+    )
 
 
 def loss_rel_diff(loss: Sequence[float], ref: Sequence[float]) -> float:

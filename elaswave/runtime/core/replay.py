@@ -98,12 +98,7 @@ def replay_run(run_dir: Path) -> ReplayResult:
     log_path = run_dir / EVENT_LOG
     if not log_path.is_file():
         raise ValueError(f"{str(run_dir)!r} has no {EVENT_LOG}: the run recorded no events")
-    try:
-        cfg = JobSpec.read(run_dir).config
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"{str(run_dir / JOB)!r} does not describe a job ({type(exc).__name__}: {exc})"
-        ) from None
+    cfg = JobSpec.read(run_dir).config  # ValueError when job.json does not describe a job
     initial = cfg.plan()
     settled: dict[int, Plan] = {initial.generation: initial}
     """generation -> the plan it settled on: the committed attempt (else the latest)."""

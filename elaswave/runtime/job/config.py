@@ -337,9 +337,17 @@ class JobSpec:
 
     @classmethod
     def read(cls, run_dir: Path, name: str = rundir.JOB) -> JobSpec:
-        doc = json.loads((run_dir / name).read_text())
-        return cls(
-            run_id=doc["run_id"],
-            config=JobConfig.from_dict(doc["config"]),
-            endpoints=Endpoints(**doc["endpoints"]),
-        )
+        """RUN_DIR's job; ValueError naming the file when it does not describe a job
+        (OSError when it cannot be read)."""
+        path = run_dir / name
+        try:
+            doc = json.loads(path.read_text())
+            return cls(
+                run_id=doc["run_id"],
+                config=JobConfig.from_dict(doc["config"]),
+                endpoints=Endpoints(**doc["endpoints"]),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(
+                f"{str(path)!r} does not describe a job ({type(exc).__name__}: {exc})"
+            ) from None

@@ -100,12 +100,20 @@ def load_hf_config(directory: Path) -> Any:
     kind = raw.get("model_type") if isinstance(raw, dict) else None
     if not isinstance(kind, str):
         raise ValueError(f"{path}: model_type = {kind!r}: expected a transformers model type")
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{path}: model_type = {kind!r} is not a model type transformers "
+            f"{transformers.__version__} knows; families tested: {', '.join(TESTED_FAMILIES)}"
+        )
     try:
         cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise ValueError(f"{path} is not a valid {kind} config: {exc}") from None
+        why = " ".join(str(exc).split())  # one line: its messages span several
+        raise ValueError(f"{path} is not a valid {kind} config: {why}") from None
     cfg._attn_implementation = "sdpa"
     return cfg
 

@@ -174,6 +174,27 @@ def test_a_directory_that_is_not_a_supported_model_is_refused(tmp_path):
         hf_shape(source, seq_len=SEQ)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"model_type": "fancy-unknown"},
+            r"model_type = 'fancy-unknown' is not a model type transformers .* knows; "
+            "families tested: llama",
+        ),
+        ({"head_dim": 15}, r"is not a valid llama config: .*RoPE requires an even"),
+        ({"vocab_size": "x"}, r"is not a valid llama config: .*'vocab_size' expected int"),
+    ],
+)
+def test_a_config_transformers_refuses_is_one_line_naming_why(tmp_path, change, message):
+    source = _write(tmp_path, "llama")
+    path = tmp_path / "llama" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ValueError, match=message) as refused:
+        hf_shape(source, seq_len=SEQ)
+    assert "\n" not in str(refused.value), str(refused.value)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_gains_and_buffers_start_as_the_models_own_initialisation_has_them(tmp_path, family):
     """Norm gains (Gemma's are 0: its norms scale by 1 + w), rotary frequencies and

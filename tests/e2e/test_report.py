@@ -42,9 +42,16 @@ def test_report_of_a_fail_stop_with_migration(faulted):
     assert after != "[0,3) [3,6)", "the planner should have moved a layer"
     lines = proc.stdout.splitlines()
     assert "6 steps (steps 0-5)" in lines[0] and "EMULATED timings" in lines[0], lines[0]
-    assert lines[1] == "initial plan: layers [0,3) [3,6); dp 2 2"
+    first = faulted.summary.schedule
+    assert first is not None
+    assert lines[1] == f"initial plan: layers [0,3) [3,6); dp 2 2; schedule {first}"
+    switch = (
+        f"schedule {first}"
+        if rec.plan.schedule == first
+        else f"schedule {first} → {rec.plan.schedule}"
+    )
     assert lines[2].startswith(
-        f"step 3: fail-stop ranks [1]: layers [0,3) [3,6) → {after}; dp 2 2 → 1 2 "
+        f"step 3: fail-stop ranks [1]: layers [0,3) [3,6) → {after}; dp 2 2 → 1 2; {switch} "
         "(shrink + resize + migrate; "
     ), lines[2]
     assert f"{rec.bytes_moved} bytes moved" in lines[2]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from elaswave.runtime.core.compare import compare_runs
-from elaswave.runtime.job.faults import StepPhase
+from elaswave.runtime.job.faults import RECOVERY_POINTS, StepPhase
 from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +54,10 @@ def mean_rel(loss: list[float], ref: list[float]) -> float:
 
 
 STEP_PHASES = [
-    p
-    for p in StepPhase
-    if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT, StepPhase.EVAL)
+    p for p in StepPhase if p not in (*RECOVERY_POINTS, StepPhase.WEIGHT, StepPhase.EVAL)
 ]
-"""Points of a training step (plan and apply are points of a recovery: see control_plane)."""
+"""Points of a training step (plan, apply and applied are points of a recovery: see
+control_plane)."""
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ from gpu_probe import Run, events_of, growth, release, run_train
 
 from elaswave.bus.schema import WorkerStarted
 from elaswave.runtime.core.compare import compare_runs
-from elaswave.runtime.job.faults import StepPhase
+from elaswave.runtime.job.faults import RECOVERY_POINTS, StepPhase
 from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,11 +97,9 @@ MEGATRON: dict[str, int] = dict(
     ffn_hidden_size=160, vocab_size=128,
 )  # fmt: skip
 """tests/fault/test_model_adapters.py's megatron-core GPT: a JSON shape file."""
-PHASES = tuple(
-    p
-    for p in StepPhase
-    if p not in (StepPhase.PLAN, StepPhase.APPLY, StepPhase.WEIGHT, StepPhase.EVAL)
-)
+ELSEWHERE = (*RECOVERY_POINTS, StepPhase.WEIGHT, StepPhase.EVAL)
+"""Points that fire only in a recovery, a split backward or a held-out evaluation."""
+PHASES = tuple(p for p in StepPhase if p not in ELSEWHERE)
 CHURN = (
     "kill:1@2:forward", "join@3", "hang:5@5:backward", "join@6", "kill:2@8:grad-sync", "join@9",
     "kill:6@11:snapshot", "join@12", "slow:3=2@13", "join@14", "kill:3@15:optimizer", "join@16",

@@ -43,6 +43,10 @@ class StepPhase(enum.StrEnum):
     """The end of a plan's apply: applied on this rank, not yet reported to the Core."""
 
 
+RECOVERY_POINTS = (StepPhase.PLAN, StepPhase.APPLY, StepPhase.APPLIED)
+"""The phases that are points of a recovery that redoes STEP, not of a training step."""
+
+
 class FaultKind(enum.StrEnum):
     KILL = "kill"
     KILL_NODE = "kill-node"

@@ -57,6 +57,11 @@ The plan's ranks are then units (TP groups): summary.json's recoveries and the j
 messages name units, so the checks below map every victim process P to its unit
 P // tp, and a unit is a victim when any of its processes is.
 
+The end of the apply window (--applied-weight W, default 0): each fault drawn at phase
+apply (the start of a plan's apply) moves to phase applied (its end: applied on the
+rank, not yet reported to the Core) by a coin of its own generator
+(``random.Random(f"chaos-applied:{S}:{K}")``) with chance W.
+
 Held-out evaluation (--eval-every K, default 0): every case and its twin evaluate every
 K steps (``--eval-every K``); each optimizer fault at a step that evaluates moves, by a
 coin of its own generator (``random.Random(f"chaos-eval:{S}:{K}")``), to phase eval
@@ -223,6 +228,9 @@ class Case:
     then restored from a checkpoint inside the job."""
     schedule: str = "1f1b"
     """``--schedule`` (drawn by :func:`draw_schedule` with a generator of its own)."""
+    applied_weight: float = 0.0
+    """``--applied-weight`` (the campaign's): :func:`draw_applied` moved each ``apply``
+    fault to the end of the apply (``applied``) with this chance."""
     eval_every: int = 0
     """``--eval-every`` (the campaign's, not drawn; the twin evaluates too, and the held-out
     losses must match its): :func:`draw_eval` moves optimizer faults into evaluations."""
@@ -313,6 +321,23 @@ def draw_schedule(case: Case, weight: float, schedule: str = "zb-h1") -> Case:
         for f in case.faults
     )
     return replace(case, schedule="zb-h1", faults=faults)
+
+
+def draw_applied(case: Case, weight: float) -> Case:
+    """``case`` with each fault at phase ``apply`` (the start of a plan's apply) moved to
+    ``applied`` (its end: applied on the rank, not yet reported to the Core) by a coin of
+    its own generator with chance ``weight``; the rest of the draw is what any weight
+    draws."""
+    if weight <= 0:
+        return case
+    rng = random.Random(f"chaos-applied:{case.seed}:{case.index}")
+
+    def moved(fault: str) -> str:
+        if fault.endswith(":apply") and rng.random() < weight:
+            return fault.removesuffix(":apply") + ":applied"
+        return fault
+
+    return replace(case, faults=tuple(moved(f) for f in case.faults), applied_weight=weight)
 
 
 def draw_eval(case: Case, every: int) -> Case:
@@ -923,6 +948,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (f" --checkpoint-every {case.checkpoint_every}" if case.checkpoint_every else "")
         + (" --schedule-weight 1" if case.schedule != "1f1b" else "")  # its coins, the same
         + (" --drawn-schedule auto" if case.schedule == "auto" else "")
+        + (f" --applied-weight {case.applied_weight:g}" if case.applied_weight else "")
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -978,7 +1004,7 @@ def table(records: list[dict]) -> str:
 
 def _kinds(faults: list[str]) -> set[str]:
     kinds = {f.split(":")[0].split("@")[0] for f in faults}
-    if any(f.endswith((":plan", ":apply")) for f in faults):
+    if any(f.endswith((":plan", ":apply", ":applied")) for f in faults):
         kinds.add("in-recovery")
     return kinds
 
@@ -1043,6 +1069,14 @@ def main(argv: list[str] | None = None) -> int:
         "the planner chooses, its backward faults stay in the backward)",
     )
     parser.add_argument(
+        "--applied-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a fault drawn at the start of a plan's apply fires at its end "
+        "instead (applied on the rank, not yet reported; default 0; the other draws do not "
+        "change)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -1072,6 +1106,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more")
+    if not 0 <= args.applied_weight <= 1:
+        parser.error(f"--applied-weight {args.applied_weight:g}: must be from 0 to 1")
     if args.eval_every < 0:
         parser.error(f"--eval-every {args.eval_every}: must be 0 or more")
     indices = (
@@ -1122,6 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
         case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
         case = draw_schedule(case, args.schedule_weight, args.drawn_schedule)
         case = draw_eval(case, args.eval_every)
+        case = draw_applied(case, args.applied_weight)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
@@ -1201,6 +1238,7 @@ def _tp_flag(args: argparse.Namespace) -> str:
     zb = f" --schedule-weight {args.schedule_weight:g}" if args.schedule_weight else ""
     zb += " --drawn-schedule auto" if args.schedule_weight and args.drawn_schedule == "auto" else ""
     held = f" --eval-every {args.eval_every}" if args.eval_every else ""
+    held += f" --applied-weight {args.applied_weight:g}" if args.applied_weight else ""
     tp = f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
     return tp + copies + every + zb + held
 
@@ -1211,6 +1249,7 @@ def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> 
         **({"tp_weight": args.tp_weight} if args.tp_weight else {}),
         **({"snapshot_copies": args.copies} if args.copies > 1 else {}),
         **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}),
+        **({"applied_weight": args.applied_weight} if args.applied_weight else {}),
         "code": args.code,
         "cases": len(records),
         "failed": sum(1 for r in records if not r["ok"]),

@@ -23,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.bus.schema import Event, RecoveryKind, StragglerDetected
-from elaswave.engine.schedule import Schedule
 from elaswave.rundir import EVENT_LOG, JOB, REPORT, SUMMARY
 
 PLOT_EXTRA = "install the plot extra: pip install 'elaswave[plot]'"
-_SCHEDULES = tuple(s.value for s in Schedule)
 
 
 @dataclass(frozen=True)
@@ -301,11 +299,13 @@ class _Doc:
         """A plan's ``schedule`` (None where the document predates it)."""
         if not isinstance(plan, dict) or "schedule" not in plan:
             return None
+        from elaswave.engine.plan import parse_schedule
+
         value = self.get(plan, "schedule", str, where)
-        if value not in _SCHEDULES:
-            known = ", ".join(_SCHEDULES)
-            raise ValueError(f"{self.source}: {where}.schedule {value!r} (known: {known})")
-        return str(value)
+        try:
+            return parse_schedule(value).value
+        except ValueError as exc:  # "schedule 'x' (known: ...)"
+            raise ValueError(f"{self.source}: {where}.{exc}") from None
 
     def stages(self, plan: Any, where: str) -> tuple[StageRow, ...]:
         """The stages of a plan as :func:`elaswave.engine.plan.plan_summary` writes."""

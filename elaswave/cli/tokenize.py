@@ -103,7 +103,7 @@ def tokenize(
         raise ValueError(f"--vocab {vocab}: must be in (256, {1 << 20}]")
     try:
         found = [p for p in text_dir.glob(glob) if p.is_file()]
-    except (ValueError, NotImplementedError) as exc:  # '', '/abs', 'a**': pathlib's words
+    except (ValueError, NotImplementedError) as exc:  # pathlib refuses '', 'a**', '/abs'
         raise ValueError(
             f"--glob {glob!r}: {exc}; give a pattern relative to TEXT_DIR such as '**/*.txt'"
         ) from None

@@ -213,13 +213,14 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
             global_batch=int(doc["global_batch"]),
             num_micro_batches=int(doc["num_micro_batches"]),
             stages=stages,
-            schedule=_schedule(doc.get("schedule", Schedule.ONE_F_ONE_B)),
+            schedule=parse_schedule(doc.get("schedule", Schedule.ONE_F_ONE_B)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan document: {exc!r}") from None
 
 
-def _schedule(value: Any) -> Schedule:
+def parse_schedule(value: Any) -> Schedule:
+    """The schedule a document names; ValueError naming it and the known ones."""
     try:
         return Schedule(value)
     except ValueError:

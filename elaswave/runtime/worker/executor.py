@@ -307,6 +307,12 @@ def _rejoin(
     wait for a plan that adds it again."""
     log.warning("recovery.join_taken_back", generation=gen)
     drop(trainer)
+    return _join_again(ctx, session, inbox, gen)
+
+
+def _join_again(ctx: WorkerContext, session: Session, inbox: Mailbox, gen: int) -> Trainer:
+    """Wait for a plan after generation ``gen`` that adds this rank, and take it, on new
+    store connections: the groups the taken-back plan began may hold the old ones."""
     plane = ctx.plane_store and fresh_client(ctx.plane_store)
     fresh = dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
     return join(fresh, session, inbox, after=gen)
@@ -413,10 +419,8 @@ def _after_torn_apply(
     ``trainer``: the one the apply started from (its device groups are aborted)."""
     gen = decision.generation
     log.warning("recovery.torn", generation=gen, cause=f"{type(cause).__name__}: {cause}")
-    if kept is None:  # a joiner: the groups it began may hold its store connections
-        plane = ctx.plane_store and fresh_client(ctx.plane_store)
-        fresh = dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
-        return join(fresh, session, inbox, after=gen)
+    if kept is None:  # a joiner
+        return _join_again(ctx, session, inbox, gen)
     announced = _await_event(
         inbox,
         lambda e: isinstance(e, FailureDetected) and e.generation == gen,

@@ -5,8 +5,10 @@ kills and a join, against the same run without faults; the held-out loss of both
 against the unigram baseline; the trained model exported and loaded by transformers.
 
     .venv/bin/python scripts/real_corpus.py [--steps 300] [--out runs/corpus]
+        [--grad-reduce-dtype float64|float32]
 
-Writes docs/real_corpus.{md,json}. Real CPU processes (gloo); the figures compared are
+Writes docs/real_corpus.{md,json} (docs/real_corpus_float32.{md,json} for float32 sums).
+Real CPU processes (gloo); the figures compared are
 losses, parameters and held-out losses, not timings.
 """
 
@@ -39,6 +41,7 @@ warmup_steps = 20
 lr_schedule = "cosine"
 min_lr = 3e-4
 max_grad_norm = 1.0
+grad_reduce_dtype = "{sums}"
 """
 
 
@@ -54,6 +57,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "corpus")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    parser.add_argument(
+        "--grad-reduce-dtype", choices=("float32", "float64"), default="float64",
+        help="[optim] grad_reduce_dtype of both runs (float64: sums in any order, same bits)",
+    )  # fmt: skip
     args = parser.parse_args()
     out = args.out
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -71,7 +78,7 @@ def main() -> int:
         vocab_size=tokens.vocab_size, pad_token_id=None, bos_token_id=0, eos_token_id=0, **MODEL
     ).save_pretrained(model_dir)
     config = out / "recipe.toml"
-    config.write_text(RECIPE)
+    config.write_text(RECIPE.format(sums=args.grad_reduce_dtype))
     job = ("--config", str(config), "--model", f"hf:{model_dir}", "--data",
            str(out / "tokens" / "train.bin"), "--data-dtype", tokens.dtype, "--dp", "2",
            "--pp", "2", "--steps", str(args.steps), "--global-batch", "16",
@@ -116,19 +123,22 @@ def main() -> int:
         "heldout_loss_faulted": losses["faulted"],
         "unigram_heldout_loss": tokens.unigram_heldout_loss,
         "export": export.returncode == 0,
+        "grad_reduce_dtype": args.grad_reduce_dtype,
     }
     text = "\n".join(
         [
             "# A real corpus: the Python standard library, end to end",
             "",
-            "    .venv/bin/python scripts/real_corpus.py",
+            "    .venv/bin/python scripts/real_corpus.py --grad-reduce-dtype "
+            f"{args.grad_reduce_dtype}",
             "",
             f"{tokens.documents} files (`**/*.py` of the standard library, site-packages "
             f"left out), byte-level BPE of "
             f"{tokens.vocab_size} tokens trained on them: {tokens.train_tokens} training and "
             f"{tokens.heldout_tokens} held-out tokens. A tied-embedding Llama of "
             f"{row['parameters']} parameters, 64-token samples, global batch 16, "
-            f"{args.steps} steps on dp2 x pp2, clipped to 1.0, cosine from 3e-3 to 3e-4; "
+            f"{args.steps} steps on dp2 x pp2, clipped to 1.0, cosine from 3e-3 to 3e-4, "
+            f"gradients summed in {args.grad_reduce_dtype}; "
             f"faults {', '.join(faults)} (CPU, gloo, real processes).",
             "",
             "| figure | value |",
@@ -146,8 +156,9 @@ def main() -> int:
     )
     print(text)
     args.docs.mkdir(exist_ok=True)
-    (args.docs / "real_corpus.md").write_text(text + "\n")
-    (args.docs / "real_corpus.json").write_text(json.dumps(row, indent=2) + "\n")
+    name = "real_corpus" + ("" if args.grad_reduce_dtype == "float64" else "_float32")
+    (args.docs / f"{name}.md").write_text(text + "\n")
+    (args.docs / f"{name}.json").write_text(json.dumps(row, indent=2) + "\n")
     ok = diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4 and row["export"]
     return 0 if ok and losses["faulted"] < tokens.unigram_heldout_loss else 1
 

@@ -29,6 +29,16 @@ class LrSchedule(enum.StrEnum):
     COSINE = "cosine"
 
 
+class GradReduceDtype(enum.StrEnum):
+    """The type gradients are summed in, over micro-batches and replicas
+    (``[optim] grad_reduce_dtype``)."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    """Exact sums of float32 gradients: every DP and PP layout and every recovery of the
+    same TP width gives the same bits (twice the gradient memory and reduction bytes)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW hyper-parameters, the learning-rate schedule and gradient clipping."""
@@ -56,6 +66,9 @@ class OptimizerConfig:
     max_grad_norm: float | None = None
     """Clip the step's gradient to this global norm (over every shard of every stage,
     replica and TP member), as ``torch.nn.utils.clip_grad_norm_``; None: no clipping."""
+    grad_reduce_dtype: GradReduceDtype = GradReduceDtype.FLOAT32
+    """The type a step's gradients are summed in: float32 (the parameters' own), or
+    float64, whose sums do not depend on the order the layout adds in."""
 
     def __post_init__(self) -> None:
         if not 0 < self.lr < math.inf:
@@ -71,19 +84,22 @@ class OptimizerConfig:
             raise ValueError(f"optim.eps = {self.eps!r}: must be a positive finite number")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
-        try:
-            object.__setattr__(self, "lr_schedule", LrSchedule(self.lr_schedule))
-        except ValueError:
-            valid = ", ".join(repr(x.value) for x in LrSchedule)
-            raise ValueError(
-                f"optim.lr_schedule = {self.lr_schedule!r}: valid values are {valid}"
-            ) from None
+        self._to_enum("lr_schedule", LrSchedule)
+        self._to_enum("grad_reduce_dtype", GradReduceDtype)
         if not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"optim.min_lr = {self.min_lr!r}: must be in [0, lr = {self.lr!r}]")
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ValueError(f"optim.decay_steps = {self.decay_steps!r}: must be at least 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"optim.max_grad_norm = {self.max_grad_norm!r}: must be positive")
+
+    def _to_enum(self, name: str, kind: type[enum.StrEnum]) -> None:
+        value = getattr(self, name)
+        try:
+            object.__setattr__(self, name, kind(value))
+        except ValueError:
+            valid = ", ".join(repr(x.value) for x in kind)
+            raise ValueError(f"optim.{name} = {value!r}: valid values are {valid}") from None
 
     def for_steps(self, steps: int) -> OptimizerConfig:
         """This config for a job of ``steps`` steps: a decaying schedule without
@@ -166,11 +182,11 @@ _FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose torch has the one-pass AdamW kernel (``torch._fused_adamw_``)."""
 
 GRID = 1 << 16
-"""The fused kernel rounds a tensor's last few elements (past its vector width) apart
-from the rest, so an element's result depends on where the tensor it is updated in
-ends. :func:`adamw_update` therefore cuts its runs at every multiple of ``GRID``
-elements (a multiple of any vector width): an update done in grid-aligned spans, one at
-a time, is bit-identical to the whole update."""
+""":func:`adamw_update` cuts its runs at every multiple of ``GRID`` elements, so that
+its spans (:func:`adamw_pieces`) are pieces of the whole update's runs. (The fused
+kernel rounds a tensor's last elements past a whole number of vectors apart from the
+rest; on CPU those are computed in vector code too, see :data:`LANES`; on CUDA every
+element runs the same code.)"""
 
 PIECE = 4 * GRID
 """Elements a piece of :func:`adamw_pieces` (and of :meth:`ShardState.copy_pieces`)
@@ -209,24 +225,20 @@ def adamw_update(
             cut = _on_grid(runs, lo, hi)
             if not cut:
                 continue
-            params, grads, avgs, avg_sqs = (
-                [x[a:b] for a, b in cut] for x in (master, grad, exp_avg, exp_avg_sq)
-            )
-            torch._fused_adamw_(
-                params,
-                grads,
-                avgs,
-                avg_sqs,
-                [],
-                [count] * len(cut),
-                lr=lr,
-                beta1=cfg.beta1,
-                beta2=cfg.beta2,
-                weight_decay=weight_decay,
-                eps=cfg.eps,
-                amsgrad=False,
-                maximize=False,
-            )
+            tensors = (master, grad, exp_avg, exp_avg_sq)
+            whole, tails = _lane_runs(cut) if master.device.type == "cpu" else (cut, [])
+            lists = [[x[a:b] for a, b in whole] for x in tensors]
+            padded = [[_padded(x[a:b]) for a, b in tails] for x in tensors]
+            for ps, gs, avgs, sqs in (lists, padded):
+                if ps:
+                    torch._fused_adamw_(
+                        ps, gs, avgs, sqs, [], [count] * len(ps), lr=lr, beta1=cfg.beta1,
+                        beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps,
+                        amsgrad=False, maximize=False,
+                    )  # fmt: skip
+            for x, pads in zip(tensors, padded, strict=True):
+                for (a, b), pad in zip(tails, pads, strict=True):
+                    x[a:b] = pad[: b - a]
         return
     master, exp_avg, exp_avg_sq, grad = (
         x[lo:hi] for x in (master, exp_avg, exp_avg_sq, grad)
@@ -249,6 +261,33 @@ def adamw_pieces(
         if lo:
             yield
         adamw_update(state, grad, step=step, cfg=cfg, span=(lo, min(n, lo + PIECE)))
+
+
+LANES = 64
+"""The CPU kernel computes a run's last elements past a whole number of vectors apart
+from the rest, in scalar code that rounds differently (fused multiply-adds): an
+element's result would depend on where the run it sits in ends, so on how the layout
+shards the layer. Every run is cut into whole vectors (a multiple of any vector width
+up to 64 floats), and the rest is computed in a zero-padded copy of ``LANES``
+elements: each element goes through the vector code, wherever the cuts fall."""
+
+
+def _lane_runs(runs: Runs) -> tuple[Runs, Runs]:
+    """``runs`` cut into spans of whole :data:`LANES` and the shorter rests."""
+    whole, tails = [], []
+    for a, b in runs:
+        edge = a + (b - a) // LANES * LANES
+        if edge > a:
+            whole.append((a, edge))
+        if b > edge:
+            tails.append((edge, b))
+    return whole, tails
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(LANES, dtype=x.dtype, device=x.device)
+    out[: x.numel()] = x
+    return out
 
 
 def _on_grid(runs: Runs, lo: int, hi: int) -> Runs:

@@ -10,6 +10,7 @@ which a snapshot holder applies to its host copy too.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,7 +21,13 @@ from torch.utils.hooks import RemovableHandle
 
 from elaswave.comm.group import CollectiveGroup, CollectiveWork
 from elaswave.comm.idle import IDLE, IdleTask
-from elaswave.fabric.adamw import OptimizerConfig, ShardState, adamw_update, recyclable
+from elaswave.fabric.adamw import (
+    GradReduceDtype,
+    OptimizerConfig,
+    ShardState,
+    adamw_update,
+    recyclable,
+)
 from elaswave.fabric.clip import GradClip
 from elaswave.fabric.layout import InterleavedLayout
 from elaswave.fabric.tied import TiedGrad
@@ -51,15 +58,24 @@ class _GradBuffer:
     reduce-scatter with no copy."""
 
     def __init__(
-        self, params: list[list[nn.Parameter]], layout: InterleavedLayout, like: torch.Tensor
+        self,
+        params: list[list[nn.Parameter]],
+        layout: InterleavedLayout,
+        like: torch.Tensor,
+        sums: torch.dtype | None = None,
     ) -> None:
         dp = layout.dp
         self.flat = torch.zeros(dp * layout.shard_numel, dtype=like.dtype, device=like.device)
         self.layers: list[torch.Tensor] = []
         self.views: list[list[torch.Tensor | None]] = []
+        self.sums = None if sums is None else torch.zeros_like(self.flat, dtype=sums)
+        """The gradients folded so far, in ``sums``'s wider type (see :meth:`fold`)."""
+        self.sum_layers: list[torch.Tensor] = []
         for ps, (_, lo, hi) in zip(params, layout.shard_slices(), strict=True):
             layer = self.flat[dp * lo : dp * hi]
             self.layers.append(layer)
+            if self.sums is not None:
+                self.sum_layers.append(self.sums[dp * lo : dp * hi])
             views: list[torch.Tensor | None] = []
             offset = 0
             for p in ps:
@@ -68,6 +84,31 @@ class _GradBuffer:
                 views.append(layer[offset : offset + n].view_as(p) if ok else None)
                 offset += n
             self.views.append(views)
+        self._offsets = [
+            list(itertools.accumulate((p.numel() for p in ps), initial=0)) for ps in params
+        ]
+
+    def zero(self) -> None:
+        self.flat.zero_()
+        if self.sums is not None:
+            self.sums.zero_()
+
+    def fold(self, params: list[list[nn.Parameter]]) -> None:
+        """Add the gradients accumulated since the last fold to :attr:`sums` and zero
+        them. Folded after every backward action, the sums take one micro-batch's
+        gradient at a time; in float64 those sums of float32 gradients are exact (short
+        of a 29-bit spread of magnitudes), so their order does not change a bit."""
+        assert self.sums is not None
+        for index, ps in enumerate(params):
+            self.collect(index, ps)
+        self.sums.add_(self.flat)
+        self.flat.zero_()
+        self.install(params)
+
+    def sum_view(self, layer: int, param: int, like: torch.Tensor) -> torch.Tensor:
+        """Parameter ``param`` of layer ``layer`` in :attr:`sums`."""
+        lo = self._offsets[layer][param]
+        return self.sum_layers[layer][lo : lo + like.numel()].view_as(like)
 
     def install(self, params: list[list[nn.Parameter]]) -> None:
         for ps, views in zip(params, self.views, strict=True):
@@ -176,6 +217,8 @@ class ZeroAdamW:
         self.snapshot: SnapshotSink | None = None
         """Where each step's reduced gradient shard is also sent (the snapshot holder)."""
         self._like = master  # dtype and device of the gradient buffers
+        self._sums = torch.float64 if cfg.grad_reduce_dtype is GradReduceDtype.FLOAT64 else None
+        """The wider type the step's gradients are summed in (None: their own)."""
         self._grads: _GradBuffer | None = None
         self._reduction: _Reduction | None = None
         self._hooks: list[RemovableHandle] = []
@@ -237,10 +280,25 @@ class ZeroAdamW:
         self._disarm()
         self._reduction = None
         if self._grads is None:
-            self._grads = _GradBuffer(self.params, self.layout, self._like)
+            self._grads = self._new_buffer()
         else:
-            self._grads.flat.zero_()
+            self._grads.zero()
         self._grads.install(self.params)
+
+    def _new_buffer(self) -> _GradBuffer:
+        return _GradBuffer(self.params, self.layout, self._like, self._sums)
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes a replica's gradient reduction carries."""
+        dtype = self._like.dtype if self._sums is None else self._sums
+        return self.layout.dp * self.layout.shard_numel * dtype.itemsize
+
+    def fold(self) -> None:
+        """A backward action has added one micro-batch's gradients: with a wider
+        ``grad_reduce_dtype``, add them to the step's exact sums (otherwise nothing)."""
+        if self._sums is not None and self._grads is not None:
+            self._grads.fold(self.params)
 
     def overlap_reduction(self) -> None:
         """The next backward is this replica's last of the step: start each layer's
@@ -250,8 +308,8 @@ class ZeroAdamW:
         starts the same collectives in the same order. :meth:`step` waits for them; a
         gradient changed after its layer started is not reduced (call this only when
         nothing changes gradients after the backward)."""
-        if self.layout.dp == 1:
-            return  # nothing to overlap: the shard is the buffer
+        if self.layout.dp == 1 or self._sums is not None:
+            return  # nothing to overlap: the shard is the buffer (or the sums, at the step)
         self._begin_reduction()
         for li, ps in enumerate(self.params):
             for p in ps:
@@ -272,11 +330,13 @@ class ZeroAdamW:
     def _begin_reduction(self) -> _Reduction:
         self._disarm()
         if self._grads is None:
-            self._grads = _GradBuffer(self.params, self.layout, self._like)
+            self._grads = self._new_buffer()
         n = len(self.params)
         self._reduction = _Reduction(
             out=torch.empty(
-                self.layout.shard_numel, dtype=self._like.dtype, device=self._like.device
+                self.layout.shard_numel,
+                dtype=self._like.dtype if self._sums is None else self._sums,
+                device=self._like.device,
             ),
             left=[sum(p.requires_grad for p in ps) for ps in self.params],
             ready=[False] * n,
@@ -321,13 +381,18 @@ class ZeroAdamW:
         _, lo, hi = self.layout.shard_slices()[index]
         if hi == lo:
             return
-        self._grads.collect(index, self.params[index])
-        r.works.append(self.dp_group.reduce_scatter_async(r.out[lo:hi], self._grads.layers[index]))
+        grads = self._grads
+        if grads.sums is None:
+            grads.collect(index, self.params[index])
+        layers = grads.layers if grads.sums is None else grads.sum_layers
+        r.works.append(self.dp_group.reduce_scatter_async(r.out[lo:hi], layers[index]))
 
     def reduce_scatter_grads(self) -> torch.Tensor:
         """Sum every replica's gradients; return this replica's shard of the sum."""
         if self._grads is None:
-            self._grads = _GradBuffer(self.params, self.layout, self._like)
+            self._grads = self._new_buffer()
+        if self._sums is not None:
+            return self._reduce_sums(self._grads)
         self._sum_tied(self._grads)
         if self.layout.dp == 1:
             grads = self._grads
@@ -335,7 +400,11 @@ class ZeroAdamW:
                 grads.collect(index, ps)
             self._grads = None  # the shard is this buffer: the next step takes a new one
             return grads.flat
-        r = self._reduction if self._reduction is not None else self._begin_reduction()
+        r = self._reduction
+        return self._finish(r if r is not None else self._begin_reduction())
+
+    def _finish(self, r: _Reduction) -> torch.Tensor:
+        """Start the layers not started yet (the held ones last) and wait for all."""
         try:
             self._disarm()
             self._start_ready(r, all_=True)
@@ -349,6 +418,17 @@ class ZeroAdamW:
             self._reduction = None
         return r.out
 
+    def _reduce_sums(self, grads: _GradBuffer) -> torch.Tensor:
+        """:meth:`reduce_scatter_grads` of the wider sums: the gradients left folded in,
+        the tied weight's copies summed, every layer reduce-scattered (in the sums'
+        type, exact again), and this replica's shard cast back to the parameters' type."""
+        grads.fold(self.params)
+        self._sum_tied(grads)
+        if self.layout.dp == 1:
+            assert grads.sums is not None
+            return grads.sums.to(self._like.dtype)
+        return self._finish(self._begin_reduction()).to(self._like.dtype)
+
     def _sum_tied(self, grads: _GradBuffer) -> None:
         """The tied weight's copies here get the sum over every copy (every rank that
         holds one calls this once a step, before its stage's reduce-scatter)."""
@@ -356,6 +436,9 @@ class ZeroAdamW:
             return
         views = []
         for layer, param in self.tied.slots:
+            if grads.sums is not None:  # folded: the sums hold every gradient
+                views.append(grads.sum_view(layer, param, self.params[layer][param]))
+                continue
             grads.collect(layer, self.params[layer])
             view = grads.views[layer][param]
             if view is None:

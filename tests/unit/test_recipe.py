@@ -50,6 +50,10 @@ def test_a_decaying_schedule_without_decay_steps_decays_over_the_rest_of_the_job
         ({"lr": float("inf")}, "optim.lr = inf: must be a positive finite number"),
         ({"weight_decay": float("nan")}, "optim.weight_decay = nan: must be a finite number >= 0"),
         ({"eps": 0.0}, "optim.eps = 0.0: must be a positive finite number"),
+        (
+            {"grad_reduce_dtype": "bfloat16"},
+            "optim.grad_reduce_dtype = 'bfloat16': valid values are 'float32', 'float64'",
+        ),
     ],
 )
 def test_a_bad_recipe_setting_is_refused_naming_it(settings: dict, message: str) -> None:

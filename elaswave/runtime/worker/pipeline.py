@@ -11,9 +11,10 @@ by the global batch, so gradients do not depend on how samples are split among r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,6 @@ from elaswave.data.sampler import GlobalBatchSampler
 from elaswave.engine.plan import Plan, Route, dp_group_name, link_group_name, pipe_group_name
 from elaswave.engine.schedule import GRADIENT_OPS, Action, Op, stage_actions
 from elaswave.engine.steptime import split_parts
-from elaswave.fabric.remap import FP32_BYTES
 from elaswave.fabric.zero import ZeroAdamW
 from elaswave.model.config import ModelConfig
 from elaswave.model.llama import StepContext, layer_index
@@ -84,6 +84,39 @@ class LossSum:
         return float(self.total)
 
 
+def share_blocks(ids: Sequence[int], block: int | None) -> list[tuple[int, int]]:
+    """[lo, hi) pieces of a share of sample ``ids``, computed one at a time: the whole
+    share (``block`` None), or its runs of ``block`` samples cut where a sample id is a
+    multiple of ``block`` (the blocks of every layout's micro-batches)."""
+    if block is None or not ids:
+        return [(0, len(ids))]
+    cuts = [i for i in range(1, len(ids)) if ids[i] % block == 0]
+    return list(itertools.pairwise([0, *cuts, len(ids)]))
+
+
+@dataclass
+class _Saved:
+    """What a micro-batch's forward keeps for its backward: per block of its share
+    (:func:`share_blocks`), the stage's input (None on the first stage) and the
+    output to run backward from (the loss on the last stage)."""
+
+    layer_ids: list[int]
+    pieces: list[tuple[int, int]]
+    inputs: list[torch.Tensor | None] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)
+
+    def piece_of(self, grad: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+        if grad is None or len(self.pieces) == 1:
+            return grad
+        return grad[lo:hi]
+
+    def input_grad(self) -> torch.Tensor:
+        grads = [x.grad for x in self.inputs if x is not None and x.grad is not None]
+        if len(grads) != len(self.inputs):
+            raise RuntimeError("a block of the stage's input has no gradient")
+        return grads[0] if len(grads) == 1 else torch.cat(grads)
+
+
 class StageRunner:
     def __init__(
         self,
@@ -105,8 +138,13 @@ class StageRunner:
         receive_ahead: bool = True,
         actions: Sequence[Action] | None = None,
         evaluation: HeldOutEval | None = None,
+        block: int | None = None,
     ) -> None:
         """``evaluation``: the held-out windows to evaluate, and at which steps.
+        ``block``: compute every share in blocks of this many samples (aligned on
+        sample ids), a fold of the gradients after each, so that a share of several
+        blocks sums what the same blocks do as micro-batches of another layout (with
+        float64 gradient sums: the same bits); None: a share at once.
         ``actions``: the stage's list where the plan's schedule depends on costs
         (:func:`~elaswave.engine.steptime.plan_lists`; default: :func:`stage_actions` of
         the plan's schedule).
@@ -115,6 +153,7 @@ class StageRunner:
         optimizer stay fp32) and send activations and their gradients in bfloat16."""
         self.bf16 = bf16
         self.evaluation = evaluation
+        self.block = block
         self.per_route = per_route
         """Pipeline traffic takes each route's pair link (gloo) rather than its stage
         boundary's group."""
@@ -271,8 +310,8 @@ class StageRunner:
         started = time.perf_counter()
         trace: list[tuple[str, int]] = []
         pending: list[tuple] = []
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list[int]]] = {}
-        held: dict[int, tuple[HeldWeights, list[int]]] = {}
+        saved: dict[int, _Saved] = {}
+        held: dict[int, tuple[list[HeldWeights], list[int]]] = {}
         loss_sum = LossSum(self.device)
         if self.pacer is not None:
             self.pacer.begin_step()
@@ -304,8 +343,8 @@ class StageRunner:
         synced = time.perf_counter()
         self.optimizer.step(step, hook=lambda phase: self.fault_hook(StepPhase(phase), step))
         if self.pacer is not None:
-            layout = self.optimizer.layout
-            self.pacer.collectives(layout.dp * layout.shard_numel * FP32_BYTES, layout.dp, synced)
+            grads = self.optimizer
+            self.pacer.collectives(grads.grad_reduce_bytes, grads.layout.dp, synced)
         total = None
         if self.is_last:
             loss_sum.reduce(self.comm.collective(dp_group_name(self.stage)))
@@ -347,9 +386,8 @@ class StageRunner:
         loss_sum: LossSum,
         shadow: ShadowStep | None,
         inbox: _Receives,
-    ):
+    ) -> _Saved:
         ids = self.sample_ids(step, mb)
-        ctx = StepContext(step=step, sample_ids=ids, rng=self.rng)
         if self.is_first:
             inputs, _ = self.loader.batch(ids)
             x_in = None
@@ -362,79 +400,93 @@ class StageRunner:
             (self.layers, self.layer_ids) if shadow is None else shadow.layers_for(mb)
         )
         started = time.perf_counter()
+        pieces = share_blocks(ids, self.block)
+        saved = _Saved(layer_ids, pieces)
+        outs = []
+        for lo, hi in pieces:
+            xb = x if len(pieces) == 1 else x[lo:hi]
+            if x_in is not None and len(pieces) > 1:
+                xb = xb.detach().requires_grad_()  # a leaf a block: its own backward
+            saved.inputs.append(xb if x_in is not None else None)
+            ctx = StepContext(step=step, sample_ids=ids[lo:hi], rng=self.rng)
+            y = self._layers(layers, xb, ctx)
+            if self.is_last:
+                _, targets = self.loader.batch(ids[lo:hi])
+                per_sample = self.per_sample_loss(y, targets.to(self.device))
+                loss_sum.add(per_sample)
+                saved.outs.append(per_sample.sum() / self.plan.global_batch)
+            else:
+                saved.outs.append(y)
+            outs.append(y)
+        if mb == 0:
+            self.fault_hook(StepPhase.FORWARD, step)
+        if self.pacer is not None:
+            self.pacer.compute(layer_ids, len(ids), started, backward=False)
+        if not self.is_last:
+            x = outs[0] if len(outs) == 1 else torch.cat(outs)
+            self.send(
+                x.detach(), self.outbound(mb), self.share(mb)[0], False,
+                self.tag(step, mb, False), pending,
+            )  # fmt: skip
+        return saved
+
+    def _layers(
+        self, layers: Iterable[nn.Module], x: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for layer in layers:
                 x = layer(x, ctx)
         if not self.is_last:
             x = x.to(self.act_dtype)  # what the next stage receives, and its gradient
-        if mb == 0:
-            self.fault_hook(StepPhase.FORWARD, step)
-        if self.is_last:
-            _, targets = self.loader.batch(ids)
-            per_sample = self.per_sample_loss(x, targets.to(self.device))
-            loss_sum.add(per_sample)
-            out = per_sample.sum() / self.plan.global_batch
-        else:
-            out = x
-        if self.pacer is not None:
-            self.pacer.compute(layer_ids, len(ids), started, backward=False)
-        if not self.is_last:
-            self.send(
-                x.detach(),
-                self.outbound(mb),
-                self.share(mb)[0],
-                False,
-                self.tag(step, mb, False),
-                pending,
-            )
-        return x_in, out, layer_ids
+        return x
 
-    def _backward(self, step: int, mb: int, saved, pending: list, inbox: _Receives) -> None:
-        x_in, out, layer_ids = saved
+    def _backward(self, step: int, mb: int, saved: _Saved, pending: list, inbox: _Receives) -> None:
         grad = None if self.is_last else inbox.take(True, mb)
         started = time.perf_counter()
         with self._backward_context():
-            torch.autograd.backward(out, grad)
+            for out, (lo, hi) in zip(saved.outs, saved.pieces, strict=True):
+                torch.autograd.backward(out, saved.piece_of(grad, lo, hi))
+                self.optimizer.fold()
         if self.pacer is not None:
             lo, hi = self.share(mb)
-            self.pacer.compute(layer_ids, hi - lo, started, backward=True)
+            self.pacer.compute(saved.layer_ids, hi - lo, started, backward=True)
         if mb == 0:
             self.fault_hook(StepPhase.BACKWARD, step)
-        if x_in is not None:
-            self.send(
-                x_in.grad,
-                self.inbound(mb),
-                self.share(mb)[0],
-                True,
-                self.tag(step, mb, True),
-                pending,
-            )
+        self._send_input_grad(step, mb, saved, pending)
 
-    def _input(
-        self, step: int, mb: int, saved, pending: list, inbox: _Receives
-    ) -> tuple[HeldWeights, list[int]]:
-        """``I``: the input gradient of micro-batch ``mb``, sent to the previous stage at
-        once; what ``W`` needs is kept."""
-        x_in, out, layer_ids = saved
-        grad = None if self.is_last else inbox.take(True, mb)
-        started = time.perf_counter()
-        with self._backward_context():
-            held = backward_input(out, grad, x_in, self.optimizer.accumulated)
-        self._paced(mb, layer_ids, started, self.parts[0])
-        if mb == 0:
-            self.fault_hook(StepPhase.BACKWARD, step)
-        if x_in is not None:
+    def _send_input_grad(self, step: int, mb: int, saved: _Saved, pending: list) -> None:
+        if saved.inputs[0] is not None:
             self.send(
-                x_in.grad, self.inbound(mb), self.share(mb)[0], True,
+                saved.input_grad(), self.inbound(mb), self.share(mb)[0], True,
                 self.tag(step, mb, True), pending,
             )  # fmt: skip
-        return held, layer_ids
 
-    def _weight(self, step: int, mb: int, held: HeldWeights, layer_ids: list[int]) -> None:
+    def _input(
+        self, step: int, mb: int, saved: _Saved, pending: list, inbox: _Receives
+    ) -> tuple[list[HeldWeights], list[int]]:
+        """``I``: the input gradient of micro-batch ``mb``, sent to the previous stage at
+        once; what ``W`` needs is kept."""
+        grad = None if self.is_last else inbox.take(True, mb)
+        started = time.perf_counter()
+        held = []
+        with self._backward_context():
+            for out, x_in, (lo, hi) in zip(saved.outs, saved.inputs, saved.pieces, strict=True):
+                grad_b = saved.piece_of(grad, lo, hi)
+                held.append(backward_input(out, grad_b, x_in, self.optimizer.accumulated))
+                self.optimizer.fold()
+        self._paced(mb, saved.layer_ids, started, self.parts[0])
+        if mb == 0:
+            self.fault_hook(StepPhase.BACKWARD, step)
+        self._send_input_grad(step, mb, saved, pending)
+        return held, saved.layer_ids
+
+    def _weight(self, step: int, mb: int, held: list[HeldWeights], layer_ids: list[int]) -> None:
         """``W``: the weight gradients of micro-batch ``mb``."""
         started = time.perf_counter()
         with self._backward_context():
-            backward_weight(held, self.optimizer.accumulated)
+            for piece in held:
+                backward_weight(piece, self.optimizer.accumulated)
+                self.optimizer.fold()
         self._paced(mb, layer_ids, started, self.parts[1])
         if mb == 0:
             self.fault_hook(StepPhase.WEIGHT, step)

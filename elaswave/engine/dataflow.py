@@ -40,14 +40,21 @@ __all__ = [
 ]
 
 
-def split_shares(total: int, replicas: int) -> dict[str, Any]:
+def split_shares(total: int, replicas: int, grain: int = 1) -> dict[str, Any]:
     """``sizes``, ``rotate`` and ``block`` of a stage whose ``replicas`` split ``total`` samples per
-    micro-batch evenly: equal shares when they divide it, else shares one apart, the
-    larger spread out, rotating (any run of micro-batches then gives every replica
-    within one sample of its mean). Fewer samples than replicas: some take none."""
-    if total % replicas == 0 or total < replicas:
-        return {"sizes": even_split(total, replicas), "rotate": False, "block": 1}
-    return {"sizes": spread_split(total, replicas), "rotate": True, "block": 1}
+    micro-batch evenly, in whole blocks of ``grain`` samples (:attr:`Plan.grain`; a
+    ``total`` that is not a whole number of them is split by samples): equal shares
+    when they divide it, else shares one block apart, the larger spread out, rotating
+    (any run of micro-batches then gives every replica within one block of its mean).
+    Fewer blocks than replicas: some take none."""
+    if total % grain:
+        grain = 1
+    units = total // grain
+    if units % replicas == 0 or units < replicas:
+        sizes, rotate = even_split(units, replicas), False
+    else:
+        sizes, rotate = spread_split(units, replicas), True
+    return {"sizes": tuple(grain * n for n in sizes), "rotate": rotate, "block": 1}
 
 
 def _describe(stage: StagePlan) -> str:
@@ -77,7 +84,8 @@ def resize_after_failure(plan: Plan, failed: Collection[int]) -> tuple[Plan, str
                 f"all its ranks {list(stage.ranks)}: no replica holds its layers"
             )
         total = sum(stage.sizes)
-        shrunk = dataclasses.replace(stage, ranks=survivors, **split_shares(total, len(survivors)))
+        shares = split_shares(total, len(survivors), plan.grain)
+        shrunk = dataclasses.replace(stage, ranks=survivors, **shares)
         stages.append(shrunk)
         reasons.append(
             f"stage {stage.stage}: ranks {lost} failed; ranks {list(survivors)} now take "
@@ -101,7 +109,8 @@ def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
             raise ValueError(f"rank {rank}: stage {stage} is not in 0..{plan.pp - 1}")
         old = stages[stage]
         ranks = (*old.ranks, rank)
-        grown = dataclasses.replace(old, ranks=ranks, **split_shares(sum(old.sizes), len(ranks)))
+        shares = split_shares(sum(old.sizes), len(ranks), plan.grain)
+        grown = dataclasses.replace(old, ranks=ranks, **shares)
         stages[stage] = grown
         reasons.append(f"rank {rank} joins stage {stage}, which now takes {_describe(grown)}")
     if not reasons:
@@ -110,10 +119,11 @@ def add_ranks(plan: Plan, placement: Mapping[int, int]) -> tuple[Plan, str]:
     return new, "; ".join(reasons)
 
 
-def _even_over(samples: int, width: int) -> bool:
-    """Whether ``width`` replicas take ``samples`` without rotating (fewer samples than
-    replicas leave some idle)."""
-    return samples % width == 0 or samples < width
+def _even_over(samples: int, width: int, grain: int) -> bool:
+    """Whether ``width`` replicas take ``samples`` (a whole number of blocks of
+    ``grain``) without rotating (fewer blocks than replicas leave some idle)."""
+    units, rest = divmod(samples, grain)
+    return rest == 0 and (units % width == 0 or units < width)
 
 
 def regroupings(plan: Plan, *, reach: int = 4) -> tuple[int, ...]:
@@ -127,7 +137,9 @@ def regroupings(plan: Plan, *, reach: int = 4) -> tuple[int, ...]:
     floor = -(-plan.global_batch // MAX_MICRO_BATCHES)
 
     def fits(samples: int) -> bool:
-        return plan.global_batch % samples == 0 and all(_even_over(samples, w) for w in widths)
+        return plan.global_batch % samples == 0 and all(
+            _even_over(samples, w, plan.grain) for w in widths
+        )
 
     below = next((g for g in range(current - 1, floor - 1, -1) if fits(g)), None)
     above = next((g for g in range(current + 1, reach * current + 1) if fits(g)), None)
@@ -138,17 +150,19 @@ def regroup(plan: Plan, samples: int) -> tuple[Plan, str]:
     """``plan`` with global micro-batches of ``samples`` samples: the same global batch
     in ``global_batch / samples`` micro-batches, every stage's shares re-split evenly.
     The generation is the caller's to advance."""
-    if samples < 1 or plan.global_batch % samples:
+    if samples < 1 or plan.global_batch % samples or samples % plan.grain:
         raise ValueError(
             f"micro-batches of {samples} samples: must be a positive divisor of the global "
-            f"batch {plan.global_batch}"
+            f"batch {plan.global_batch} and a multiple of the plan's grain {plan.grain}"
         )
     count = plan.global_batch // samples
     if count > MAX_MICRO_BATCHES:
         raise ValueError(
             f"micro-batches of {samples} samples: {count} per step, at most {MAX_MICRO_BATCHES}"
         )
-    stages = tuple(dataclasses.replace(s, **split_shares(samples, s.dp)) for s in plan.stages)
+    stages = tuple(
+        dataclasses.replace(s, **split_shares(samples, s.dp, plan.grain)) for s in plan.stages
+    )
     before = plan.global_batch // plan.num_micro_batches
     new = dataclasses.replace(plan, num_micro_batches=count, stages=stages)
     reason = (

@@ -103,6 +103,11 @@ class Plan:
     stages: tuple[StagePlan, ...]
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """The pipeline schedule every stage runs (:mod:`elaswave.engine.schedule`)."""
+    grain: int = 1
+    """Every share is a whole number of blocks of this many samples (aligned on sample
+    ids), each block computed on one rank: the job's micro-batch under float64 gradient
+    sums (``[optim] grad_reduce_dtype``), whose exact sums then give every plan the same
+    bits; 1 otherwise."""
 
     @property
     def pp(self) -> int:
@@ -189,6 +194,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         del doc["schedule"]
     else:
         doc["schedule"] = str(plan.schedule)
+    if plan.grain == 1:  # and before grains
+        del doc["grain"]
     return doc
 
 
@@ -204,7 +211,7 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
                 sizes=tuple(int(n) for n in s["sizes"]),
                 mhz=None if s.get("mhz") is None else float(s["mhz"]),
                 rotate=_flag(s.get("rotate", False), "rotate"),
-                block=_block(s.get("block", 1)),
+                block=_whole(s.get("block", 1), "block", "micro-batches"),
             )
             for s in doc["stages"]
         )
@@ -214,6 +221,7 @@ def plan_from_dict(doc: Mapping[str, Any]) -> Plan:
             num_micro_batches=int(doc["num_micro_batches"]),
             stages=stages,
             schedule=parse_schedule(doc.get("schedule", Schedule.ONE_F_ONE_B)),
+            grain=_whole(doc.get("grain", 1), "grain", "samples"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan document: {exc!r}") from None
@@ -228,9 +236,9 @@ def parse_schedule(value: Any) -> Schedule:
         raise ValueError(f"schedule {value!r} (known: {known})") from None
 
 
-def _block(value: Any) -> int:
+def _whole(value: Any, name: str, unit: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"block = {value!r}: must be a whole number of micro-batches, at least 1")
+        raise ValueError(f"{name} = {value!r}: must be a whole number of {unit}, at least 1")
     return value
 
 
@@ -308,13 +316,17 @@ def initial_plan(
     micro_batch: int,
     layer_counts: Sequence[int] | None = None,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
+    grain: int = 1,
 ) -> Plan:
     """The static plan: ranks stage-major (rank = stage*dp + replica), even micro-batches,
-    every stage running ``schedule``."""
+    every stage running ``schedule``, shares in blocks of ``grain`` samples from then on
+    (:attr:`Plan.grain`)."""
     if dp < 1 or pp < 1:
         raise ValueError(f"dp = {dp}, pp = {pp}: both must be at least 1")
     if micro_batch < 1:
         raise ValueError(f"micro batch = {micro_batch}: must be at least 1")
+    if grain < 1 or micro_batch % grain:
+        raise ValueError(f"grain = {grain}: must divide the micro batch {micro_batch}")
     if global_batch % (dp * micro_batch):
         raise ValueError(
             f"global batch {global_batch} does not divide into micro-batches of {micro_batch} "
@@ -336,6 +348,7 @@ def initial_plan(
         num_micro_batches=global_batch // (dp * micro_batch),
         stages=tuple(stages),
         schedule=schedule,
+        grain=grain,
     )
 
 

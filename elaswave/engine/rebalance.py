@@ -101,6 +101,13 @@ def split_by_speed(total: int, slowdowns: Sequence[float]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _by_speed_in(grain: int, total: int, slowdowns: Sequence[float]) -> tuple[int, ...]:
+    """:func:`split_by_speed` in whole blocks of ``grain`` samples (:attr:`Plan.grain`)."""
+    if total % grain:
+        grain = 1
+    return tuple(grain * n for n in split_by_speed(total // grain, slowdowns))
+
+
 def _slowdowns(stage: StagePlan, slowdowns: Mapping[int, float]) -> list[float]:
     return [max(1.0, slowdowns.get(rank, 1.0)) for rank in stage.ranks]
 
@@ -349,8 +356,9 @@ def _by_speed(plan: Plan, slowdowns: Mapping[int, float]) -> Plan:
         slow = _slowdowns(stage, slowdowns)
         if max(slow) > 1.0:
             stage = dataclasses.replace(
-                stage, sizes=split_by_speed(sum(stage.sizes), slow), rotate=False, block=1
-            )
+                stage, sizes=_by_speed_in(plan.grain, sum(stage.sizes), slow), rotate=False,
+                block=1,
+            )  # fmt: skip
         stages.append(stage)
     return dataclasses.replace(plan, stages=tuple(stages))
 

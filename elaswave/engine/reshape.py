@@ -88,7 +88,7 @@ def _with_ranks(plan: Plan, assignment: Sequence[Sequence[int]], per_mb: int | N
     ``per_mb`` samples (default: the plan's)."""
     per_mb = per_mb or plan.global_batch // plan.num_micro_batches
     stages = tuple(
-        dataclasses.replace(s, ranks=tuple(ranks), **split_shares(per_mb, len(ranks)))
+        dataclasses.replace(s, ranks=tuple(ranks), **split_shares(per_mb, len(ranks), plan.grain))
         for s, ranks in zip(plan.stages, assignment, strict=True)
     )
     return dataclasses.replace(plan, num_micro_batches=plan.global_batch // per_mb, stages=stages)
@@ -111,14 +111,16 @@ def _pipeline(
     sizes = [
         g
         for g in range(largest, 0, -1)
-        if plan.global_batch % g == 0 and plan.global_batch // g <= MAX_MICRO_BATCHES
+        if plan.global_batch % g == 0
+        and g % plan.grain == 0
+        and plan.global_batch // g <= MAX_MICRO_BATCHES
     ]
     for per_mb in sizes:
         count = plan.global_batch // per_mb
         specs = [
             StageSpec(
                 dp=w,
-                micro_batch=-(-per_mb // w),
+                micro_batch=max(split_shares(per_mb, w, plan.grain)["sizes"]),
                 mhz=device.base_mhz,
                 memory_cap_bytes=device.memory_bytes,
             )
@@ -131,7 +133,8 @@ def _pipeline(
         stages, start, at = [], 0, 0
         for k, (n, width) in enumerate(zip(counts, widths, strict=True)):
             members = tuple(ranks[at : at + width])
-            stages.append(StagePlan(k, start, start + n, members, **split_shares(per_mb, width)))
+            shares = split_shares(per_mb, width, plan.grain)
+            stages.append(StagePlan(k, start, start + n, members, **shares))
             start, at = start + n, at + width
         return dataclasses.replace(plan, num_micro_batches=count, stages=tuple(stages))
     raise Infeasible(f"no {pp}-stage pipeline of widths {widths} fits in memory")

@@ -27,7 +27,7 @@ from elaswave.engine.plan import Plan, initial_plan
 from elaswave.engine.rebalance import balanced_counts
 from elaswave.engine.recovery import Rebalancing, with_schedule
 from elaswave.engine.schedule import ScheduleSetting
-from elaswave.fabric.adamw import OptimizerConfig
+from elaswave.fabric.adamw import GradReduceDtype, OptimizerConfig
 from elaswave.fabric.remap import FP32_BYTES
 from elaswave.model.config import ModelConfig
 from elaswave.model.tensor_parallel import check_divisible
@@ -227,6 +227,9 @@ class JobConfig:
             micro_batch=schedule.micro_batch,
             layer_counts=counts,
             schedule=choices[0],
+            grain=schedule.micro_batch
+            if self.optim.grad_reduce_dtype is GradReduceDtype.FLOAT64
+            else 1,
         )
         choosing = Rebalancing(layers=self.layer_costs, device=self.cost_device, schedules=choices)
         return with_schedule(plan, choosing)

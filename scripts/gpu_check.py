@@ -442,6 +442,41 @@ def check_snapshots(ck: Checker) -> Outcome:
     )
 
 
+EXACT_SUMS = ROOT / "examples" / "recipes" / "exact_sums.toml"
+
+
+def check_exact_sums(ck: Checker) -> Outcome:
+    """dp2 x pp2 with float64 gradient sums, rank FAULT_RANK killed mid-backward, against
+    dp1 x pp1 fault-free, both on the device: on a CPU device the same bits; on an
+    accelerator within FAULT_TOLERANCE, its figures reported (the same bits where its
+    kernels are deterministic)."""
+    config = ["--config", str(EXACT_SUMS)]
+    args, processes = _layout_args("dp2xpp2", ck.opts.steps)
+    fault = ["--fault", f"kill:{FAULT_RANK}@{FAULT_STEP}:backward"]
+    run = ck.train("exact-sums-kill", [*args, *config, *fault], device=ck.opts.device,
+                   processes=processes)  # fmt: skip
+    one = [*JOB, "--dp", "1", "--pp", "1", "--steps", str(ck.opts.steps), *config]
+    ref = ck.train("exact-sums-one", one, device=ck.opts.device, processes=1)
+    (summary, why), (ref_summary, why_ref) = _summary(run), _summary(ref)
+    if summary is None or ref_summary is None:
+        detail = f"killed run: {why or 'ok'}; one process: {why_ref or 'ok'}"
+        return Outcome(name="exact-sums", status=Status.FAIL, detail=detail)
+    diff = compare_runs(run.out, ref.out)
+    exact = diff.loss_rel == 0.0 and diff.param_rel == 0.0
+    figures: dict[str, Figure] = {
+        "loss_rel": diff.loss_rel, "param_rel": diff.param_rel, "bitwise": str(exact),
+        "steps": summary.steps_completed,
+    }  # fmt: skip
+    problems = []
+    if not any(FAULT_RANK in r.ranks for r in summary.recoveries):
+        problems.append(f"no recovery of rank {FAULT_RANK}")
+    if ck.opts.device.startswith("cpu") and not exact:
+        problems.append(f"not the bits of one process: {diff}")
+    if max(diff.loss_rel, diff.param_rel) > FAULT_TOLERANCE:
+        problems.append(f"{diff} from one process")
+    return _outcome("exact-sums", figures, problems)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Case:
     name: str
@@ -473,6 +508,13 @@ def all_cases() -> list[Case]:
             name="churn",
             what="20 changes on dp4xpp2; survivors' threads, GPU memory",
             check=check_churn,
+        )
+    )
+    cases.append(
+        Case(
+            name="exact-sums",
+            what="dp2xpp2, float64 gradient sums, a kill: the bits of one process",
+            check=check_exact_sums,
         )
     )
     cases.append(

@@ -21,17 +21,24 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+import torch
 import transformers
 
 from elaswave.cli.evaluate import evaluate
 from elaswave.cli.tokenize import tokenize
-from elaswave.runtime.core.compare import compare_runs
+from elaswave.model.hf import HfModel, hf_shape
+from elaswave.model.llama import StepContext
+from elaswave.model.rng import make_rng
+from elaswave.runtime.core.compare import compare_runs, load_params
 from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
              tie_word_embeddings=True, rms_norm_eps=1e-5)  # fmt: skip
+SEQ = 64
+"""Tokens a sample holds."""
 RECIPE = """[model]
 seq_len = 64
 
@@ -50,6 +57,25 @@ def _train(out: Path, *args: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+
+
+def export_logits_gap(run_dir: Path, exported: Path, held: Path, dtype: str) -> float:
+    """The largest difference between the logits of ElasWave's own layers with the run's
+    parameters and transformers' model loaded from the export, on the first 4 held-out
+    windows of 64 tokens."""
+    ids = np.fromfile(held, dtype=dtype)[: 4 * SEQ].astype(np.int64)
+    tokens = torch.from_numpy(ids).view(4, SEQ)
+    model = HfModel(hf_shape(f"hf:{run_dir.parent / 'model'}", seq_len=SEQ))
+    params = load_params(run_dir)
+    ctx = StepContext(step=0, sample_ids=(0,), rng=make_rng("counter", seed=0, rank=0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    x = tokens
+    with torch.no_grad():
+        for index in range(model.config.num_layers):
+            layer = model.build_layer(index, seed=0)
+            layer.load_state_dict(params[index])
+            x = layer(x, ctx)
+        return float((x - hf(tokens).logits).abs().max())
 
 
 def main() -> int:
@@ -100,6 +126,11 @@ def main() -> int:
         [sys.executable, "-m", "elaswave.cli.main", "export", str(out / "faulted"),
          str(out / "exported")], capture_output=True, text=True, check=False,
     )  # fmt: skip
+    gap = (
+        export_logits_gap(out / "faulted", out / "exported", held, tokens.dtype)
+        if export.returncode == 0
+        else None
+    )
     row = {
         "documents": tokens.documents,
         "train_tokens": tokens.train_tokens,
@@ -123,6 +154,7 @@ def main() -> int:
         "heldout_loss_faulted": losses["faulted"],
         "unigram_heldout_loss": tokens.unigram_heldout_loss,
         "export": export.returncode == 0,
+        "export_logits_max_abs_diff": gap,
         "grad_reduce_dtype": args.grad_reduce_dtype,
     }
     text = "\n".join(
@@ -152,6 +184,8 @@ def main() -> int:
             f"{losses['twin']:.4f} |",
             f"| held-out loss of the unigram model | {tokens.unigram_heldout_loss:.4f} |",
             f"| exported, loaded by transformers | {row['export']} |",
+            "| its logits on 4 held-out windows vs ElasWave's (max abs) | "
+            + (f"{gap:.2e} |" if gap is not None else "- |"),
         ]
     )
     print(text)
@@ -159,7 +193,7 @@ def main() -> int:
     name = "real_corpus" + ("" if args.grad_reduce_dtype == "float64" else "_float32")
     (args.docs / f"{name}.md").write_text(text + "\n")
     (args.docs / f"{name}.json").write_text(json.dumps(row, indent=2) + "\n")
-    ok = diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4 and row["export"]
+    ok = diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4 and gap is not None and gap <= 1e-5
     return 0 if ok and losses["faulted"] < tokens.unigram_heldout_loss else 1
 
 

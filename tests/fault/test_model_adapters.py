@@ -124,8 +124,9 @@ TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3", "llama-tied"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
 one process within 6 steps (2.8e-5, 6.8e-6, 3.0e-5, 1.7e-5, 1.4e-5, 1.12e-5 on
 2026-11-28, earlier 2.3e-5, 9.9e-6, 1.3e-5, 5.2e-5, 1.3e-5; losses within 6e-8;
-float64 gradient sums change them by 10%, TP's own sums being the cause): Qwen3's q and k norms per head and OLMo-2's over every head (the mean
-square summed over the group, and the gains' gradients), Phi-3's fused q | k | v and
+float64 gradient sums change them by 10%, TP's own sums being the cause): Qwen3's q
+and k norms per head and OLMo-2's over every head (the mean square summed over the
+group, and the gains' gradients), Phi-3's fused q | k | v and
 gate | up (split by their blocks of rows), Gemma's (1 + w) norms, SmolLM3's layers
 without rotary embedding, the tied Llama's head sharing the embedding's
 vocabulary-parallel weight (its gradient summed from both uses). Their one-step

@@ -25,12 +25,9 @@ import numpy as np
 import torch
 import transformers
 
-from elaswave.cli.evaluate import evaluate
+from elaswave.cli.evaluate import evaluate, forward, trained_layers
 from elaswave.cli.tokenize import tokenize
-from elaswave.model.hf import HfModel, hf_shape
-from elaswave.model.llama import StepContext
-from elaswave.model.rng import make_rng
-from elaswave.runtime.core.compare import compare_runs, load_params
+from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,17 +62,11 @@ def export_logits_gap(run_dir: Path, exported: Path, held: Path, dtype: str) -> 
     windows of 64 tokens."""
     ids = np.fromfile(held, dtype=dtype)[: 4 * SEQ].astype(np.int64)
     tokens = torch.from_numpy(ids).view(4, SEQ)
-    model = HfModel(hf_shape(f"hf:{run_dir.parent / 'model'}", seq_len=SEQ))
-    params = load_params(run_dir)
-    ctx = StepContext(step=0, sample_ids=(0,), rng=make_rng("counter", seed=0, rank=0))
+    _, layers = trained_layers(run_dir)
+    ours = forward(layers, tokens, list(range(4)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
-    x = tokens
     with torch.no_grad():
-        for index in range(model.config.num_layers):
-            layer = model.build_layer(index, seed=0)
-            layer.load_state_dict(params[index])
-            x = layer(x, ctx)
-        return float((x - hf(tokens).logits).abs().max())
+        return float((ours - hf(tokens).logits).abs().max())
 
 
 def main() -> int:

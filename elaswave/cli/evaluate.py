@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from elaswave import rundir
 
@@ -57,18 +58,33 @@ def evaluate(
     import torch
 
     from elaswave.data.corpus import TokenFile
-    from elaswave.model.llama import StepContext
+
+    if max_samples < 1 or batch < 1:
+        raise ValueError(f"--max-samples {max_samples}, --batch {batch}: must be at least 1")
+    model, layers = trained_layers(run_dir)
+    cfg = model.config
+    source = TokenFile(data, dtype=dtype, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+    count = min(len(source), max_samples)
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, count, batch):
+            ids = list(range(start, min(count, start + batch)))
+            windows = torch.stack([torch.from_numpy(source.window(i)) for i in ids])
+            x = forward(layers, windows[:, :-1], ids)
+            total += float(model.per_sample_loss(x, windows[:, 1:]).double().sum())
+    return Evaluation(loss=total / count, samples=count, tokens=count * cfg.seq_len)
+
+
+def trained_layers(run_dir: Path) -> tuple[Any, list[Any]]:
+    """The run's model and its layers holding the run's final parameters, for
+    inference; ValueError naming a bad input."""
     from elaswave.model.protocol import pipeline_model
-    from elaswave.model.rng import make_rng
     from elaswave.runtime.core.compare import load_params
     from elaswave.runtime.job.config import JobSpec
 
     if not (run_dir / rundir.JOB).is_file():
         raise ValueError(f"{str(run_dir)!r} is not a run directory (no {rundir.JOB})")
-    if max_samples < 1 or batch < 1:
-        raise ValueError(f"--max-samples {max_samples}, --batch {batch}: must be at least 1")
     cfg = JobSpec.read(run_dir).config.model
-    source = TokenFile(data, dtype=dtype, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     try:
         params = load_params(run_dir)
     except FileNotFoundError:
@@ -88,15 +104,22 @@ def evaluate(
                 f"{str(run_dir)!r}: the parameters of layer {index} do not fit its model ({first})"
             ) from None
         layers.append(layer.eval())
-    count = min(len(source), max_samples)
-    total, rng = 0.0, make_rng("counter", seed=0, rank=0)
+    return model, layers
+
+
+def forward(layers: list[Any], tokens: Any, ids: list[int]) -> Any:
+    """``layers`` (:func:`trained_layers`) on a batch of token ids (samples ``ids``),
+    without dropout or gradients: the last layer's output (the logits)."""
+    import torch
+
+    from elaswave.model.llama import StepContext
+    from elaswave.model.rng import make_rng
+
+    ctx = StepContext(
+        step=0, sample_ids=tuple(ids), rng=make_rng("counter", seed=0, rank=0), training=False
+    )
+    x = tokens
     with torch.no_grad():
-        for start in range(0, count, batch):
-            ids = list(range(start, min(count, start + batch)))
-            windows = torch.stack([torch.from_numpy(source.window(i)) for i in ids])
-            ctx = StepContext(step=0, sample_ids=tuple(ids), rng=rng, training=False)
-            x = windows[:, :-1]
-            for layer in layers:
-                x = layer(x, ctx)
-            total += float(model.per_sample_loss(x, windows[:, 1:]).double().sum())
-    return Evaluation(loss=total / count, samples=count, tokens=count * cfg.seq_len)
+        for layer in layers:
+            x = layer(x, ctx)
+    return x

@@ -226,19 +226,24 @@ def adamw_update(
             if not cut:
                 continue
             tensors = (master, grad, exp_avg, exp_avg_sq)
-            whole, tails = _lane_runs(cut) if master.device.type == "cpu" else (cut, [])
+            whole, tails = _lane_runs(cut) if master.device.type == "cpu" else (cut, ())
             lists = [[x[a:b] for a, b in whole] for x in tensors]
-            padded = [[_padded(x[a:b]) for a, b in tails] for x in tensors]
-            for ps, gs, avgs, sqs in (lists, padded):
-                if ps:
-                    torch._fused_adamw_(
-                        ps, gs, avgs, sqs, [], [count] * len(ps), lr=lr, beta1=cfg.beta1,
-                        beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps,
-                        amsgrad=False, maximize=False,
-                    )  # fmt: skip
-            for x, pads in zip(tensors, padded, strict=True):
-                for (a, b), pad in zip(tails, pads, strict=True):
-                    x[a:b] = pad[: b - a]
+            if tails:  # the rests side by side, each in LANES slots of one padded copy
+                src, dst = _rest_index(tails)
+                padded = [torch.zeros(len(tails) * LANES, dtype=x.dtype) for x in tensors]
+                for x, pad in zip(tensors, padded, strict=True):
+                    pad[dst] = x[src]
+                lists = [[*xs, pad] for xs, pad in zip(lists, padded, strict=True)]
+            ps, gs, avgs, sqs = lists
+            if ps:
+                torch._fused_adamw_(
+                    ps, gs, avgs, sqs, [], [count] * len(ps), lr=lr, beta1=cfg.beta1,
+                    beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps,
+                    amsgrad=False, maximize=False,
+                )  # fmt: skip
+            if tails:  # back from the copy (the gradient is only read)
+                for x, pad in ((master, padded[0]), (exp_avg, padded[2]), (exp_avg_sq, padded[3])):
+                    x[src] = pad[dst]
         return
     master, exp_avg, exp_avg_sq, grad = (
         x[lo:hi] for x in (master, exp_avg, exp_avg_sq, grad)
@@ -268,26 +273,29 @@ LANES = 64
 from the rest, in scalar code that rounds differently (fused multiply-adds): an
 element's result would depend on where the run it sits in ends, so on how the layout
 shards the layer. Every run is cut into whole vectors (a multiple of any vector width
-up to 64 floats), and the rest is computed in a zero-padded copy of ``LANES``
-elements: each element goes through the vector code, wherever the cuts fall."""
+up to 64 floats), and the rests are computed in one zero-padded copy, ``LANES``
+elements each: every element goes through the vector code, wherever the cuts fall."""
 
 
-def _lane_runs(runs: Runs) -> tuple[Runs, Runs]:
+def _lane_runs(runs: Runs) -> tuple[Runs, tuple[tuple[int, int], ...]]:
     """``runs`` cut into spans of whole :data:`LANES` and the shorter rests."""
-    whole, tails = [], []
+    whole, rests = [], []
     for a, b in runs:
         edge = a + (b - a) // LANES * LANES
         if edge > a:
             whole.append((a, edge))
         if b > edge:
-            tails.append((edge, b))
-    return whole, tails
+            rests.append((edge, b))
+    return whole, tuple(rests)
 
 
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(LANES, dtype=x.dtype, device=x.device)
-    out[: x.numel()] = x
-    return out
+@functools.lru_cache(maxsize=1024)
+def _rest_index(rests: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the ``rests`` are in a shard, and where in their padded copy (rest ``k`` at
+    the start of slot ``k`` of :data:`LANES` elements)."""
+    src = [i for a, b in rests for i in range(a, b)]
+    dst = [k * LANES + j for k, (a, b) in enumerate(rests) for j in range(b - a)]
+    return torch.tensor(src), torch.tensor(dst)
 
 
 def _on_grid(runs: Runs, lo: int, hi: int) -> Runs:

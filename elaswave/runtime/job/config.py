@@ -227,9 +227,7 @@ class JobConfig:
             micro_batch=schedule.micro_batch,
             layer_counts=counts,
             schedule=choices[0],
-            grain=schedule.micro_batch
-            if self.optim.grad_reduce_dtype is GradReduceDtype.FLOAT64
-            else 1,
+            grain=self.exact_block or 1,
         )
         choosing = Rebalancing(layers=self.layer_costs, device=self.cost_device, schedules=choices)
         return with_schedule(plan, choosing)
@@ -239,6 +237,15 @@ class JobConfig:
         """The device the cost model prices: the emulated one, whose relative layer costs
         also stand in for devices ElasWave has no model of (cpu)."""
         return cost_device(EMULATED_DEVICE)
+
+    @property
+    def exact_block(self) -> int | None:
+        """Samples computed together, and never split between ranks, under float64
+        gradient sums: the job's micro-batch (the plan's grain, the stage runner's
+        blocks); None under float32 sums."""
+        if self.optim.grad_reduce_dtype is GradReduceDtype.FLOAT64:
+            return self.schedule.micro_batch
+        return None
 
     @property
     def power_budget(self) -> float:

@@ -34,7 +34,7 @@ from elaswave.engine.plan import (
     world_group_spec,
 )
 from elaswave.engine.steptime import plan_lists
-from elaswave.fabric.adamw import GradReduceDtype, ShardState
+from elaswave.fabric.adamw import ShardState
 from elaswave.fabric.checkpoint import load_layers, shard_of_layers
 from elaswave.fabric.clip import GradClip
 from elaswave.fabric.placement import snapshot_link_name
@@ -208,11 +208,7 @@ def build_runner(
         per_route=not own_device_plane(ctx),
         receive_ahead=not own_device_plane(ctx),
         evaluation=ctx.evaluation,
-        block=(
-            ctx.cfg.schedule.micro_batch
-            if ctx.cfg.optim.grad_reduce_dtype is GradReduceDtype.FLOAT64
-            else None
-        ),
+        block=ctx.cfg.exact_block,
         actions=(
             plan_lists(plan, ctx.cfg.layer_costs, ctx.cfg.cost_device)[plan.locate(ctx.rank)[0]]
             if plan.schedule.priced

@@ -6,11 +6,20 @@ import threading
 import time
 
 import pytest
+import torch
 
 from elaswave.engine.cost import compute_time, device, layer_costs
 from elaswave.model.config import TINY
 from elaswave.runtime.job.faults import FaultKind, parse_fault
-from elaswave.runtime.worker.emulation import DelayedSend, Pacer, precise_sleep, sleep_until
+from elaswave.runtime.worker.emulation import (
+    DelayedSend,
+    Pacer,
+    arrival_stamp,
+    arrived,
+    clock_key,
+    precise_sleep,
+    sleep_until,
+)
 from elaswave.runtime.worker.faults import FaultInjector
 from elaswave.runtime.worker.frequency import EmulatedFrequency
 
@@ -53,6 +62,59 @@ def test_overrun_is_counted_when_real_work_exceeds_the_model() -> None:
     pacer, slept = _pacer()
     pacer.compute([1], 2, time.perf_counter() - 1.0, backward=False)  # took a second
     assert slept == [] and pacer.clock.overruns == 1
+
+
+def test_a_queued_device_runs_compute_on_its_clock_not_the_hosts() -> None:
+    """The host issues and goes on; each block starts when the device is free, its data
+    has arrived and a GPU's host would have issued it; the step drains the clock."""
+    pacer, slept = _pacer(queued=True)
+    pacer.begin_step()
+    fwd = compute_time(2 * COSTS[1].fwd_flops_per_sample, SPEC, SPEC.base_mhz)  # 10 ms
+    t0 = time.perf_counter()
+    pacer.compute([1], 2, t0, backward=False)
+    pacer.compute([1], 2, time.perf_counter(), backward=False)
+    assert slept == [] and time.perf_counter() - t0 < fwd  # nothing waited
+    assert pacer.free == pytest.approx(t0 + 2 * fwd, abs=1e-3)  # back to back
+    assert pacer.take_span() == pytest.approx((t0 + fwd, t0 + 2 * fwd), abs=1e-3)
+    assert pacer.take_span() == (pacer.free, pacer.free)  # nothing queued since
+    late = pacer.free + 0.05  # data the modelled link delivers 50 ms after that
+    began = time.perf_counter()
+    precise_sleep(late + 0.005 - began)  # the host waited, and had it 5 ms after that
+    pacer.received(began, [arrival_stamp(late)])
+    pacer.compute([1], 2, time.perf_counter(), backward=False)
+    assert pacer.free == pytest.approx(late + fwd, abs=1e-4)  # from the link's arrival
+    assert pacer.send_delay(0) == pytest.approx(pacer.free - time.perf_counter(), abs=1e-3)
+    assert pacer.clock.overruns == 0
+    pacer.drain()
+    assert time.perf_counter() >= pacer.free
+
+
+def test_a_queued_device_waits_for_a_host_that_is_slower_than_it() -> None:
+    """A block the host computes for longer than the device would: what it produces
+    leaves late (an overrun: its sends are due when the host has them), and the host's
+    own time between blocks still bounds when the device starts the next."""
+    pacer, _ = _pacer(queued=True)
+    pacer.begin_step()
+    started = time.perf_counter()
+    precise_sleep(0.05)  # 50 ms of real work for 10 ms of modelled
+    pacer.compute([1], 2, started, backward=False)
+    assert pacer.clock.overruns == 1 and pacer.send_delay(0) == pacer.p2p_delay(0)
+    precise_sleep(0.1)  # 100 ms of the host's own (Python) time
+    issued = time.perf_counter()
+    pacer.compute([1], 2, issued, backward=False)
+    assert pacer.take_span()[0] == pytest.approx(issued - 0.05, abs=2e-3)  # less real work
+    pacer.begin_step()  # what an abandoned step queued is dropped
+    assert pacer.free == pytest.approx(time.perf_counter(), abs=1e-3)
+
+
+def test_an_arrival_stamp_counts_only_on_this_machines_clock() -> None:
+    now = time.perf_counter()
+    here = arrival_stamp(now - 0.01)
+    assert arrived([here], now) == pytest.approx(now - 0.01, abs=1e-6)
+    assert arrived([here, arrival_stamp(now - 0.02)], now) == pytest.approx(now - 0.01)
+    assert arrived([arrival_stamp(now + 5.0)], now) == now  # never after the host has it
+    elsewhere = torch.tensor([round((now - 0.01) * 1e9), clock_key() + 1])
+    assert arrived([here, elsewhere], now) == now  # another machine's clock: the host's time
 
 
 def test_real_device_only_adds_the_slowdown() -> None:

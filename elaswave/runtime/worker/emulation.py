@@ -10,6 +10,21 @@ optimizer step lasts at least the modelled DP collectives. As long as the real w
 shorter than the modelled work, step times, bubbles, stragglers and MTTR follow the model,
 not the host: these figures are *emulated*, and every output says so.
 
+The modelled device runs a queue, as a GPU's stream does (``Pacer.queued``, every job
+without tensor parallelism): the host issues a block's compute and goes on, the device
+clock (``Pacer.free``) starts it when the device is free and its inputs have arrived,
+a pipeline send leaves when the clock has produced what it carries and carries when the
+modelled link delivers it (:func:`arrival_stamp`: the receiving device starts from that,
+not from when its host got the message), and the step waits for the clock before its
+gradient reduction (:meth:`Pacer.drain`). The host's own time between actions (Python,
+a message's trip between two processes and their threads) then stays out of the
+device's time, as it does on a GPU, instead of adding to every action on the pipeline's
+critical path. A
+host slower than the device still shows: the device cannot start what the host has not
+issued, and a send the host posts after its due time leaves late (counted as an
+overrun). Under tensor parallelism the members' real collectives inside a block tie
+their hosts, not their clocks, so there the device blocks on its compute as before.
+
 A fail-slow fault (``slow:RANK=FACTOR@STEP``) multiplies this rank's compute time from
 that step on; on real devices (``cpu``, ``cuda``, ``npu``) it is emulated the same way by
 waiting ``FACTOR - 1`` times the measured compute.
@@ -17,6 +32,7 @@ waiting ``FACTOR - 1`` times the measured compute.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import os
@@ -24,9 +40,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import structlog
+import torch
 
 from elaswave.engine.cost import DeviceSpec, LayerCost, compute_time, p2p_time
 from elaswave.engine.cost import ring_allreduce_time as ring_time
@@ -55,6 +73,37 @@ def sleep_until(deadline: float) -> None:
 def precise_sleep(seconds: float) -> None:
     """``time.sleep`` that ends on time (:func:`sleep_until`)."""
     sleep_until(time.perf_counter() + seconds)
+
+
+@functools.cache
+def clock_key() -> int:
+    """This machine's boot (``time.perf_counter`` is its monotonic clock, one for every
+    process of one boot), 0 where unknown."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+        return int(boot[:15], 16)
+    except (OSError, ValueError):
+        return 0
+
+
+def arrival_stamp(due: float) -> torch.Tensor:
+    """What a queued device's pipeline send carries beside its data: when the modelled
+    link delivers it (``due``, ``time.perf_counter``) and on which clock."""
+    return torch.tensor([round(due * 1e9), clock_key()], dtype=torch.int64)
+
+
+def stamp_buffer() -> torch.Tensor:
+    return torch.empty(2, dtype=torch.int64)
+
+
+def arrived(stamps: Sequence[torch.Tensor], now: float) -> float:
+    """When data that came with ``stamps`` arrived on the modelled link: the latest
+    stamp, where every one is on this machine's clock; else ``now``, when the host
+    has it. Not later than ``now`` (the sender posts a send at its due time, so the host
+    has it later: by the host's own delivery, which is no part of the device's)."""
+    key = clock_key()
+    due = [ns / 1e9 for ns, k in (t.tolist() for t in stamps) if key and k == key]
+    return min(max(due), now) if due and len(due) == len(stamps) else now
 
 
 @dataclass
@@ -97,6 +146,19 @@ class Pacer:
     group's, :class:`~elaswave.runtime.worker.tpgroup.TpLink`): on real devices a fail-slow
     factor stretches the compute of a layer, not its wait for the other members (two
     slowed members would otherwise stretch each other's waits without end)."""
+    queued: bool = False
+    """The emulated device runs a queue (see the module's documentation): compute does
+    not block the host; False: each block's compute waits out its modelled time."""
+    free: float = 0.0
+    """When the emulated device finishes the work it has been given
+    (``time.perf_counter``)."""
+    _ready: float = 0.0
+    """When the latest data the host has taken arrived."""
+    _ahead: float = 0.0
+    """Seconds of this step the host spent on what a GPU's host does not wait for: its
+    real compute and its waits for data (a queued device's issue time is the host's
+    time less these)."""
+    _span: tuple[float, float] | None = None
     _waited_mark: float = 0.0
 
     @property
@@ -109,7 +171,30 @@ class Pacer:
         return self.frequency.get_mhz(0) if self.frequency is not None else self.model.base_mhz
 
     def begin_step(self) -> None:
+        """A step starts on an idle device (what an abandoned step queued is dropped)."""
         self.clock = StepClock()
+        self.free = self._ready = time.perf_counter()
+        self._ahead = 0.0
+
+    def received(self, began: float, stamps: Sequence[torch.Tensor] = ()) -> None:
+        """The host waited, from ``began``, for data it now has (with ``stamps``, when
+        the modelled link delivered it: :func:`arrived`): the device's next work starts
+        after it arrived; a queued device's host would not have waited."""
+        now = time.perf_counter()
+        self._ready = max(self._ready, arrived(stamps, now) if stamps else now)
+        if self.queued:
+            self._ahead += now - began
+
+    def take_span(self) -> tuple[float, float]:
+        """When the device ran the work queued since the last call (``free`` twice if
+        none), for the step's timeline."""
+        span, self._span = self._span, None
+        return span if span is not None else (self.free, self.free)
+
+    def drain(self) -> None:
+        """Wait until the device has done what it was given (a no-op unless queued)."""
+        if self.queued:
+            sleep_until(self.free)
 
     def _flops(self, layer_ids: Sequence[int], samples: int, backward: bool) -> float:
         per = (lambda c: c.bwd_flops_per_sample) if backward else (lambda c: c.fwd_flops_per_sample)
@@ -147,12 +232,36 @@ class Pacer:
         self.clock.expected_s += expected
         if not backward:
             self.clock.micro_batches += 1
-        if not self._wait_until(started + spent) and self.model is not None:
+        if self.queued and self.model is not None:
+            self._queue(spent, started, measured)
+            return
+        self.free = started + spent
+        if not self._wait_until(self.free) and self.model is not None:
+            self.clock.overruns += 1
+
+    def _queue(self, spent: float, issued: float, measured: float) -> None:
+        """Queue ``spent`` seconds of device work the host issued at ``issued`` (and then
+        computed for real in ``measured`` seconds): it starts when the device is free,
+        its inputs are in and a GPU's host would have issued it."""
+        begin = max(self.free, self._ready, issued - self._ahead)
+        self.free = begin + spent
+        self._span = (begin, self.free)
+        self._ahead += measured
+        if time.perf_counter() > self.free:  # what it produced leaves late
             self.clock.overruns += 1
 
     def p2p_delay(self, num_bytes: int) -> float:
-        """Seconds a send of ``num_bytes`` takes on the modelled link (0 on real devices)."""
+        """Seconds a send of ``num_bytes`` takes on the modelled link (0 on real devices):
+        one issued on a stream of its own, whose data is ready (a layer's parameters)."""
         return 0.0 if self.model is None else p2p_time(num_bytes, self.model)
+
+    def send_delay(self, num_bytes: int) -> float:
+        """Seconds from now until a send of ``num_bytes`` that the device's compute
+        produced (issued after it) is delivered: the rest of the queued compute, then
+        the modelled link."""
+        if self.model is None:
+            return 0.0
+        return max(0.0, self.free - time.perf_counter()) + p2p_time(num_bytes, self.model)
 
     def transfer(self, num_bytes: int, started: float) -> None:
         """Called after a blocking point-to-point transfer of ``num_bytes`` (one rank's

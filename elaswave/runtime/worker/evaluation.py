@@ -86,7 +86,7 @@ def _window(
     if runner.is_first:
         x = held.data.batch(ids)[0].to(runner.device)
     else:
-        works, parts = runner.post_recv(step, False, mb, tag=tag)
+        works, parts, _ = runner.post_recv(step, False, mb, tag=tag)
         for group, work in works:
             group.wait_recv(work)
         x = torch.cat(parts) if len(parts) > 1 else parts[0]

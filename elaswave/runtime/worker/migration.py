@@ -119,13 +119,17 @@ class ShadowStep:
     def _tag(self, space: TagSpace, index: int) -> int:
         return p2p_tag(self.generation, self.step, space + index)
 
-    def _post_send(self, t: Transfer, payload: torch.Tensor, tag: int) -> None:
+    def _post_send(self, t: Transfer, payload: torch.Tensor, tag: int, computed: bool) -> None:
+        """``computed``: the payload is what the device's queued compute produces (a
+        payback), not parameters it already holds."""
         group = self._link(t)
         nbytes = payload.numel() * payload.element_size()
         self.bytes_streamed += nbytes
         if self.pacer.emulated:
             post = lambda: group.isend(payload, t.dst, tag)  # noqa: E731
-            self._sends.append((group, DelayedSend(post, self.pacer.p2p_delay(nbytes)), payload))
+            pacer = self.pacer
+            delay = pacer.send_delay(nbytes) if computed else pacer.p2p_delay(nbytes)
+            self._sends.append((group, DelayedSend(post, delay), payload))
         else:
             self._sends.append((group, group.isend(payload, t.dst, tag), payload))
 
@@ -135,7 +139,7 @@ class ShadowStep:
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
                 payload = as_host(_flat(params))
-                self._post_send(t, payload, self._tag(TagSpace.STREAM, index))
+                self._post_send(t, payload, self._tag(TagSpace.STREAM, index), False)
         for index, t in enumerate(self.transition.streams):
             if t.dst == self.rank:
                 params = list(self.modules[t.layer].parameters())
@@ -162,6 +166,7 @@ class ShadowStep:
                 for p, piece in zip(params, _pieces(buf, params), strict=True):
                     p.copy_(piece)
         self.waited_s = time.perf_counter() - started
+        self.pacer.received(started)
         self._ready = True
         self.on_ready()
 
@@ -190,7 +195,8 @@ class ShadowStep:
             if t.src == self.rank:
                 params = list(self.shadows[t.layer].parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                self._post_send(t, as_host(_flat(grads)), self._tag(TagSpace.PAYBACK, index))
+                tag = self._tag(TagSpace.PAYBACK, index)
+                self._post_send(t, as_host(_flat(grads)), tag, True)
 
     def finish(self) -> None:
         """After the last backward: add the paybacks this rank receives to its gradients

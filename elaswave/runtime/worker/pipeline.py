@@ -34,7 +34,7 @@ from elaswave.model.llama import StepContext, layer_index
 from elaswave.model.protocol import pipeline_model
 from elaswave.model.rng import DropoutRng
 from elaswave.runtime.job.faults import StepPhase
-from elaswave.runtime.worker.emulation import DelayedSend, Pacer
+from elaswave.runtime.worker.emulation import DelayedSend, Pacer, arrival_stamp, stamp_buffer
 from elaswave.runtime.worker.evaluation import HeldOutEval, evaluate
 from elaswave.runtime.worker.migration import ShadowStep
 from elaswave.runtime.worker.split_backward import HeldWeights, backward_input, backward_weight
@@ -263,27 +263,43 @@ class StageRunner:
             return self.comm.p2p(link_group_name(route.src, route.dst))
         return self.comm.group(pipe_group_name(boundary, backward))
 
+    @property
+    def stamped(self) -> bool:
+        """Whether pipeline messages carry their modelled arrival (a queued emulated
+        device: :func:`~elaswave.runtime.worker.emulation.arrival_stamp`)."""
+        return self.pacer is not None and self.pacer.queued
+
     def _batches(
-        self, routes: list[Route], tensors: list[torch.Tensor], backward: bool, receiving: bool
+        self,
+        routes: list[Route],
+        tensors: list[list[torch.Tensor]],
+        backward: bool,
+        receiving: bool,
     ) -> list[tuple[P2PGroup, list[tuple[torch.Tensor, int]]]]:
-        """``tensors`` (one per route) with their peers, by group, in route order."""
+        """``tensors`` (a list per route: its messages in order) with their peers, by
+        group, in route order."""
         upstream = backward != receiving  # the peer is in the stage before this one
         peer_of, boundary = (_src, self.stage - 1) if upstream else (_dst, self.stage)
         by_group: dict[int, tuple[P2PGroup, list[tuple[torch.Tensor, int]]]] = {}
-        for route, tensor in zip(routes, tensors, strict=True):
+        for route, messages in zip(routes, tensors, strict=True):
             group = self._route_group(route, boundary, backward)
-            by_group.setdefault(id(group), (group, []))[1].append((tensor, peer_of(route)))
+            ops = by_group.setdefault(id(group), (group, []))[1]
+            ops.extend((tensor, peer_of(route)) for tensor in messages)
         return list(by_group.values())
 
     def post_recv(self, step: int, backward: bool, mb: int, tag: int | None = None) -> tuple:
         """Post the receives of micro-batch ``mb``'s activations (``backward``: their
-        gradients), one per route in sample order, as one batch per group, with ``tag``
-        (default: the step's for ``mb``); :meth:`_Receives.take` waits."""
+        gradients), one per route in sample order (each with its arrival stamp where
+        :attr:`stamped`), as one batch per group, with ``tag`` (default: the step's for
+        ``mb``); :meth:`_Receives.take` waits. Returns the batches, the buffers and the
+        stamps' buffers."""
         routes = sorted(self.outbound(mb) if backward else self.inbound(mb), key=lambda r: r.lo)
         bufs = [self._activation(route.hi - route.lo) for route in routes]
+        stamps = [stamp_buffer() for _ in routes] if self.stamped else []
         tag = self.tag(step, mb, backward) if tag is None else tag
-        batches = self._batches(routes, bufs, backward, receiving=True)
-        return [(group, group.batch([], ops, tag)) for group, ops in batches], bufs
+        messages = [[buf, *stamps[i : i + 1]] for i, buf in enumerate(bufs)]
+        batches = self._batches(routes, messages, backward, receiving=True)
+        return [(group, group.batch([], ops, tag)) for group, ops in batches], bufs, stamps
 
     def send(
         self,
@@ -296,15 +312,18 @@ class StageRunner:
     ) -> None:
         """Send the rows of ``tensor`` (samples from offset ``lo``) along ``routes``, as
         one batch per group (an emulated device paces each route's send by itself)."""
-        chunks = [tensor[r.lo - lo : r.hi - lo].contiguous() for r in routes]
+        chunks = [[tensor[r.lo - lo : r.hi - lo].contiguous()] for r in routes]
         for group, sends in self._batches(routes, chunks, backward, receiving=False):
             if self.pacer is None or not self.pacer.emulated:
                 pending.append((group, group.batch(sends, [], tag), sends))
                 continue
             for chunk, peer in sends:
-                delay = self.pacer.p2p_delay(chunk.numel() * chunk.element_size())
-                post = lambda g=group, c=chunk, p=peer: g.batch([(c, p)], [], tag)  # noqa: E731
-                pending.append((group, DelayedSend(post, delay), chunk))
+                delay = self.pacer.send_delay(chunk.numel() * chunk.element_size())
+                ops = [(chunk, peer)]
+                if self.stamped:
+                    ops.append((arrival_stamp(time.perf_counter() + delay), peer))
+                post = lambda g=group, o=ops: g.batch(o, [], tag)  # noqa: E731
+                pending.append((group, DelayedSend(post, delay), ops))
 
     def run_step(self, step: int) -> StepResult:
         started = time.perf_counter()
@@ -322,7 +341,7 @@ class StageRunner:
             inbox = _Receives(self, step)
             for index, (op, mb) in enumerate(self.schedule):
                 trace.append((op.value, mb))
-                begun = time.perf_counter() - started
+                begun = time.perf_counter()
                 if op is Op.FORWARD:
                     saved[mb] = self._forward(step, mb, pending, loss_sum, shadow, inbox)
                 else:
@@ -330,10 +349,12 @@ class StageRunner:
                         # (a migration's paybacks change gradients after the backward)
                         self.optimizer.overlap_reduction()
                     self._run_backward(step, op, mb, saved, held, pending, inbox, shadow)
-                times.append((begun, time.perf_counter() - started))
+                times.append(self._timed(begun, started))
         if shadow is not None:
             shadow.finish()  # paybacks merged before the gradients are reduced
             self.shadow = None
+        if self.pacer is not None:
+            self.pacer.drain()
         for group, work, _ in pending:
             if isinstance(work, DelayedSend):
                 work = work.work(self.optimizer.dp_group.timeout.total_seconds())
@@ -359,6 +380,17 @@ class StageRunner:
             trace, shadow, pipeline_s, times,
             eval_loss=evaluated.loss if evaluated else None,
         )  # fmt: skip
+
+    def _timed(self, begun: float, started: float) -> tuple[float, float]:
+        """An action's interval in the step begun at ``started``: the host's, from
+        ``begun``; on a queued emulated device, when the device ran it."""
+        pacer = self.pacer
+        lo, hi = (
+            pacer.take_span()
+            if pacer is not None and pacer.queued
+            else (begun, time.perf_counter())
+        )
+        return lo - started, hi - started
 
     def _run_backward(
         self, step: int, op: Op, mb: int, saved: dict, held: dict, pending: list,
@@ -544,7 +576,10 @@ class _Receives:
             self._post_next()
         if self.runner.receive_ahead:
             self._post_next()
-        works, parts = self.posted.pop(key)
+        works, parts, stamps = self.posted.pop(key)
+        began = time.perf_counter()
         for group, work in works:
             group.wait_recv(work)
+        if self.runner.pacer is not None:
+            self.runner.pacer.received(began, stamps)
         return torch.cat(parts) if len(parts) > 1 else parts[0]

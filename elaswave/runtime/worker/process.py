@@ -192,7 +192,7 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
         clock = EmulatedFrequency(
             base_mhz=emulated.base_mhz, min_mhz=emulated.min_mhz, max_mhz=emulated.max_mhz
         )
-        pacer = Pacer(emulated, costs, clock)
+        pacer = Pacer(emulated, costs, clock, queued=tp is None)
     else:
         pacer = Pacer(
             None, costs, reference=cfg.cost_device, waited=None if tp is None else tp.waited

@@ -76,7 +76,7 @@ def test_a_queued_device_runs_compute_on_its_clock_not_the_hosts() -> None:
     assert slept == [] and time.perf_counter() - t0 < fwd  # nothing waited
     assert pacer.free == pytest.approx(t0 + 2 * fwd, abs=1e-3)  # back to back
     assert pacer.take_span() == pytest.approx((t0 + fwd, t0 + 2 * fwd), abs=1e-3)
-    assert pacer.take_span() == (pacer.free, pacer.free)  # nothing queued since
+    assert pacer.take_span() == (pacer.free, pacer.free)  # nothing queued since: its end
     late = pacer.free + 0.05  # data the modelled link delivers 50 ms after that
     began = time.perf_counter()
     precise_sleep(late + 0.005 - began)  # the host waited, and had it 5 ms after that

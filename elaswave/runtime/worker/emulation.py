@@ -186,10 +186,14 @@ class Pacer:
             self._ahead += now - began
 
     def take_span(self) -> tuple[float, float]:
-        """When the device ran the work queued since the last call (``free`` twice if
-        none), for the step's timeline."""
+        """When the device ran the work queued since the last call, for the step's
+        timeline; an action with no compute (the first stage's ``I``) at the point its
+        data was in and the device free."""
         span, self._span = self._span, None
-        return span if span is not None else (self.free, self.free)
+        if span is not None:
+            return span
+        at = max(self.free, self._ready)
+        return at, at
 
     def drain(self) -> None:
         """Wait until the device has done what it was given (a no-op unless queued)."""

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from elaswave.bus.schema import Topic
@@ -112,6 +112,10 @@ class SeqTracker:
         or can no longer send again. Its numbers stay known, so late copies are dropped."""
         for key in [k for k in self._missing if k[0] == sender]:
             del self._missing[key]
+
+    def open(self, topics: Collection[str]) -> bool:
+        """Whether a number on ``topics`` is missing."""
+        return any(missing for key, missing in self._missing.items() if key[1] in topics)
 
     def missing(
         self, topics: Iterable[str], *, older_than: float = 0.0

@@ -403,3 +403,51 @@ def test_a_lost_first_announcement_is_fetched_though_no_beacon_came_before_it(
     assert worker.faults_injected["dropped"] >= 3  # two beacons and the announcement
     assert [e.ranks for e in heard] == [[1]]
     assert worker.fetched >= 1
+
+
+def test_an_idle_client_sleeps_between_beacons_and_wakes_for_a_gap() -> None:
+    """With no number missing, maintain() runs once a beacon interval, not every repair
+    tick; a message that shows a number missing wakes it, and the gap is asked for
+    within a tick or two of being old enough to ask."""
+
+    async def go() -> tuple[int, float, int]:
+        with Broker() as broker:
+            ends = broker.publish_endpoint, broker.subscribe_endpoint
+            core = BusClient("core", *ends)
+            worker = BusClient("rank1", *ends, topics=[Topic.RECOVERY])
+            await core.connect()
+            await worker.connect()
+            rounds = 0
+            repair = worker.repair
+
+            async def counted() -> int:
+                nonlocal rounds
+                rounds += 1
+                return await repair()
+
+            worker.repair = counted  # type: ignore[method-assign]
+            receiving = asyncio.create_task(_drain(worker))
+            maintaining = asyncio.create_task(worker.maintain(beacon_interval_s=0.5))
+            await core.publish(_failure(0))  # numbering starts at the first number seen
+            await asyncio.sleep(1.0)
+            idle_rounds = rounds
+            core._seq["recovery"] = core._seq.get("recovery", 0) + 1  # number 2 is lost
+            await core.publish(_failure(2))
+            gap_at = asyncio.get_running_loop().time()
+            while worker.asked == 0 and asyncio.get_running_loop().time() - gap_at < 0.45:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            asked_after = asyncio.get_running_loop().time() - gap_at
+            for task in (receiving, maintaining):
+                task.cancel()
+            await worker.close()
+            await core.close()
+            return idle_rounds, asked_after, worker.asked
+
+    idle_rounds, asked_after, asked = asyncio.run(go())
+    assert idle_rounds <= 4  # one a beacon (0.5 s) in 1 s; a 50 ms tick would be 20
+    assert asked == 1 and asked_after < 0.3  # before the next beacon would have come
+
+
+async def _drain(client: BusClient) -> None:
+    while True:
+        await client.recv()

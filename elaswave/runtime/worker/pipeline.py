@@ -266,7 +266,9 @@ class StageRunner:
     @property
     def stamped(self) -> bool:
         """Whether pipeline messages carry their modelled arrival (a queued emulated
-        device: :func:`~elaswave.runtime.worker.emulation.arrival_stamp`)."""
+        device: :func:`~elaswave.runtime.worker.emulation.arrival_stamp`). Only there:
+        the emulated device trains on gloo, and a stamp is a host tensor, which NCCL's
+        rules (device tensors only) would not take."""
         return self.pacer is not None and self.pacer.queued
 
     def _batches(
@@ -297,7 +299,9 @@ class StageRunner:
         bufs = [self._activation(route.hi - route.lo) for route in routes]
         stamps = [stamp_buffer() for _ in routes] if self.stamped else []
         tag = self.tag(step, mb, backward) if tag is None else tag
-        messages = [[buf, *stamps[i : i + 1]] for i, buf in enumerate(bufs)]
+        messages = (
+            [[b, s] for b, s in zip(bufs, stamps, strict=True)] if stamps else [[b] for b in bufs]
+        )
         batches = self._batches(routes, messages, backward, receiving=True)
         return [(group, group.batch([], ops, tag)) for group, ops in batches], bufs, stamps
 

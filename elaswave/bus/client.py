@@ -43,7 +43,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from elaswave.bus.codec import decode, encode
+from elaswave.bus.codec import check_sender, decode, encode, topic_frame
 from elaswave.bus.keys import BusKeys, use_curve
 from elaswave.bus.logservice import Fetcher
 from elaswave.bus.reliable import RELIABLE_TOPICS, BusFaults, FaultyLink, SentHistory, SeqTracker
@@ -61,8 +61,6 @@ logger = structlog.get_logger(__name__)
 
 DEFAULT_HWM = 100_000
 """High-water mark (messages) of the client's sockets."""
-
-_CONTROL_FRAME = Topic.CONTROL.value.encode()
 
 BEACON_INTERVAL_S = 0.25
 """Seconds between two beacons of a client running :meth:`BusClient.maintain`."""
@@ -106,6 +104,9 @@ class BusClient:
         publish_endpoint: the broker's XSUB address (``Broker.publish_endpoint``).
         subscribe_endpoint: the broker's XPUB address (``Broker.subscribe_endpoint``).
         topics: topics to receive; ``None`` receives all of them.
+        senders: whose messages to receive on them (``None``: everyone's). A worker
+            takes the Core's only: the others' are the Core's business, and a worker
+            that took them would handle every other worker's beacons (4 a second each).
         handshake_timeout: seconds :meth:`connect` waits for its own hello.
         hello_interval: seconds between two hellos during the handshake.
         linger: seconds :meth:`close` lets unsent messages flush in the background.
@@ -135,6 +136,7 @@ class BusClient:
         subscribe_endpoint: str,
         topics: Iterable[Topic] | None = None,
         *,
+        senders: Iterable[str] | None = None,
         handshake_timeout: float = 10.0,
         hello_interval: float = 0.02,
         linger: float = 1.0,
@@ -147,15 +149,19 @@ class BusClient:
         on_publish: Callable[[list[bytes]], None] | None = None,
         log_rejected: bool = True,
     ) -> None:
-        if not sender:
-            raise ValueError("sender must be a non-empty name such as 'core' or 'rank3'")
+        check_sender(sender)
         if handshake_timeout <= 0 or hello_interval <= 0:
             raise ValueError("handshake_timeout and hello_interval must be positive seconds")
         self.sender = sender
         self.publish_endpoint = publish_endpoint
         self.subscribe_endpoint = subscribe_endpoint
         self.topics: frozenset[Topic] = frozenset(Topic if topics is None else topics)
-        self._topic_frames = frozenset(t.value.encode() for t in self.topics)
+        self.senders: frozenset[str] | None = (
+            None if senders is None else frozenset(check_sender(s) for s in senders)
+        )
+        self._sender_names = (
+            None if self.senders is None else frozenset(s.encode() for s in self.senders)
+        )
         self._handshake_timeout = handshake_timeout
         self._hello_interval = hello_interval
         self._linger_ms = int(linger * 1000)
@@ -179,6 +185,8 @@ class BusClient:
         self._from_start = from_start
         self.tracker = SeqTracker(from_start=from_start)
         self._reliable = frozenset(t.value for t in self.topics & RELIABLE_TOPICS)
+        self._taken = frozenset(t.value.encode() for t in self._topics_taken())
+        """First frames' topics received: CONTROL's beacons only, when not asked for."""
         self._history = SentHistory()
         self._fetcher = Fetcher(fetch_endpoint, keys=keys) if fetch_endpoint else None
         self._asked: dict[tuple[str, str, int], float] = {}
@@ -227,18 +235,19 @@ class BusClient:
             use_curve(self._sub, self._keys)
         self._pub.connect(self.publish_endpoint)
         self._sub.connect(self.subscribe_endpoint)
-        # CONTROL last: the echo of the hello (a CONTROL message) then shows that every
-        # earlier subscription has passed the broker too (one pipe keeps their order).
-        for topic in [*sorted(self.topics - {Topic.CONTROL}), Topic.CONTROL]:
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic.value.encode())
+        # Its own hello's last: the echo of the hello then shows that every earlier
+        # subscription has passed the broker too (one pipe keeps their order).
+        kept = self._subscriptions()
+        own = topic_frame(Topic.CONTROL.value, self.sender)
+        for prefix in [*kept, own]:
+            self._sub.setsockopt(zmq.SUBSCRIBE, prefix)
         sub_sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
         try:
             await self._handshake(sub_sync)
         except BaseException:
             await self.close()
             raise
-        if Topic.CONTROL not in self.topics and not self._reliable:
-            self._sub.setsockopt(zmq.UNSUBSCRIBE, Topic.CONTROL.value.encode())
+        self._sub.setsockopt(zmq.UNSUBSCRIBE, own)  # the same prefix twice is counted twice
         self._wake = asyncio.Event()
         self._gap = asyncio.Event()
         self._sub_sync = sub_sync
@@ -247,6 +256,26 @@ class BusClient:
         )
 
     start = connect
+
+    def _topics_taken(self) -> frozenset[Topic]:
+        """The topics this client receives: its own, and CONTROL on a reliable topic
+        (beacons say what was sent last; the other CONTROL events are not handed out)."""
+        return self.topics | ({Topic.CONTROL} if self._reliable else frozenset())
+
+    def _subscriptions(self) -> list[bytes]:
+        """The SUB socket's prefixes: each topic's, or each (topic, sender)'s."""
+        topics = self._topics_taken()
+        if self.senders is None:
+            return [topic_frame(t.value, "") for t in sorted(topics)]
+        return [topic_frame(t.value, s) for t in sorted(topics) for s in sorted(self.senders)]
+
+    def _wanted(self, first: bytes) -> bool:
+        """Whether a message whose first frame is ``first`` is on this client's topics
+        (CONTROL too on a reliable topic: its senders' beacons) and from its senders (a
+        subscription is a prefix: ``control/core`` takes a ``control/core2`` too)."""
+        topic, _, sender = first.partition(b"/")
+        names = self._sender_names
+        return topic in self._taken and (names is None or sender in names)
 
     async def _count_the_core_from_its_log(self) -> None:
         """Start counting the Core's reliable topics after the last numbers its log holds,
@@ -427,9 +456,9 @@ class BusClient:
             if not self._inbox:
                 await self._fill()
             frames = self._inbox.popleft()
-            if not frames or frames[0] not in self._topic_frames:
-                continue  # leftover from the handshake-only CONTROL subscription
-            if frames[0] == _CONTROL_FRAME and frames == self._own_hello:
+            if not frames or not self._wanted(frames[0]):
+                continue  # not asked for: CONTROL kept for the handshake, a prefix's catch
+            if frames == self._own_hello:
                 continue  # a hello sent before the first one came back
             try:
                 event = decode(frames)

@@ -1,6 +1,11 @@
 """The bus's wire codec: an :class:`~elaswave.bus.schema.Event` to and from its two-frame
-ZeroMQ multipart message ``[topic, msgpack payload]`` (the format is described in
+ZeroMQ multipart message ``[topic/sender, msgpack payload]`` (the format is described in
 :mod:`elaswave.bus.schema`, the only module that defines events).
+
+The first frame names the topic and the sender (``b"control/core"``), so that a SUB
+socket can take one sender's messages only: a worker acts on the Core's, and does not
+receive every other worker's beacons and acknowledgements (a number of messages that
+grows with the job). Event logs written before carry the topic alone, and still decode.
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ MAX_PAYLOAD_BYTES = 1 << 20
 """Largest payload frame :func:`decode` reads and :func:`encode` writes (1 MiB). Events
 carry plan inputs, never plans or tensors: the largest in practice are a few KiB."""
 
-MAX_TOPIC_BYTES = 32
-"""Largest topic frame :func:`decode` reads (topic names are a few letters)."""
+MAX_SENDER_BYTES = 100
+"""Longest sender name (UTF-8 bytes) the bus carries: :func:`check_sender`."""
+
+MAX_TOPIC_BYTES = 16 + MAX_SENDER_BYTES
+"""Largest first frame :func:`decode` reads: a topic (a few letters), ``/`` and a sender."""
+
+_SEP = b"/"
 
 _NUM_FRAMES = 2
 
@@ -40,8 +50,26 @@ def with_seq(event: _E, seq: int) -> _E:
     return dataclasses.replace(event, seq=seq)
 
 
+def check_sender(name: str) -> str:
+    """``name`` if it can name a sender on the bus, else ValueError saying why: a
+    non-empty name of at most :data:`MAX_SENDER_BYTES` bytes without ``/``."""
+    size = len(name.encode())
+    if not name or "/" in name or size > MAX_SENDER_BYTES:
+        raise ValueError(
+            f"bus sender name {name!r} is not valid: give a non-empty name without '/' "
+            f"of at most {MAX_SENDER_BYTES} bytes (such as 'core', 'rank3', 'observer')"
+        )
+    return name
+
+
+def topic_frame(topic: str, sender: str) -> bytes:
+    """The first frame of ``sender``'s messages on ``topic``: what SUB sockets filter on
+    (a subscription is a prefix: ``topic/`` takes every sender's, ``topic/name`` one's)."""
+    return f"{topic}/{sender}".encode()
+
+
 def encode(event: Event) -> list[bytes]:
-    """Encode ``event`` as the two-frame multipart message ``[topic, msgpack payload]``."""
+    """Encode ``event`` as the two-frame multipart message ``[topic/sender, msgpack payload]``."""
     cls = type(event)
     kind = getattr(cls, "KIND", None)
     if not isinstance(kind, EventKind) or EVENT_TYPES.get(kind) is not cls:
@@ -49,13 +77,18 @@ def encode(event: Event) -> list[bytes]:
     payload: dict[str, Any] = {KIND_KEY: cls.KIND.value}
     for spec in FIELD_SPECS[cls.KIND]:
         payload[spec.name] = getattr(event, spec.name)
+    if len(name := event.sender.encode()) > MAX_SENDER_BYTES:
+        raise SchemaError(
+            f"sender name of {len(name)} bytes, over the bus limit of {MAX_SENDER_BYTES}: "
+            f"{short(event.sender)}"
+        )
     body = msgpack.packb(payload, use_bin_type=True)
     if len(body) > MAX_PAYLOAD_BYTES:  # receivers would refuse it: say so at the source
         raise SchemaError(
             f"{cls.KIND.value} encodes to {len(body)} bytes, over the bus limit of "
             f"{MAX_PAYLOAD_BYTES}"
         )
-    return [cls.TOPIC.value.encode(), body]
+    return [topic_frame(cls.TOPIC.value, event.sender), body]
 
 
 def decode(frames: Sequence[bytes]) -> Event:
@@ -67,12 +100,12 @@ def decode(frames: Sequence[bytes]) -> Event:
     """
     if len(frames) != _NUM_FRAMES:
         raise SchemaError(
-            f"expected {_NUM_FRAMES} frames [topic, payload], got {len(frames)} frame(s)"
+            f"expected {_NUM_FRAMES} frames [topic/sender, payload], got {len(frames)} frame(s)"
         )
-    topic_frame, body = bytes(frames[0]), bytes(frames[1])
-    if len(topic_frame) > MAX_TOPIC_BYTES:
+    first, body = bytes(frames[0]), bytes(frames[1])
+    if len(first) > MAX_TOPIC_BYTES:
         raise SchemaError(
-            f"topic frame of {len(topic_frame)} bytes: topics are at most {MAX_TOPIC_BYTES}"
+            f"topic frame of {len(first)} bytes: topics are at most {MAX_TOPIC_BYTES}"
         )
     if len(body) > MAX_PAYLOAD_BYTES:
         raise SchemaError(
@@ -107,9 +140,10 @@ def decode(frames: Sequence[bytes]) -> Event:
         raise SchemaError(f"unknown event kind {short(raw_kind)}; valid kinds: {valid}") from None
     cls = EVENT_TYPES[kind]
 
-    if topic_frame != cls.TOPIC.value.encode():
+    topic, _, named = first.partition(_SEP)
+    if topic != cls.TOPIC.value.encode():
         raise SchemaError(
-            f"topic frame {short(topic_frame)} does not match kind {kind.value!r}, "
+            f"topic frame {short(first)} does not match kind {kind.value!r}, "
             f"which is published on topic {cls.TOPIC.value!r}"
         )
 
@@ -127,4 +161,9 @@ def decode(frames: Sequence[bytes]) -> Event:
                 f"{kind.value}: field {spec.name!r} expected {spec.type_name}, "
                 f"got {type(value).__name__} {short(value)}"
             ) from None
+    if _SEP in first and named != str(kwargs["sender"]).encode():
+        raise SchemaError(
+            f"topic frame {short(first)} names another sender than the payload's "
+            f"{short(kwargs['sender'])}: a message goes out under its sender's name"
+        )
     return cls(**kwargs)

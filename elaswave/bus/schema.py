@@ -7,9 +7,11 @@ dataclass deriving from :class:`Event`; each class names its :class:`EventKind` 
 :class:`Topic` it is published on. On the wire an event is a two-frame ZeroMQ multipart
 message::
 
-    [topic.value.encode(), msgpack.packb({"event_kind": kind, <every dataclass field>...})]
+    [f"{topic.value}/{sender}".encode(), msgpack.packb({"event_kind": kind, <every field>...})]
 
-The first frame is what SUB sockets filter on. The discriminator key is ``"event_kind"``
+The first frame is what SUB sockets filter on: a topic's every message (``b"control/"``)
+or one sender's (``b"control/core"``); logs written before senders were named there
+carry ``topic.value`` alone, and decode as well. The discriminator key is ``"event_kind"``
 rather than ``"kind"`` because recovery events have a field named ``kind``; no event
 class may define a field called ``event_kind``.
 

@@ -82,6 +82,8 @@ class Session:
         publish_endpoint: the broker's publish address (``Broker.publish_endpoint``).
         subscribe_endpoint: the broker's subscribe address (``Broker.subscribe_endpoint``).
         topics: topics to receive; ``None`` means all.
+        senders: whose events to receive on them (``None``: everyone's; a worker
+            takes the Core's, ``[CORE_SENDER]``).
         queue_size: capacity of the outgoing queue, in events.
         handshake_timeout: seconds :meth:`start` waits for the bus.
         keys: the job's CURVE keys, when its bus has them.
@@ -97,6 +99,7 @@ class Session:
         subscribe_endpoint: str,
         topics: Iterable[Topic] | None = None,
         *,
+        senders: Iterable[str] | None = None,
         queue_size: int = 10_000,
         handshake_timeout: float = 10.0,
         keys: BusKeys | None = None,
@@ -110,6 +113,7 @@ class Session:
             publish_endpoint,
             subscribe_endpoint,
             topics,
+            senders=senders,
             handshake_timeout=handshake_timeout,
             keys=keys,
             fetch_endpoint=fetch_endpoint,

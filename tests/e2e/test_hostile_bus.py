@@ -21,22 +21,22 @@ def _bad_messages() -> list[list[bytes]]:
         )
     )
     mystery = [
-        b"recovery",
+        b"recovery/rogue",
         msgpack.packb({KIND_KEY: "mystery_kind", "sender": "rogue", "schema_version": 1}),
     ]
-    missing = [b"recovery", msgpack.packb({KIND_KEY: "recovery_started", "sender": "rogue"})]
+    missing = [b"recovery/rogue", msgpack.packb({KIND_KEY: "recovery_started", "sender": "rogue"})]
     wrong_topic = encode(
         RecoveryStarted(sender="rogue", step=1, kind="fail-stop", ranks=[0], reason="x")
     )
-    wrong_topic[0] = b"control"
+    wrong_topic[0] = b"control/rogue"
     return [
         newer,
         mystery,
         missing,
         wrong_topic,
-        [b"control", b"\xc1\xff garbage"],
-        [b"recovery"],
-        [b"recovery", b"a", b"b"],
+        [b"control/rogue", b"\xc1\xff garbage"],
+        [b"recovery/rogue"],
+        [b"recovery/rogue", b"a", b"b"],
     ]
 
 

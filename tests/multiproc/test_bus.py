@@ -127,12 +127,76 @@ def test_topic_filter(broker: Broker, run: Runner) -> None:
     run(scenario())
 
 
+def test_a_client_of_the_cores_messages_receives_no_one_elses(broker: Broker, run: Runner) -> None:
+    """A worker takes the Core's messages only: what other processes publish on the same
+    topics (beacons, acknowledgements) is the Core's, and a worker that took them would
+    handle a number of messages that grows with the job. ``core2`` passes the ZeroMQ
+    prefix ``control/core`` and is dropped unread by the client."""
+
+    async def scenario() -> None:
+        topics = [Topic.CONTROL, Topic.RECOVERY]
+        async with (
+            BusClient(
+                "rank1", broker.publish_endpoint, broker.subscribe_endpoint, topics,
+                senders=["core"],
+            ) as rank1,
+            _client(broker, "watcher", topics) as watcher,
+            _client(broker, "core") as core,
+            _client(broker, "rank2") as rank2,
+            _client(broker, "core2") as core2,
+        ):  # fmt: skip
+            others = [
+                await client.publish(event)
+                for client in (rank2, core2)
+                for event in (_started(), Beacon(sender="", topics=["recovery"], seqs=[1]))
+            ]
+            async with asyncio.timeout(5):  # through the broker, ahead of the Core's
+                while others:
+                    got = await watcher.recv()
+                    others = [e for e in others if e != got]
+            marker = await core.publish(_started())
+            async with asyncio.timeout(5):
+                assert await rank1.recv() == marker
+            assert rank1.rejected == 0
+            assert rank1.senders == frozenset({"core"})
+
+    run(scenario())
+
+
+def _started() -> RecoveryStarted:
+    return RecoveryStarted(sender="", step=3, kind="fail", ranks=[2], reason="killed")
+
+
+def test_a_client_without_control_learns_a_lost_last_message_from_a_beacon(
+    broker: Broker, run: Runner
+) -> None:
+    """An observer of the recovery topic alone still takes its senders' beacons (CONTROL),
+    so it sees a missing last message: here the Core's beacon says recovery message 2
+    was sent, and only 1 came. The other CONTROL events are not handed out."""
+
+    async def scenario() -> None:
+        async with (
+            _client(broker, "observer", [Topic.RECOVERY, Topic.HEALTH]) as observer,
+            _client(broker, "core") as core,
+        ):
+            first = await core.publish(_started())
+            await core.publish(Beacon(sender="", topics=["recovery"], seqs=[2]))
+            marker = await core.publish(Heartbeat(sender="", rank=0, step=1))
+            async with asyncio.timeout(5):
+                assert await observer.recv() == first
+                assert await observer.recv() == marker  # the beacon was taken, not handed out
+            assert observer.tracker.missing(["recovery"]) == {("core", "recovery"): [2]}
+
+    run(scenario())
+
+
 def test_garbage_is_counted_and_skipped(broker: Broker, run: Runner) -> None:
     garbage = [
-        [b"metrics", b"\xc1\xc1 not msgpack"],
-        [b"metrics"],
-        [b"metrics", msgpack.packb({"event_kind": "nope", "schema_version": 1})],
-        [b"metrics", msgpack.packb({**msgpack.unpackb(encode(_step(0))[1]), "step": "x"})],
+        [b"metrics/raw", b"\xc1\xc1 not msgpack"],
+        [b"metrics/raw"],
+        [b"metrics/raw", msgpack.packb({"event_kind": "nope", "schema_version": 1})],
+        [b"metrics/raw", msgpack.packb({**msgpack.unpackb(encode(_step(0))[1]), "step": "x"})],
+        [b"metrics/rank0", encode(_step(1))[1]],  # another sender's name on the frame
     ]
 
     async def scenario() -> None:
@@ -169,6 +233,7 @@ def test_garbage_is_counted_and_skipped(broker: Broker, run: Runner) -> None:
                 assert len(warnings) == len(garbage)
                 assert "undecodable msgpack" in warnings[0]["error"]
                 assert "unknown event kind 'nope'" in warnings[2]["error"]
+                assert "names another sender than the payload's ''" in warnings[4]["error"]
         finally:
             raw.close(linger=0)
 
@@ -178,7 +243,7 @@ def test_garbage_is_counted_and_skipped(broker: Broker, run: Runner) -> None:
 def test_recv_raw_reports_bad_messages_and_hellos(broker: Broker, run: Runner) -> None:
     async def scenario() -> None:
         async with _client(broker, "core") as core:
-            await core.publish_raw([b"health", b"junk"])
+            await core.publish_raw([b"health/junk", b"junk"])
             async with _client(broker, "rank7"):
                 pass  # its hellos reach core
             bad: RawMessage | None = None
@@ -190,7 +255,7 @@ def test_recv_raw_reports_bad_messages_and_hellos(broker: Broker, run: Runner) -
                         bad = message
                     elif isinstance(message.event, Hello) and message.event.sender == "rank7":
                         hello = message
-            assert bad.frames == [b"health", b"junk"]
+            assert bad.frames == [b"health/junk", b"junk"]
             assert bad.event is None
             assert "undecodable msgpack" in (bad.error or "")
             assert hello.error is None

@@ -296,7 +296,7 @@ class _LosingLink(FaultyLink):
         self._seen: set[bytes] = set()
 
     def feed(self, frames: list[bytes]) -> None:
-        if frames[0] == Topic.LIFECYCLE.value.encode() and frames[1] not in self._seen:
+        if frames[0].startswith(b"lifecycle/") and frames[1] not in self._seen:
             self._seen.add(frames[1])
             self.counts["dropped"] += 1
             return

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elaswave.bus import envelope
-from elaswave.bus.codec import decode, encode, with_seq
+from elaswave.bus.codec import MAX_SENDER_BYTES, check_sender, decode, encode, with_seq
 from elaswave.bus.schema import (
     EVENT_TYPES,
     KIND_KEY,
@@ -55,6 +55,7 @@ def events_of(cls: type[Event]) -> st.SearchStrategy[Event]:
         for f in dataclasses.fields(cls)
         if f.name != "schema_version"
     }
+    fields["sender"] = st.text(max_size=MAX_SENDER_BYTES // 4)  # up to 4 bytes a character
     return st.builds(cls, **fields)
 
 
@@ -107,7 +108,7 @@ def test_with_seq_replaces_only_seq() -> None:
 def test_every_event_class_round_trips(cls: type[Event], data: st.DataObject) -> None:
     event = data.draw(events_of(cls))
     frames = encode(event)
-    assert frames[0] == cls.TOPIC.value.encode()
+    assert frames[0] == f"{cls.TOPIC.value}/{event.sender}".encode()
     decoded = decode(frames)
     assert type(decoded) is cls
     assert decoded == event
@@ -236,6 +237,40 @@ def test_schema_error_is_a_value_error() -> None:
 def test_arbitrary_bytes_never_raise_anything_but_schema_error(frames: list[bytes]) -> None:
     with contextlib.suppress(SchemaError):
         decode(frames)
+
+
+# --------------------------------------------------------------------------- first frame
+
+
+def test_the_first_frame_names_the_topic_and_the_sender() -> None:
+    frames = encode(_recovery_finished())
+    assert frames[0] == b"recovery/core"
+    assert decode(frames) == _recovery_finished()
+
+
+def test_a_log_written_with_the_topic_alone_still_decodes() -> None:
+    """Event logs written before the sender was on the frame: ``[b"recovery", payload]``."""
+    assert decode([b"recovery", encode(_recovery_finished())[1]]) == _recovery_finished()
+
+
+def test_a_frame_naming_another_sender_is_refused() -> None:
+    """A worker's message under the Core's name would reach every worker as the Core's."""
+    payload = encode(dataclasses.replace(_recovery_finished(), sender="rank3"))[1]
+    with pytest.raises(SchemaError, match="names another sender than the payload's 'rank3'"):
+        decode([b"recovery/core", payload])
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x" * (MAX_SENDER_BYTES + 1), "\u00e9" * 51])
+def test_a_sender_name_the_bus_cannot_carry_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="is not valid: give a non-empty name without '/'"):
+        check_sender(name)
+    assert check_sender("x" * MAX_SENDER_BYTES) == "x" * MAX_SENDER_BYTES
+
+
+def test_encode_refuses_an_overlong_sender() -> None:
+    event = dataclasses.replace(_recovery_finished(), sender="x" * (MAX_SENDER_BYTES + 1))
+    with pytest.raises(SchemaError, match=f"sender name of {MAX_SENDER_BYTES + 1} bytes, over"):
+        encode(event)
 
 
 def test_encode_refuses_unregistered_classes() -> None:

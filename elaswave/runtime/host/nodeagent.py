@@ -24,6 +24,7 @@ from elaswave import rundir
 from elaswave.bus.client import BusClient
 from elaswave.bus.keys import load_keys
 from elaswave.bus.schema import (
+    CORE_SENDER,
     NodeHeartbeat,
     NodeJoined,
     RunFinished,
@@ -72,7 +73,8 @@ async def run_agent(
     keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
     client = BusClient(
         f"node{node}", ep.bus_publish, ep.bus_subscribe,
-        topics=(Topic.CONTROL, Topic.LIFECYCLE), keys=keys, log_rejected=False,
+        topics=(Topic.CONTROL, Topic.LIFECYCLE), senders=(CORE_SENDER,), keys=keys,
+        log_rejected=False,
     )  # fmt: skip
     await client.connect()
     agent = _Agent(spec.config, run_dir, node=node, client=client, zygote=zygote)

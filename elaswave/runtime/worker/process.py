@@ -21,6 +21,7 @@ from torch import nn
 
 from elaswave import logs, osthreads
 from elaswave.bus.schema import (
+    CORE_SENDER,
     Event,
     EventKind,
     FailureDetected,
@@ -86,9 +87,11 @@ def run_worker(run_dir: Path, process: int, *, join: bool = False) -> None:
     if spec.config.layout.tp > 1:
         structlog.contextvars.bind_contextvars(member=member)
     sender = sender_name(rank, member)
-    # Workers act on control and recovery events only; metrics are for the Core and users.
+    # Workers act on the Core's control and recovery events only: metrics are for the
+    # Core and users, other processes' messages for the Core.
     session = Session(
         sender, ep.bus_publish, ep.bus_subscribe, topics=[Topic.CONTROL, Topic.RECOVERY],
+        senders=[CORE_SENDER],
         keys=spec.config.network.keys(), fetch_endpoint=ep.bus_fetch or None,
         faults=spec.config.injection.bus_fault_spec(),
     )  # fmt: skip

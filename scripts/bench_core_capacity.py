@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -108,7 +109,9 @@ async def _measure(workers: int, seconds: float, warmup_s: float) -> dict[str, A
             cpu, wall = time.process_time() - cpu0, time.time() - wall0
             window = delays[n0:]
             listener.cancel()
-            proc.join(timeout=30)
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await asyncio.to_thread(proc.join, 30.0)
     if not window:
         raise SystemExit(f"no message reached the Core at {workers} workers")
     half = len(window) // 2

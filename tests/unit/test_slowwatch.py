@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elaswave.bus.schema import StepTiming
+from elaswave.runtime.core import recorder
 from elaswave.runtime.core.slowwatch import StragglerWatch
 
 
@@ -22,9 +23,40 @@ def test_a_step_without_modelled_work_is_passed_over_not_evaluated_again() -> No
     timings = [_timing(r, s, 1.0, 1.0) for s in range(4) for r in (0, 1)]
     assert watch.update(timings, {0, 1}) is None
     assert watch.evaluated == 3
-    timings += [_timing(r, 4, 0.0, 0.0) for r in (0, 1)]  # nothing modelled at step 4
-    assert watch.update(timings, {0, 1}) is None
+    nothing = [_timing(r, 4, 0.0, 0.0) for r in (0, 1)]  # nothing modelled at step 4
+    assert watch.update(nothing, {0, 1}) is None
     assert watch.evaluated == 4
-    timings += [_timing(0, 5, 1.0, 1.0), _timing(1, 5, 3.0, 1.0)]
-    assert watch.update(timings, {0, 1}) is None  # evaluated at 5: one slow step so far
+    slow = [_timing(0, 5, 1.0, 1.0), _timing(1, 5, 3.0, 1.0)]
+    assert watch.update(slow, {0, 1}) is None  # evaluated at 5: one slow step so far
     assert watch.evaluated == 5
+
+
+def test_reports_given_in_pieces_flag_a_straggler_once_every_rank_reported() -> None:
+    """The watch takes each report once, as they arrive (the Core hands over only what
+    came since the last call): a step half reported waits for its other half."""
+    watch = StragglerWatch(window=3, threshold=1.5, min_steps=2)
+    assert watch.update([_timing(r, s, 1.0, 1.0) for s in range(3) for r in (0, 1)], {0, 1}) is None
+    verdicts = []
+    for step in (3, 4, 5):
+        assert watch.update([_timing(0, step, 1.0, 1.0)], {0, 1}) is None
+        assert watch.evaluated == step - 1  # rank 1 has not reported the step
+        verdicts.append(watch.update([_timing(1, step, 3.0, 1.0)], {0, 1}))
+        assert watch.evaluated == step
+    flagged = [(step, v) for step, v in zip((3, 4, 5), verdicts, strict=True) if v is not None]
+    assert len(flagged) == 1  # flagged once, at its min_steps-th slow step
+    assert [s.rank for s in flagged[0][1].stragglers] == [1]
+    assert watch.update([], {0, 1}) is None  # nothing new: nothing evaluated again
+
+
+def test_the_core_holds_a_bounded_backlog_of_step_timings(tmp_path, monkeypatch) -> None:
+    """The Core hands each StepTiming to the fail-slow watch once and keeps at most
+    MAX_PENDING_TIMINGS of those not taken (it kept every report of the run before:
+    gigabytes over a long job, and forever in a job that does not detect stragglers)."""
+    monkeypatch.setattr(recorder, "MAX_PENDING_TIMINGS", 8)
+    core = recorder.Core(tmp_path)
+    for step in range(10):
+        core._dispatch(_timing(0, step, 1.0, 1.0))
+    assert [t.step for t in core.take_step_timings()] == list(range(2, 10))  # the newest 8
+    assert core.take_step_timings() == []
+    core._dispatch(_timing(1, 10, 1.0, 1.0))
+    assert [t.step for t in core.take_step_timings()] == [10]

@@ -59,6 +59,12 @@ log = structlog.get_logger(__name__)
 Arrival = tuple[Event, float]
 """An event and when it arrived (wall-clock seconds)."""
 
+MAX_PENDING_TIMINGS = 1 << 16
+"""StepTiming reports the Core holds for the fail-slow watch to take; past this the
+oldest go. The watch takes them ten times a second; a job that does not detect
+stragglers takes none, and the Core kept every report of the run before (some 500 bytes
+each: 19 GB over a week of a 64-rank job at a step a second)."""
+
 
 class ProtocolEvents:
     """The events the change protocol takes, as they arrive (an async iterator): those
@@ -134,8 +140,10 @@ class Core:
         self._beats: dict[int, dict[str, float]] = {}
         """rank -> sender -> its latest heartbeat (a TP group's members each beat)."""
         """rank -> monotonic time its last heartbeat (or its WorkerStarted) arrived."""
-        self.step_timings: list[StepTiming] = []
-        """Every StepTiming, in arrival order (the fail-slow detector's input)."""
+        self.step_timings: collections.deque[StepTiming] = collections.deque(
+            maxlen=MAX_PENDING_TIMINGS
+        )
+        """StepTiming reports not yet taken (:meth:`take_step_timings`), in arrival order."""
         self.announcements: list[Event] = []
         """The Core's own FailureDetected, PauseRequest, RecoveryPlan and PlanCommit, in
         the order published (a restarted Core reads its predecessor's here)."""
@@ -325,6 +333,13 @@ class Core:
             and event.sender == self.client.sender
         ):
             self.announcements.append(event)
+
+    def take_step_timings(self) -> list[StepTiming]:
+        """The StepTiming reports that arrived since the last call, oldest first (the
+        fail-slow detector's input)."""
+        taken = list(self.step_timings)
+        self.step_timings.clear()
+        return taken
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds, or the timeout passes.

@@ -11,7 +11,7 @@ report of a (rank, step) counts, and a step is evaluated once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from elaswave.bus.schema import StepTiming
@@ -27,19 +27,19 @@ class StragglerWatch:
     evaluated: int = -1
     """The last step evaluated."""
     _reports: dict[int, dict[int, StepTiming]] = field(default_factory=lambda: defaultdict(dict))
-    _seen: int = 0
+    """step -> rank -> its report, for the steps of the window and those not evaluated."""
 
     def update(
-        self, timings: Sequence[StepTiming], alive: Collection[int]
+        self, timings: Iterable[StepTiming], alive: Collection[int]
     ) -> StragglerVerdict | None:
-        """Evaluate every step newly reported by all of ``alive``; return the first
-        verdict that flags or clears a rank (None when nothing changed)."""
-        for timing in timings[self._seen :]:
+        """Take the reports that arrived since the last call (``timings``), evaluate
+        every step newly reported by all of ``alive``; return the first verdict that
+        flags or clears a rank (None when nothing changed)."""
+        for timing in timings:
             # A TP group's members each report: the group runs at its slowest's pace.
             known = self._reports[timing.step].get(timing.rank)
             if known is None or _slowness(timing) >= _slowness(known):
                 self._reports[timing.step][timing.rank] = timing
-        self._seen = len(timings)
         alive = set(alive)
         complete = sorted(
             step

@@ -280,7 +280,7 @@ class Supervisor:
             await asyncio.sleep(0.1)
             if self.state.change is not None:
                 continue
-            verdict = self.stragglers.update(self.core.step_timings, set(self.state.alive))
+            verdict = self.stragglers.update(self.core.take_step_timings(), set(self.state.alive))
             if verdict is None:
                 continue
             assert verdict.step is not None  # a verdict that flags or clears evaluated a step

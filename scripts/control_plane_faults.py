@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Heartbeat, RecoveryPlan, WorkerStarted
+from elaswave.bus.schema import RecoveryPlan, StepTiming, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.core.replay import replay_run
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
@@ -109,8 +109,9 @@ def alive(pid: int) -> bool:
 
 def _reached(events: list, when: str) -> bool:
     if when.startswith("step"):
-        # Heartbeats carry the step a worker is in, sampled: a fast job skips steps.
-        return any(isinstance(e, Heartbeat) and e.step >= int(when[4:]) for e in events)
+        # A worker is in step N once it reported step N - 1 (the log keeps a worker's
+        # heartbeats, which say its step, once in 5 s).
+        return any(isinstance(e, StepTiming) and e.step >= int(when[4:]) - 1 for e in events)
     return any(isinstance(e, RecoveryPlan) for e in events)  # during-recovery
 
 
@@ -186,7 +187,7 @@ def kill_host(out: Path, cmd: list[str], when: str) -> str:
     deadline = time.monotonic() + 300
     while True:
         events = [r.event for r in read_event_log(log)] if log.exists() else []
-        if when == "mid-step" and any(isinstance(e, Heartbeat) and e.step == 4 for e in events):
+        if when == "mid-step" and any(isinstance(e, StepTiming) and e.step == 3 for e in events):
             break
         if when == "during-recovery" and any(isinstance(e, RecoveryPlan) for e in events):
             break

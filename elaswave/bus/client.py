@@ -410,7 +410,8 @@ class BusClient:
     # ------------------------------------------------------------------ publish
 
     async def publish(self, event: Event) -> Event:
-        """Stamp ``sender``, the next ``seq`` (1, 2, ...) and ``time`` (if 0), then send.
+        """Stamp ``sender``, the next ``seq`` (1, 2, ...; 0 for a kind that is not
+        numbered: a beacon) and ``time`` (if 0), then send.
 
         Numbers count per topic. Returns the event as sent. Never waits on subscribers: a
         PUB socket drops at its high-water mark rather than block.
@@ -418,10 +419,12 @@ class BusClient:
         if self._pub is None or self._closed:
             raise BusError(f"bus client {self.sender!r} is not connected")
         topic = event.TOPIC.value
-        seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+        seq = 0
+        if event.NUMBERED:
+            seq = self._seq[topic] = self._seq.get(topic, 0) + 1
         stamped = _stamp(event, self.sender, seq)
         frames = encode(stamped)
-        if event.TOPIC in RELIABLE_TOPICS:
+        if seq and event.TOPIC in RELIABLE_TOPICS:
             self._history.add(topic, seq, frames)
         if self._on_publish is not None:
             self._on_publish(frames)

@@ -103,6 +103,11 @@ class Event:
 
     KIND: ClassVar[EventKind]
     TOPIC: ClassVar[Topic]
+    NUMBERED: ClassVar[bool] = True
+    """Whether the bus client numbers it (``seq``) on a reliable topic. A kind whose lost
+    message the next one replaces (a beacon) goes out unnumbered: numbered, it took a
+    number that a receiver then had to repair when it was lost, and that a restarted
+    Core had to find in the event log."""
 
     sender: str
     seq: int = 0

@@ -447,6 +447,7 @@ class Beacon(Event):
 
     KIND = EventKind.BEACON
     TOPIC = Topic.CONTROL
+    NUMBERED = False  # the next beacon replaces a lost one
     topics: list[str]
     seqs: list[int]
     """Last seq per topic of ``topics``, in the same order."""

@@ -393,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     ev = sub.add_parser("events", help="print a run's event log readably")
     ev.add_argument("run_dir", type=Path)
-    ev.add_argument("--all", action="store_true", help="include the bus's delivery beacons")
+    ev.add_argument(
+        "--all",
+        action="store_true",
+        help="include the bus's delivery beacons (logs written before they were left out)",
+    )
     ky = sub.add_parser(
         "keys",
         help="make CURVE keys for a job's bus (needed to bind beyond 127.0.0.1)",

@@ -103,6 +103,7 @@ def test_zero1_each_rank_holds_only_its_shard(layout_runs):
 
 
 def test_events_log_readable(layout_runs):
+    from elaswave.bus.eventlog import read_event_log
     from tests.runs import elaswave
 
     out = elaswave("events", str(layout_runs[(2, 2)].out))
@@ -113,9 +114,16 @@ def test_events_log_readable(layout_runs):
     # Only hellos come before the run's start (the job host's observer connects first).
     first = next(i for i, k in enumerate(kinds) if k != "hello")
     assert kinds[first] == "run_started" and kinds[-1] == "run_finished", kinds
-    assert "beacon" not in kinds and "beacon(s) not shown (--all shows them)" in out.stderr
+    # Liveness plumbing is not logged: no beacon, and a worker's heartbeats once in 5 s.
     every = elaswave("events", "--all", str(layout_runs[(2, 2)].out))
-    assert "beacon" in [line.split()[2] for line in every.stdout.splitlines()]
+    assert "beacon" not in [line.split()[2] for line in every.stdout.splitlines()]
+    beats = [
+        line.split()[3].split("#")[0] for line in out.stdout.splitlines() if " heartbeat " in line
+    ]
+    assert sorted(set(beats)) == [f"rank{r}" for r in range(4)]
+    times = [r.t for r in read_event_log(layout_runs[(2, 2)].out / "events.log")]
+    most = 2 + (max(times) - min(times)) / 5  # the first, then one in 5 s at most
+    assert all(beats.count(f"rank{r}") <= most for r in range(4)), (beats, most)
 
 
 def test_param_digest_matches_params(layout_runs):

@@ -17,9 +17,12 @@ import time
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Heartbeat, StepCompleted, WorkerStarted
+from elaswave.bus.schema import StepCompleted, StepTiming, WorkerStarted
+from elaswave.fabric.checkpoint import step_complete
+from elaswave.rundir import JOB as JOB_SPEC
 from elaswave.runtime.core.compare import compare_runs, load_params, param_rel_diff
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.job.config import JobSpec
 from tests.fault.recovery import JOB, check_recovered
 from tests.runs import Run, check_replay, launch, train
 
@@ -77,7 +80,20 @@ def _started_once(out, world: int) -> None:
 
 
 def _at_step(step: int):
-    return lambda events: any(isinstance(e, Heartbeat) and e.step >= step for e in events)
+    """Some worker is in ``step``: it reported the step before (heartbeats, which say the
+    step a worker is in, are logged once in 5 s)."""
+    return lambda events: any(isinstance(e, StepTiming) and e.step >= step - 1 for e in events)
+
+
+def _checkpointed(out, step: int):
+    """The checkpoint of ``step`` is complete on disk (every layer's pieces)."""
+
+    def done(events) -> bool:
+        if not (out / JOB_SPEC).is_file():  # written after the Core's log opens
+            return False
+        return step_complete(out, step, JobSpec.read(out).config.model.num_layers)
+
+    return done
 
 
 @pytest.mark.timeout(300)
@@ -177,7 +193,7 @@ def test_core_lost_more_often_than_allowed_stops_with_a_resumable_checkpoint(run
     proc = launch(out, *DP4_PP2, "--core-restarts", "0", "--checkpoint-every", "2")
     # after the checkpoint of step 1, long before the end (workers train on until the
     # host, told of the loss, stops them)
-    _signal_core_when(out, proc, _at_step(2), signal.SIGKILL)
+    _signal_core_when(out, proc, _checkpointed(out, 1), signal.SIGKILL)
     assert proc.wait(120) == 1
     err = out.with_suffix(".stderr").read_text()
     assert "the Core was lost (signal SIGKILL; see logs/core0.log)" in err, err

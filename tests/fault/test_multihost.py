@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Heartbeat, RecoveryFinished, WorkerSpawned
+from elaswave.bus.schema import RecoveryFinished, StepTiming, WorkerSpawned
 from elaswave.runtime.core.compare import compare_runs
 from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
@@ -68,7 +68,7 @@ def test_a_host_lost_whole_is_a_node_failure_and_its_return_a_join(hosts, runs_d
     node0 = _host(0, out, keys, hosts[0], *JOB)
     agents = {i: _host(i, out, keys, hosts[0]) for i in (1, 2)}
     try:
-        _wait_for(out, lambda e: isinstance(e, Heartbeat) and e.step >= 5, node0)
+        _wait_for(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
         agents[1].send_signal(signal.SIGKILL)  # the host: its agent and, with it, its workers
         agents[1].wait(30)
         _wait_for(out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import FailureDetected, Heartbeat
+from elaswave.bus.schema import FailureDetected, StepTiming
 from elaswave.runtime.core.compare import compare_runs
 from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
@@ -40,7 +40,7 @@ def _cut_when(out, proc: subprocess.Popen, step: int, rank: int) -> float:
     deadline = time.monotonic() + 120
     log = out / "events.log"
     while not (log.exists() and any(
-        isinstance(r.event, Heartbeat) and r.event.step >= step for r in read_event_log(log)
+        isinstance(r.event, StepTiming) and r.event.step >= step for r in read_event_log(log)
     )):  # fmt: skip
         assert proc.poll() is None, "the job ended before the cut"
         assert time.monotonic() < deadline, "the job never reached the cut"

@@ -137,7 +137,8 @@ def _report(rows: list[dict[str, Any]], argv: str) -> str:
         "Each worker: a heartbeat every 0.2 s and a beacon every 0.25 s (9 messages a "
         "second), published by one load process; the Core's recorder receives and "
         "dispatches each, and logs the heartbeats it keeps (one a sender in 5 s). CPU: "
-        "every thread of the Core's process over the window, in cores. Delay: the load's clock to the recorder's dispatch (the same host's clock). "
+        "every thread of the Core's process over the window, in cores. Delay: the load's "
+        "clock to the recorder's dispatch (the same host's clock). "
         f"Host: {os.cpu_count()} CPUs, the load process on them too. Not counted: the "
         "supervisor's heartbeat watch and change protocol, and the workers' step events.",
         "",

@@ -227,7 +227,8 @@ class Core:
 
     def _record_own(self, frames: list[bytes]) -> None:
         """Log a message of the Core's before it leaves: a successor continues the
-        numbering from the log, so no number can reach a worker unlogged."""
+        numbering from the log, so no number can reach a worker unlogged (its beacons,
+        unnumbered, are not logged)."""
         event = decode(frames)
         if self._writer is not None and self._logged(event):
             self._writer.append(frames, time.time())

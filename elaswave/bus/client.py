@@ -46,7 +46,14 @@ import zmq.asyncio
 from elaswave.bus.codec import check_sender, decode, encode, topic_frame
 from elaswave.bus.keys import BusKeys, use_curve
 from elaswave.bus.logservice import Fetcher
-from elaswave.bus.reliable import RELIABLE_TOPICS, BusFaults, FaultyLink, SentHistory, SeqTracker
+from elaswave.bus.reliable import (
+    FLUSH_WINDOW,
+    RELIABLE_TOPICS,
+    BusFaults,
+    FaultyLink,
+    SentHistory,
+    SeqTracker,
+)
 from elaswave.bus.schema import (
     CORE_SENDER,
     Beacon,
@@ -349,7 +356,8 @@ class BusClient:
             return True
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            have = {(self.sender, t): seqs for t, seqs in self._history.recent(512).items()}
+            recent = self._history.recent(FLUSH_WINDOW)
+            have = {(self.sender, t): seqs for t, seqs in recent.items()}
             lacking = await self._fetcher.lacking(have, timeout_s=left)
             if lacking is None:
                 return False

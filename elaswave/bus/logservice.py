@@ -1,7 +1,8 @@
 """The Core's log service: receivers fetch the messages they missed on the bus.
 
 The Core records every message it receives; :class:`LogIndex` keeps the last
-:data:`~elaswave.bus.reliable.HISTORY` of each (sender, topic) by number. A
+:data:`~elaswave.bus.reliable.HISTORY` of each of the Core's topics and the last
+:data:`KEPT_OF_OTHERS` of each other (sender, topic), by number. A
 :class:`LogService` answers fetches on a ROUTER socket in a background thread, beside the
 broker and under the same bind rule and CURVE keys. A worker that sees a gap in some
 sender's numbers (:class:`~elaswave.bus.reliable.SeqTracker`) asks with :func:`fetch`,
@@ -44,8 +45,9 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
+from elaswave.bus.envelope import CORE_SENDER
 from elaswave.bus.keys import BusKeys, check_bind, serve_curve, use_curve
-from elaswave.bus.reliable import HISTORY
+from elaswave.bus.reliable import FLUSH_WINDOW, HISTORY
 
 logger = structlog.get_logger(__name__)
 
@@ -58,11 +60,29 @@ lacks, the last numbers it holds."""
 _ONE_OF_OPS = "a 'want', 'have' or 'last' list"
 
 
-class LogIndex:
-    """The last ``size`` messages of every (sender, topic), by number; thread-safe."""
+KEPT_OF_OTHERS = 2 * FLUSH_WINDOW
+"""Messages per (sender, topic) the index keeps of a process other than the Core. Workers
+fetch the Core's messages from it; another's are asked for by an observer (the job host)
+within a second of a gap, and checked by their sender's :meth:`flush` (its last
+:data:`FLUSH_WINDOW`, so never fewer). Kept like the Core's (:data:`HISTORY`), a 1000-rank
+job's step metrics alone took 1.85 GiB of the Core's memory after 2048 steps."""
 
-    def __init__(self, size: int = HISTORY) -> None:
+
+class LogIndex:
+    """The last ``size`` messages of every (sender, topic) of the Core's (``owner``), and
+    the last ``others`` of everyone else's, by number; thread-safe."""
+
+    def __init__(
+        self, size: int = HISTORY, *, others: int = KEPT_OF_OTHERS, owner: str = CORE_SENDER
+    ) -> None:
+        if others < FLUSH_WINDOW:
+            raise ValueError(
+                f"a log index keeping {others} messages of a sender would never hold a "
+                f"client's last {FLUSH_WINDOW}, which its flush checks: keep at least that"
+            )
         self._size = size
+        self._others = others
+        self._owner = owner
         self._lock = threading.Lock()
         self._messages: dict[tuple[str, str], collections.OrderedDict[int, list[bytes]]] = {}
 
@@ -72,7 +92,8 @@ class LogIndex:
         with self._lock:
             kept = self._messages.setdefault((sender, topic), collections.OrderedDict())
             kept[seq] = [bytes(f) for f in frames]
-            while len(kept) > self._size:
+            size = self._size if sender == self._owner else self._others
+            while len(kept) > size:
                 kept.popitem(last=False)
 
     def get(self, sender: str, topic: str, seqs: Iterable[int]) -> list[list[bytes]]:

@@ -43,6 +43,10 @@ replaces it."""
 HISTORY = 4096
 """Messages per reliable topic a sender keeps for resending."""
 
+FLUSH_WINDOW = 512
+"""A client's latest messages per topic that :meth:`~elaswave.bus.client.BusClient.flush`
+makes sure the Core's log holds before the client exits."""
+
 MAX_GAP = 10_000
 """Most missing numbers tracked per (sender, topic); older ones are given up (logged)."""
 

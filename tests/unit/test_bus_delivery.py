@@ -20,7 +20,7 @@ from elaswave.bus.client import BusClient
 from elaswave.bus.codec import decode, encode
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.logservice import Fetcher, LogIndex, LogService
-from elaswave.bus.reliable import BusFaults, FaultyLink, SeqTracker
+from elaswave.bus.reliable import FLUSH_WINDOW, BusFaults, FaultyLink, SeqTracker
 from elaswave.bus.schema import (
     CORE_SENDER,
     FailureDetected,
@@ -451,3 +451,20 @@ def test_an_idle_client_sleeps_between_beacons_and_wakes_for_a_gap() -> None:
 async def _drain(client: BusClient) -> None:
     while True:
         await client.recv()
+
+
+def test_the_log_index_keeps_fewer_of_a_workers_messages_than_of_the_cores() -> None:
+    """The index keeps the Core's last HISTORY messages a topic and another sender's last
+    KEPT_OF_OTHERS (a 1000-rank job's metrics took 1.85 GiB kept like the Core's); never
+    fewer than a client's flush checks, or its flush would find them lacking forever."""
+    index = LogIndex(size=8, others=FLUSH_WINDOW)
+    for seq in range(1, FLUSH_WINDOW + 20):
+        index.add("core", "recovery", seq, [b"recovery/core", b"x"])
+        index.add("rank3", "metrics", seq, [b"metrics/rank3", b"x"])
+    assert index.lacks("core", "recovery", range(1, FLUSH_WINDOW + 20)) == list(
+        range(1, FLUSH_WINDOW + 12)
+    )  # the last 8
+    assert index.lacks("rank3", "metrics", range(20, FLUSH_WINDOW + 20)) == []
+    assert index.lacks("rank3", "metrics", [19]) == [19]
+    with pytest.raises(ValueError, match=f"never hold a client's last {FLUSH_WINDOW}"):
+        LogIndex(others=FLUSH_WINDOW - 1)

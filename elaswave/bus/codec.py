@@ -161,7 +161,7 @@ def decode(frames: Sequence[bytes]) -> Event:
                 f"{kind.value}: field {spec.name!r} expected {spec.type_name}, "
                 f"got {type(value).__name__} {short(value)}"
             ) from None
-    if _SEP in first and named != str(kwargs["sender"]).encode():
+    if _SEP in first and named != kwargs["sender"].encode():
         raise SchemaError(
             f"topic frame {short(first)} names another sender than the payload's "
             f"{short(kwargs['sender'])}: a message goes out under its sender's name"

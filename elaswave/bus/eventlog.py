@@ -77,9 +77,13 @@ class EventLogWriter:
         self._fsync = fsync
         self._file = self.path.open("ab")
         self.num_records = 0
+        self.position = self._file.tell()
+        """The log's length in bytes: where the next record starts (a record's position
+        is the length of the log once it is written, :meth:`append`)."""
 
-    def append(self, frames: Sequence[bytes], t: float | None = None) -> None:
-        """Append one message's frames, received at ``t`` (default: now)."""
+    def append(self, frames: Sequence[bytes], t: float | None = None) -> int:
+        """Append one message's frames, received at ``t`` (default: now); returns the
+        record's position: the log's length in bytes once it is written."""
         if self._file.closed:
             raise ValueError(f"event log {self.path} is closed")
         record = {
@@ -91,6 +95,8 @@ class EventLogWriter:
         if self._fsync:
             os.fsync(self._file.fileno())
         self.num_records += 1
+        self.position = self._file.tell()
+        return self.position
 
     def close(self) -> None:
         """Flush and close the file. Idempotent."""

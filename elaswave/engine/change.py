@@ -297,9 +297,13 @@ def initial_state(plan: Plan) -> State:
 
 # ----------------------------------------------------------------------------- JSON
 
-CORE_STATE_VERSION = 2
+CORE_STATE_VERSION = 3
 """The version of ``core_state.json`` this Core writes and reads (1: before it carried
-one). A run's state is only read by the same version's restarted Core."""
+one; 2: before it carried its ``log_position``). A run's state is only read by the same
+version's restarted Core."""
+
+_META = ("version", "record_schema", "log_position")
+"""The keys of ``core_state.json`` beside the state's own fields."""
 
 _FORMS: Forms = {
     Plan: (plan_to_dict, plan_from_dict),
@@ -313,10 +317,20 @@ class StateVersionError(ValueError):
     """A persisted state of another version than this Core's."""
 
 
-def state_to_json(s: State) -> dict[str, Any]:
-    """``s`` as JSON data (what ``core_state.json`` holds), with its version."""
+def state_to_json(s: State, log_position: int = 0) -> dict[str, Any]:
+    """``s`` as JSON data (what ``core_state.json`` holds), with its version, and the
+    position in the event log up to which ``s`` has taken in the protocol's events."""
     doc: dict[str, Any] = to_json(s, State, _FORMS)
-    return {"version": CORE_STATE_VERSION, "record_schema": RecoveryRecord.SCHEMA, **doc}
+    meta = {"version": CORE_STATE_VERSION, "record_schema": RecoveryRecord.SCHEMA}
+    return {**meta, "log_position": log_position, **doc}
+
+
+def log_position(doc: Mapping[str, Any], source: str = "core_state.json") -> int:
+    """The event log position a persisted state (:func:`state_to_json`) has taken in."""
+    position = doc.get("log_position", 0)
+    if type(position) is not int or position < 0:
+        raise ValueError(f"{source}: log_position = {position!r}: must be an int >= 0")
+    return position
 
 
 def state_from_json(doc: Mapping[str, Any], source: str = "core_state.json") -> State:
@@ -331,6 +345,6 @@ def state_from_json(doc: Mapping[str, Any], source: str = "core_state.json") -> 
             f"{wanted[1]}) only: a run's Core state is read by a restarted Core of the "
             "ElasWave version that wrote it"
         )
-    body = {k: v for k, v in doc.items() if k not in ("version", "record_schema")}
+    body = {k: v for k, v in doc.items() if k not in _META}
     state: State = from_json(body, State, _FORMS)
     return state

@@ -115,6 +115,9 @@ def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, 
     (restored,) = _log_records(out / "logs" / "core1.log", "core.restored")
     back_at = _iso_time(restored["timestamp"])
     assert back_at - killed_at >= 1.0
+    # The new Core fed the protocol only what its predecessor's persisted state had not
+    # taken in: not every step's reports since the run began.
+    assert restored["taken_before"] >= 8 and restored["backlog"] < restored["taken_before"]
     during = [
         r.event.step
         for r in read_event_log(out / "events.log")

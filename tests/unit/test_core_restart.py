@@ -10,7 +10,7 @@ import pytest
 
 from elaswave.bus.client import BusClient
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import FailureDetected, Hello, StepCompleted
+from elaswave.bus.schema import FailureDetected, Hello, ScaleRequest, StepCompleted
 from elaswave.comm.store import connect_store, serve_store
 from elaswave.runtime.core.recorder import EVENT_LOG, Core, CorePorts
 from elaswave.runtime.worker.outage import OUTAGE_KEY, CoreWatch
@@ -131,3 +131,63 @@ def test_a_restarted_core_continues_its_numbering_and_its_log(tmp_path) -> None:
     records = list(read_event_log(tmp_path / EVENT_LOG))
     assert all(r.error is None for r in records), [r.error for r in records if r.error]
     assert [r.event.seq for r in records if isinstance(r.event, FailureDetected)] == [1, 2, 3, 4]
+
+
+def _record_ends(path) -> list[int]:
+    """Where each record of an event log ends (the log's length with it)."""
+    with path.open("rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False)
+        ends = []
+        for _ in unpacker:
+            ends.append(unpacker.tell())
+        return ends
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_core_reads_back_the_protocol_events_its_state_has_not_taken_in(
+    tmp_path,
+) -> None:
+    """Each event the protocol takes carries its record's position in the log; a
+    restarted Core given the position its persisted state has taken in reads back only
+    the protocol's events after it, and every scale request (numbered from the start)."""
+
+    def metrics(step: int) -> StepCompleted:
+        return StepCompleted(sender="", rank=0, step=step, loss=1.0, step_time_s=0.1, samples=4)
+
+    async def first() -> tuple[CorePorts, list]:
+        async with Core(tmp_path, nonce="core-x") as core:
+            listener = asyncio.create_task(core.listen())
+            worker = BusClient("rank0", core.publish_endpoint, core.subscribe_endpoint)
+            await worker.connect()
+            arrivals = []
+            with core.protocol_events() as events:
+                for step in range(6):
+                    await worker.publish(metrics(step))
+                    if step == 1:
+                        await worker.publish(ScaleRequest(sender="", add=1))
+                async with asyncio.timeout(10):
+                    while len(arrivals) < 7:
+                        arrivals.append(await anext(events))
+            await worker.close()
+            listener.cancel()
+            ports = CorePorts.of(core.publish_endpoint, core.subscribe_endpoint, "")
+            return ports, arrivals
+
+    ports, arrivals = asyncio.run(first())
+    kinds = [type(a.event).__name__ for a in arrivals]
+    assert kinds == ["StepCompleted"] * 2 + ["ScaleRequest"] + ["StepCompleted"] * 4
+    ends = _record_ends(tmp_path / EVENT_LOG)
+    assert all(a.position in ends for a in arrivals)
+    assert [a.position for a in arrivals] == sorted({a.position for a in arrivals})
+
+    async def second(taken: int) -> list:
+        async with Core(tmp_path, nonce="core-x", ports=ports, restore=True, taken=taken) as core:
+            restored = len(core._backlog)
+            with core.protocol_events() as events:
+                return [await anext(events) for _ in range(restored)]
+
+    assert [a.event for a in asyncio.run(second(0))] == [a.event for a in arrivals]
+    taken = arrivals[4].position  # the state took in steps 0 .. 3 and the request
+    backlog = asyncio.run(second(taken))
+    assert [a.event for a in backlog] == [arrivals[2].event, arrivals[5].event, arrivals[6].event]
+    assert [a.position for a in backlog] == [arrivals[i].position for i in (2, 5, 6)]

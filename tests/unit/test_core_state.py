@@ -72,6 +72,17 @@ def test_every_state_reads_back_equal_after_a_json_round_trip(state: ch.State) -
     assert ch.state_from_json(doc) == state
 
 
+def test_the_log_position_a_state_has_taken_in_reads_back_beside_it(tmp_path: Path) -> None:
+    state = ch.initial_state(PLANS[1])
+    path = tmp_path / "core_state.json"
+    path.write_text(json.dumps(ch.state_to_json(state, log_position=123456)))
+    assert load_state(path) == (state, 123456)
+    for bad in (-1, 1.5, "12", None):
+        doc = {**ch.state_to_json(state), "log_position": bad}
+        with pytest.raises(ValueError, match=f"log_position = {bad!r}: must be an int >= 0"):
+            ch.log_position(doc)
+
+
 @settings(max_examples=100, deadline=None)
 @given(values(ch.Change))
 def test_every_phase_of_a_change_reads_back_equal(change: ch.Change) -> None:
@@ -97,7 +108,7 @@ def test_a_state_of_another_version_is_refused_naming_the_file_and_the_versions(
     path = tmp_path / "core_state.json"
     doc = ch.state_to_json(ch.initial_state(PLANS[0]))
     path.write_text(json.dumps(doc))
-    assert load_state(path) == ch.initial_state(PLANS[0])
+    assert load_state(path) == (ch.initial_state(PLANS[0]), 0)
     for old in ({**doc, "version": 1}, {k: v for k, v in doc.items() if k != "version"}):
         path.write_text(json.dumps(old))
         with pytest.raises(JobFailed) as caught:

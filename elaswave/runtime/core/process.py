@@ -66,7 +66,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
     restart = incarnation > 0
     spec = JobSpec.read(run_dir, JOB if restart else HOST_SPEC)
     cfg, ep = spec.config, spec.endpoints
-    state = load_state(run_dir / CORE_STATE) if restart else None
+    state, taken = load_state(run_dir / CORE_STATE) if restart else (None, 0)
     ports = CorePorts.of(ep.bus_publish, ep.bus_subscribe, ep.bus_fetch) if restart else None
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
     procs = group_units(await link.connect(), cfg.layout.tp)  # by plan rank: a TP group is one
@@ -78,6 +78,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         ports=ports,
         nonce=f"core-{spec.run_id}",  # every incarnation continues one numbering
         restore=restart,
+        taken=taken,
     ) as core:
         listener = asyncio.create_task(core.listen())
         ok, reason = True, ""
@@ -94,6 +95,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
                 spawn=lambda rank: spawn_unit(partial(link.spawn, join=True), rank, cfg.layout.tp),
                 store=store,
                 state=state,
+                taken=taken,
             )
             await supervisor.run()
             fault_point("finished")

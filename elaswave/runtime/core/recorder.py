@@ -48,6 +48,7 @@ from elaswave.bus.schema import (
     PlanCommit,
     RecoveryPlan,
     RunFinished,
+    ScaleRequest,
     SchemaError,
     StepTiming,
     WorkerFinished,
@@ -58,9 +59,6 @@ from elaswave.rundir import EVENT_LOG
 from elaswave.runtime.core.observe import takes
 
 log = structlog.get_logger(__name__)
-
-Arrival = tuple[Event, float]
-"""An event and when it arrived (wall-clock seconds)."""
 
 BEAT_LOG_S = 5.0
 """A sender's heartbeats the event log keeps: its first, then one every this many seconds.
@@ -74,6 +72,19 @@ MAX_PENDING_TIMINGS = 1 << 16
 oldest go. The watch takes them ten times a second; a job that does not detect
 stragglers takes none, and the Core kept every report of the run before (some 500 bytes
 each: 19 GB over a week of a 64-rank job at a step a second)."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An event the change protocol takes, as the Core logged it."""
+
+    event: Event
+    t: float
+    """When it arrived (wall-clock seconds)."""
+    position: int
+    """Its record's position in the event log (the log's length in bytes with it): a
+    state that has taken it in is persisted with this, and a restarted Core reads back
+    the protocol's events after it only (:meth:`Core.restore`)."""
 
 
 class ProtocolEvents:
@@ -124,13 +135,15 @@ class Core:
         ports: CorePorts | None = None,
         nonce: str | None = None,
         restore: bool = False,
+        taken: int = 0,
     ) -> None:
         """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
         loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives.
 
         ``nonce``: its hello's identity, the same for every incarnation of a run's Core.
         A restarted Core passes its predecessor's ``ports`` and ``restore``: it binds the
-        same endpoints, and its numbering continues the predecessor's (:meth:`restore`).
+        same endpoints, and its numbering continues the predecessor's (:meth:`restore`);
+        ``taken``: the log position its supervisor's persisted state has taken in.
         """
         self.run_dir = run_dir
         self.on_event = on_event
@@ -138,6 +151,7 @@ class Core:
         self.faults = faults
         self.nonce = nonce
         self._restore = restore
+        self._taken = taken
         ports = ports or CorePorts()
         self.broker = Broker(host, ports.publish, ports.subscribe, keys=keys)
         self.index = LogIndex()
@@ -201,7 +215,7 @@ class Core:
             on_publish=self._record_own,
         )
         if self._restore:
-            self.restore()
+            self.restore(self._taken)
         self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         await self._client.connect()
         self._maintain = asyncio.create_task(self._client.maintain(), name="core-delivery")
@@ -234,14 +248,21 @@ class Core:
             self._writer.append(frames, time.time())
         self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
 
-    def restore(self) -> None:
+    def restore(self, taken: int = 0) -> None:
         """Read the predecessor's event log back: the log service serves it again, the
         tracker knows what was received, the numbering continues, and the state the
         supervisor reads (step timings, announcements, the protocol's events, which
         :meth:`protocol_events` yields first) is rebuilt.
-        A record cut short by the predecessor's death is cut off the file."""
+        A record cut short by the predecessor's death is cut off the file.
+
+        The protocol's events read back are those after position ``taken`` (the
+        persisted state has taken in those before it), and every scale request (each
+        is numbered by their count from the start, and taken once). Before, they were
+        every StepCompleted and StepTiming of every rank since the run began, held in
+        memory and fed through the protocol again: some 11 million a day at 64 ranks
+        and a step a second."""
         path = self.run_dir / EVENT_LOG
-        good = 0
+        good, skipped = 0, 0
         last: dict[str, int] = {}
         with contextlib.suppress(FileNotFoundError), path.open("rb") as file:
             unpacker = msgpack.Unpacker(file, raw=False, use_list=True)
@@ -258,21 +279,36 @@ class Core:
                     event = decode(frames)
                 except SchemaError:
                     continue
-                self.restored += 1
-                topic = event.TOPIC.value
-                self.client.tracker.accept(event.sender, topic, event.seq)
-                self.index.add(event.sender, topic, event.seq, frames)
-                if event.sender == self.client.sender:
-                    last[topic] = max(last.get(topic, 0), event.seq)
-                self._dispatch(event)
-                if takes(event):
-                    self._backlog.append((event, float(obj.get("t", 0.0))))
+                self._read_back(event, frames, last)
+                if not takes(event):
+                    continue
+                if good > taken or isinstance(event, ScaleRequest):
+                    self._backlog.append(Arrival(event, float(obj.get("t", 0.0)), good))
+                else:
+                    skipped += 1
         if path.exists() and path.stat().st_size > good:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
         self.client.resume_numbering(last)
         self.reset_silence(time.monotonic())  # the supervisor times silence from now
-        log.warning("core.restored", events=self.restored, numbering=last)
+        log.warning(
+            "core.restored",
+            events=self.restored,
+            numbering=last,
+            backlog=len(self._backlog),
+            taken_before=skipped,
+        )
+
+    def _read_back(self, event: Event, frames: list[bytes], last: dict[str, int]) -> None:
+        """Take in a valid record of the predecessor's log (:meth:`restore`): the tracker,
+        the log service, the Core's numbering (``last``, by topic), the dispatched state."""
+        self.restored += 1
+        topic = event.TOPIC.value
+        self.client.tracker.accept(event.sender, topic, event.seq)
+        self.index.add(event.sender, topic, event.seq, frames)
+        if event.sender == self.client.sender:
+            last[topic] = max(last.get(topic, 0), event.seq)
+        self._dispatch(event)
 
     @contextlib.contextmanager
     def protocol_events(self) -> Iterator[ProtocolEvents]:
@@ -317,7 +353,7 @@ class Core:
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             self._dispatch(event)
             if self._events is not None and takes(event):
-                await self._events.put((event, now))
+                await self._events.put(Arrival(event, now, self._writer.position))
             if self.on_event is not None:
                 try:
                     self.on_event(event)

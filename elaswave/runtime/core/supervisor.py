@@ -31,6 +31,7 @@ from elaswave.engine.change import (
     State,
     StateVersionError,
     initial_state,
+    log_position,
     state_from_json,
     state_to_json,
 )
@@ -80,11 +81,13 @@ class _Over(Exception):
     """Every worker has exited: end the watchers."""
 
 
-def load_state(path: Path) -> State:
-    """A predecessor's persisted state (:data:`CORE_STATE`); JobFailed, naming the file
-    and the versions, for a state of another version."""
+def load_state(path: Path) -> tuple[State, int]:
+    """A predecessor's persisted state (:data:`CORE_STATE`) and the event log position
+    it has taken in; JobFailed, naming the file and the versions, for a state of another
+    version."""
     try:
-        return state_from_json(json.loads(path.read_text()), source=str(path))
+        doc = json.loads(path.read_text())
+        return state_from_json(doc, source=str(path)), log_position(doc, source=str(path))
     except StateVersionError as exc:
         raise JobFailed(str(exc)) from None
 
@@ -106,17 +109,23 @@ class Supervisor:
         spawn: Callable[[int], Awaitable[WorkerProcess]] | None = None,
         store: dist.Store | None = None,
         state: State | None = None,
+        taken: int = 0,
     ) -> None:
         """``procs``: the workers' processes, by plan rank. ``spawn(rank)`` starts a
         worker that joins the running job; ``store`` is where the Core publishes the
-        current plan for it. ``state``: a predecessor's (:func:`load_state`) to resume."""
+        current plan for it. ``state``: a predecessor's (:func:`load_state`) to resume,
+        with the event log position it has taken in (``taken``)."""
         self.cfg, self.run_dir, self.core = cfg, run_dir, core
         self.procs: dict[int, WorkerProcess] = dict(procs)
         self.spawn, self.store = spawn, store
         self.rules = rules_of(cfg, run_dir, can_spawn=spawn is not None and store is not None)
         self.restarted = state is not None
         self.state = state if state is not None else initial_state(cfg.plan())
-        self.inputs: asyncio.Queue[Input] = asyncio.Queue(maxsize=1024)
+        self.inputs: asyncio.Queue[tuple[Input, int | None]] = asyncio.Queue(maxsize=1024)
+        """Inputs, each with its event's log position (None: not a bus event's)."""
+        self.taken = taken
+        """The log position of the last bus event the state has taken in: persisted with
+        the state, a successor feeds the protocol the events after it only."""
         self._group: asyncio.TaskGroup | None = None
         self.stragglers = StragglerWatch(
             window=cfg.elastic.straggler_window,
@@ -136,7 +145,7 @@ class Supervisor:
         """Write :data:`CORE_STATE` (atomically: a successor reads it whole or not at all)."""
         path = self.run_dir / CORE_STATE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state_to_json(self.state)))
+        tmp.write_text(json.dumps(state_to_json(self.state, self.taken)))
         os.replace(tmp, path)
 
     async def run(self) -> None:
@@ -180,20 +189,20 @@ class Supervisor:
                 ended = ended or time.monotonic()
                 if not self.state.finishing or time.monotonic() - ended > FINISH_WAIT_S:
                     return
-            await self._step(await self._next())
+            await self._step(*await self._next())
 
-    async def _next(self) -> Input:
-        """The next input; a Tick when the protocol's next deadline passes first (and at
-        least every 0.1 s)."""
+    async def _next(self) -> tuple[Input, int | None]:
+        """The next input and its log position; a Tick when the protocol's next deadline
+        passes first (and at least every 0.1 s)."""
         due = deadline(self.rules, self.state)
         wait = 0.1 if due is None else min(0.1, max(0.0, due - time.time()))
         try:
             async with asyncio.timeout(wait):
                 return await self.inputs.get()
         except TimeoutError:
-            return Tick()
+            return Tick(), None
 
-    async def _step(self, event: Input) -> None:
+    async def _step(self, event: Input, position: int | None = None) -> None:
         if isinstance(event, Ready) and self.rules.restore:
             # A member stopped for a change, which may find state lost: plan it knowing
             # every checkpoint completed until now (the watcher looks every 0.5 s).
@@ -201,6 +210,8 @@ class Supervisor:
             if steps != frozenset(self.state.checkpoints):
                 await self._step(OnDisk(tuple(sorted(steps))))
         state, actions = step(self.rules, self.state, event, time.time())
+        if position is not None:  # every bus event before it has been taken in
+            self.taken = position
         if state != self.state:
             self.state = state
             self.persist()  # before acting: a successor redoes what may not have happened
@@ -243,16 +254,16 @@ class Supervisor:
         gone = exited(self.run_dir, rank, code, process=process)
         if code == RULE_BROKEN:  # a bug that a recovery would hide: stop and name it
             raise JobFailed(f"rank {rank} broke a rule of its device's backend: {gone.why}")
-        await self.inputs.put(gone)
+        await self.inputs.put((gone, None))
 
     async def _watch_bus(self, events: ProtocolEvents) -> None:
         """Feed the events the protocol takes: those read back from a predecessor's
         log first, then each as it arrives."""
         scales = 0
-        async for event, t in events:
-            if (x := to_input(event, t, scales)) is not None:
-                await self.inputs.put(x)
-            scales += isinstance(event, ScaleRequest)
+        async for arrival in events:
+            if (x := to_input(arrival.event, arrival.t, scales)) is not None:
+                await self.inputs.put((x, arrival.position))
+            scales += isinstance(arrival.event, ScaleRequest)
 
     async def _watch_heartbeats(self) -> None:
         """Fence a worker that is alive but silent."""
@@ -272,7 +283,7 @@ class Supervisor:
                 last = self.core.last_heartbeat.get(rank)
                 if last is not None and now - last > timeout:
                     why = f"no heartbeat for {now - last:.1f} s (hung); fenced"
-                    await self.inputs.put(Silent(rank, why))
+                    await self.inputs.put((Silent(rank, why), None))
 
     async def _watch_stragglers(self) -> None:
         """Run the fail-slow detector on the step timings while no change is under way."""
@@ -286,7 +297,7 @@ class Supervisor:
             assert verdict.step is not None  # a verdict that flags or clears evaluated a step
             slowdowns = {s.rank: s.factor for s in verdict.stragglers}
             straggling = Straggling(verdict.step, slowdowns, verdict.recovered, verdict.reason)
-            await self.inputs.put(straggling)
+            await self.inputs.put((straggling, None))
 
     async def _watch_checkpoints(self) -> None:
         """Tell the protocol which disk checkpoints are complete: it restores the newest
@@ -294,7 +305,7 @@ class Supervisor:
         while True:
             steps = await asyncio.to_thread(self._complete_steps)
             if steps != frozenset(self.state.checkpoints):
-                await self.inputs.put(OnDisk(tuple(sorted(steps))))  # stepped in turn
+                await self.inputs.put((OnDisk(tuple(sorted(steps))), None))  # in turn
             await asyncio.sleep(CHECKPOINT_POLL_S)
 
     def _complete_steps(self) -> frozenset[int]:

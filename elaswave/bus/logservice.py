@@ -47,7 +47,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from elaswave.bus.envelope import CORE_SENDER
 from elaswave.bus.keys import BusKeys, check_bind, serve_curve, use_curve
-from elaswave.bus.reliable import FLUSH_WINDOW, HISTORY
+from elaswave.bus.reliable import FLUSH_WINDOW, HISTORY, RELIABLE_TOPICS
 
 logger = structlog.get_logger(__name__)
 
@@ -68,10 +68,16 @@ within a second of a gap, and checked by their sender's :meth:`flush` (its last
 metrics of 200 ranks took 379 MiB of the Core's memory after 2048 steps (1.85 GiB at
 1000 ranks)."""
 
+FETCHED = frozenset(topic.value for topic in RELIABLE_TOPICS)
+"""The topics whose messages are fetched, checked and counted (the reliable ones): the
+index keeps only theirs. Health messages (heartbeats, five a second a rank, and step
+timings) were kept too and never asked for: at 64 ranks half of the index's memory."""
+
 
 class LogIndex:
     """The last ``size`` messages of every (sender, topic) of the Core's (``owner``), and
-    the last ``others`` of everyone else's, by number; thread-safe."""
+    the last ``others`` of everyone else's, by number, on the :data:`FETCHED` topics;
+    thread-safe."""
 
     def __init__(
         self, size: int = HISTORY, *, others: int = KEPT_OF_OTHERS, owner: str = CORE_SENDER
@@ -88,7 +94,7 @@ class LogIndex:
         self._messages: dict[tuple[str, str], collections.OrderedDict[int, list[bytes]]] = {}
 
     def add(self, sender: str, topic: str, seq: int, frames: Sequence[bytes]) -> None:
-        if seq <= 0:
+        if seq <= 0 or topic not in FETCHED:
             return
         with self._lock:
             kept = self._messages.setdefault((sender, topic), collections.OrderedDict())

@@ -468,3 +468,15 @@ def test_the_log_index_keeps_fewer_of_a_workers_messages_than_of_the_cores() -> 
     assert index.lacks("rank3", "metrics", [19]) == [19]
     with pytest.raises(ValueError, match=f"never hold a client's last {FLUSH_WINDOW}"):
         LogIndex(others=FLUSH_WINDOW - 1)
+
+
+def test_the_log_index_keeps_no_health_messages() -> None:
+    """Heartbeats and step timings are never fetched, checked or counted: the index
+    kept a rank's last 1024 of them beside its metrics (half its memory at 64 ranks)."""
+    index = LogIndex()
+    for seq in range(1, 4):
+        for topic in ("health", "metrics", "recovery"):
+            index.add("rank3", topic, seq, [f"{topic}/rank3".encode(), b"x"])
+    assert index.lacks("rank3", "health", [1, 2, 3]) == [1, 2, 3]
+    assert index.last("rank3", "health") == 0
+    assert index.last("rank3", "metrics") == index.last("rank3", "recovery") == 3

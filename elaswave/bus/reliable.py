@@ -62,8 +62,14 @@ class SeqTracker:
     never comes after a lost message of the Core's.
     """
 
-    def __init__(self, *, from_start: bool = False) -> None:
+    def __init__(self, *, from_start: bool = False, tracked: Collection[str] | None = None) -> None:
+        """``tracked``: the topics whose missing numbers are kept (None: the reliable
+        ones). On the others a lost message is replaced by the next, and a late one is
+        dropped as a duplicate: a restarted Core reading its log back kept every
+        heartbeat left out of it as missing, 10000 a rank, never asked for."""
         self._from_start = from_start
+        reliable = (t.value for t in RELIABLE_TOPICS)
+        self._tracked = frozenset(reliable if tracked is None else tracked)
         self._high: dict[tuple[str, str], int] = {}
         self._missing: dict[tuple[str, str], dict[int, float]] = {}
         """(sender, topic) -> missing seq -> monotonic time it was first missed."""
@@ -135,7 +141,7 @@ class SeqTracker:
         return gaps
 
     def _open(self, key: tuple[str, str], start: int, stop: int) -> None:
-        if start >= stop:
+        if start >= stop or key[1] not in self._tracked:
             return
         missing = self._missing.setdefault(key, {})
         now = time.monotonic()
@@ -143,7 +149,7 @@ class SeqTracker:
             missing[seq] = now
         self.given_up += max(0, (stop - MAX_GAP) - start)
         while len(missing) > MAX_GAP:
-            del missing[min(missing)]
+            del missing[next(iter(missing))]  # the oldest: numbers are missed in order
             self.given_up += 1
 
 

@@ -20,7 +20,7 @@ from elaswave.bus.client import BusClient
 from elaswave.bus.codec import decode, encode
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.logservice import Fetcher, LogIndex, LogService
-from elaswave.bus.reliable import FLUSH_WINDOW, BusFaults, FaultyLink, SeqTracker
+from elaswave.bus.reliable import FLUSH_WINDOW, MAX_GAP, BusFaults, FaultyLink, SeqTracker
 from elaswave.bus.schema import (
     CORE_SENDER,
     FailureDetected,
@@ -46,6 +46,21 @@ def test_tracker_drops_duplicates_and_fills_gaps_late() -> None:
     assert t.missing(["recovery"]) == {("core", "recovery"): [6]}
     assert t.filled == 1
     assert t.missing(["metrics"]) == {}
+
+
+def test_tracker_keeps_the_newest_missing_numbers_of_reliable_topics_only() -> None:
+    """Health messages are replaced by the next: their gaps are not kept (a restarted
+    Core reading back a log of sampled heartbeats kept 10000 a rank, at a min() over
+    them for each record). A reliable topic's gap keeps its newest MAX_GAP numbers."""
+    t = SeqTracker(from_start=True)
+    assert t.accept("rank1", "health", 1) and t.accept("rank1", "health", 50_000)
+    assert not t.accept("rank1", "health", 20)  # late: dropped as a duplicate
+    assert t.missing(["health"]) == {} and t.given_up == 0
+    for seq in (1, 5, MAX_GAP + 10, 3 * MAX_GAP):
+        assert t.accept("rank1", "metrics", seq)
+    (missing,) = t.missing(["metrics"]).values()
+    assert missing == list(range(2 * MAX_GAP, 3 * MAX_GAP))
+    assert t.given_up == 3 * MAX_GAP - 1 - 3 - MAX_GAP
 
 
 def test_beacon_reveals_a_lost_last_message() -> None:

@@ -7,6 +7,7 @@
       job.json               the job with its bus endpoints: what everyone else reads
       events.log             the Core's event log (msgpack records)
       core_state.json        what a restarted Core resumes from
+      core_restore.msgpack   the Core's newest restore point of the event log
       core_result.json       the Core's outcome
       core.pid               the running Core's process id
       summary.json           the run's summary, written when it ends
@@ -36,6 +37,9 @@ EVENT_LOG = "events.log"
 CORE_STATE = "core_state.json"
 """What a restarted Core resumes from, beside the event log: membership, the plan and
 its generation, the recoveries so far, and a change under way."""
+RESTORE_POINT = "core_restore.msgpack"
+"""The Core's newest restore point: its state read back from the event log up to a
+position (:mod:`elaswave.runtime.core.restorepoint`)."""
 CORE_RESULT = "core_result.json"
 """The Core's outcome: ``{"ok": true}`` or ``{"ok": false, "reason": ...}``."""
 CORE_PID = "core.pid"
@@ -58,7 +62,7 @@ TENSORBOARD = "tensorboard"
 """The job's TensorBoard scalars (:mod:`elaswave.runtime.host.tensorboard`)."""
 OUTPUTS = (
     WORKERS, PARAMS, LOGS, FAULTS, EVENT_LOG, SUMMARY, JOB, CORE_STATE, CORE_RESULT,
-    HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD,
+    HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD, RESTORE_POINT,
 )  # fmt: skip
 """What one run writes; a new run in the same directory clears them first (and
 :data:`CHECKPOINTS` too unless it resumes from them)."""

@@ -208,6 +208,11 @@ class BusClient:
         self._on_publish = on_publish
         self._log_rejected = logger.warning if log_rejected else logger.debug
 
+    @property
+    def numbering(self) -> dict[str, int]:
+        """The last number this client gave a message of each topic."""
+        return dict(self._seq)
+
     def resume_numbering(self, last: dict[str, int]) -> None:
         """Continue a predecessor's numbering: ``last`` maps topic -> its last ``seq``."""
         for topic, seq in last.items():

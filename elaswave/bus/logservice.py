@@ -103,6 +103,17 @@ class LogIndex:
             while len(kept) > size:
                 kept.popitem(last=False)
 
+    def export(self) -> list[tuple[str, str, list[tuple[int, list[bytes]]]]]:
+        """Every message kept: (sender, topic, [(seq, frames), ...]), as plain data."""
+        with self._lock:
+            return [(s, t, list(kept.items())) for (s, t), kept in self._messages.items()]
+
+    def load(self, kept: Iterable[tuple[str, str, Iterable[tuple[int, Sequence[bytes]]]]]) -> None:
+        """Take in what :meth:`export` gave."""
+        for sender, topic, messages in kept:
+            for seq, frames in messages:
+                self.add(sender, topic, seq, frames)
+
     def get(self, sender: str, topic: str, seqs: Iterable[int]) -> list[list[bytes]]:
         with self._lock:
             kept = self._messages.get((sender, topic))

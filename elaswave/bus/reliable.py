@@ -140,6 +140,24 @@ class SeqTracker:
                     gaps[key] = due
         return gaps
 
+    def export(self) -> list[tuple[str, str, int, list[int]]]:
+        """What it has seen: (sender, topic, highest number, missing numbers) of each
+        (sender, topic) with a number seen or missing, as plain data (a restarted Core's
+        restore point)."""
+        seen = [
+            (sender, topic, high, sorted(self._missing.get((sender, topic), ())))
+            for (sender, topic), high in self._high.items()
+        ]
+        return [entry for entry in seen if entry[2] or entry[3]]
+
+    def load(self, seen: Iterable[tuple[str, str, int, list[int]]]) -> None:
+        """Take in what :meth:`export` gave (the missing numbers missed from now)."""
+        now = time.monotonic()
+        for sender, topic, high, missing in seen:
+            self._high[(sender, topic)] = high
+            if missing:
+                self._missing[(sender, topic)] = dict.fromkeys(missing, now)
+
     def _open(self, key: tuple[str, str], start: int, stop: int) -> None:
         if start >= stop or key[1] not in self._tracked:
             return

@@ -21,7 +21,7 @@ from elaswave.bus.schema import StepCompleted, StepTiming, WorkerStarted
 from elaswave.fabric.checkpoint import step_complete
 from elaswave.rundir import JOB as JOB_SPEC
 from elaswave.runtime.core.compare import compare_runs, load_params, param_rel_diff
-from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, CORE_RESTORE_EVERY_ENV
 from elaswave.runtime.job.config import JobSpec
 from tests.fault.recovery import JOB, check_recovered
 from tests.runs import Run, check_replay, launch, train
@@ -97,13 +97,18 @@ def _checkpointed(out, step: int):
 
 
 @pytest.mark.timeout(300)
-def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, longer_reference):
+@pytest.mark.parametrize("points", [False, True])
+def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(
+    runs_dir, longer_reference, points
+):
     """SIGKILL the Core in step 3; the host starts another 1 s later (a restart back-off),
-    which binds the same endpoints and reads back the log. The workers train on
+    which binds the same endpoints and reads back the log (``points``: from a restore
+    point the Core took every 2 kB of log, and the log after it). The workers train on
     meanwhile: steps completed during the outage (stamped by their senders) reach the
     new Core's log, asked for again, and no worker paused."""
-    out = runs_dir / "core_restart_mid_step"
-    proc = launch(out, *DP2_PP2, *LONGER, "--core-restart-delay", "1")
+    out = runs_dir / f"core_restart_mid_step{'_points' if points else ''}"
+    env = dict(os.environ, **({CORE_RESTORE_EVERY_ENV: "2048"} if points else {}))
+    proc = launch(out, *DP2_PP2, *LONGER, "--core-restart-delay", "1", env=env)
     _signal_core_when(out, proc, _at_step(3), signal.SIGKILL)
     killed_at = time.time()
     run = _finished(out, proc)
@@ -117,7 +122,12 @@ def test_core_killed_mid_step_is_restarted_while_the_workers_train_on(runs_dir, 
     assert back_at - killed_at >= 1.0
     # The new Core fed the protocol only what its predecessor's persisted state had not
     # taken in: not every step's reports since the run began.
-    assert restored["taken_before"] >= 8 and restored["backlog"] < restored["taken_before"]
+    if points:
+        assert 0 < restored["point"] < (out / "events.log").stat().st_size
+        assert restored["backlog"] < 8
+    else:
+        assert restored["point"] == 0
+        assert restored["taken_before"] >= 8 and restored["backlog"] < restored["taken_before"]
     during = [
         r.event.step
         for r in read_event_log(out / "events.log")
@@ -176,7 +186,8 @@ def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, re
     apply it). The kill point is the Core's own, as a worker's ``kill:`` fault is: a
     watcher polling the log cannot land between a plan and its commit reliably."""
     out = runs_dir / f"core_restart_{when}"
-    env = dict(os.environ, **{CORE_FAULT_ENV: when})
+    # The successor restores from a restore point (one every 2 kB of log).
+    env = dict(os.environ, **{CORE_FAULT_ENV: when, CORE_RESTORE_EVERY_ENV: "2048"})
     proc = launch(out, *DP4_PP2, "--fault", "kill:1@4:backward", env=env)
     run = _finished(out, proc)
     check_recovered(run, reference(4, 2), world=8, failed=[[1]])
@@ -187,6 +198,8 @@ def test_core_killed_during_a_recovery_is_restarted_and_finishes_it(runs_dir, re
     assert injected["point"] == when
     (resuming,) = _log_records(out / "logs" / "core1.log", "core.resuming")
     assert resuming["state"] == ("announced" if when == "plan" else "committed")
+    (restored,) = _log_records(out / "logs" / "core1.log", "core.restored")
+    assert restored["point"] > 0
 
 
 @pytest.mark.long

@@ -35,8 +35,10 @@ from elaswave.comm.store import connect_store
 from elaswave.engine.record import RecoveryRecord
 from elaswave.rundir import CORE_RESULT, CORE_STATE, HOST_SPEC, JOB
 from elaswave.runtime.core.recorder import Core, CorePorts
+from elaswave.runtime.core.restorepoint import RESTORE_EVERY
 from elaswave.runtime.core.summary import build_summary
 from elaswave.runtime.core.supervisor import (
+    CORE_RESTORE_EVERY_ENV,
     JobFailed,
     Supervisor,
     fault_point,
@@ -79,6 +81,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         nonce=f"core-{spec.run_id}",  # every incarnation continues one numbering
         restore=restart,
         taken=taken,
+        restore_every=int(os.environ.get(CORE_RESTORE_EVERY_ENV, RESTORE_EVERY)),
     ) as core:
         listener = asyncio.create_task(core.listen())
         ok, reason = True, ""

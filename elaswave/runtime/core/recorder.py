@@ -25,7 +25,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgpack
@@ -55,8 +55,16 @@ from elaswave.bus.schema import (
     WorkerStarted,
     sender_name,
 )
-from elaswave.rundir import EVENT_LOG
+from elaswave.rundir import EVENT_LOG, RESTORE_POINT
 from elaswave.runtime.core.observe import takes
+from elaswave.runtime.core.restorepoint import (
+    RESTORE_EVERY,
+    Carried,
+    RestorePoint,
+    log_tail,
+    read_point,
+    write_point,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -136,6 +144,7 @@ class Core:
         nonce: str | None = None,
         restore: bool = False,
         taken: int = 0,
+        restore_every: int = RESTORE_EVERY,
     ) -> None:
         """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
         loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives.
@@ -144,6 +153,7 @@ class Core:
         A restarted Core passes its predecessor's ``ports`` and ``restore``: it binds the
         same endpoints, and its numbering continues the predecessor's (:meth:`restore`);
         ``taken``: the log position its supervisor's persisted state has taken in.
+        ``restore_every``: log bytes between restore points (:mod:`.restorepoint`).
         """
         self.run_dir = run_dir
         self.on_event = on_event
@@ -151,7 +161,16 @@ class Core:
         self.faults = faults
         self.nonce = nonce
         self._restore = restore
+        self._carried = Carried(CORE_SENDER)
         self._taken = taken
+        self._skipped = 0
+        """Protocol events :meth:`restore` read back that the state had taken in."""
+        self._every = restore_every
+        self._next_point = restore_every
+        """The log position past which the next restore point is taken."""
+        self._saving: asyncio.Task[None] | None = None
+        self.points = 0
+        """Restore points written."""
         ports = ports or CorePorts()
         self.broker = Broker(host, ports.publish, ports.subscribe, keys=keys)
         self.index = LogIndex()
@@ -197,6 +216,17 @@ class Core:
         return self.log_service.endpoint
 
     @property
+    def taken(self) -> int:
+        """The log position the supervisor's persisted state has taken in (it sets this
+        as it persists): a restore point holds the protocol's events after it."""
+        return self._taken
+
+    @taken.setter
+    def taken(self, position: int) -> None:
+        self._taken = position
+        self._carried.taken(position)
+
+    @property
     def client(self) -> BusClient:
         assert self._client is not None, "Core used outside its context"
         return self._client
@@ -215,13 +245,15 @@ class Core:
             on_publish=self._record_own,
         )
         if self._restore:
-            self.restore(self._taken)
+            self.restore(self.taken)
         self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
         await self._client.connect()
         self._maintain = asyncio.create_task(self._client.maintain(), name="core-delivery")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self._saving is not None:
+            await self._saving  # a restore point being written (its errors are logged)
         if self._maintain is not None:
             self._maintain.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -245,26 +277,35 @@ class Core:
         unnumbered, are not logged)."""
         event = decode(frames)
         if self._writer is not None and self._logged(event):
-            self._writer.append(frames, time.time())
+            self._log(event, frames, time.time())
         self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
 
+    def _log(self, event: Event, frames: list[bytes], t: float) -> None:
+        """Append a valid message to the event log, and keep what a successor needs."""
+        assert self._writer is not None
+        position = self._writer.append(frames, t)
+        self._carried.add(event, frames, t, position)
+
     def restore(self, taken: int = 0) -> None:
-        """Read the predecessor's event log back: the log service serves it again, the
-        tracker knows what was received, the numbering continues, and the state the
-        supervisor reads (step timings, announcements, the protocol's events, which
-        :meth:`protocol_events` yields first) is rebuilt.
-        A record cut short by the predecessor's death is cut off the file.
+        """Read the predecessor's state back: the log service serves its messages again,
+        the tracker knows what was received, the numbering continues, and the state the
+        supervisor reads (announcements, the ends of workers and of the run, step
+        timings, the protocol's events, which :meth:`protocol_events` yields first) is
+        rebuilt, from the newest usable restore point and the log after it
+        (:mod:`.restorepoint`), else from the whole log. A record cut short by the
+        predecessor's death is cut off the file.
 
         The protocol's events read back are those after position ``taken`` (the
         persisted state has taken in those before it), and every scale request (each
-        is numbered by their count from the start, and taken once). Before, they were
-        every StepCompleted and StepTiming of every rank since the run began, held in
-        memory and fed through the protocol again: some 11 million a day at 64 ranks
-        and a step a second."""
+        is numbered by their count from the start, and taken once)."""
+        self.taken, self._skipped = taken, 0
         path = self.run_dir / EVENT_LOG
-        good, skipped = 0, 0
-        last: dict[str, int] = {}
+        point, why = read_point(self.run_dir / RESTORE_POINT, path, taken)
+        if why:
+            log.warning("core.restore_point_unused", reason=why)
+        good = start = self._load_point(point) if point is not None else 0
         with contextlib.suppress(FileNotFoundError), path.open("rb") as file:
+            file.seek(start)
             unpacker = msgpack.Unpacker(file, raw=False, use_list=True)
             while True:
                 try:
@@ -273,42 +314,99 @@ class Core:
                     break
                 except Exception:  # corrupt bytes: keep what came before them
                     break
-                good = unpacker.tell()
+                good = start + unpacker.tell()
                 frames = (obj.get("frames") if isinstance(obj, dict) else None) or []
-                try:
-                    event = decode(frames)
-                except SchemaError:
-                    continue
-                self._read_back(event, frames, last)
-                if not takes(event):
-                    continue
-                if good > taken or isinstance(event, ScaleRequest):
-                    self._backlog.append(Arrival(event, float(obj.get("t", 0.0)), good))
-                else:
-                    skipped += 1
+                with contextlib.suppress(SchemaError):
+                    self._read_back(decode(frames), frames, float(obj.get("t", 0.0)), good)
         if path.exists() and path.stat().st_size > good:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
-        self.client.resume_numbering(last)
+        own = self.client.sender
+        numbering = {t: high for s, t, high, _ in self.client.tracker.export() if s == own}
+        self.client.resume_numbering(numbering)
         self.reset_silence(time.monotonic())  # the supervisor times silence from now
+        self._next_point = start + self._every
         log.warning(
             "core.restored",
             events=self.restored,
-            numbering=last,
+            numbering=numbering,
+            point=start,
             backlog=len(self._backlog),
-            taken_before=skipped,
+            taken_before=self._skipped,
         )
 
-    def _read_back(self, event: Event, frames: list[bytes], last: dict[str, int]) -> None:
-        """Take in a valid record of the predecessor's log (:meth:`restore`): the tracker,
-        the log service, the Core's numbering (``last``, by topic), the dispatched state."""
+    def _load_point(self, point: RestorePoint) -> int:
+        """Take in a restore point (:meth:`restore`); the log position it covers."""
+        self.client.tracker.load(point.seen)
+        self.index.load(point.index)
+        now = time.monotonic()
+        for rank, senders in point.watched:
+            self.last_heartbeat[rank] = now
+            if senders:
+                self._beats[rank] = dict.fromkeys(senders, now)
+        for kept in point.kept:
+            with contextlib.suppress(SchemaError):
+                self._take_again(decode(kept.frames), kept.frames, kept.t, kept.position)
+        self.restored = point.records
+        return point.position
+
+    def _read_back(self, event: Event, frames: list[bytes], t: float, position: int) -> None:
+        """Take in a valid record of the predecessor's log (:meth:`restore`)."""
         self.restored += 1
         topic = event.TOPIC.value
         self.client.tracker.accept(event.sender, topic, event.seq)
         self.index.add(event.sender, topic, event.seq, frames)
-        if event.sender == self.client.sender:
-            last[topic] = max(last.get(topic, 0), event.seq)
+        self._take_again(event, frames, t, position)
+
+    def _take_again(self, event: Event, frames: list[bytes], t: float, position: int) -> None:
+        """The state the supervisor reads, what a successor needs, and the protocol's
+        backlog: for a record read back (from the log, or kept by a restore point)."""
         self._dispatch(event)
+        self._carried.add(event, frames, t, position)
+        if not takes(event):
+            return
+        if position > self.taken or isinstance(event, ScaleRequest):
+            self._backlog.append(Arrival(event, t, position))
+        else:
+            self._skipped += 1
+
+    def _take_point(self) -> None:
+        """Take a restore point of the log as it stands; it is written off the loop."""
+        if self._saving is not None and not self._saving.done():
+            return
+        assert self._writer is not None
+        own, numbering = self.client.sender, self.client.numbering
+        seen = [  # its own messages logged and not yet received back are seen
+            (s, t, max(high, numbering.get(t, 0)) if s == own else high, missing)
+            for s, t, high, missing in self.client.tracker.export()
+        ]
+        kept, pending_from = self._carried.records(self.taken)
+        point = RestorePoint(
+            position=self._writer.position,
+            tail=b"",
+            records=self.restored + self._writer.num_records,
+            seen=seen,
+            index=self.index.export(),
+            watched=[(r, sorted(self._beats.get(r, ()))) for r in self.last_heartbeat],
+            kept=kept,
+            pending_from=pending_from,
+        )
+        self._next_point = point.position + self._every
+        self._saving = asyncio.create_task(asyncio.to_thread(self._write_point, point))
+
+    def _write_point(self, point: RestorePoint) -> None:
+        """Write a point taken by :meth:`_take_point` (on a thread)."""
+        started = time.monotonic()
+        try:
+            tail = log_tail(self.run_dir / EVENT_LOG, point.position)
+            size = write_point(self.run_dir / RESTORE_POINT, replace(point, tail=tail))
+        except Exception:  # a full disk: a successor reads more log; the job goes on
+            log.exception("core.restore_point_failed", position=point.position)
+            return
+        self.points += 1
+        self._next_point = max(self._next_point, point.position + 2 * size)
+        seconds = round(time.monotonic() - started, 3)
+        log.info("core.restore_point", position=point.position, bytes=size, seconds=seconds)
 
     @contextlib.contextmanager
     def protocol_events(self) -> Iterator[ProtocolEvents]:
@@ -349,9 +447,11 @@ class Core:
                 continue
             if event.sender != self.client.sender:  # its own were logged when sent
                 if self._logged(event):
-                    self._writer.append(frames, now)
+                    self._log(event, frames, now)
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             self._dispatch(event)
+            if self._writer.position >= self._next_point:
+                self._take_point()
             if self._events is not None and takes(event):
                 await self._events.put(Arrival(event, now, self._writer.position))
             if self.on_event is not None:

@@ -54,6 +54,7 @@ log = structlog.get_logger(__name__)
 
 __all__ = [
     "CORE_FAULT_ENV",
+    "CORE_RESTORE_EVERY_ENV",
     "JobFailed",
     "Supervisor",
     "exit_text",
@@ -65,6 +66,10 @@ CORE_FAULT_ENV = "ELASWAVE_CORE_FAULT"
 """Tests: ``plan`` or ``commit`` makes the Core SIGKILL itself right after it publishes
 a recovery's plan (or its commit), ``finished`` once every worker has exited; the job
 host does not pass it to a restarted Core."""
+
+CORE_RESTORE_EVERY_ENV = "ELASWAVE_CORE_RESTORE_EVERY"
+"""Tests: the event log bytes between the Core's restore points (default
+:data:`~elaswave.runtime.core.restorepoint.RESTORE_EVERY`)."""
 
 FINISH_WAIT_S = 1.0
 """How long, once every worker has exited, a redone step's completion is waited for."""
@@ -147,6 +152,7 @@ class Supervisor:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state_to_json(self.state, self.taken)))
         os.replace(tmp, path)
+        self.core.taken = self.taken
 
     async def run(self) -> None:
         """Run the protocol until every worker has exited (JobFailed if the job stops)."""

@@ -1,0 +1,172 @@
+"""How long a restarted Core takes to read its predecessor's state back, by log length.
+
+    .venv/bin/python scripts/bench_core_restore.py [--ranks 64] [--steps 1000 4000 16000]
+
+For each length, an event log of a steady job is written as the Core writes it (every
+rank's StepCompleted and StepTiming of every step, a heartbeat a rank every five steps:
+what the log keeps at a step a second), and a Core restores from it three ways, each in
+a fresh process (its peak memory is its own):
+
+- ``whole``: from the whole log (no restore point);
+- ``point``: from a restore point taken at the log's end;
+- ``point+tail``: from a point :data:`~elaswave.runtime.core.restorepoint.RESTORE_EVERY`
+  bytes before the end, the most log a restart reads after its point.
+
+The supervisor's persisted state has taken in the whole log in each. Reported: seconds
+from the Core's start to its serving (the restore and the bus's binding), records read
+back, and the process's peak RSS. Writes docs/core_restore.{md,json} unless ``--out``
+says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from elaswave.bus.codec import encode
+from elaswave.bus.eventlog import EventLogWriter
+from elaswave.bus.schema import Heartbeat, StepCompleted, StepTiming, sender_name
+from elaswave.rundir import EVENT_LOG, RESTORE_POINT
+from elaswave.runtime.core.recorder import Core
+from elaswave.runtime.core.restorepoint import RESTORE_EVERY
+
+ROOT = Path(__file__).resolve().parents[1]
+WAYS = ("whole", "point", "point+tail")
+
+
+def write_log(run_dir: Path, ranks: int, steps: int, start: int = 0) -> int:
+    """Append ``steps`` steps of ``ranks`` ranks' events from step ``start``; the log's
+    length."""
+    with EventLogWriter(run_dir / EVENT_LOG) as log:
+        for step in range(start, start + steps):
+            t = 1.8e9 + step
+            for rank in range(ranks):
+                stamp = {"sender": sender_name(rank), "time": t}
+                health = 2 * step
+                events: list[Any] = [
+                    StepTiming(
+                        **stamp, seq=health + 2, rank=rank, step=step, compute_s=0.4,
+                        expected_s=0.4, micro_batches=8,
+                    ),
+                    StepCompleted(
+                        **stamp, seq=step + 1, rank=rank, step=step, loss=2.0,
+                        step_time_s=1.0, samples=8,
+                    ),
+                ]  # fmt: skip
+                if step % 5 == 0:
+                    events.insert(0, Heartbeat(**stamp, seq=health + 1, rank=rank, step=step))
+                for event in events:
+                    log.append(encode(event), t)
+        return log.position
+
+
+async def take_point(run_dir: Path) -> None:
+    """Restore from the whole log and take a restore point at its end."""
+    size = (run_dir / EVENT_LOG).stat().st_size
+    async with Core(run_dir, nonce="bench", restore=True, taken=size) as core:
+        core._take_point()
+        assert core._saving is not None
+        await core._saving
+
+
+async def restore(run_dir: Path) -> dict[str, Any]:
+    size = (run_dir / EVENT_LOG).stat().st_size
+    started = time.perf_counter()
+    async with Core(run_dir, nonce="bench", restore=True, taken=size) as core:
+        seconds = time.perf_counter() - started
+        return {"seconds": round(seconds, 3), "records": core.restored}
+
+
+def peak_rss_mib() -> int:
+    """This process's peak resident memory (VmHWM: getrusage's maxrss keeps the
+    parent's from before the exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def child(run_dir: Path) -> None:
+    """One restore in this process: its figures as JSON on stdout."""
+    figures = asyncio.run(restore(run_dir))
+    figures["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(figures))
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(run_dir)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def one_length(ranks: int, steps: int, scratch: Path) -> dict[str, Any]:
+    run_dir = scratch / f"s{steps}"
+    run_dir.mkdir()
+    size = write_log(run_dir, ranks, steps)
+    row: dict[str, Any] = {"ranks": ranks, "steps": steps, "log_mib": round(size / 2**20, 1)}
+    row["whole"] = measure(run_dir)
+    asyncio.run(take_point(run_dir))
+    row["point_mib"] = round((run_dir / RESTORE_POINT).stat().st_size / 2**20, 1)
+    row["point"] = measure(run_dir)
+    per_step = size / steps
+    tail_steps = int(RESTORE_EVERY / per_step)
+    write_log(run_dir, ranks, tail_steps, start=steps)
+    row["point+tail"] = measure(run_dir)
+    row["tail_mib"] = round((run_dir / EVENT_LOG).stat().st_size / 2**20 - size / 2**20, 1)
+    shutil.rmtree(run_dir)
+    return row
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | steps | log MiB | point MiB | "
+        + " | ".join(f"{w} s (records, peak MiB)" for w in WAYS)
+        + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(WAYS),
+    ]
+    for r in rows:
+        cells = [f"{r[w]['seconds']:.2f} ({r[w]['records']}, {r[w]['peak_rss_mib']})" for w in WAYS]
+        lines.append(
+            f"| {r['ranks']} | {r['steps']} | {r['log_mib']} | {r['point_mib']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--steps", type=int, nargs="+", default=[1000, 4000, 16000])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "core_restore")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for steps in args.steps:
+            rows.append(one_length(args.ranks, steps, Path(tmp)))
+            print(report(rows[-1:]).splitlines()[-1], flush=True)
+    table = report(rows)
+    print(table)
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

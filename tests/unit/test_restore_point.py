@@ -1,0 +1,229 @@
+"""Restore points: a restarted Core that reads its predecessor's newest point and the log
+after it ends in the state it reaches by reading the whole log; a point it cannot trust
+is passed over for the whole log, with one warning naming why."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import structlog
+
+from elaswave.bus.client import BusClient
+from elaswave.bus.reliable import RELIABLE_TOPICS
+from elaswave.bus.schema import (
+    FailureDetected,
+    Heartbeat,
+    RecoveryReady,
+    RunFinished,
+    ScaleRequest,
+    StepCompleted,
+    StepTiming,
+    WorkerFinished,
+    WorkerStarted,
+)
+from elaswave.rundir import EVENT_LOG, RESTORE_POINT
+from elaswave.runtime.core.recorder import Core, CorePorts
+from elaswave.runtime.core.restorepoint import Carried, read_point
+
+RELIABLE = {t.value for t in RELIABLE_TOPICS}
+
+
+def _worker_events(rank: int, step: int) -> list:
+    events = [
+        StepTiming(sender="", rank=rank, step=step, compute_s=0.1, expected_s=0.1, micro_batches=2),
+        Heartbeat(sender="", rank=rank, step=step),
+        StepCompleted(
+            sender="", rank=rank, step=step, loss=1.0 / (step + 1), step_time_s=0.1, samples=4
+        ),
+    ]
+    if step == 3:
+        events.append(ScaleRequest(sender="", add=1, reason=f"rank{rank}"))
+    if step == 5:
+        events.append(RecoveryReady(sender="", rank=rank, committed_step=step))
+    return events
+
+
+async def _run_job(run_dir, every: int, taken_at: int) -> tuple[CorePorts, int, int]:
+    """A Core hearing two workers for 12 steps, announcing failures, with one invalid
+    message; the supervisor's state took in the log up to step ``taken_at``. Returns
+    the ports, the state's position, and the restore points written."""
+    heard: list = []
+    async with Core(run_dir, nonce="core-x", restore_every=every, on_event=heard.append) as core:
+        listener = asyncio.create_task(core.listen())
+        workers = [
+            BusClient(f"rank{r}", core.publish_endpoint, core.subscribe_endpoint) for r in (0, 1)
+        ]
+        for w in workers:
+            await w.connect()
+        for r, w in enumerate(workers):
+            await w.publish(
+                WorkerStarted(sender="", rank=r, stage=r, replica=0, pid=100 + r, host="h")
+            )
+        taken = 0
+        for step in range(12):
+            for r, w in enumerate(workers):
+                for event in _worker_events(r, step):
+                    await w.publish(event)
+            if step % 4 == 1:
+                await core.publish(
+                    FailureDetected(sender="", generation=step, ranks=[1], source="test")
+                )
+            if step == 7:
+                await workers[0].publish_raw([b"metrics/rank0", b"\xc1 not msgpack"])
+            await asyncio.sleep(0.05)
+            await core.wait_until(lambda s=step: _completed(heard, s) == 2, 5.0)
+            if step == taken_at:
+                taken = core.taken = core._writer.position
+        await workers[1].publish(WorkerFinished(sender="", rank=1, ok=True))
+        await core.publish(RunFinished(sender="", steps_completed=12, ok=True))
+        await core.wait_until(lambda: core.run_finished is not None and 1 in core.finished, 5)
+        for w in workers:
+            await w.close()
+        listener.cancel()
+        ports = CorePorts.of(core.publish_endpoint, core.subscribe_endpoint, "")
+    return ports, taken, core.points
+
+
+def _completed(heard: list, step: int) -> int:
+    return sum(isinstance(e, StepCompleted) and e.step == step for e in heard)
+
+
+async def _restored(run_dir, ports: CorePorts, taken: int) -> dict:
+    async with Core(run_dir, nonce="core-x", ports=ports, restore=True, taken=taken) as core:
+        reliable = sorted(x for x in core.client.tracker.export() if x[1] in RELIABLE)
+        return {
+            "seen": reliable,
+            "index": sorted(
+                (s, t, [(q, list(f)) for q, f in m]) for s, t, m in core.index.export()
+            ),
+            "numbering": core.client.numbering,
+            "announcements": core.announcements,
+            "finished": core.finished,
+            "run_finished": core.run_finished,
+            "watched": sorted(core.last_heartbeat),
+            "beats": {r: sorted(b) for r, b in core._beats.items()},
+            "backlog": [(a.event, a.t, a.position) for a in core._backlog],
+        }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("taken_at", [-1, 4, 11])
+def test_a_core_restored_from_a_point_and_the_log_after_it_equals_one_from_the_whole_log(
+    tmp_path, taken_at
+) -> None:
+    """Points every 3 kB: several are written, and the newest covers most of the log.
+    Restored from it and from the whole log (the point removed), the Core holds the
+    same numbers seen on the reliable topics, the same messages to serve, numbering,
+    announcements, ends, watched ranks and protocol backlog."""
+    ports, taken, points = asyncio.run(_run_job(tmp_path, every=3000, taken_at=taken_at))
+    log_bytes = (tmp_path / EVENT_LOG).stat().st_size
+    assert points >= 2
+    point, why = read_point(tmp_path / RESTORE_POINT, tmp_path / EVENT_LOG, taken)
+    assert point is not None and why == ""
+    assert log_bytes - 4000 < point.position < log_bytes
+    with structlog.testing.capture_logs() as logs:
+        from_point = asyncio.run(_restored(tmp_path, ports, taken))
+    (restored,) = [r for r in logs if r["event"] == "core.restored"]
+    assert restored["point"] == point.position
+    (tmp_path / RESTORE_POINT).unlink()
+    whole = asyncio.run(_restored(tmp_path, ports, taken))
+    assert from_point == whole
+    assert whole["numbering"] == {"recovery": 3, "lifecycle": 1}  # failures, the run's end
+    assert [e.generation for e in whole["announcements"]] == [1, 5, 9]
+    assert sorted(whole["finished"]) == [1] and whole["run_finished"] is not None
+    kinds = [type(e).__name__ for e, _, _ in whole["backlog"]]
+    assert kinds.count("ScaleRequest") == 2  # every one, taken in or not
+    if taken_at == 11:
+        assert set(kinds) == {"ScaleRequest"}
+
+
+@pytest.mark.timeout(60)
+def test_a_point_the_core_cannot_trust_is_passed_over_for_the_whole_log(tmp_path) -> None:
+    """A point of another log (its bytes before the position differ), an unreadable
+    one, and one lacking protocol events the persisted state has not taken in: each is
+    named in one warning, and the Core restores from the whole log."""
+    ports, taken, _ = asyncio.run(_run_job(tmp_path, every=3000, taken_at=8))
+    point_path = tmp_path / RESTORE_POINT
+    good_point = point_path.read_bytes()
+    point, _ = read_point(point_path, tmp_path / EVENT_LOG, taken)
+    assert point is not None
+    point_path.unlink()
+    whole = asyncio.run(_restored(tmp_path, ports, taken))
+
+    def restore(taken: int) -> tuple[dict, str]:
+        with structlog.testing.capture_logs() as logs:
+            state = asyncio.run(_restored(tmp_path, ports, taken))
+        (unused,) = [r for r in logs if r["event"] == "core.restore_point_unused"]
+        (restored,) = [r for r in logs if r["event"] == "core.restored"]
+        assert restored["point"] == 0
+        return state, unused["reason"]
+
+    log = tmp_path / EVENT_LOG
+    content = log.read_bytes()
+    doc = msgpack.unpackb(good_point)
+    point_path.write_bytes(msgpack.packb({**doc, "tail": b"x" * len(doc["tail"])}))
+    state, why = restore(taken)
+    assert state == whole and why.startswith("the log does not hold the point's bytes")
+    point_path.write_bytes(good_point[: len(good_point) // 2])
+    state, why = restore(taken)
+    assert state == whole and why.startswith("unreadable")
+    point_path.write_bytes(msgpack.packb({**doc, "version": 99}))
+    state, why = restore(taken)
+    assert state == whole and why == "of another version"
+    point_path.write_bytes(good_point)
+    earlier = point.pending_from - 1  # a state persisted before the point's
+    state, why = restore(earlier)
+    assert state == asyncio.run(_restored_without_point(tmp_path, ports, earlier, good_point))
+    assert why.startswith(f"the persisted state has taken in the log up to {earlier}")
+    assert log.read_bytes() == content
+
+
+async def _restored_without_point(run_dir, ports, taken, point: bytes) -> dict:
+    (run_dir / RESTORE_POINT).unlink()
+    try:
+        return await _restored(run_dir, ports, taken)
+    finally:
+        (run_dir / RESTORE_POINT).write_bytes(point)
+
+
+def test_carried_keeps_what_a_successor_takes_in_again() -> None:
+    """The Core's announcements and every scale request for good; the latest end of a
+    worker and of the run; the protocol's events until the state has taken them in, at
+    most ``max_pending`` (the point then holds those after the last one dropped)."""
+    carried = Carried("core", max_pending=3)
+
+    def add(event, position: int) -> None:
+        carried.add(event, [b"x", str(position).encode()], float(position), position)
+
+    add(FailureDetected(sender="core", ranks=[1], source="t"), 10)
+    add(FailureDetected(sender="rank0", ranks=[1], source="t"), 11)  # not the Core's
+    add(ScaleRequest(sender="cli", add=1), 12)
+    add(WorkerFinished(sender="rank1", rank=1, ok=False), 13)
+    add(WorkerFinished(sender="rank1", rank=1, ok=True), 14)
+    add(Heartbeat(sender="rank0", rank=0, step=1), 15)  # not taken by the protocol
+    for position in (20, 21, 22):
+        add(
+            StepCompleted(sender="rank0", rank=0, step=position, loss=1, step_time_s=1, samples=1),
+            position,
+        )
+    kept, pending_from = carried.records(taken=20)
+    assert [k.position for k in kept] == [10, 12, 14, 21, 22] and pending_from == 20
+    add(StepTiming(sender="rank0", rank=0, step=1, compute_s=1, expected_s=1, micro_batches=1), 30)
+    add(StepTiming(sender="rank0", rank=0, step=2, compute_s=1, expected_s=1, micro_batches=1), 31)
+    kept, pending_from = carried.records(taken=20)  # 21 dropped: only 22, 30, 31 kept
+    assert [k.position for k in kept] == [10, 12, 14, 22, 30, 31] and pending_from == 21
+    add(RunFinished(sender="core", steps_completed=1, ok=True), 40)
+    kept, pending_from = carried.records(taken=35)
+    assert [k.position for k in kept] == [10, 12, 14, 40] and pending_from == 35
+
+
+@pytest.mark.timeout(60)
+def test_a_point_that_cannot_be_written_is_logged_and_the_core_goes_on(tmp_path) -> None:
+    (tmp_path / RESTORE_POINT).mkdir()  # os.replace onto a directory fails
+    with structlog.testing.capture_logs() as logs:
+        _, _, points = asyncio.run(_run_job(tmp_path, every=3000, taken_at=4))
+    assert points == 0
+    failed = [r for r in logs if r["event"] == "core.restore_point_failed"]
+    assert failed and all(r["log_level"] == "error" for r in failed)

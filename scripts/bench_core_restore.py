@@ -9,8 +9,9 @@ a fresh process (its peak memory is its own):
 
 - ``whole``: from the whole log (no restore point);
 - ``point``: from a restore point taken at the log's end;
-- ``point+tail``: from a point :data:`~elaswave.runtime.core.restorepoint.RESTORE_EVERY`
-  bytes before the end, the most log a restart reads after its point.
+- ``point+tail``: from a point as many bytes before the end as the Core lets its log grow
+  between points (:data:`~elaswave.runtime.core.restorepoint.RESTORE_EVERY`, or twice
+  the point's size if more): the most log a restart reads after its point.
 
 The supervisor's persisted state has taken in the whole log in each. Reported: seconds
 from the Core's start to its serving (the restore and the bus's binding), records read
@@ -122,7 +123,8 @@ def one_length(ranks: int, steps: int, scratch: Path) -> dict[str, Any]:
     row["point_mib"] = round((run_dir / RESTORE_POINT).stat().st_size / 2**20, 1)
     row["point"] = measure(run_dir)
     per_step = size / steps
-    tail_steps = int(RESTORE_EVERY / per_step)
+    every = max(RESTORE_EVERY, 2 * (run_dir / RESTORE_POINT).stat().st_size)
+    tail_steps = int(every / per_step)
     write_log(run_dir, ranks, tail_steps, start=steps)
     row["point+tail"] = measure(run_dir)
     row["tail_mib"] = round((run_dir / EVENT_LOG).stat().st_size / 2**20 - size / 2**20, 1)

@@ -217,6 +217,8 @@ def test_carried_keeps_what_a_successor_takes_in_again() -> None:
     add(RunFinished(sender="core", steps_completed=1, ok=True), 40)
     kept, pending_from = carried.records(taken=35)
     assert [k.position for k in kept] == [10, 12, 14, 40] and pending_from == 35
+    add(StepTiming(sender="rank0", rank=0, step=3, compute_s=1, expected_s=1, micro_batches=1), 33)
+    assert carried.records(taken=35)[0] == kept  # read back, and taken in already
 
 
 @pytest.mark.timeout(60)

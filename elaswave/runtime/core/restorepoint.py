@@ -189,13 +189,15 @@ class Carried:
         self._ends: dict[int | None, int] = {}
         """rank (None: the run) -> the position of its latest end in ``_lasting``."""
         self._pending: collections.deque[Kept] = collections.deque()
+        self._taken = 0
+        """The position the persisted state has taken in (:meth:`taken`)."""
         self._dropped = 0
         """The newest position dropped from ``_pending`` before it was taken in."""
 
     def add(self, event: Event, frames: Sequence[bytes], t: float, position: int) -> None:
         """Keep the record of ``event`` at ``position`` if a successor needs it."""
         record = Kept(list(frames), t, position)
-        if takes(event):
+        if takes(event) and position > self._taken:
             self._pending.append(record)
             if len(self._pending) > self._max_pending:
                 self._dropped = self._pending.popleft().position
@@ -212,6 +214,7 @@ class Carried:
 
     def taken(self, position: int) -> None:
         """The persisted state has taken in the protocol's events up to ``position``."""
+        self._taken = max(self._taken, position)
         while self._pending and self._pending[0].position <= position:
             self._pending.popleft()
 

@@ -60,6 +60,9 @@ lacks, the last numbers it holds."""
 _ONE_OF_OPS = "a 'want', 'have' or 'last' list"
 
 
+Frames = list[bytes]
+"""A message's multipart frames."""
+
 KEPT_OF_OTHERS = 2 * FLUSH_WINDOW
 """Messages per (sender, topic) the index keeps of a process other than the Core. Workers
 fetch the Core's messages from it; another's are asked for by an observer (the job host)
@@ -91,7 +94,9 @@ class LogIndex:
         self._others = others
         self._owner = owner
         self._lock = threading.Lock()
-        self._messages: dict[tuple[str, str], collections.OrderedDict[int, list[bytes]]] = {}
+        self._messages: dict[tuple[str, str], collections.OrderedDict[int, Frames | None]] = {}
+        """(sender, topic) -> seq -> its frames (None: held in the event log only, after
+        a restore that kept the frames of the newest only: :meth:`load`)."""
 
     def add(self, sender: str, topic: str, seq: int, frames: Sequence[bytes]) -> None:
         if seq <= 0 or topic not in FETCHED:
@@ -99,25 +104,47 @@ class LogIndex:
         with self._lock:
             kept = self._messages.setdefault((sender, topic), collections.OrderedDict())
             kept[seq] = [bytes(f) for f in frames]
-            size = self._size if sender == self._owner else self._others
-            while len(kept) > size:
-                kept.popitem(last=False)
+            self._trim(sender, kept)
 
-    def export(self) -> list[tuple[str, str, list[tuple[int, list[bytes]]]]]:
-        """Every message kept: (sender, topic, [(seq, frames), ...]), as plain data."""
+    def _trim(self, sender: str, kept: collections.OrderedDict[int, Frames | None]) -> None:
+        size = self._size if sender == self._owner else self._others
+        while len(kept) > size:
+            kept.popitem(last=False)
+
+    def export(self, recent: int) -> list[tuple[str, str, list[int], list[tuple[int, Frames]]]]:
+        """Every message kept, as plain data: (sender, topic, numbers, [(seq, frames),
+        ...]), with the frames of all of the owner's messages and of the newest
+        ``recent`` of each other (sender, topic); of older ones, their numbers only."""
+        out = []
         with self._lock:
-            return [(s, t, list(kept.items())) for (s, t), kept in self._messages.items()]
+            for (sender, topic), kept in self._messages.items():
+                cut = 0 if sender == self._owner else max(0, len(kept) - recent)
+                items = list(kept.items())
+                numbers = [seq for seq, _ in items[:cut]]
+                framed = [(seq, f) for seq, f in items[cut:] if f is not None]
+                numbers += [seq for seq, f in items[cut:] if f is None]
+                out.append((sender, topic, sorted(numbers), framed))
+        return out
 
-    def load(self, kept: Iterable[tuple[str, str, Iterable[tuple[int, Sequence[bytes]]]]]) -> None:
-        """Take in what :meth:`export` gave."""
-        for sender, topic, messages in kept:
-            for seq, frames in messages:
-                self.add(sender, topic, seq, frames)
+    def load(self, kept: Iterable[tuple[str, str, list[int], list[tuple[int, Frames]]]]) -> None:
+        """Take in what :meth:`export` gave: the messages given by number only are held
+        (a sender's flush finds them) and not served (a receiver asks for a gap within
+        a second of it, of the newest messages)."""
+        with self._lock:
+            for sender, topic, numbers, framed in kept:
+                if topic not in FETCHED:
+                    continue
+                entries = self._messages.setdefault((sender, topic), collections.OrderedDict())
+                merged = {**dict.fromkeys(numbers), **dict(framed)}
+                entries.update((seq, merged[seq]) for seq in sorted(merged))
+                self._trim(sender, entries)
 
     def get(self, sender: str, topic: str, seqs: Iterable[int]) -> list[list[bytes]]:
         with self._lock:
             kept = self._messages.get((sender, topic))
-            return [] if kept is None else [kept[s] for s in seqs if s in kept]
+            if kept is None:
+                return []
+            return [frames for s in seqs if (frames := kept.get(s)) is not None]
 
     def lacks(self, sender: str, topic: str, seqs: Iterable[int]) -> list[int]:
         with self._lock:

@@ -485,6 +485,38 @@ def test_the_log_index_keeps_fewer_of_a_workers_messages_than_of_the_cores() -> 
         LogIndex(others=FLUSH_WINDOW - 1)
 
 
+def test_a_log_index_restored_with_the_newest_frames_holds_the_rest_by_number() -> None:
+    """A restore point keeps the frames of the Core's messages and of each other
+    sender's newest few: the restored index holds the others' older messages by number
+    (a sender's flush finds them) and serves the messages it has frames of."""
+    index = LogIndex()
+    for seq in range(1, 11):
+        index.add("core", "recovery", seq, [b"recovery/core", str(seq).encode()])
+        index.add("rank3", "metrics", seq, [b"metrics/rank3", str(seq).encode()])
+    exported = index.export(recent=3)
+    assert sorted(exported) == [
+        ("core", "recovery", [], [(s, [b"recovery/core", str(s).encode()]) for s in range(1, 11)]),
+        (
+            "rank3",
+            "metrics",
+            list(range(1, 8)),
+            [(s, [b"metrics/rank3", str(s).encode()]) for s in (8, 9, 10)],
+        ),
+    ]
+    restored = LogIndex()
+    restored.load(exported)
+    assert restored.lacks("rank3", "metrics", range(1, 12)) == [11]
+    assert restored.last("rank3", "metrics") == 10
+    assert [f[1] for f in restored.get("rank3", "metrics", range(1, 11))] == [b"8", b"9", b"10"]
+    assert len(restored.get("core", "recovery", range(1, 11))) == 10
+    assert sorted(restored.export(recent=3)) == sorted(exported)  # again, the same
+    restored.add("rank3", "metrics", 11, [b"metrics/rank3", b"11"])
+    assert restored.export(recent=3)[1][2:] == (
+        list(range(1, 9)),
+        [(s, [b"metrics/rank3", str(s).encode()]) for s in (9, 10, 11)],
+    )
+
+
 def test_the_log_index_keeps_no_health_messages() -> None:
     """Heartbeats and step timings are never fetched, checked or counted: the index
     kept a rank's last 1024 of them beside its metrics (half its memory at 64 ranks)."""

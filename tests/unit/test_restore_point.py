@@ -95,9 +95,7 @@ async def _restored(run_dir, ports: CorePorts, taken: int) -> dict:
         reliable = sorted(x for x in core.client.tracker.export() if x[1] in RELIABLE)
         return {
             "seen": reliable,
-            "index": sorted(
-                (s, t, [(q, list(f)) for q, f in m]) for s, t, m in core.index.export()
-            ),
+            "index": sorted(core.index.export(recent=1 << 30)),
             "numbering": core.client.numbering,
             "announcements": core.announcements,
             "finished": core.finished,

@@ -58,6 +58,7 @@ from elaswave.bus.schema import (
 from elaswave.rundir import EVENT_LOG, RESTORE_POINT
 from elaswave.runtime.core.observe import takes
 from elaswave.runtime.core.restorepoint import (
+    RECENT_FRAMES,
     RESTORE_EVERY,
     Carried,
     RestorePoint,
@@ -386,7 +387,7 @@ class Core:
             tail=b"",
             records=self.restored + self._writer.num_records,
             seen=seen,
-            index=self.index.export(),
+            index=self.index.export(recent=RECENT_FRAMES),
             watched=[(r, sorted(self._beats.get(r, ()))) for r in self.last_heartbeat],
             kept=kept,
             pending_from=pending_from,

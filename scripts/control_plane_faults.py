@@ -30,11 +30,12 @@ from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import RecoveryPlan, StepTiming, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.core.replay import replay_run
-from elaswave.runtime.core.supervisor import CORE_FAULT_ENV
+from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, CORE_RESTORE_EVERY_ENV
 from elaswave.runtime.job.results import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL = ("--fault", "kill:1@3:backward")
+LOSSY_10 = "drop=0.1,dup=0.1,reorder=0.1,delay=0.005"
 
 
 @dataclass
@@ -68,7 +69,7 @@ CASES = [
     Case("kill-while-applying", "a worker SIGKILLed during a recovery, after the commit "
          "(the plan rolled back)", (*KILL, "--fault", "kill:6@3:apply")),
     Case("lossy-bus-10", "bus drops 10%, duplicates 10%, reorders 10%, delays 0-5 ms",
-         (*KILL, "--bus-faults", "drop=0.1,dup=0.1,reorder=0.1,delay=0.005")),
+         (*KILL, "--bus-faults", LOSSY_10)),
     Case("lossy-bus-30", "bus drops 30%, duplicates 10%, reorders 10%, delays 0-5 ms",
          (*KILL, "--bus-faults", "drop=0.3,dup=0.1,reorder=0.1,delay=0.005")),
     Case("core-killed-mid-step", "the Core SIGKILLed in step 4 (restarted by the job host)",
@@ -80,6 +81,11 @@ CASES = [
          KILL, core=("plan", signal.SIGKILL, 0.0)),
     Case("core-killed-after-commit", "the Core SIGKILLed just after a recovery's commit",
          KILL, core=("commit", signal.SIGKILL, 0.0)),
+    Case("core-killed-mid-step-lossy", "the Core SIGKILLed in step 4, on a bus dropping 10%",
+         ("--bus-faults", LOSSY_10), core=("step4", signal.SIGKILL, 0.0)),
+    Case("core-killed-plan-out-lossy", "the Core SIGKILLed just after publishing a recovery "
+         "plan, on a bus dropping 10%", (*KILL, "--bus-faults", LOSSY_10),
+         core=("plan", signal.SIGKILL, 0.0)),
     Case("host-killed-mid-step", "the job host (store, workers' parent) SIGKILLed in step 4",
          ("--checkpoint-every", "2"), stops=True, kill_host="mid-step"),
     Case("host-killed-in-recovery", "the job host SIGKILLed while a recovery plan is out",
@@ -165,7 +171,8 @@ def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_
     restored = _log_records(out / "logs" / "core1.log", "core.restored")
     if restored:
         back = _iso(restored[0]["timestamp"])
-        away = f"a new Core served {back - signalled:.2f} s after the kill"
+        source = f"restore point at byte {restored[0]['point']}" if restored[0]["point"] else "log"
+        away = f"a new Core served {back - signalled:.2f} s after the kill (from its {source})"
     else:
         away = f"the Core was stopped {hold_s:.1f} s" if sig == signal.SIGSTOP else ""
     logs = [out / "logs" / f"rank{rank}.log" for rank in range(8)]
@@ -231,7 +238,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "control_plane")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    parser.add_argument(
+        "--restore-every",
+        type=int,
+        default=2048,
+        help="event log bytes between the Core's restore points (default 2048: a restarted "
+        "Core reads a point, as after a long job; 0: the Core's own default, 32 MiB)",
+    )
     args = parser.parse_args()
+    if args.restore_every:
+        os.environ[CORE_RESTORE_EVERY_ENV] = str(args.restore_every)
     args.out.mkdir(parents=True, exist_ok=True)
     refs: dict[int, Path] = {}
     for steps in sorted({c.steps or args.steps for c in CASES}):
@@ -297,9 +313,11 @@ def main() -> int:
         "# Control-plane faults (measured)",
         "",
         f"`.venv/bin/python scripts/control_plane_faults.py --repeats {args.repeats} "
-        f"--steps {args.steps}`: dp=4 x pp=2, real CPU processes on the 2-core host. MTTR is "
-        f"the median over runs of the sum over a run's recoveries; extra MTTR is against the "
-        f"baseline row of the same invocation ({base:.3f} s).",
+        f"--steps {args.steps} --restore-every {args.restore_every}`: dp=4 x pp=2, real CPU "
+        f"processes on the 2-core host. MTTR is the median over runs of the sum over a "
+        f"run's recoveries; extra MTTR is against the baseline row of the same invocation "
+        f"({base:.3f} s). A restarted Core restores from its newest restore point and the "
+        f"log after it (points every {args.restore_every or '32 MiB of'} bytes of log).",
         "",
         "| fault | outcome | MTTR (s) | extra MTTR (s) | details |",
         "|---|---|---|---|---|",

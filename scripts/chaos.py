@@ -67,6 +67,14 @@ K steps (``--eval-every K``); each optimizer fault at a step that evaluates move
 coin of its own generator (``random.Random(f"chaos-eval:{S}:{K}")``), to phase eval
 (inside the evaluation); a recovered case's held-out losses must match the twin's too.
 
+The Core's loss (--core-kill-weight W, default 0): with chance W, by a coin of its own
+generator (``random.Random(f"chaos-core:{S}:{K}")``), the case's Core SIGKILLs itself
+right after it publishes its first recovery plan, or (the same coin, half the time)
+its first commit (``ELASWAVE_CORE_FAULT``); the job host starts another, which restores
+from a restore point taken every 2 kB of log (``ELASWAVE_CORE_RESTORE_EVERY``) and
+finishes the change. A case without a plan runs as drawn. Every outcome rule holds
+unchanged: the Core's loss must not change what the job does.
+
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
 twins are cached per (dp, pp, tp, global batch, micro batch, steps, seed, device) under
@@ -234,6 +242,17 @@ class Case:
     eval_every: int = 0
     """``--eval-every`` (the campaign's, not drawn; the twin evaluates too, and the held-out
     losses must match its): :func:`draw_eval` moves optimizer faults into evaluations."""
+    core_kill: str = ""
+    """Where the Core SIGKILLs itself: after its first ``plan`` or ``commit`` ("": never;
+    drawn by :func:`draw_core_kill`)."""
+
+    def env(self) -> dict[str, str]:
+        """What the case's job adds to the campaign's environment."""
+        if not self.core_kill:
+            return {}
+        from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, CORE_RESTORE_EVERY_ENV
+
+        return {CORE_FAULT_ENV: self.core_kill, CORE_RESTORE_EVERY_ENV: "2048"}
 
     def evaluates(self, step: int) -> bool:
         """Whether ``step`` ends with a held-out evaluation."""
@@ -300,6 +319,7 @@ class Case:
             + (f" checkpoint-every={self.checkpoint_every}" if self.checkpoint_every else "")
             + (f" schedule={self.schedule}" if self.schedule != "1f1b" else "")
             + (f" eval-every={self.eval_every}" if self.eval_every else "")
+            + (f" core-killed-after={self.core_kill}" if self.core_kill else "")
         )
 
 
@@ -321,6 +341,17 @@ def draw_schedule(case: Case, weight: float, schedule: str = "zb-h1") -> Case:
         for f in case.faults
     )
     return replace(case, schedule="zb-h1", faults=faults)
+
+
+def draw_core_kill(case: Case, weight: float) -> Case:
+    """``case`` with its Core killed after its first plan or commit, with chance
+    ``weight`` (a generator of its own: the rest of the draw is what any weight draws)."""
+    if weight <= 0:
+        return case
+    rng = random.Random(f"chaos-core:{case.seed}:{case.index}")
+    if rng.random() >= weight:
+        return case
+    return replace(case, core_kill=rng.choice(("plan", "commit")))
 
 
 def draw_applied(case: Case, weight: float) -> Case:
@@ -558,8 +589,10 @@ class Job:
     """Processes of the job's session still alive after it exited."""
 
 
-def command(out: Path, args: list[str]) -> str:
-    return shlex.join([".venv/bin/elaswave", "train", "--out", str(out), *args])
+def command(out: Path, args: list[str], env: dict[str, str] | None = None) -> str:
+    """The shell command of a job (``env``: the variables it sets first)."""
+    assigned = [f"{name}={value}" for name, value in (env or {}).items()]
+    return shlex.join([*assigned, ".venv/bin/elaswave", "train", "--out", str(out), *args])
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -598,7 +631,9 @@ def take_snapshot(root: Path) -> tuple[Path, str]:
     return code, digest.hexdigest()[:16]
 
 
-def run_job(out: Path, args: list[str], timeout: float) -> Job:
+def run_job(out: Path, args: list[str], timeout: float, env: dict[str, str] | None = None) -> Job:
+    """Run ``elaswave train`` to its end (or the timeout); ``env``: added to the
+    campaign's environment."""
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args]
@@ -610,7 +645,7 @@ def run_job(out: Path, args: list[str], timeout: float) -> Job:
         text=True,
         start_new_session=True,
         cwd=JOB_CWD,
-        env=JOB_ENV,
+        env={**(JOB_ENV or os.environ), **env} if env else JOB_ENV,
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -909,8 +944,8 @@ def ensure_twin(case: Case, root: Path, timeout: float) -> tuple[Path | None, st
 
 def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: float = 0.0) -> dict:
     out = root / f"case{case.index:04d}"
-    cmd = command(out, case.args())
-    job = run_job(out, case.args(), timeout)
+    cmd = command(out, case.args(), case.env())
+    job = run_job(out, case.args(), timeout, case.env())
     twin: Path | None = None
     twin_s = 0.0
     if job.code == 0:
@@ -926,12 +961,14 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
             verdict = Verdict("mismatch", f"could not judge: {type(exc).__name__}: {exc}")
     fired = victims(out)
     units = sorted(victim_units(case, fired))
+    cores = len(list((out / "logs").glob("core*.log")))  # the Core's incarnations
     record = {
         "case": case.index,
         "seed": case.seed,
         **{k: v for k, v in asdict(case).items() if k not in ("seed", "index")},
         "faults": list(case.faults),
         "victims": {str(r): f for r, f in sorted(fired.items())},
+        "cores": cores,
         **({"victim_units": units} if case.tp > 1 else {}),
         "outcome": verdict.outcome,
         **({"how": finished_how(out)} if verdict.outcome == "recovered" else {}),
@@ -949,6 +986,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (" --schedule-weight 1" if case.schedule != "1f1b" else "")  # its coins, the same
         + (" --drawn-schedule auto" if case.schedule == "auto" else "")
         + (f" --applied-weight {case.applied_weight:g}" if case.applied_weight else "")
+        + (" --core-kill-weight 1" if case.core_kill else "")  # its coin: the same side
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
@@ -1085,6 +1123,14 @@ def main(argv: list[str] | None = None) -> int:
         "(default 0; the other draws do not change)",
     )
     parser.add_argument(
+        "--core-kill-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a case's Core SIGKILLs itself after its first recovery plan "
+        "or commit, and a restarted Core restores from a restore point (default 0; the "
+        "other draws do not change)",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         help="a job file every case and its twin train with (e.g. a recipe of clipping "
@@ -1110,6 +1156,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--applied-weight {args.applied_weight:g}: must be from 0 to 1")
     if args.eval_every < 0:
         parser.error(f"--eval-every {args.eval_every}: must be 0 or more")
+    if not 0 <= args.core_kill_weight <= 1:
+        parser.error(f"--core-kill-weight {args.core_kill_weight:g}: must be from 0 to 1")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -1159,8 +1207,9 @@ def main(argv: list[str] | None = None) -> int:
         case = draw_schedule(case, args.schedule_weight, args.drawn_schedule)
         case = draw_eval(case, args.eval_every)
         case = draw_applied(case, args.applied_weight)
+        case = draw_core_kill(case, args.core_kill_weight)
         if args.dry_run:
-            cmd = command(root / f"case{index:04d}", case.args())
+            cmd = command(root / f"case{index:04d}", case.args(), case.env())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")
             continue
         rec = run_case(case, root, args.timeout, args.keep, args.tp_weight)

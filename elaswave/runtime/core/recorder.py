@@ -375,14 +375,17 @@ class Core:
         """Take a restore point of the log as it stands; it is written off the loop."""
         if self._saving is not None and not self._saving.done():
             return
+        point = self._capture_point()
+        self._next_point = point.position + self._every
+        self._saving = asyncio.create_task(asyncio.to_thread(self._write_point, point))
+
+    def _capture_point(self) -> RestorePoint:
+        """The state a restore point holds, at the log's position now (on the loop;
+        the log service's messages are added when it is written: :meth:`_write_point`)."""
         assert self._writer is not None
-        own, numbering = self.client.sender, self.client.numbering
-        seen = [  # its own messages logged and not yet received back are seen
-            (s, t, max(high, numbering.get(t, 0)) if s == own else high, missing)
-            for s, t, high, missing in self.client.tracker.export()
-        ]
+        seen = self._seen_with_own()
         kept, pending_from = self._carried.records(self.taken)
-        point = RestorePoint(
+        return RestorePoint(
             position=self._writer.position,
             tail=b"",
             records=self.restored + self._writer.num_records,
@@ -392,8 +395,19 @@ class Core:
             kept=kept,
             pending_from=pending_from,
         )
-        self._next_point = point.position + self._every
-        self._saving = asyncio.create_task(asyncio.to_thread(self._write_point, point))
+
+    def _seen_with_own(self) -> list[tuple[str, str, int, list[int]]]:
+        """The tracker's export, with the Core's own messages logged and not received
+        back yet as seen: a successor continues the numbering from it (a topic's first
+        message in flight when a point was taken left its topic out, and a successor
+        would have numbered it from 1 again)."""
+        own, numbering = self.client.sender, self.client.numbering
+        seen = [
+            (s, t, max(high, numbering.get(t, 0)) if s == own else high, missing)
+            for s, t, high, missing in self.client.tracker.export()
+        ]
+        have = {t for s, t, _, _ in seen if s == own}
+        return seen + [(own, t, n, []) for t, n in numbering.items() if n and t not in have]
 
     def _write_point(self, point: RestorePoint) -> None:
         """Write a point taken by :meth:`_take_point` (on a thread), with the log

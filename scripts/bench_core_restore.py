@@ -74,9 +74,7 @@ async def take_point(run_dir: Path) -> None:
     """Restore from the whole log and take a restore point at its end."""
     size = (run_dir / EVENT_LOG).stat().st_size
     async with Core(run_dir, nonce="bench", restore=True, taken=size) as core:
-        core._take_point()
-        assert core._saving is not None
-        await core._saving
+        await core.save_point()
 
 
 async def restore(run_dir: Path) -> dict[str, Any]:

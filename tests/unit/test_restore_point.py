@@ -100,18 +100,7 @@ def _completed(heard: list, step: int) -> int:
 
 async def _restored(run_dir, ports: CorePorts, taken: int) -> dict:
     async with Core(run_dir, nonce="core-x", ports=ports, restore=True, taken=taken) as core:
-        reliable = sorted(x for x in core.client.tracker.export() if x[1] in RELIABLE)
-        return {
-            "seen": reliable,
-            "index": sorted(core.index.export(recent=1 << 30)),
-            "numbering": core.client.numbering,
-            "announcements": core.announcements,
-            "finished": core.finished,
-            "run_finished": core.run_finished,
-            "watched": sorted(core.last_heartbeat),
-            "beats": {r: sorted(b) for r, b in core._beats.items()},
-            "backlog": [(a.event, a.t, a.position) for a in core._backlog],
-        }
+        return _state(core)
 
 
 @pytest.mark.timeout(60)
@@ -302,6 +291,8 @@ def _unentered(run_dir) -> Core:
 
 
 def _state(core: Core) -> dict:
+    """What a restored Core holds: the numbers seen on the reliable topics, the log
+    service's messages, numbering, what the supervisor reads, the protocol's backlog."""
     reliable = sorted(x for x in core.client.tracker.export() if x[1] in RELIABLE)
     return {
         "seen": reliable,

@@ -317,8 +317,11 @@ class Core:
                     break
                 good = start + unpacker.tell()
                 frames = (obj.get("frames") if isinstance(obj, dict) else None) or []
-                with contextlib.suppress(SchemaError):
-                    self._read_back(decode(frames), frames, float(obj.get("t", 0.0)), good)
+                try:
+                    event = decode(frames)
+                except SchemaError:  # logged as received; nothing to take in
+                    continue
+                self._read_back(event, frames, float(obj.get("t", 0.0)), good)
         if path.exists() and path.stat().st_size > good:
             log.warning("core.event_log_cut", path=str(path), at=good)
             os.truncate(path, good)
@@ -346,8 +349,11 @@ class Core:
             if senders:
                 self._beats[rank] = dict.fromkeys(senders, now)
         for kept in point.kept:
-            with contextlib.suppress(SchemaError):
-                self._take_again(decode(kept.frames), kept.frames, kept.t, kept.position)
+            try:
+                event = decode(kept.frames)
+            except SchemaError:  # kept as logged: a valid message, so never here
+                continue
+            self._take_again(event, kept.frames, kept.t, kept.position)
         self.restored = point.records
         return point.position
 
@@ -370,6 +376,15 @@ class Core:
             self._backlog.append(Arrival(event, t, position))
         else:
             self._skipped += 1
+
+    async def save_point(self) -> None:
+        """Take a restore point of the log as it stands and wait until it is written
+        (tools; the Core takes its own as its log grows)."""
+        if self._saving is not None:
+            await self._saving
+        self._take_point()
+        assert self._saving is not None
+        await self._saving
 
     def _take_point(self) -> None:
         """Take a restore point of the log as it stands; it is written off the loop."""

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from elaswave.bus.schema import Topic
@@ -150,8 +150,17 @@ class SeqTracker:
         ]
         return [entry for entry in seen if entry[2] or entry[3]]
 
-    def load(self, seen: Iterable[tuple[str, str, int, list[int]]]) -> None:
-        """Take in what :meth:`export` gave (the missing numbers missed from now)."""
+    @property
+    def nonces(self) -> dict[str, str]:
+        """Each sender's process, by the nonce of the hello it was last heard by."""
+        return dict(self._nonces)
+
+    def load(
+        self, seen: Iterable[tuple[str, str, int, list[int]]], nonces: Mapping[str, str]
+    ) -> None:
+        """Take in what :meth:`export` and :attr:`nonces` gave (the missing numbers
+        missed from now)."""
+        self._nonces.update(nonces)
         now = time.monotonic()
         for sender, topic, high, missing in seen:
             self._high[(sender, topic)] = high

@@ -21,6 +21,7 @@ from elaswave.bus.reliable import RELIABLE_TOPICS
 from elaswave.bus.schema import (
     FailureDetected,
     Heartbeat,
+    Hello,
     PlanAck,
     PlanCommit,
     RecoveryReady,
@@ -239,6 +240,7 @@ class _Recorder:
         self.core._carried = Carried("core", max_pending=max_pending)
         self.core._writer = EventLogWriter(run_dir / EVENT_LOG)
         self.seqs: Counter = Counter()
+        self.nonces: dict[int, int] = {}
         self.coming_back: list = []
         self.t = 1000.0
 
@@ -249,9 +251,26 @@ class _Recorder:
         return dataclasses.replace(event, sender=sender, seq=self.seqs[key], time=self.t)
 
     def worker(self, event, rank: int) -> None:
-        event = self._stamped(event, f"rank{rank}")
+        if rank not in self.nonces:  # a client's first message: its hello
+            self.restart(rank)
+        self._deliver(self._stamped(event, f"rank{rank}"))
+
+    def restart(self, rank: int) -> None:
+        """Rank ``rank``'s process is a new one: a hello with a new nonce, numbers from 1."""
+        self.nonces[rank] = self.nonces.get(rank, -1) + 1
+        sender = f"rank{rank}"
+        for key in [k for k in self.seqs if k[0] == sender]:
+            del self.seqs[key]
+        self._deliver(Hello(sender=sender, nonce=f"{sender}-{self.nonces[rank]}", time=self.t))
+
+    def _deliver(self, event) -> None:
+        """What the Core's client admits (``BusClient._admit``) and ``listen`` does."""
         core, frames = self.core, encode(event)
-        core.client.tracker.accept(event.sender, event.TOPIC.value, event.seq)
+        tracker = core.client.tracker
+        if event.seq > 0 and not tracker.accept(event.sender, event.TOPIC.value, event.seq):
+            return  # a duplicate: not handed out
+        if isinstance(event, Hello):
+            tracker.restarted(event.sender, event.nonce)
         if core._logged(event):
             core._log(event, frames, self.t)
         core.index.add(event.sender, event.TOPIC.value, event.seq, frames)
@@ -332,6 +351,7 @@ _OPS = st.one_of(
         ["started", "completed", "timing", "beat", "ready", "ack", "scale", "finished"]
     ), st.integers(0, 2)),
     st.tuples(st.just("own"), st.sampled_from(sorted(_OWN)), st.just(0)),
+    st.tuples(st.just("restart"), st.just(""), st.integers(0, 2)),
     st.tuples(st.sampled_from(["back", "invalid", "persist", "point"]), st.just(""), st.just(0)),
 )  # fmt: skip
 
@@ -343,6 +363,9 @@ _OPS = st.one_of(
 # Found by this test: a point taken while the Core's first message of a topic was on its
 # way back left the topic's numbering out, and a successor numbered it from 1 again.
 @example(ops=[("own", "commit", 0), ("point", "", 0)], max_pending=1 << 16)
+# And: a point without the tracker's nonces let a sender's new process, heard after it,
+# be taken for the old one (its numbers dropped as duplicates until they passed).
+@example(ops=[("worker", "started", 2), ("point", "", 0), ("restart", "", 2)], max_pending=2)
 def test_any_history_restores_from_its_newest_point_as_from_the_whole_log(
     tmp_path_factory, ops, max_pending
 ) -> None:
@@ -357,6 +380,8 @@ def test_any_history_restores_from_its_newest_point_as_from_the_whole_log(
             rec.worker(_worker_event(what, rank), rank)
         elif op == "own":
             rec.own(_OWN[what])
+        elif op == "restart":
+            rec.restart(rank)
         else:
             getattr(rec, op)()
     rec.core._writer.close()

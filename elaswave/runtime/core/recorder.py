@@ -44,6 +44,7 @@ from elaswave.bus.schema import (
     Event,
     FailureDetected,
     Heartbeat,
+    Hello,
     PauseRequest,
     PlanCommit,
     RecoveryPlan,
@@ -341,7 +342,7 @@ class Core:
 
     def _load_point(self, point: RestorePoint) -> int:
         """Take in a restore point (:meth:`restore`); the log position it covers."""
-        self.client.tracker.load(point.seen)
+        self.client.tracker.load(point.seen, point.nonces)
         self.index.load(point.index)
         now = time.monotonic()
         for rank, senders in point.watched:
@@ -358,10 +359,16 @@ class Core:
         return point.position
 
     def _read_back(self, event: Event, frames: list[bytes], t: float, position: int) -> None:
-        """Take in a valid record of the predecessor's log (:meth:`restore`)."""
+        """Take in a valid record of the predecessor's log (:meth:`restore`): tracked as
+        its client admitted it (a hello with a new nonce: a sender's new process, its
+        numbers counted from 1 again; read back without it, a restarted node agent's
+        messages were dropped as duplicates until its numbers passed its old ones)."""
         self.restored += 1
         topic = event.TOPIC.value
-        self.client.tracker.accept(event.sender, topic, event.seq)
+        if event.seq > 0:
+            self.client.tracker.accept(event.sender, topic, event.seq)
+        if isinstance(event, Hello):
+            self.client.tracker.restarted(event.sender, event.nonce)
         self.index.add(event.sender, topic, event.seq, frames)
         self._take_again(event, frames, t, position)
 
@@ -405,6 +412,7 @@ class Core:
             tail=b"",
             records=self.restored + self._writer.num_records,
             seen=seen,
+            nonces=self.client.tracker.nonces,
             index=[],  # exported on the writer's thread
             watched=[(r, sorted(self._beats.get(r, ()))) for r in self.last_heartbeat],
             kept=kept,

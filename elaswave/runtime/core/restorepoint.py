@@ -85,6 +85,9 @@ class RestorePoint:
     """The log's records up to ``position``."""
     seen: list[tuple[str, str, int, list[int]]]
     """The Core's tracker (:meth:`~elaswave.bus.reliable.SeqTracker.export`)."""
+    nonces: dict[str, str]
+    """Each sender's process as the tracker knows it (a later hello with another nonce
+    is a new process, numbered from 1)."""
     index: list[tuple[str, str, list[int], list[tuple[int, list[bytes]]]]]
     """The log service's messages (:meth:`~elaswave.bus.logservice.LogIndex.export`)."""
     watched: list[tuple[int, list[str]]]
@@ -105,6 +108,7 @@ def write_point(path: Path, point: RestorePoint) -> int:
             "tail": point.tail,
             "records": point.records,
             "seen": point.seen,
+            "nonces": point.nonces,
             "index": point.index,
             "watched": point.watched,
             "kept": [[k.frames, k.t, k.position] for k in point.kept],
@@ -165,6 +169,7 @@ def _parse(doc: Any) -> RestorePoint | None:
         tail=bytes(doc["tail"]),
         records=int(doc["records"]),
         seen=[(str(s), str(t), int(h), [int(m) for m in miss]) for s, t, h, miss in doc["seen"]],
+        nonces={str(sender): str(nonce) for sender, nonce in doc["nonces"].items()},
         index=[
             (
                 str(s),

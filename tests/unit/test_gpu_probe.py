@@ -60,3 +60,29 @@ def test_survivors_are_measured_before_the_first_change_and_against_the_last_joi
     no_join = [e for e in events if not isinstance(e, RecoveryFinished)]
     grown = growth(samples, no_join)
     assert grown is not None and grown.joiner_threads_after is None
+
+
+def test_the_end_of_a_run_is_measured_by_its_quietest_late_sample() -> None:
+    """A change under way holds the old generation's groups beside the new ones: a
+    survivor's threads rose 25 -> 43 within one change of gpu_check's churn, and a last
+    sample taken there measured a leak that was not there. The quietest of the last
+    samples is measured; a leak, there in every sample, is still seen."""
+    events = [
+        _started(10, 0.0),
+        RecoveryStarted(sender="core", step=2, kind="join", ranks=[12], reason="", time=5.0),
+        _started(12, 6.0),
+        RecoveryFinished(sender="core", step=2, kind="join", ranks=[12], mttr_s=1.0, joined=[12]),
+        StepCompleted(sender="w", rank=0, step=9, loss=1.0, step_time_s=1.0, samples=4, time=20.0),
+    ]
+
+    def run(late: list[int]) -> list:
+        """One sample before the change, and ``late`` a second apart up to the end."""
+        first = 19.5 - len(late) + 1
+        return [Sample(t=4.0, threads={10: 30}, gpu_mib=None)] + [
+            Sample(t=first + i, threads={10: n, 12: 25}, gpu_mib=None) for i, n in enumerate(late)
+        ]
+
+    grown = growth(run([60, 26, 34, 43]), events)  # the last one inside a change
+    assert grown is not None and (grown.threads_after, grown.joiner_threads_after) == (26, 25)
+    grown = growth(run([26, 60, 61, 62, 70]), events)  # only the last 4 count
+    assert grown is not None and grown.threads_after == 60

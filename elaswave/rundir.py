@@ -34,6 +34,9 @@ JOB = "job.json"
 """The job spec (:class:`~elaswave.runtime.job.config.JobSpec`): config and endpoints."""
 EVENT_LOG = "events.log"
 """The Core's log of every event on the bus."""
+HEALTH_LOG = "health"
+"""The Core's rolling log of the liveness and timing chatter (step timings, heartbeats):
+numbered segments, its newest records only (:mod:`elaswave.bus.rolling`)."""
 CORE_STATE = "core_state.json"
 """What a restarted Core resumes from, beside the event log: membership, the plan and
 its generation, the recoveries so far, and a change under way."""
@@ -62,7 +65,7 @@ TENSORBOARD = "tensorboard"
 """The job's TensorBoard scalars (:mod:`elaswave.runtime.host.tensorboard`)."""
 OUTPUTS = (
     WORKERS, PARAMS, LOGS, FAULTS, EVENT_LOG, SUMMARY, JOB, CORE_STATE, CORE_RESULT,
-    HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD, RESTORE_POINT,
+    HOST_SPEC, CORE_PID, PROFILE, TENSORBOARD, RESTORE_POINT, HEALTH_LOG,
 )  # fmt: skip
 """What one run writes; a new run in the same directory clears them first (and
 :data:`CHECKPOINTS` too unless it resumes from them)."""

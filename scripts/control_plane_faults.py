@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import RecoveryPlan, StepTiming, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.core.replay import replay_run
+from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, CORE_RESTORE_EVERY_ENV
 from elaswave.runtime.job.results import read_summary
 
@@ -151,7 +151,7 @@ def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_
     while not own and not (
         (out / "core.pid").exists()
         and log.exists()
-        and _reached([r.event for r in read_event_log(log)], when)
+        and _reached([r.event for r in read_run_log(out)], when)
     ):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"{' '.join(cmd)}: the job ended before the signal point")
@@ -189,11 +189,10 @@ def signal_core(out: Path, cmd: list[str], when: str, sig: signal.Signals, hold_
 def kill_host(out: Path, cmd: list[str], when: str) -> str:
     """Start the job, SIGKILL the job host at ``when``; say how long its children lived."""
     shutil.rmtree(out, ignore_errors=True)
-    log = out / "events.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while True:
-        events = [r.event for r in read_event_log(log)] if log.exists() else []
+        events = [r.event for r in read_run_log(out)]
         if when == "mid-step" and any(isinstance(e, StepTiming) and e.step == 3 for e in events):
             break
         if when == "during-recovery" and any(isinstance(e, RecoveryPlan) for e in events):

@@ -49,10 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import StepTiming
 from elaswave.engine.record import record_to_json
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.job.results import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,9 +86,7 @@ def rate(summary: Summary, lo: int, hi: int) -> float:
 def overruns(run_dir: Path, windows: list[Window]) -> dict:
     """Emulation overruns from the StepTiming events: over the whole run (every report,
     redone steps included) and over the throughput windows (latest report of a step)."""
-    reports = [
-        r.event for r in read_event_log(run_dir / "events.log") if isinstance(r.event, StepTiming)
-    ]
+    reports = [r.event for r in read_run_log(run_dir) if isinstance(r.event, StepTiming)]
     latest = {(t.rank, t.step): t for t in reports}
     inside = [t for (_, step), t in latest.items() if any(lo <= step < hi for lo, hi in windows)]
     count = sum(t.overruns for t in inside)
@@ -408,7 +406,7 @@ def render(doc: dict) -> str:
         "(tolerance 1e-4).",
         "* Overruns: compute blocks (one forward or backward of a micro-batch on one rank) "
         "whose real compute exceeded the modelled time, from the StepTiming events in "
-        "`events.log`; shown as overruns / blocks in the throughput windows (fraction), and "
+        "the run's logs; shown as overruns / blocks in the throughput windows (fraction), and "
         f"the whole run's total. A run with more than {a['max_overrun']:.0%} in its windows "
         f"is repeated (up to {a['attempts']} runs) and the attempt with the fewest is "
         "reported. Overruns only count compute blocks: the host delaying a worker elsewhere "

@@ -23,10 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import MISSING, Field, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -141,6 +142,22 @@ def read_event_log(path: str | os.PathLike[str]) -> Iterator[LogRecord]:
         yield _unreadable(
             f"truncated final record at byte {offset} ({size - offset} of its bytes present)"
         )
+
+
+def merge_by_time(*logs: Iterable[LogRecord]) -> Iterator[LogRecord]:
+    """The records of several logs (each in receive order) in one receive order; an
+    unreadable record (no time) stays after the record its log had before it."""
+    keyed = [_keyed(log, index) for index, log in enumerate(logs)]
+    for _key, record in heapq.merge(*keyed, key=lambda item: item[0]):
+        yield record
+
+
+def _keyed(log: Iterable[LogRecord], index: int) -> Iterator[tuple[tuple[float, int], LogRecord]]:
+    last = -math.inf
+    for record in log:
+        if math.isfinite(record.t):
+            last = max(last, record.t)
+        yield (last, index), record
 
 
 def _unreadable(error: str) -> LogRecord:

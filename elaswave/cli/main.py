@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from elaswave import logs
 from elaswave.cli import evaluate, export, sim, terminal, tokenize
 from elaswave.cli.flags import PROFILE_AUTO, PROFILE_CHOICES, add_job_flags
-from elaswave.rundir import CHECKPOINTS, EVENT_LOG, JOB, SUMMARY
+from elaswave.rundir import CHECKPOINTS, EVENT_LOG, HEALTH_LOG, JOB, SUMMARY
 
 if TYPE_CHECKING:
     from elaswave.runtime.host.profile import LayerProfile
@@ -270,8 +270,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from elaswave.bus.eventlog import format_record, read_event_log
+    from elaswave.bus.eventlog import format_record
     from elaswave.bus.schema import Beacon
+    from elaswave.runtime.core.runlog import read_run_log
 
     path = args.run_dir / EVENT_LOG
     if not path.is_file():
@@ -279,7 +280,7 @@ def _events(args: argparse.Namespace) -> int:
             f"no event log at {str(path)!r}; is {str(args.run_dir)!r} a run directory?"
         )
     hidden = 0
-    for record in read_event_log(path):
+    for record in read_run_log(args.run_dir, health=not args.no_health):
         if not args.all and isinstance(record.event, Beacon):
             hidden += 1  # delivery bookkeeping: each process's last numbers, 4 per second
             continue
@@ -397,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         "--all",
         action="store_true",
         help="include the bus's delivery beacons (logs written before they were left out)",
+    )
+    ev.add_argument(
+        "--no-health",
+        action="store_true",
+        help=f"leave out RUN_DIR/{HEALTH_LOG} (step timings and heartbeats, its newest kept)",
     )
     ky = sub.add_parser(
         "keys",

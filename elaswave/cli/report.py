@@ -436,9 +436,10 @@ def _initial_plan(run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{str(path)!r} is corrupt: its config is invalid ({exc})") from None
 
 
-def _events(run_dir: Path) -> list[Event]:
-    """The event log's events (absent: none). Messages the bus logged as invalid are
-    skipped; bytes that are not a log record are an error."""
+def _events(run_dir: Path) -> list[StragglerDetected]:
+    """The event log's events the report reads: its StragglerDetected (absent: none; a
+    long job's log holds millions of records, read through and let go). Messages the
+    bus logged as invalid are skipped; bytes that are not a log record are an error."""
     from elaswave.bus.eventlog import read_event_log
 
     path = run_dir / EVENT_LOG
@@ -449,7 +450,7 @@ def _events(run_dir: Path) -> list[Event]:
         for record in read_event_log(path):
             if math.isnan(record.t):  # the file itself is damaged, not one message
                 raise ValueError(f"{str(path)!r} is corrupt: {record.error}")
-            if record.event is not None:
+            if isinstance(record.event, StragglerDetected):
                 events.append(record.event)
     except OSError as exc:
         raise ValueError(f"cannot read {str(path)!r}: {exc.strerror}") from None

@@ -43,6 +43,11 @@ scripts/test_long: each case starts a Python process with torch (about 4 s)."""
             "plan_ack_timeout_s = -1.0: must be 0 to 600 seconds",
             marks=LONG,
         ),
+        pytest.param(
+            ["--health-log-mib", "0"],
+            "health_log_mib = 0: must be an integer number of MiB from 1 to 1048576",
+            marks=LONG,
+        ),
         (["--fault", "kill:1@3:plans"], "unknown phase 'plans'"),
         pytest.param(
             ["--wait-for-nodes", "1e6"],

@@ -114,6 +114,13 @@ def test_events_log_readable(layout_runs):
     # Only hellos come before the run's start (the job host's observer connects first).
     first = next(i for i, k in enumerate(kinds) if k != "hello")
     assert kinds[first] == "run_started" and kinds[-1] == "run_finished", kinds
+    # The health log's records among them: every rank's timing of every step (the
+    # event log keeps those the change protocol learns from: each step's first, and
+    # each rank's first).
+    assert kinds.count("step_timing") == 4 * STEPS
+    quiet = elaswave("events", "--no-health", str(layout_runs[(2, 2)].out)).stdout
+    assert quiet.count(" step_timing ") == STEPS + 3
+    assert quiet.count(" step_completed ") == STEPS
     # Liveness plumbing is not logged: no beacon, and a worker's heartbeats once in 5 s.
     every = elaswave("events", "--all", str(layout_runs[(2, 2)].out))
     assert "beacon" not in [line.split()[2] for line in every.stdout.splitlines()]

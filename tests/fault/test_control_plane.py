@@ -24,6 +24,7 @@ from elaswave.bus.schema import (
     WorkerStarted,
 )
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.core.runlog import read_run_log
 from tests.fault.recovery import JOB, STEPS, check_recovered
 from tests.runs import Run, launch, train
 
@@ -131,7 +132,7 @@ def _alive(pid: int) -> bool:
 
 def _kill_core_when(out, proc: subprocess.Popen, ready, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while not ((out / "events.log").exists() and ready(list(read_event_log(out / "events.log")))):
+    while not ready(list(read_run_log(out))):
         assert proc.poll() is None, out.with_suffix(".stderr").read_text()
         assert time.monotonic() < deadline, "the job never reached the kill point"
         time.sleep(0.02)

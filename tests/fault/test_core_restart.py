@@ -21,6 +21,7 @@ from elaswave.bus.schema import StepCompleted, StepTiming, WorkerStarted
 from elaswave.fabric.checkpoint import step_complete
 from elaswave.rundir import JOB as JOB_SPEC
 from elaswave.runtime.core.compare import compare_runs, load_params, param_rel_diff
+from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, CORE_RESTORE_EVERY_ENV
 from elaswave.runtime.job.config import JobSpec
 from tests.fault.recovery import JOB, check_recovered
@@ -42,7 +43,7 @@ def _signal_core_when(out, proc, ready, sig: signal.Signals, timeout_s: float = 
     while not (
         (out / "core.pid").exists()
         and (out / "events.log").exists()
-        and ready([r.event for r in read_event_log(out / "events.log")])
+        and ready([r.event for r in read_run_log(out)])
     ):
         assert proc.poll() is None, out.with_suffix(".stderr").read_text()
         assert time.monotonic() < deadline, "the job never reached the signal point"
@@ -81,7 +82,7 @@ def _started_once(out, world: int) -> None:
 
 def _at_step(step: int):
     """Some worker is in ``step``: it reported the step before (heartbeats, which say the
-    step a worker is in, are logged once in 5 s)."""
+    step a worker is in, are logged once in 5 s; step timings in the health log)."""
     return lambda events: any(isinstance(e, StepTiming) and e.step >= step - 1 for e in events)
 
 

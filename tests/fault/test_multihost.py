@@ -18,6 +18,7 @@ import pytest
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import RecoveryFinished, StepTiming, WorkerSpawned
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.core.runlog import read_run_log
 from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
 
@@ -52,8 +53,7 @@ def _host(i: int, out: Path, keys: Path, node0: str, *extra: str) -> subprocess.
 
 def _wait_for(out: Path, what, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    log = out / "events.log"
-    while not (log.exists() and any(what(r.event) for r in read_event_log(log))):
+    while not any(what(r.event) for r in read_run_log(out)):
         assert proc.poll() is None, "the job ended before it got there"
         assert time.monotonic() < deadline, "the job never got there"
         time.sleep(0.05)

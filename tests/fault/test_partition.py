@@ -20,6 +20,7 @@ import pytest
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import FailureDetected, StepTiming
 from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.core.runlog import read_run_log
 from tests import netns
 from tests.runs import Run, check_replay, elaswave, train
 
@@ -38,10 +39,9 @@ def hosts() -> Iterator[str]:
 def _cut_when(out, proc: subprocess.Popen, step: int, rank: int) -> float:
     """Take rank's host off the network once some worker is in ``step``; the cut time."""
     deadline = time.monotonic() + 120
-    log = out / "events.log"
-    while not (log.exists() and any(
-        isinstance(r.event, StepTiming) and r.event.step >= step for r in read_event_log(log)
-    )):  # fmt: skip
+    while not any(
+        isinstance(r.event, StepTiming) and r.event.step >= step for r in read_run_log(out)
+    ):
         assert proc.poll() is None, "the job ended before the cut"
         assert time.monotonic() < deadline, "the job never reached the cut"
         time.sleep(0.05)

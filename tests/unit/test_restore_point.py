@@ -18,6 +18,7 @@ from elaswave.bus.client import BusClient
 from elaswave.bus.codec import encode
 from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.reliable import RELIABLE_TOPICS
+from elaswave.bus.rolling import MIN_KEEP_BYTES, RollingLogWriter
 from elaswave.bus.schema import (
     FailureDetected,
     Heartbeat,
@@ -32,7 +33,7 @@ from elaswave.bus.schema import (
     WorkerFinished,
     WorkerStarted,
 )
-from elaswave.rundir import EVENT_LOG, RESTORE_POINT
+from elaswave.rundir import EVENT_LOG, HEALTH_LOG, RESTORE_POINT
 from elaswave.runtime.core.recorder import Core, CorePorts
 from elaswave.runtime.core.restorepoint import Carried, read_point
 
@@ -109,16 +110,16 @@ async def _restored(run_dir, ports: CorePorts, taken: int) -> dict:
 def test_a_core_restored_from_a_point_and_the_log_after_it_equals_one_from_the_whole_log(
     tmp_path, taken_at
 ) -> None:
-    """Points every 3 kB: several are written, and the newest covers most of the log.
+    """Points every 1.5 kB: several are written, and the newest covers most of the log.
     Restored from it and from the whole log (the point removed), the Core holds the
     same numbers seen on the reliable topics, the same messages to serve, numbering,
     announcements, ends, watched ranks and protocol backlog."""
-    ports, taken, points = asyncio.run(_run_job(tmp_path, every=3000, taken_at=taken_at))
+    ports, taken, points = asyncio.run(_run_job(tmp_path, every=1500, taken_at=taken_at))
     log_bytes = (tmp_path / EVENT_LOG).stat().st_size
     assert points >= 2
     point, why = read_point(tmp_path / RESTORE_POINT, tmp_path / EVENT_LOG, taken)
     assert point is not None and why == ""
-    assert log_bytes - 4000 < point.position < log_bytes
+    assert log_bytes / 2 < point.position < log_bytes
     with structlog.testing.capture_logs() as logs:
         from_point = asyncio.run(_restored(tmp_path, ports, taken))
     (restored,) = [r for r in logs if r["event"] == "core.restored"]
@@ -140,7 +141,7 @@ def test_a_point_the_core_cannot_trust_is_passed_over_for_the_whole_log(tmp_path
     """A point of another log (its bytes before the position differ), an unreadable
     one, and one lacking protocol events the persisted state has not taken in: each is
     named in one warning, and the Core restores from the whole log."""
-    ports, taken, _ = asyncio.run(_run_job(tmp_path, every=3000, taken_at=8))
+    ports, taken, _ = asyncio.run(_run_job(tmp_path, every=1500, taken_at=8))
     point_path = tmp_path / RESTORE_POINT
     good_point = point_path.read_bytes()
     point, _ = read_point(point_path, tmp_path / EVENT_LOG, taken)
@@ -221,7 +222,7 @@ def test_carried_keeps_what_a_successor_takes_in_again() -> None:
 def test_a_point_that_cannot_be_written_is_logged_and_the_core_goes_on(tmp_path) -> None:
     (tmp_path / RESTORE_POINT).mkdir()  # os.replace onto a directory fails
     with structlog.testing.capture_logs() as logs:
-        _, _, points = asyncio.run(_run_job(tmp_path, every=3000, taken_at=4))
+        _, _, points = asyncio.run(_run_job(tmp_path, every=1500, taken_at=4))
     assert points == 0
     failed = [r for r in logs if r["event"] == "core.restore_point_failed"]
     assert failed and all(r["log_level"] == "error" for r in failed)
@@ -239,6 +240,7 @@ class _Recorder:
         self.core = _unentered(run_dir)
         self.core._carried = Carried("core", max_pending=max_pending)
         self.core._writer = EventLogWriter(run_dir / EVENT_LOG)
+        self.core._health = RollingLogWriter(run_dir / HEALTH_LOG, keep_bytes=MIN_KEEP_BYTES)
         self.seqs: Counter = Counter()
         self.nonces: dict[int, int] = {}
         self.coming_back: list = []
@@ -271,8 +273,7 @@ class _Recorder:
             return  # a duplicate: not handed out
         if isinstance(event, Hello):
             tracker.restarted(event.sender, event.nonce)
-        if core._logged(event):
-            core._log(event, frames, self.t)
+        core._log(event, frames, self.t)
         core.index.add(event.sender, event.TOPIC.value, event.seq, frames)
         core._dispatch(event)
 
@@ -385,6 +386,7 @@ def test_any_history_restores_from_its_newest_point_as_from_the_whole_log(
         else:
             getattr(rec, op)()
     rec.core._writer.close()
+    rec.core._health.close()
     taken = rec.core.taken
     point, why = read_point(run_dir / RESTORE_POINT, run_dir / EVENT_LOG, taken)
     event("a point used" if point else f"no point used: {why.split(',')[0] or 'none'}")

@@ -69,6 +69,7 @@ SAMPLE = {
         "core_restarts": 2,
         "core_restart_delay_s": 1.0,
         "core_outage_s": 20.0,
+        "health_log_mib": 64,
     },
     "state": {
         "snapshots": False,
@@ -98,7 +99,7 @@ FLAGS = [
     "--reform",
     *("--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--plan-ack-timeout", "6"),
     *("--comm-timeout", "30", "--core-restarts", "2", "--core-restart-delay", "1"),
-    *("--core-outage", "20", "--no-snapshots", "--snapshot-copies", "2"),
+    *("--core-outage", "20", "--health-log-mib", "64", "--no-snapshots", "--snapshot-copies", "2"),
     *("--verify-snapshots", "--checkpoint-every", "2", "--no-restore-in-job"),
     *("--bus-host", "192.0.2.2", "--bus-keys", "/keys"),
     *("--fault", "kill:1@4", "--fault", "join@6", "--bus-faults", "drop=0.1,seed=3"),

@@ -82,6 +82,7 @@ async def serve(run_dir: Path, link: CoreLink, incarnation: int) -> None:
         restore=restart,
         taken=taken,
         restore_every=int(os.environ.get(CORE_RESTORE_EVERY_ENV, RESTORE_EVERY)),
+        health_keep_bytes=cfg.liveness.health_log_mib << 20,
     ) as core:
         listener = asyncio.create_task(core.listen())
         ok, reason = True, ""

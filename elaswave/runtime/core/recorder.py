@@ -2,9 +2,12 @@
 
 Every message the Core's subscriber sees, valid or not, is appended raw to
 RUN_DIR/events.log (``elaswave events RUN_DIR`` prints it), but for the liveness
-plumbing: beacons are not, and a sender's heartbeats once every :data:`BEAT_LOG_S`
-(:meth:`Core._logged`); invalid messages are reported and skipped, never fatal. User
-code and the CLI observe the run through ``on_event``.
+plumbing (:meth:`Core._sink`): beacons are not logged, and the chatter no one reads back
+(the step timings that tell the change protocol nothing new, node agents' heartbeats,
+and of a sender's heartbeats one every :data:`BEAT_LOG_S` after its first) goes to the
+rolling log RUN_DIR/health, which keeps its newest records only
+(:mod:`elaswave.bus.rolling`); invalid messages are reported and skipped, never fatal.
+User code and the CLI observe the run through ``on_event``.
 
 The supervisor reads the run through a small API: :meth:`Core.protocol_events` (the
 events the change protocol takes, a predecessor's first), :meth:`Core.forget_worker`
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +42,7 @@ from elaswave.bus.eventlog import EventLogWriter
 from elaswave.bus.keys import BusKeys
 from elaswave.bus.logservice import LogIndex, LogService
 from elaswave.bus.reliable import BusFaults
+from elaswave.bus.rolling import RollingLogWriter
 from elaswave.bus.schema import (
     CORE_SENDER,
     Beacon,
@@ -45,6 +50,7 @@ from elaswave.bus.schema import (
     FailureDetected,
     Heartbeat,
     Hello,
+    NodeHeartbeat,
     PauseRequest,
     PlanCommit,
     RecoveryPlan,
@@ -56,7 +62,7 @@ from elaswave.bus.schema import (
     WorkerStarted,
     sender_name,
 )
-from elaswave.rundir import EVENT_LOG, RESTORE_POINT
+from elaswave.rundir import EVENT_LOG, HEALTH_LOG, RESTORE_POINT
 from elaswave.runtime.core.observe import takes
 from elaswave.runtime.core.restorepoint import (
     RECENT_FRAMES,
@@ -71,11 +77,34 @@ from elaswave.runtime.core.restorepoint import (
 log = structlog.get_logger(__name__)
 
 BEAT_LOG_S = 5.0
-"""A sender's heartbeats the event log keeps: its first, then one every this many seconds.
-Every worker beats five times a second and beacons four: with both logged whole they
-were nine records in ten of a steady job's log (about 10 GB a day at 64 ranks), all
+"""A sender's heartbeats the logs keep: its first (in the event log: a restarted Core
+learns a TP group's members from it), then one every this many seconds (in the health
+log). Every worker beats five times a second and beacons four: with both logged whole
+they were nine records in ten of a steady job's log (about 10 GB a day at 64 ranks), all
 read back by a restarted Core. What a heartbeat proves is in the log all the same: a rank
 fenced as hung has its FailureDetected name the seconds it was silent."""
+
+
+class Sink(enum.Enum):
+    """Where the Core logs a message (:meth:`Core._sink`)."""
+
+    EVENTS = "events"
+    """The event log: kept for the run's life, read back by restore, replay, the summary."""
+    HEALTH = "health"
+    """The health log: liveness and timing chatter, its newest records kept."""
+    NOWHERE = "nowhere"
+    """Not logged: beacons, and heartbeats between those kept."""
+
+
+HEALTH_CHATTER = (StepTiming, NodeHeartbeat)
+"""What goes to the health log: every node agent's heartbeats (five a second a node) and
+the step timings that tell the change protocol nothing new (:meth:`Core._news`): every
+rank's timing of every step was nine records in ten of a steady job's event log (1.1 GB
+a day at 64 ranks and a step a second), and a slowdown the Core acts on is in its
+StragglerDetected. No restore, replay or summary reads them."""
+
+HEALTH_KEEP_BYTES = 1 << 30
+"""What the health log keeps by default (``--health-log-mib``)."""
 
 MAX_PENDING_TIMINGS = 1 << 16
 """StepTiming reports the Core holds for the fail-slow watch to take; past this the
@@ -147,6 +176,7 @@ class Core:
         restore: bool = False,
         taken: int = 0,
         restore_every: int = RESTORE_EVERY,
+        health_keep_bytes: int = HEALTH_KEEP_BYTES,
     ) -> None:
         """``host``/``keys``: where the bus binds, and its CURVE keys (required beyond
         loopback, :mod:`elaswave.bus.keys`); ``faults``: injected into what it receives.
@@ -156,6 +186,7 @@ class Core:
         same endpoints, and its numbering continues the predecessor's (:meth:`restore`);
         ``taken``: the log position its supervisor's persisted state has taken in.
         ``restore_every``: log bytes between restore points (:mod:`.restorepoint`).
+        ``health_keep_bytes``: what the health log keeps (:mod:`elaswave.bus.rolling`).
         """
         self.run_dir = run_dir
         self.on_event = on_event
@@ -168,6 +199,7 @@ class Core:
         self._skipped = 0
         """Protocol events :meth:`restore` read back that the state had taken in."""
         self._every = restore_every
+        self._health_keep = health_keep_bytes
         self._next_point = restore_every
         """The log position past which the next restore point is taken."""
         self._saving: asyncio.Task[None] | None = None
@@ -182,6 +214,10 @@ class Core:
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
         self.last_heartbeat: dict[int, float] = {}
+        self._newest_step = -1
+        """The newest step of the step timings in the event log (:meth:`_news`)."""
+        self._generations: dict[int, int] = {}
+        """rank -> the newest generation of its step timings in the event log."""
         self._beat_logged: dict[str, float] = {}
         """sender -> monotonic time its last logged heartbeat arrived (:meth:`_logged`)."""
         self._beats: dict[int, dict[str, float]] = {}
@@ -202,6 +238,7 @@ class Core:
         """Those events as :meth:`restore` read them back from the event log."""
         self._client: BusClient | None = None
         self._writer: EventLogWriter | None = None
+        self._health: RollingLogWriter | None = None
         self._maintain: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
@@ -249,6 +286,7 @@ class Core:
         if self._restore:
             self.restore(self.taken)
         self._writer = EventLogWriter(self.run_dir / EVENT_LOG)
+        self._health = RollingLogWriter(self.run_dir / HEALTH_LOG, keep_bytes=self._health_keep)
         await self._client.connect()
         self._maintain = asyncio.create_task(self._client.maintain(), name="core-delivery")
         return self
@@ -264,6 +302,8 @@ class Core:
             await self._client.close()
         if self._writer is not None:
             self._writer.close()
+        if self._health is not None:
+            self._health.close()
         self.log_service.close()
         self.broker.close()
 
@@ -278,15 +318,23 @@ class Core:
         numbering from the log, so no number can reach a worker unlogged (its beacons,
         unnumbered, are not logged)."""
         event = decode(frames)
-        if self._writer is not None and self._logged(event):
+        if self._writer is not None:
             self._log(event, frames, time.time())
         self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
 
     def _log(self, event: Event, frames: list[bytes], t: float) -> None:
-        """Append a valid message to the event log, and keep what a successor needs."""
+        """Log a valid message where it goes (:meth:`_sink`); of those in the event log,
+        keep what a successor needs."""
         assert self._writer is not None
-        position = self._writer.append(frames, t)
-        self._carried.add(event, frames, t, position)
+        assert self._health is not None
+        match self._sink(event):
+            case Sink.EVENTS:
+                position = self._writer.append(frames, t)
+                self._carried.add(event, frames, t, position)
+            case Sink.HEALTH:
+                self._health.append(frames, t)
+            case Sink.NOWHERE:
+                pass
 
     def restore(self, taken: int = 0) -> None:
         """Read the predecessor's state back: the log service serves its messages again,
@@ -489,8 +537,7 @@ class Core:
                 self.num_rejected += 1
                 continue
             if event.sender != self.client.sender:  # its own were logged when sent
-                if self._logged(event):
-                    self._log(event, frames, now)
+                self._log(event, frames, now)
                 self.index.add(event.sender, event.TOPIC.value, event.seq, frames)
             self._dispatch(event)
             if self._writer.position >= self._next_point:
@@ -504,18 +551,41 @@ class Core:
                     log.exception("core.on_event_failed", kind=str(event.KIND))
             self._changed.set()
 
-    def _logged(self, event: Event) -> bool:
-        """Whether ``event`` goes into the event log: not a beacon (each process's last
-        numbers, four times a second, replaced by the next and unnumbered), and of a
-        sender's heartbeats its first and one every :data:`BEAT_LOG_S`."""
+    def _sink(self, event: Event) -> Sink:
+        """Where ``event`` is logged: a beacon (each process's last numbers, four times
+        a second, replaced by the next and unnumbered) nowhere; the chatter of
+        :data:`HEALTH_CHATTER` in the health log, but for step timings the protocol
+        learns from (:meth:`_news`); of a sender's heartbeats, its first in the event log
+        and one every :data:`BEAT_LOG_S` after it in the health log; everything else in
+        the event log."""
         if isinstance(event, Beacon):
-            return False
+            return Sink.NOWHERE
+        if isinstance(event, HEALTH_CHATTER):
+            return Sink.EVENTS if self._news(event) else Sink.HEALTH
         if isinstance(event, Heartbeat):
             now, last = time.monotonic(), self._beat_logged.get(event.sender)
             if last is not None and now - last < BEAT_LOG_S:
-                return False
+                return Sink.NOWHERE
             self._beat_logged[event.sender] = now
-        return True
+            return Sink.EVENTS if last is None else Sink.HEALTH
+        return Sink.EVENTS
+
+    def _news(self, event: Event) -> bool:
+        """Whether a step timing tells the change protocol what no logged one did: the
+        protocol takes from it the newest generation each rank trained under and the
+        newest step (:class:`~elaswave.engine.inputs.Trained`), so the first timing of a
+        newer step, and a rank's first under a newer generation, are logged for a
+        successor to read back; the rest tell it nothing a logged one did not. (A
+        successor, knowing none logged, logs more: never less than the protocol needs.)"""
+        if not isinstance(event, StepTiming):
+            return False
+        newer_step = event.step > self._newest_step
+        newer_generation = event.generation > self._generations.get(event.rank, -1)
+        if newer_step:
+            self._newest_step = event.step
+        if newer_generation:
+            self._generations[event.rank] = event.generation
+        return newer_step or newer_generation
 
     def _dispatch(self, event: Event) -> None:
         """Update the state the supervisor reads with ``event``."""

@@ -436,6 +436,14 @@ class LivenessConfig:
     )
     """Seconds workers train on without hearing from the Core; after that they all stop
     at the same step boundary and wait for it, keeping their state."""
+    health_log_mib: int = setting(
+        1024,
+        help="MiB of the newest step timings and heartbeats the run directory keeps in "
+        "RUN_DIR/health (default 1024)",
+    )
+    """What the Core's health log keeps (:mod:`elaswave.bus.rolling`): every rank's step
+    timings and the sampled heartbeats, the oldest dropped; the event log keeps the rest
+    for the run's life."""
 
     def __post_init__(self) -> None:
         seconds = "must be 0 to 600 seconds"
@@ -452,6 +460,12 @@ class LivenessConfig:
             "core_outage_s",
             lambda v: is_number(v) and 0 < v <= 3600,
             "must be more than 0 and at most 3600 seconds",
+        )
+        check(
+            self,
+            "health_log_mib",
+            lambda v: is_int(v) and 1 <= v <= 1 << 20,
+            "must be an integer number of MiB from 1 to 1048576",
         )
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(

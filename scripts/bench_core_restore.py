@@ -2,10 +2,12 @@
 
     .venv/bin/python scripts/bench_core_restore.py [--ranks 64] [--steps 1000 4000 16000]
 
-For each length, an event log of a steady job is written as the Core writes it (every
-rank's StepCompleted and StepTiming of every step, a heartbeat a rank every five steps:
-what the log keeps at a step a second), and a Core restores from it three ways, each in
-a fresh process (its peak memory is its own):
+For each length, an event log of a steady job is written (every rank's StepCompleted
+and StepTiming of every step, a heartbeat a rank every five steps: more than the Core
+logged before the health log, where a StepCompleted is the last stage's alone; with
+``--health-apart``, what it logs since: a step's first timing and StepCompleted, and
+each rank's first timing and heartbeat), and a Core restores from it three ways, each
+in a fresh process (its peak memory is its own):
 
 - ``whole``: from the whole log (no restore point);
 - ``point``: from a restore point taken at the log's end;
@@ -44,9 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("whole", "point", "point+tail")
 
 
-def write_log(run_dir: Path, ranks: int, steps: int, start: int = 0) -> int:
+def write_log(run_dir: Path, ranks: int, steps: int, start: int = 0, apart: bool = False) -> int:
     """Append ``steps`` steps of ``ranks`` ranks' events from step ``start``; the log's
-    length."""
+    length. ``apart``: what the event log holds of them since the health log
+    (:data:`~elaswave.runtime.core.recorder.HEALTH_CHATTER`): a step's first timing and
+    the StepCompleted of the last stage's first rank, and each rank's first timing and
+    heartbeat."""
+    if apart:
+        return write_apart(run_dir, ranks, steps, start)
     with EventLogWriter(run_dir / EVENT_LOG) as log:
         for step in range(start, start + steps):
             t = 1.8e9 + step
@@ -67,6 +74,30 @@ def write_log(run_dir: Path, ranks: int, steps: int, start: int = 0) -> int:
                     events.insert(0, Heartbeat(**stamp, seq=health + 1, rank=rank, step=step))
                 for event in events:
                     log.append(encode(event), t)
+        return log.position
+
+
+def write_apart(run_dir: Path, ranks: int, steps: int, start: int) -> int:
+    with EventLogWriter(run_dir / EVENT_LOG) as log:
+        for step in range(start, start + steps):
+            t = 1.8e9 + step
+            firsts = range(ranks) if step == 0 else range(1)  # what the protocol learns
+            for rank in firsts:
+                timing = StepTiming(
+                    sender=sender_name(rank), seq=step + 2, time=t, rank=rank, step=step,
+                    compute_s=0.4, expected_s=0.4, micro_batches=8,
+                )  # fmt: skip
+                log.append(encode(timing), t)
+            if step == 0:
+                for rank in range(ranks):
+                    beat = Heartbeat(sender=sender_name(rank), seq=1, rank=rank, step=0, time=t)
+                    log.append(encode(beat), t)
+            last = ranks - 1
+            done = StepCompleted(
+                sender=sender_name(last), seq=step + 1, time=t, rank=last, step=step, loss=2.0,
+                step_time_s=1.0, samples=8,
+            )  # fmt: skip
+            log.append(encode(done), t)
         return log.position
 
 
@@ -111,10 +142,10 @@ def measure(run_dir: Path) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def one_length(ranks: int, steps: int, scratch: Path) -> dict[str, Any]:
+def one_length(ranks: int, steps: int, scratch: Path, apart: bool) -> dict[str, Any]:
     run_dir = scratch / f"s{steps}"
     run_dir.mkdir()
-    size = write_log(run_dir, ranks, steps)
+    size = write_log(run_dir, ranks, steps, apart=apart)
     row: dict[str, Any] = {"ranks": ranks, "steps": steps, "log_mib": round(size / 2**20, 1)}
     row["whole"] = measure(run_dir)
     asyncio.run(take_point(run_dir))
@@ -123,7 +154,7 @@ def one_length(ranks: int, steps: int, scratch: Path) -> dict[str, Any]:
     per_step = size / steps
     every = max(RESTORE_EVERY, 2 * (run_dir / RESTORE_POINT).stat().st_size)
     tail_steps = int(every / per_step)
-    write_log(run_dir, ranks, tail_steps, start=steps)
+    write_log(run_dir, ranks, tail_steps, start=steps, apart=apart)
     row["point+tail"] = measure(run_dir)
     row["tail_mib"] = round((run_dir / EVENT_LOG).stat().st_size / 2**20 - size / 2**20, 1)
     shutil.rmtree(run_dir)
@@ -152,6 +183,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--steps", type=int, nargs="+", default=[1000, 4000, 16000])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "core_restore")
+    parser.add_argument(
+        "--health-apart",
+        action="store_true",
+        help="write the event log as it is since the health log: two records a step",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -160,7 +196,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for steps in args.steps:
-            rows.append(one_length(args.ranks, steps, Path(tmp)))
+            rows.append(one_length(args.ranks, steps, Path(tmp), args.health_apart))
             print(report(rows[-1:]).splitlines()[-1], flush=True)
     table = report(rows)
     print(table)

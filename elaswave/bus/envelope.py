@@ -81,6 +81,9 @@ class EventKind(enum.StrEnum):
 
 CORE_SENDER = "core"
 """The Core's name on the bus."""
+NODES_SENDER = "host-nodes"
+"""The name on the bus of node 0's view of a multi-host job's hosts: it asks the other
+hosts' agents to start and signal workers (SpawnWorker, SignalWorker)."""
 
 
 def sender_name(rank: int, member: int = 0) -> str:

@@ -34,6 +34,7 @@ from elaswave.bus.envelope import CORE_SENDER as CORE_SENDER
 from elaswave.bus.envelope import EVENT_TYPES as EVENT_TYPES
 from elaswave.bus.envelope import FIELD_SPECS as FIELD_SPECS
 from elaswave.bus.envelope import KIND_KEY as KIND_KEY
+from elaswave.bus.envelope import NODES_SENDER as NODES_SENDER
 from elaswave.bus.envelope import SCHEMA_VERSION as SCHEMA_VERSION
 from elaswave.bus.envelope import SUPPORTED_SCHEMA_VERSIONS as SUPPORTED_SCHEMA_VERSIONS
 from elaswave.bus.envelope import Event as Event

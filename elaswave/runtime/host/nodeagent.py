@@ -25,6 +25,7 @@ from elaswave.bus.client import BusClient
 from elaswave.bus.keys import load_keys
 from elaswave.bus.schema import (
     CORE_SENDER,
+    NODES_SENDER,
     NodeHeartbeat,
     NodeJoined,
     RunFinished,
@@ -40,6 +41,13 @@ from elaswave.runtime.host.zygote import ForkedProcess, Zygote
 from elaswave.runtime.job.config import JobConfig, JobSpec
 
 log = structlog.get_logger(__name__)
+
+AGENT_TOPICS = (Topic.CONTROL, Topic.LIFECYCLE)
+AGENT_SENDERS = (CORE_SENDER, NODES_SENDER)
+"""Whose messages an agent takes: node 0's job host asks it for workers
+(SpawnWorker, SignalWorker, from :data:`~elaswave.bus.schema.NODES_SENDER`), the
+Core ends the run (RunFinished). Taking the Core's alone, an agent never heard a
+request, and no worker started on another host."""
 
 JOB_KEY = "elaswave/job"
 """The store key under which node 0 publishes RUN_DIR/job.json for the other hosts."""
@@ -73,7 +81,7 @@ async def run_agent(
     keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
     client = BusClient(
         f"node{node}", ep.bus_publish, ep.bus_subscribe,
-        topics=(Topic.CONTROL, Topic.LIFECYCLE), senders=(CORE_SENDER,), keys=keys,
+        topics=AGENT_TOPICS, senders=AGENT_SENDERS, keys=keys,
         log_rejected=False,
     )  # fmt: skip
     await client.connect()

@@ -32,6 +32,7 @@ import structlog
 
 from elaswave.bus.client import BusClient
 from elaswave.bus.schema import (
+    NODES_SENDER,
     NodeHeartbeat,
     NodeJoined,
     ScaleRequest,
@@ -102,7 +103,7 @@ class RemoteNodes:
         """Connect to the job's bus (the Core has bound it) and follow the agents."""
         ep = run_dir_spec.endpoints
         self._client = BusClient(
-            "host-nodes", ep.bus_publish, ep.bus_subscribe, topics=(Topic.CONTROL, Topic.HEALTH),
+            NODES_SENDER, ep.bus_publish, ep.bus_subscribe, topics=(Topic.CONTROL, Topic.HEALTH),
             keys=self.cfg.network.keys(), log_rejected=False,
         )  # fmt: skip
         await self._client.connect()

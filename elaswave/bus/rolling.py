@@ -58,6 +58,13 @@ def segments(directory: Path) -> list[Path]:
     return [path for _, path in sorted(numbered)]
 
 
+def removed(directory: str | os.PathLike[str]) -> int:
+    """How many of the log's oldest segments were removed to keep its bound (segments
+    are numbered from 0, and a writer continues the numbering)."""
+    kept = segments(Path(directory))
+    return _number(kept[0]) if kept else 0
+
+
 def read_rolling_log(directory: str | os.PathLike[str]) -> Iterator[LogRecord]:
     """Every record the log keeps, oldest first (:func:`~elaswave.bus.eventlog.read_event_log`
     on each segment: a segment cut short by a crash yields an error record at its end).

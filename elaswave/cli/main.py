@@ -271,6 +271,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from elaswave.bus.eventlog import format_record
+    from elaswave.bus.rolling import removed
     from elaswave.bus.schema import Beacon
     from elaswave.runtime.core.runlog import read_run_log
 
@@ -287,6 +288,13 @@ def _events(args: argparse.Namespace) -> int:
         print(format_record(record))
     if hidden:
         print(f"elaswave: {hidden} beacon(s) not shown (--all shows them)", file=sys.stderr)
+    if not args.no_health and (gone := removed(args.run_dir / HEALTH_LOG)):
+        print(
+            f"elaswave: the health log's {gone} oldest segment(s) were removed to keep it "
+            "within --health-log-mib: step timings and heartbeats before its first shown "
+            "are gone (the event log is whole)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -13,9 +13,11 @@ from elaswave.bus.rolling import (
     SEGMENTS,
     RollingLogWriter,
     read_rolling_log,
+    removed,
     segments,
 )
 from elaswave.bus.schema import StepTiming
+from elaswave.cli.main import main
 
 
 def _timing(step: int) -> list[bytes]:
@@ -92,3 +94,20 @@ def test_logs_merge_in_receive_order_an_unreadable_record_after_its_predecessor(
     health = [record(2.0, 2), record(3.0, 3), record(5.0, 5)]
     merged = list(merge_by_time(events, health))
     assert [r.event.step if r.event else "torn" for r in merged] == [1, 2, 3, 4, "torn", 5]
+
+
+def test_elaswave_events_says_when_the_health_log_dropped_its_oldest(tmp_path, capsys) -> None:
+    EventLogWriter(tmp_path / "events.log").close()
+    with RollingLogWriter(tmp_path / "health", keep_bytes=MIN_KEEP_BYTES) as log:
+        log.append(_timing(0))
+    assert main(["events", str(tmp_path)]) == 0
+    assert "oldest segment" not in capsys.readouterr().err
+    with RollingLogWriter(tmp_path / "health", keep_bytes=MIN_KEEP_BYTES) as log:
+        for step in range(10_000):
+            log.append(_timing(step))
+        gone = log.removed
+    assert gone > 0 and removed(tmp_path / "health") == gone
+    assert main(["events", str(tmp_path)]) == 0
+    assert f"health log's {gone} oldest segment(s) were removed" in capsys.readouterr().err
+    assert main(["events", "--no-health", str(tmp_path)]) == 0
+    assert "oldest segment" not in capsys.readouterr().err

@@ -78,7 +78,7 @@ def build_summary(
         loss=tuple(losses),
         step_time_s=tuple(step_time),
         samples_per_s=plan.global_batch * len(losses) / sum(step_time),
-        param_digest=param_digest(load_params(run_dir)),
+        param_digest=_digest_here(run_dir, plan),
         events=num_events,
         recoveries=tuple(recoveries),
         device=device,
@@ -109,16 +109,22 @@ def _losses(
 
     Last-stage ranks know the loss of each step they ran in the last stage (a rank that
     changed stage, or joined, knows only some steps); the steps no surviving rank ran
-    there come from the StepCompleted records of the event log (the latest for each
-    step, which is the redone one after a recovery)."""
+    there, and every step where the last stage's results are on another host's disk (a
+    multi-host job without a shared run directory), come from the StepCompleted records
+    of the event log (the latest for each step, which is the redone one after a
+    recovery)."""
     by_step: dict[int, float] = {}
     for r in results:
         if r.loss is not None:
             at = r.loss_steps or range(r.first_step, r.first_step + len(r.loss))
             by_step.update(zip(at, r.loss, strict=True))
-    first, last = min(by_step), max(by_step)
+    if not by_step and not logged:
+        raise ValueError("no rank's result and no event log record has a step's loss")
+    first, last = (min(by_step), max(by_step)) if by_step else (max(logged), max(logged))
     while first - 1 in logged:
         first -= 1
+    while last + 1 in logged:
+        last += 1
     missing = [s for s in range(first, last + 1) if s not in by_step and s not in logged]
     if missing:
         raise ValueError(f"no rank and no event log record has the loss of steps {missing}")
@@ -172,6 +178,18 @@ def _step_times(
         slowest[step] if step in slowest else logged[step].step_time_s
         for step in range(first, first + trained)
     ]
+
+
+def _digest_here(run_dir: Path, plan: Plan) -> str | None:
+    """The digest of the final parameters, where this run directory holds every layer's;
+    None where it holds some (a multi-host job without a shared run directory: each
+    host's has the stages its ranks saved) or none."""
+    try:
+        params = load_params(run_dir)
+    except FileNotFoundError:
+        return None
+    layers = {layer for stage in plan.stages for layer in stage.layers}
+    return param_digest(params) if layers <= params.keys() else None
 
 
 def _logged_steps(run_dir: Path) -> dict[int, StepCompleted]:

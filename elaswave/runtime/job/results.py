@@ -62,8 +62,10 @@ class Summary:
     step_time_s: tuple[float, ...]
     """Each step's time: its slowest rank's."""
     samples_per_s: float
-    param_digest: str
-    """sha256 of every final parameter in canonical layer order, fp32 little-endian."""
+    param_digest: str | None
+    """sha256 of every final parameter in canonical layer order, fp32 little-endian; None
+    where the run directory holds some layers' only (a multi-host job without a shared
+    run directory: each host's holds the stages its ranks saved)."""
     events: int
     """Messages the Core logged."""
     recoveries: tuple[RecoveryRecord, ...]

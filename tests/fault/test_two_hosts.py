@@ -1,0 +1,45 @@
+"""A job on two hosts that share no run directory (two agents on loopback): node 1's
+agent hears node 0's requests and starts its workers, the job trains as on one host,
+and node 0's summary takes what its own disk lacks from the event log."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from elaswave.runtime.core.compare import load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.job.results import read_summary
+from tests.fault.recovery import JOB
+from tests.runs import launch
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(240)
+def test_two_hosts_without_a_shared_run_directory_train_as_one(runs_dir, reference) -> None:
+    """dp2 x pp2 over two hosts of two ranks, each its own run directory: node 1 holds
+    the last stage, so node 0's disk has none of its results. Both hosts exit 0; node
+    0's summary has every step's loss (from the StepCompleted node 1's last stage
+    published), equal to the one-host run's, and no parameter digest (it holds stage
+    0's parameters only); the two hosts' parameters together equal the one-host run's."""
+    rdzv = f"127.0.0.1:{_free_port()}"
+    hosts = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", rdzv)
+    node0 = launch(
+        runs_dir / "two_hosts0", "--dp", "2", "--pp", "2", *JOB, *hosts, "--node-rank", "0"
+    )
+    node1 = launch(runs_dir / "two_hosts1", *hosts, "--node-rank", "1")
+    assert node0.wait(200) == 0, (runs_dir / "two_hosts0.stderr").read_text()[-2000:]
+    assert node1.wait(60) == 0, (runs_dir / "two_hosts1.stderr").read_text()[-2000:]
+    ref = reference(2, 2)
+    summary = read_summary(runs_dir / "two_hosts0")
+    assert summary.steps_completed == ref.summary.steps_completed
+    assert loss_rel_diff(summary.loss, ref.summary.loss) <= 1e-6
+    assert summary.param_digest is None and ref.summary.param_digest is not None
+    here, there = load_params(runs_dir / "two_hosts0"), load_params(runs_dir / "two_hosts1")
+    assert here.keys().isdisjoint(there.keys())
+    assert param_rel_diff(here | there, ref.params()) <= 1e-6

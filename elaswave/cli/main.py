@@ -273,15 +273,19 @@ def _events(args: argparse.Namespace) -> int:
     from elaswave.bus.eventlog import format_record
     from elaswave.bus.rolling import removed
     from elaswave.bus.schema import Beacon
-    from elaswave.runtime.core.runlog import read_run_log
+    from elaswave.runtime.core.runlog import RecordFilter, parse_kinds, parse_ranks, read_run_log
 
     path = args.run_dir / EVENT_LOG
     if not path.is_file():
         raise ValueError(
             f"no event log at {str(path)!r}; is {str(args.run_dir)!r} a run directory?"
         )
+    wanted = RecordFilter(
+        kinds=None if args.kind is None else parse_kinds(args.kind),
+        ranks=None if args.rank is None else parse_ranks(args.rank),
+    )
     hidden = 0
-    for record in read_run_log(args.run_dir, health=not args.no_health):
+    for record in filter(wanted, read_run_log(args.run_dir, health=not args.no_health)):
         if not args.all and isinstance(record.event, Beacon):
             hidden += 1  # delivery bookkeeping: each process's last numbers, 4 per second
             continue
@@ -411,6 +415,17 @@ def main(argv: list[str] | None = None) -> int:
         "--no-health",
         action="store_true",
         help=f"leave out RUN_DIR/{HEALTH_LOG} (step timings and heartbeats, its newest kept)",
+    )
+    ev.add_argument(
+        "--kind",
+        metavar="KIND[,KIND...]",
+        help="only events of these kinds (as printed: failure_detected, recovery_plan, ...)",
+    )
+    ev.add_argument(
+        "--rank",
+        metavar="RANK[,RANK...]",
+        help="only events about these ranks: sent by one, or naming it (rank, ranks, failed, "
+        "joined, slow_ranks)",
     )
     ky = sub.add_parser(
         "keys",

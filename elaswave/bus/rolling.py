@@ -3,7 +3,7 @@
 The Core's event log (:mod:`elaswave.bus.eventlog`) keeps every record it is given for
 the run's life, since restore, replay and the summary read it back. The liveness and
 timing chatter (every rank's heartbeats and step timings, every node agent's heartbeats)
-is read back by none of them and was most of a steady job's log (1.1 GB a day at 64
+is read back by none of them and was most of a steady job's log (1.2 GB a day at 64
 ranks and a step a second); a person debugging a recovery wants its recent past. It goes
 to a rolling log instead: a directory of numbered segments in the event log's record
 format, a new one begun when the current one holds ``segment_bytes`` and, at each start
@@ -98,7 +98,7 @@ class RollingLogWriter:
         if keep_bytes < MIN_KEEP_BYTES:
             raise ValueError(
                 f"a rolling log keeping {keep_bytes} bytes: it must keep at least "
-                f"{MIN_KEEP_BYTES} (two segments)"
+                f"{MIN_KEEP_BYTES}"
             )
         self.directory = Path(directory)
         self.keep_bytes = keep_bytes

@@ -99,7 +99,7 @@ class Sink(enum.Enum):
 HEALTH_CHATTER = (StepTiming, NodeHeartbeat)
 """What goes to the health log: every node agent's heartbeats (five a second a node) and
 the step timings that tell the change protocol nothing new (:meth:`Core._news`): every
-rank's timing of every step was nine records in ten of a steady job's event log (1.1 GB
+rank's timing of every step was nine records in ten of a steady job's event log (1.2 GB
 a day at 64 ranks and a step a second), and a slowdown the Core acts on is in its
 StragglerDetected. No restore, replay or summary reads them."""
 
@@ -219,7 +219,7 @@ class Core:
         self._generations: dict[int, int] = {}
         """rank -> the newest generation of its step timings in the event log."""
         self._beat_logged: dict[str, float] = {}
-        """sender -> monotonic time its last logged heartbeat arrived (:meth:`_logged`)."""
+        """sender -> monotonic time its last logged heartbeat arrived (:meth:`_sink`)."""
         self._beats: dict[int, dict[str, float]] = {}
         """rank -> sender -> its latest heartbeat (a TP group's members each beat)."""
         """rank -> monotonic time its last heartbeat (or its WorkerStarted) arrived."""

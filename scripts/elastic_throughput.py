@@ -406,7 +406,8 @@ def render(doc: dict) -> str:
         "(tolerance 1e-4).",
         "* Overruns: compute blocks (one forward or backward of a micro-batch on one rank) "
         "whose real compute exceeded the modelled time, from the StepTiming events in "
-        "the run's logs; shown as overruns / blocks in the throughput windows (fraction), and "
+        "the run's logs (`events.log` and `health/`); shown as overruns / blocks in the "
+        "throughput windows (fraction), and "
         f"the whole run's total. A run with more than {a['max_overrun']:.0%} in its windows "
         f"is repeated (up to {a['attempts']} runs) and the attempt with the fewest is "
         "reported. Overruns only count compute blocks: the host delaying a worker elsewhere "

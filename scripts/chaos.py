@@ -75,6 +75,15 @@ from a restore point taken every 2 kB of log (``ELASWAVE_CORE_RESTORE_EVERY``) a
 finishes the change. A case without a plan runs as drawn. Every outcome rule holds
 unchanged: the Core's loss must not change what the job does.
 
+Many hosts (--hosts-weight W, default 0): with chance W, by a coin of its own generator
+(``random.Random(f"chaos-hosts:{S}:{K}")``), a case whose workers fill 2 to 4 nodes of
+``--ranks-per-node`` runs on that many hosts of this machine: node 0's ``elaswave train
+--nnodes H --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other node
+(``--node-rank N``), all in the case's run directory; the other hosts' workers are
+started, signalled and reaped through their agents, and a node fault kills a host's
+workers (not its agent). Every outcome rule holds unchanged, and every agent must leave
+within 20 s of node 0's job.
+
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
 twins are cached per (dp, pp, tp, global batch, micro batch, steps, seed, device) under
@@ -150,6 +159,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -245,6 +255,12 @@ class Case:
     core_kill: str = ""
     """Where the Core SIGKILLs itself: after its first ``plan`` or ``commit`` ("": never;
     drawn by :func:`draw_core_kill`)."""
+    hosts: int = 1
+    """Hosts the job runs on (drawn by :func:`draw_hosts`): node 0's job host and an
+    agent for each other node of ``ranks_per_node`` workers, every one a process of this
+    machine on loopback, in one run directory."""
+    rdzv_port: int = 0
+    """Node 0's store port for the other hosts' agents (a free one, taken at run time)."""
 
     def env(self) -> dict[str, str]:
         """What the case's job adds to the campaign's environment."""
@@ -296,7 +312,21 @@ class Case:
             out += ["--wait-for-nodes", f"{self.wait_for_nodes:g}"]
         for fault in self.faults:
             out += ["--fault", fault]
+        if self.hosts > 1:
+            out += ["--nnodes", str(self.hosts), "--rdzv-endpoint", self.rdzv]
         return out
+
+    @property
+    def rdzv(self) -> str:
+        return f"127.0.0.1:{self.rdzv_port}"
+
+    def agent_args(self) -> list[list[str]]:
+        """The ``elaswave train`` arguments of the other hosts' agents."""
+        return [
+            ["--nnodes", str(self.hosts), "--node-rank", str(node), "--nproc-per-node",
+             str(self.ranks_per_node), "--rdzv-endpoint", self.rdzv]
+            for node in range(1, self.hosts)
+        ]  # fmt: skip
 
     def twin_key(self) -> str:
         return (
@@ -320,6 +350,7 @@ class Case:
             + (f" schedule={self.schedule}" if self.schedule != "1f1b" else "")
             + (f" eval-every={self.eval_every}" if self.eval_every else "")
             + (f" core-killed-after={self.core_kill}" if self.core_kill else "")
+            + (f" hosts={self.hosts}" if self.hosts > 1 else "")
         )
 
 
@@ -352,6 +383,24 @@ def draw_core_kill(case: Case, weight: float) -> Case:
     if rng.random() >= weight:
         return case
     return replace(case, core_kill=rng.choice(("plan", "commit")))
+
+
+MAX_HOSTS = 4
+"""The most hosts a case runs on (each an agent and a zygote beside its workers)."""
+
+
+def draw_hosts(case: Case, weight: float) -> Case:
+    """``case`` on ``processes / ranks_per_node`` hosts of this machine, with chance
+    ``weight`` where that is 2 to :data:`MAX_HOSTS` (a generator of its own: the rest of
+    the draw is what any weight draws). Its node faults then kill a host's workers, not
+    its agent; a joiner starts on a host that asked for work or on node 0."""
+    if weight <= 0:
+        return case
+    rng = random.Random(f"chaos-hosts:{case.seed}:{case.index}")
+    hosts, rest = divmod(case.processes, case.ranks_per_node)
+    if rng.random() >= weight or rest or not 2 <= hosts <= MAX_HOSTS:
+        return case
+    return replace(case, hosts=hosts)
 
 
 def draw_applied(case: Case, weight: float) -> Case:
@@ -587,6 +636,9 @@ class Job:
     wall_s: float
     leftovers: list[int] = field(default_factory=list)
     """Processes of the job's session still alive after it exited."""
+    agents: list[int | None] = field(default_factory=list)
+    """The other hosts' agents' exit statuses (None: still running :data:`AGENT_GRACE_S`
+    after node 0's job ended, then killed)."""
 
 
 def command(out: Path, args: list[str], env: dict[str, str] | None = None) -> str:
@@ -631,13 +683,25 @@ def take_snapshot(root: Path) -> tuple[Path, str]:
     return code, digest.hexdigest()[:16]
 
 
-def run_job(out: Path, args: list[str], timeout: float, env: dict[str, str] | None = None) -> Job:
+AGENT_GRACE_S = 20.0
+"""How long the other hosts' agents may take to leave after node 0's job ends."""
+
+
+def run_job(
+    out: Path,
+    args: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    agents: list[list[str]] | None = None,
+) -> Job:
     """Run ``elaswave train`` to its end (or the timeout); ``env``: added to the
-    campaign's environment."""
+    campaign's environment; ``agents``: the other hosts' ``elaswave train`` arguments
+    (their output beside the run directory, OUT.nodeN.log)."""
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *args]
     started = time.monotonic()
+    job_env = {**(JOB_ENV or os.environ), **env} if env else JOB_ENV
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -645,8 +709,9 @@ def run_job(out: Path, args: list[str], timeout: float, env: dict[str, str] | No
         text=True,
         start_new_session=True,
         cwd=JOB_CWD,
-        env={**(JOB_ENV or os.environ), **env} if env else JOB_ENV,
+        env=job_env,
     )
+    hosts = [_start_agent(out, node, argv, job_env) for node, argv in enumerate(agents or [], 1)]
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         code: int | None = proc.returncode
@@ -663,7 +728,31 @@ def run_job(out: Path, args: list[str], timeout: float, env: dict[str, str] | No
             time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
-    return Job(out, code, stdout, stderr, wall, leftovers)
+    return Job(out, code, stdout, stderr, wall, leftovers, [_end_agent(a) for a in hosts])
+
+
+def _start_agent(
+    out: Path, node: int, argv: list[str], env: dict[str, str] | None
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out), *argv]
+    with (out.parent / f"{out.name}.node{node}.log").open("wb") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=JOB_CWD,
+            env=env,
+        )  # fmt: skip
+
+
+def _end_agent(agent: subprocess.Popen[bytes]) -> int | None:
+    """An agent's exit status, once node 0's job has ended (None: it did not leave
+    within :data:`AGENT_GRACE_S`, and was killed with its workers)."""
+    try:
+        code: int | None = agent.wait(AGENT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    return code
 
 
 # ---------------------------------------------------------------------------- judging
@@ -860,6 +949,10 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         return Verdict("hang", f"still running after {job.wall_s:.0f} s; killed")
     if job.leftovers:
         return Verdict("hang", f"processes {job.leftovers} outlived the job")
+    if stuck := [node for node, code in enumerate(job.agents, 1) if code is None]:
+        return Verdict(
+            "hang", f"the agents of nodes {stuck} outlived the job by {AGENT_GRACE_S:g} s"
+        )
     if job.code == 2:
         return Verdict("refused", job.stderr.strip()[-300:])
     hit = victim_units(case, victims(job.out))
@@ -944,8 +1037,12 @@ def ensure_twin(case: Case, root: Path, timeout: float) -> tuple[Path | None, st
 
 def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: float = 0.0) -> dict:
     out = root / f"case{case.index:04d}"
+    if case.hosts > 1:
+        case = replace(case, rdzv_port=_free_port())
     cmd = command(out, case.args(), case.env())
-    job = run_job(out, case.args(), timeout, case.env())
+    for node, argv in enumerate(case.agent_args(), 1):
+        cmd += f"  &  (node {node}) " + command(out, argv)
+    job = run_job(out, case.args(), timeout, case.env(), case.agent_args())
     twin: Path | None = None
     twin_s = 0.0
     if job.code == 0:
@@ -987,12 +1084,19 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (" --drawn-schedule auto" if case.schedule == "auto" else "")
         + (f" --applied-weight {case.applied_weight:g}" if case.applied_weight else "")
         + (" --core-kill-weight 1" if case.core_kill else "")  # its coin: the same side
+        + (" --hosts-weight 1" if case.hosts > 1 else "")
         + f" --out {root.parent}",
         "run_dir": str(out),
     }
     if verdict.ok and not keep:
         shutil.rmtree(out, ignore_errors=True)
     return record
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def finished_how(out: Path) -> str:
@@ -1131,6 +1235,14 @@ def main(argv: list[str] | None = None) -> int:
         "other draws do not change)",
     )
     parser.add_argument(
+        "--hosts-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a case whose workers fill 2 to 4 nodes runs on that many "
+        "hosts of this machine: node 0's job host and an agent each for the others "
+        "(default 0; the other draws do not change)",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         help="a job file every case and its twin train with (e.g. a recipe of clipping "
@@ -1158,6 +1270,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--eval-every {args.eval_every}: must be 0 or more")
     if not 0 <= args.core_kill_weight <= 1:
         parser.error(f"--core-kill-weight {args.core_kill_weight:g}: must be from 0 to 1")
+    if not 0 <= args.hosts_weight <= 1:
+        parser.error(f"--hosts-weight {args.hosts_weight:g}: must be from 0 to 1")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -1208,6 +1322,7 @@ def main(argv: list[str] | None = None) -> int:
         case = draw_eval(case, args.eval_every)
         case = draw_applied(case, args.applied_weight)
         case = draw_core_kill(case, args.core_kill_weight)
+        case = draw_hosts(case, args.hosts_weight)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args(), case.env())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")

@@ -77,9 +77,10 @@ unchanged: the Core's loss must not change what the job does.
 
 Many hosts (--hosts-weight W, default 0): with chance W, by a coin of its own generator
 (``random.Random(f"chaos-hosts:{S}:{K}")``), a case whose workers fill 2 to 4 nodes of
-``--ranks-per-node`` runs on that many hosts of this machine: node 0's ``elaswave train
---nnodes H --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other node
-(``--node-rank N``), all in the case's run directory; the other hosts' workers are
+``--ranks-per-node`` (and is not tensor-parallel: the job refuses that across hosts)
+runs on that many hosts of this machine: node 0's ``elaswave train --nnodes H
+--rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other node (``--node-rank N``),
+all in the case's run directory; the other hosts' workers are
 started, signalled and reaped through their agents, and a node fault kills a host's
 workers (not its agent). Every outcome rule holds unchanged, and every agent must leave
 within 20 s of node 0's job.
@@ -393,12 +394,15 @@ def draw_hosts(case: Case, weight: float) -> Case:
     """``case`` on ``processes / ranks_per_node`` hosts of this machine, with chance
     ``weight`` where that is 2 to :data:`MAX_HOSTS` (a generator of its own: the rest of
     the draw is what any weight draws). Its node faults then kill a host's workers, not
-    its agent; a joiner starts on a host that asked for work or on node 0."""
+    its agent; a joiner starts on a host that asked for work or on node 0. A
+    tensor-parallel case stays on one host (the job refuses ``--tp`` across hosts)."""
     if weight <= 0:
         return case
     rng = random.Random(f"chaos-hosts:{case.seed}:{case.index}")
     hosts, rest = divmod(case.processes, case.ranks_per_node)
     if rng.random() >= weight or rest or not 2 <= hosts <= MAX_HOSTS:
+        return case
+    if case.tp > 1:  # refused: tensor parallelism runs on one host in this version
         return case
     return replace(case, hosts=hosts)
 

@@ -97,8 +97,7 @@ class RollingLogWriter:
     ) -> None:
         if keep_bytes < MIN_KEEP_BYTES:
             raise ValueError(
-                f"a rolling log keeping {keep_bytes} bytes: it must keep at least "
-                f"{MIN_KEEP_BYTES}"
+                f"a rolling log keeping {keep_bytes} bytes: it must keep at least {MIN_KEEP_BYTES}"
             )
         self.directory = Path(directory)
         self.keep_bytes = keep_bytes

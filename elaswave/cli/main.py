@@ -225,7 +225,7 @@ def _agent(args: argparse.Namespace) -> int:
     """``--node-rank R`` (R > 0): this host's agent; the job comes from node 0."""
     import uvloop
 
-    from elaswave.runtime.host.nodeagent import parse_endpoint, run_agent
+    from elaswave.runtime.host.nodeagent import RendezvousFailed, parse_endpoint, run_agent
     from elaswave.runtime.host.zygote import Zygote
 
     if args.node_rank < 0 or (args.nnodes is not None and args.node_rank >= args.nnodes > 0):
@@ -249,6 +249,9 @@ def _agent(args: argparse.Namespace) -> int:
                 zygote=zygote,
             )
         )
+    except RendezvousFailed as exc:
+        print(f"elaswave: node {args.node_rank} agent: {exc}", file=sys.stderr)
+        return 1
     finally:
         zygote.close()
     print(f"elaswave: node {args.node_rank} agent: the run {'finished' if code == 0 else 'failed'}")

@@ -1,15 +1,21 @@
-"""A host's agent hears what node 0 asks of it: its bus takes the requests' sender."""
+"""A host's agent hears what node 0 asks of it (its bus takes the requests' sender), and
+says so in one line when node 0 never serves it."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
+from pathlib import Path
 
 import pytest
 
 from elaswave.bus.broker import Broker
 from elaswave.bus.client import BusClient
 from elaswave.bus.schema import CORE_SENDER, NODES_SENDER, RunFinished, SignalWorker, SpawnWorker
-from elaswave.runtime.host.nodeagent import AGENT_SENDERS, AGENT_TOPICS
+from elaswave.cli.main import main
+from elaswave.runtime.host import nodeagent
+from elaswave.runtime.host.nodeagent import AGENT_SENDERS, AGENT_TOPICS, RendezvousFailed, run_agent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,3 +43,35 @@ def test_an_agent_hears_node_zeros_requests_and_the_cores_end_of_the_run() -> No
     got = {type(e): e for e in asyncio.run(go())}  # two senders: in either order
     assert set(got) == {SpawnWorker, SignalWorker, RunFinished}
     assert got[SignalWorker].rank == 2  # the worker's message was not taken
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_an_agent_whose_node_0_never_serves_says_so_without_a_backtrace(capfd) -> None:
+    """Node 0 not running there (or it refused its job before serving it): the agent
+    gives up at its timeout naming the endpoint, and torch's store client, which logs
+    a C++ backtrace for every retry, is not asked before node 0's port answers."""
+    endpoint = f"127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(RendezvousFailed, match=f"node 0 did not serve the job at {endpoint}"):
+        asyncio.run(
+            run_agent(Path("/nonexistent"), node=1, slots=1, endpoint=endpoint, keys_dir=None,
+                      timeout_s=1.0)
+        )  # fmt: skip
+    assert time.monotonic() - started < 10
+    assert "frame #" not in capfd.readouterr().err
+
+
+def test_elaswave_says_in_one_line_that_node_0_did_not_serve(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(nodeagent, "_reachable", lambda host, port, timeout_s: False)
+    argv = ["train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:9"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "elaswave: node 1 agent: node 0 did not serve the job at 127.0.0.1:9 within 300 s: "
+        "is node 0's `elaswave train` running there and reachable, and did it accept its job?"
+    ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,11 @@ JOB_KEY = "elaswave/job"
 """The store key under which node 0 publishes RUN_DIR/job.json for the other hosts."""
 
 
+class RendezvousFailed(RuntimeError):
+    """Node 0 did not serve the job at the agent's ``--rdzv-endpoint`` in time: it is not
+    running there, is not reachable, or refused its job before serving it."""
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port); ValueError naming the value."""
     host, sep, port = text.rpartition(":")
@@ -72,10 +78,19 @@ async def run_agent(
     timeout_s: float = 300.0,
 ) -> int:
     """Serve as node ``node``'s agent until the run finishes; 0 when it finished well.
-    ``zygote``: forks this host's workers (:mod:`elaswave.runtime.host.workers`)."""
+    ``zygote``: forks this host's workers (:mod:`elaswave.runtime.host.workers`).
+    RendezvousFailed when node 0 has not served the job within ``timeout_s``."""
     host, port = parse_endpoint(endpoint)
-    store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
-    text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
+    try:
+        if not await asyncio.to_thread(_reachable, host, port, timeout_s):
+            raise RuntimeError("not reachable")
+        store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
+        text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
+    except RuntimeError:  # torch's DistNetworkError, DistStoreError: a timeout, a refusal
+        raise RendezvousFailed(
+            f"node 0 did not serve the job at {endpoint} within {timeout_s:g} s: is node 0's "
+            "`elaswave train` running there and reachable, and did it accept its job?"
+        ) from None
     spec = _take_spec(run_dir, text, node)
     ep = spec.endpoints
     keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
@@ -171,6 +186,20 @@ class _Agent:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether node 0's store accepts a connection within ``timeout_s``: waited for
+    here, where torch's store client logs a C++ backtrace for every retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
 
 def _take_spec(run_dir: Path, text: str, node: int) -> JobSpec:

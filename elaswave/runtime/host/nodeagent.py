@@ -81,16 +81,17 @@ async def run_agent(
     ``zygote``: forks this host's workers (:mod:`elaswave.runtime.host.workers`).
     RendezvousFailed when node 0 has not served the job within ``timeout_s``."""
     host, port = parse_endpoint(endpoint)
+    unserved = RendezvousFailed(
+        f"node 0 did not serve the job at {endpoint} within {timeout_s:g} s: is node 0's "
+        "`elaswave train` running there and reachable, and did it accept its job?"
+    )
+    if not await asyncio.to_thread(_reachable, host, port, timeout_s):
+        raise unserved
     try:
-        if not await asyncio.to_thread(_reachable, host, port, timeout_s):
-            raise RuntimeError("not reachable")
         store = await asyncio.to_thread(connect_store, host, port, timeout_s=timeout_s)
         text = (await asyncio.to_thread(store.get, JOB_KEY)).decode()
-    except RuntimeError:  # torch's DistNetworkError, DistStoreError: a timeout, a refusal
-        raise RendezvousFailed(
-            f"node 0 did not serve the job at {endpoint} within {timeout_s:g} s: is node 0's "
-            "`elaswave train` running there and reachable, and did it accept its job?"
-        ) from None
+    except RuntimeError:  # torch's DistNetworkError, DistStoreError: node 0 went away
+        raise unserved from None
     spec = _take_spec(run_dir, text, node)
     ep = spec.endpoints
     keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()

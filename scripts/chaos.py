@@ -80,10 +80,10 @@ Many hosts (--hosts-weight W, default 0): with chance W, by a coin of its own ge
 ``--ranks-per-node`` (and is not tensor-parallel: the job refuses that across hosts)
 runs on that many hosts of this machine: node 0's ``elaswave train --nnodes H
 --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other node (``--node-rank N``),
-all in the case's run directory; the other hosts' workers are
-started, signalled and reaped through their agents, and a node fault kills a host's
-workers (not its agent). Every outcome rule holds unchanged, and every agent must leave
-within 20 s of node 0's job.
+all in the case's run directory; the other hosts' workers are started, signalled and
+reaped through their agents, and a node fault kills a host's workers (not its agent).
+Every outcome rule holds unchanged, every agent must leave within 20 s of node 0's job,
+and where that job finished, with status 0.
 
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
@@ -957,6 +957,9 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
         return Verdict(
             "hang", f"the agents of nodes {stuck} outlived the job by {AGENT_GRACE_S:g} s"
         )
+    failed = {node: code for node, code in enumerate(job.agents, 1) if code != 0}
+    if job.code == 0 and failed:
+        return Verdict("mismatch", f"the job finished, but its agents exited {failed}")
     if job.code == 2:
         return Verdict("refused", job.stderr.strip()[-300:])
     hit = victim_units(case, victims(job.out))
@@ -1069,6 +1072,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         **{k: v for k, v in asdict(case).items() if k not in ("seed", "index")},
         "faults": list(case.faults),
         "victims": {str(r): f for r, f in sorted(fired.items())},
+        **({"agents": job.agents} if case.hosts > 1 else {}),
         "cores": cores,
         **({"victim_units": units} if case.tp > 1 else {}),
         "outcome": verdict.outcome,

@@ -84,6 +84,29 @@ def takes(event: Event) -> bool:
     return to_input(event, 0.0, 0) is not None
 
 
+class NewTimings:
+    """Which step timings tell the change protocol what none seen before did. Of a
+    timing the protocol takes (:class:`~elaswave.engine.inputs.Trained`) each rank's
+    newest generation and the newest step, so the first timing of a newer step and a
+    rank's first under a newer generation are news; the rest tell it nothing a seen one
+    did not. Fed every timing in arrival order; a fresh one, having seen none, finds
+    more news, never less."""
+
+    def __init__(self) -> None:
+        self._newest_step = -1
+        self._generations: dict[int, int] = {}
+        """rank -> the newest generation of its timings seen."""
+
+    def __call__(self, timing: StepTiming) -> bool:
+        newer_step = timing.step > self._newest_step
+        newer_generation = timing.generation > self._generations.get(timing.rank, -1)
+        if newer_step:
+            self._newest_step = timing.step
+        if newer_generation:
+            self._generations[timing.rank] = timing.generation
+        return newer_step or newer_generation
+
+
 def exited(run_dir: Path, rank: int, code: int, *, process: int | None = None) -> Exited:
     """The exit of worker ``rank`` with ``code``: its last error, and when an injected
     fault killed it (its own record), if it has them. ``process``: the process whose

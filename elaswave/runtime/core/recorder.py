@@ -63,7 +63,7 @@ from elaswave.bus.schema import (
     sender_name,
 )
 from elaswave.rundir import EVENT_LOG, HEALTH_LOG, RESTORE_POINT
-from elaswave.runtime.core.observe import takes
+from elaswave.runtime.core.observe import NewTimings, takes
 from elaswave.runtime.core.restorepoint import (
     RECENT_FRAMES,
     RESTORE_EVERY,
@@ -98,7 +98,8 @@ class Sink(enum.Enum):
 
 HEALTH_CHATTER = (StepTiming, NodeHeartbeat)
 """What goes to the health log: every node agent's heartbeats (five a second a node) and
-the step timings that tell the change protocol nothing new (:meth:`Core._news`): every
+the step timings that tell the change protocol nothing new
+(:class:`~elaswave.runtime.core.observe.NewTimings`): every
 rank's timing of every step was nine records in ten of a steady job's event log (1.2 GB
 a day at 64 ranks and a step a second), and a slowdown the Core acts on is in its
 StragglerDetected. No restore, replay or summary reads them."""
@@ -214,10 +215,8 @@ class Core:
         self.finished: dict[int, WorkerFinished] = {}
         self.run_finished: RunFinished | None = None
         self.last_heartbeat: dict[int, float] = {}
-        self._newest_step = -1
-        """The newest step of the step timings in the event log (:meth:`_news`)."""
-        self._generations: dict[int, int] = {}
-        """rank -> the newest generation of its step timings in the event log."""
+        self._news = NewTimings()
+        """Which step timings go to the event log: those the protocol learns from."""
         self._beat_logged: dict[str, float] = {}
         """sender -> monotonic time its last logged heartbeat arrived (:meth:`_sink`)."""
         self._beats: dict[int, dict[str, float]] = {}
@@ -555,13 +554,14 @@ class Core:
         """Where ``event`` is logged: a beacon (each process's last numbers, four times
         a second, replaced by the next and unnumbered) nowhere; the chatter of
         :data:`HEALTH_CHATTER` in the health log, but for step timings the protocol
-        learns from (:meth:`_news`); of a sender's heartbeats, its first in the event log
-        and one every :data:`BEAT_LOG_S` after it in the health log; everything else in
-        the event log."""
+        learns from (:class:`~elaswave.runtime.core.observe.NewTimings`); of a sender's
+        heartbeats, its first in the event log and one every :data:`BEAT_LOG_S` after it
+        in the health log; everything else in the event log."""
         if isinstance(event, Beacon):
             return Sink.NOWHERE
         if isinstance(event, HEALTH_CHATTER):
-            return Sink.EVENTS if self._news(event) else Sink.HEALTH
+            news = isinstance(event, StepTiming) and self._news(event)
+            return Sink.EVENTS if news else Sink.HEALTH
         if isinstance(event, Heartbeat):
             now, last = time.monotonic(), self._beat_logged.get(event.sender)
             if last is not None and now - last < BEAT_LOG_S:
@@ -569,23 +569,6 @@ class Core:
             self._beat_logged[event.sender] = now
             return Sink.EVENTS if last is None else Sink.HEALTH
         return Sink.EVENTS
-
-    def _news(self, event: Event) -> bool:
-        """Whether a step timing tells the change protocol what no logged one did: the
-        protocol takes from it the newest generation each rank trained under and the
-        newest step (:class:`~elaswave.engine.inputs.Trained`), so the first timing of a
-        newer step, and a rank's first under a newer generation, are logged for a
-        successor to read back; the rest tell it nothing a logged one did not. (A
-        successor, knowing none logged, logs more: never less than the protocol needs.)"""
-        if not isinstance(event, StepTiming):
-            return False
-        newer_step = event.step > self._newest_step
-        newer_generation = event.generation > self._generations.get(event.rank, -1)
-        if newer_step:
-            self._newest_step = event.step
-        if newer_generation:
-            self._generations[event.rank] = event.generation
-        return newer_step or newer_generation
 
     def _dispatch(self, event: Event) -> None:
         """Update the state the supervisor reads with ``event``."""

@@ -1412,7 +1412,9 @@ def _tp_flag(args: argparse.Namespace) -> str:
     held = f" --eval-every {args.eval_every}" if args.eval_every else ""
     held += f" --applied-weight {args.applied_weight:g}" if args.applied_weight else ""
     tp = f" --tp-weight {args.tp_weight:g}" if args.tp_weight else ""
-    return tp + copies + every + zb + held
+    core = f" --core-kill-weight {args.core_kill_weight:g}" if args.core_kill_weight else ""
+    hosts = f" --hosts-weight {args.hosts_weight:g}" if args.hosts_weight else ""
+    return tp + copies + every + zb + held + core + hosts
 
 
 def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> None:

@@ -112,6 +112,13 @@ class Job:
         return self._loop.ctx.member
 
     @property
+    def device(self) -> Any:
+        """The ``torch.device`` this process trains on: the one of its host's devices
+        the host gave it (``LOCAL_RANK``, as torchrun sets it); put what your step
+        adds to the model's work there."""
+        return self._loop.ctx.device
+
+    @property
     def stage(self) -> int:
         """This rank's pipeline stage under the current plan (it may change)."""
         return self._loop.place[0]

@@ -18,6 +18,7 @@ import elaswave
 def main() -> None:
     job = elaswave.job()
     place = (job.stage, job.replica)
+    print(f"rank {job.rank} member {job.tp_rank} trains on {job.device}", flush=True)
 
     def at_step_end(out) -> None:
         nonlocal place

@@ -102,6 +102,12 @@ class WorkerStarted(Event):
     host: str
     joining: bool = False
     """A worker added to a running job: it has no place yet (stage and replica -1)."""
+    local_rank: int = -1
+    """Which of its host's devices the host gave it (its ``LOCAL_RANK``): the lowest
+    that no running worker of the host holds. -1 in logs written before it was recorded."""
+    device: str = ""
+    """The device it trains on (``cuda:3``; ``cpu`` for every CPU rank); a TP group's
+    other members have their own beside it."""
 
 
 @register

@@ -236,10 +236,12 @@ def sharing_devices() -> bool:
     return value == "1"
 
 
-def _as_own_host(local_rank: int) -> None:
-    """NCCL's test-only mode for a rank that shares its device: its own host identity
-    (so NCCL does not see a duplicate GPU) and only the socket transport between ranks."""
-    os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-elaswave-rank{local_rank}"
+def _as_own_host() -> None:
+    """NCCL's test-only mode for a rank that shares its device: a host identity of its
+    own process (so NCCL does not see a duplicate GPU, even beside a worker of another
+    job host on this machine with the same local rank) and only the socket transport
+    between ranks."""
+    os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-elaswave-pid{os.getpid()}"
     os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NET="Socket")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the ranks sharing a device share a host
 
@@ -250,7 +252,7 @@ def _one_each(local_rank: int, count: int | None, what: str) -> int:
     :data:`SHARE_DEVICE_ENV` opts in: then ranks take the devices in turn, and each
     process is its own NCCL host."""
     if sharing_devices() and count:
-        _as_own_host(local_rank)
+        _as_own_host()
         return local_rank % count
     if count is None or local_rank < count:
         return local_rank

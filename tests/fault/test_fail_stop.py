@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import RecoveryReady
+from elaswave.bus.schema import RecoveryReady, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs
 from elaswave.runtime.job.results import Layout
 from tests.fault.recovery import JOB, STEPS, check_recovered
@@ -413,6 +413,12 @@ def test_a_stage_lost_whole_is_taken_over_by_a_rank_of_another_stage(runs_dir, s
     assert len(moved) == 2 and all(len(r) == 1 for r in moved), moved
     assert moved[1][0] in (0, 1), f"a stage-0 rank takes stage 1: {moved}"
     assert sorted(r for st in recs[3].plan.stages for r in st.ranks) == [0, 1, 4, 5]
+    local = {
+        rec.event.rank: rec.event.local_rank
+        for rec in read_event_log(run.out / "events.log")
+        if isinstance(rec.event, WorkerStarted)
+    }
+    assert local == {0: 0, 1: 1, 2: 2, 3: 3, 4: 2, 5: 3}, "a joiner takes a freed device"
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"

@@ -193,8 +193,17 @@ def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
         ({"layout": {"tp": 2, "ranks_per_node": 3}}, "a TP group must fill whole nodes"),
         ({"layout": {"tp": 2, "world_size": 4}}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
         (
-            {"layout": {"tp": 2, "nnodes": 2, "rdzv_endpoint": "h:1", "ranks_per_node": 4}},
-            "--nnodes > 1",
+            {
+                "layout": {
+                    "tp": 4,
+                    "dp": 1,
+                    "nnodes": 4,
+                    "rdzv_endpoint": "h:1",
+                    "ranks_per_node": 2,
+                }
+            },
+            "a TP group must fit in one host (its members exchange every layer's "
+            "activations), so --nproc-per-node must be a multiple of 4",
         ),
     ],
 )
@@ -230,6 +239,10 @@ def test_elaswave_run_with_tp_recovers_inside_the_scripts_step(runs_dir, referen
     assert [r.ranks for r in s.recoveries] == [(1,)]
     diff = compare_runs(run.out, reference(1, 1).out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+    for process in range(4):  # the script's first line: where each member trains
+        rank, member = divmod(process, 2)
+        log = (run.out / "logs" / f"rank{process}.log").read_text()
+        assert f"rank {rank} member {member} trains on cpu" in log, log[-2000:]
 
 
 @pytest.mark.long

@@ -8,7 +8,9 @@ import socket
 
 import pytest
 
-from elaswave.runtime.core.compare import load_params, loss_rel_diff, param_rel_diff
+from elaswave.bus.schema import WorkerStarted
+from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
+from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.job.results import read_summary
 from tests.fault.recovery import JOB
 from tests.runs import launch
@@ -43,3 +45,30 @@ def test_two_hosts_without_a_shared_run_directory_train_as_one(runs_dir, referen
     here, there = load_params(runs_dir / "two_hosts0"), load_params(runs_dir / "two_hosts1")
     assert here.keys().isdisjoint(there.keys())
     assert param_rel_diff(here | there, ref.params()) <= 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_a_tp_group_per_host_trains_on_when_a_member_on_the_other_host_dies(
+    runs_dir, reference
+) -> None:
+    """dp2 x tp2 on two hosts of two workers, a TP group on each (their own run
+    directories): node 1's workers take that host's devices 0 and 1 (not the devices of
+    their process ranks 2 and 3). A member of node 1's group is killed mid-backward; its
+    other member, on node 1, is released through node 1's agent, and the job trains on
+    with node 0's group to the fault-free run's losses and parameters."""
+    rdzv = f"127.0.0.1:{_free_port()}"
+    hosts = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", rdzv)
+    job = ("--dp", "2", "--pp", "1", "--tp", "2", *JOB)
+    fault = ("--fault", "kill:3@3:backward")
+    node0 = launch(runs_dir / "tp_hosts0", *job, *fault, *hosts, "--node-rank", "0")
+    node1 = launch(runs_dir / "tp_hosts1", *hosts, "--node-rank", "1")
+    assert node0.wait(200) == 0, (runs_dir / "tp_hosts0.stderr").read_text()[-2000:]
+    assert node1.wait(60) == 0, (runs_dir / "tp_hosts1.stderr").read_text()[-2000:]
+    summary = read_summary(runs_dir / "tp_hosts0")
+    (rec,) = summary.recoveries
+    assert rec.kind == "fail-stop" and rec.ranks == (1,)
+    started = [r.event for r in read_run_log(runs_dir / "tp_hosts0")]
+    local = {e.rank: e.local_rank for e in started if isinstance(e, WorkerStarted)}
+    assert local == {0: 0, 1: 0}  # each group's leader: device 0 of its own host
+    diff = compare_runs(runs_dir / "tp_hosts0", reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff

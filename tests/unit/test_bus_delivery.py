@@ -339,7 +339,10 @@ def test_a_worker_killed_right_after_it_starts_leaves_its_start_in_the_log(
             )  # fmt: skip
             await asyncio.to_thread(session.start)
             worker = SimpleNamespace(
-                ctx=SimpleNamespace(leader=True), session=session, sender="rank1", rank=1
+                ctx=SimpleNamespace(leader=True, local_rank=1, device="cpu"),
+                session=session,
+                sender="rank1",
+                rank=1,
             )
             # the parts of a StepLoop that announcing its start reads
             await asyncio.to_thread(StepLoop._started, cast(StepLoop, worker), 0, 1)

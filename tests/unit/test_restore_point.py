@@ -110,7 +110,7 @@ async def _restored(run_dir, ports: CorePorts, taken: int) -> dict:
 def test_a_core_restored_from_a_point_and_the_log_after_it_equals_one_from_the_whole_log(
     tmp_path, taken_at
 ) -> None:
-    """Points every 1.5 kB: several are written, and the newest covers most of the log.
+    """Points every 1.5 kB: several are written, and the newest covers a good part of the log.
     Restored from it and from the whole log (the point removed), the Core holds the
     same numbers seen on the reliable topics, the same messages to serve, numbering,
     announcements, ends, watched ranks and protocol backlog."""
@@ -119,7 +119,10 @@ def test_a_core_restored_from_a_point_and_the_log_after_it_equals_one_from_the_w
     assert points >= 2
     point, why = read_point(tmp_path / RESTORE_POINT, tmp_path / EVENT_LOG, taken)
     assert point is not None and why == ""
-    assert log_bytes / 2 < point.position < log_bytes
+    # The next point is due twice the last one's size later, and here a point is about
+    # the size of the log before it: the newest covers at least a third of the log
+    # (where record boundaries fall moves it between a third and a half).
+    assert log_bytes / 3 < point.position < log_bytes
     with structlog.testing.capture_logs() as logs:
         from_point = asyncio.run(_restored(tmp_path, ports, taken))
     (restored,) = [r for r in logs if r["event"] == "core.restored"]

@@ -54,6 +54,7 @@ from elaswave.runtime.host.workers import start_worker
 from elaswave.runtime.host.zygote import Zygote
 from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
 from elaswave.runtime.job.hostlink import LINK_FD_ENV, HostLink, LinkOp
+from elaswave.runtime.job.localrank import LocalRanks
 from elaswave.runtime.job.results import Summary, read_summary, write_summary
 
 log = structlog.get_logger(__name__)
@@ -100,6 +101,8 @@ class JobHost:
         self.workers: dict[int, Any] = {}
         """rank -> its process (``asyncio.subprocess.Process`` or ``ForkedProcess``)."""
         self.codes: dict[int, int | None] = {}
+        self.devices = LocalRanks(cfg.layout.local_processes)
+        """This host's devices and the local workers holding them."""
         self._reapers: list[asyncio.Task[None]] = []
         self._link: HostLink | None = None
         self._observer: asyncio.Task[None] | None = None
@@ -270,10 +273,13 @@ class JobHost:
         zygote, or exec'd with its prefix."""
         if self.nodes is not None and (node := self.nodes.node_of(rank, join=join)) != 0:
             return await self.nodes.spawn(rank, node, join=join)
-        return await start_worker(self.cfg, self.run_dir, rank, join=join, zygote=self.zygote)
+        return await start_worker(
+            self.cfg, self.run_dir, rank, join=join, zygote=self.zygote, devices=self.devices
+        )
 
     async def _reap(self, rank: int, proc: Any) -> None:
         code = await proc.wait()
+        self.devices.release(rank)
         self.codes[rank] = code
         if self._link is not None:
             self._link.send({"op": LinkOp.EXITED, "rank": rank, "code": code})

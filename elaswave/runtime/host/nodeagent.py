@@ -40,6 +40,7 @@ from elaswave.comm.store import connect_store
 from elaswave.runtime.host.workers import start_worker
 from elaswave.runtime.host.zygote import ForkedProcess, Zygote
 from elaswave.runtime.job.config import JobConfig, JobSpec
+from elaswave.runtime.job.localrank import LocalRanks
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +102,9 @@ async def run_agent(
         log_rejected=False,
     )  # fmt: skip
     await client.connect()
-    agent = _Agent(spec.config, run_dir, node=node, client=client, zygote=zygote)
+    agent = _Agent(
+        spec.config, run_dir, node=node, client=client, zygote=zygote, devices=LocalRanks(slots)
+    )
     beating = asyncio.create_task(agent.heartbeat(), name="node-heartbeat")
     joined = NodeJoined(
         sender=client.sender, node=node, slots=slots, incarnation=agent.incarnation,
@@ -124,10 +127,19 @@ class _Agent:
     their exits reported, and its heartbeat."""
 
     def __init__(
-        self, cfg: JobConfig, run_dir: Path, *, node: int, client: BusClient, zygote: Zygote | None
+        self,
+        cfg: JobConfig,
+        run_dir: Path,
+        *,
+        node: int,
+        client: BusClient,
+        zygote: Zygote | None,
+        devices: LocalRanks,
     ) -> None:
         self.cfg, self.run_dir, self.node = cfg, run_dir, node
         self.client, self.zygote = client, zygote
+        self.devices = devices
+        """This host's devices and the workers holding them."""
         self.incarnation = uuid.uuid4().hex[:12]
         self.procs: dict[int, asyncio.subprocess.Process | ForkedProcess] = {}
         self.reapers: list[asyncio.Task[None]] = []
@@ -161,7 +173,9 @@ class _Agent:
     async def _spawn(self, rank: int, *, join: bool) -> None:
         sender, node = self.client.sender, self.node
         try:
-            proc = await start_worker(self.cfg, self.run_dir, rank, join=join, zygote=self.zygote)
+            proc = await start_worker(
+                self.cfg, self.run_dir, rank, join=join, zygote=self.zygote, devices=self.devices
+            )
         except OSError as exc:
             await self.client.publish(
                 WorkerSpawned(sender=sender, node=node, rank=rank, error=str(exc))
@@ -173,6 +187,7 @@ class _Agent:
 
     async def _reap(self, rank: int, proc: asyncio.subprocess.Process | ForkedProcess) -> None:
         code = await proc.wait()
+        self.devices.release(rank)
         exited = WorkerExited(sender=self.client.sender, node=self.node, rank=rank, code=code)
         await self.client.publish(exited)
 

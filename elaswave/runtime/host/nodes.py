@@ -8,8 +8,10 @@ host; :class:`RemoteNodes` starts those of other hosts through their agents
 exit is the agent's :class:`~elaswave.bus.schema.WorkerExited`. So the Core's change
 protocol sees a remote worker exactly as a local one.
 
-* **Place.** Rank ``r`` of the initial plan lives on node ``r // nproc_per_node``; a
-  worker the Core adds goes to a host waiting for ranks (one that joined), else to node 0.
+* **Place.** Worker ``r`` of the initial plan lives on node ``r // nproc_per_node``; a
+  rank the Core adds goes to a host waiting for ranks (one that joined), else to node 0.
+  With ``--tp N`` a rank is a TP group of N workers, kept on one host: a host of K slots
+  offers K // N ranks.
 * **A lost host.** An agent silent for the heartbeat timeout is lost with its host:
   every worker it ran is reported exited (``-SIGKILL``), so the Core answers a node
   failure, whichever of the workers' own signals (peers' broken links, their missing
@@ -84,20 +86,27 @@ class RemoteNodes:
         self._registered: dict[int, asyncio.Event] = {}
         self._spawned: dict[int, asyncio.Future[WorkerSpawned]] = {}
         self._waiting_hosts: list[int] = []
-        """One entry per slot of a host that joined after the start: who takes the
-        Core's next joining workers."""
+        """One entry per place for a rank (a TP group: ``tp`` slots) of a host that
+        joined after the start: who takes the Core's next joining ranks."""
+        self._unit_nodes: dict[int, int] = {}
+        """A joining TP group's host, while its members are being started."""
         self._client: BusClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sending: set[asyncio.Task[object]] = set()
         """Publications under way (held: the loop keeps only weak references)."""
 
     def node_of(self, rank: int, *, join: bool) -> int:
-        """The host worker ``rank`` starts on (0: this one)."""
+        """The host worker ``rank`` starts on (0: this one). A joining TP group's
+        members all start on the host its first member was given."""
         if not join and rank < self.cfg.layout.num_ranks:
             return rank // self.nproc
-        if self._waiting_hosts:
-            return self._waiting_hosts.pop(0)
-        return 0
+        unit, member = self.cfg.layout.unit_of(rank)
+        node = self._unit_nodes.pop(unit, None) if member else None
+        if node is None:
+            node = self._waiting_hosts.pop(0) if self._waiting_hosts else 0
+        if member + 1 < self.cfg.layout.tp:
+            self._unit_nodes[unit] = node
+        return node
 
     async def start(self, run_dir_spec: JobSpec) -> None:
         """Connect to the job's bus (the Core has bound it) and follow the agents."""
@@ -175,8 +184,13 @@ class RemoteNodes:
         log.warning("host.node_joined", node=event.node, host=event.host, slots=event.slots)
         if event.node < self.cfg.layout.nnodes and old is None:
             return  # a host of the first plan: the Core asks for its ranks
-        self._waiting_hosts.extend([event.node] * event.slots)
-        self.send(ScaleRequest(sender="host", add=event.slots,
+        units = event.slots // self.cfg.layout.tp
+        if units < 1:
+            log.error("host.node_too_small", node=event.node, slots=event.slots,
+                      tp=self.cfg.layout.tp)  # fmt: skip
+            return
+        self._waiting_hosts.extend([event.node] * units)
+        self.send(ScaleRequest(sender="host", add=units,
                                reason=f"host {event.node} ({event.host}) joined"))  # fmt: skip
 
     def _lose(self, agent: _Agent, why: str) -> None:

@@ -144,7 +144,6 @@ class JobConfig:
         if tp == 1:
             return
         unsupported = {
-            "--nnodes > 1": self.layout.nnodes > 1,
             "--resume": self.state.resume_dir is not None,
         }
         for flag, used in unsupported.items():

@@ -156,6 +156,13 @@ class LayoutConfig:
                 raise ValueError(
                     f"nnodes = {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)"
                 )
+            if self.tp > self.ranks_per_node:
+                raise ValueError(
+                    f"tp = {self.tp} with --nproc-per-node {self.ranks_per_node} on "
+                    f"{self.nnodes} hosts: a TP group must fit in one host (its members "
+                    "exchange every layer's activations), so --nproc-per-node must be a "
+                    f"multiple of {self.tp}"
+                )
             if self.nnodes * self.ranks_per_node != self.num_ranks:
                 raise ValueError(
                     f"nnodes x nproc-per-node = {self.nnodes} x {self.ranks_per_node} = "

@@ -46,6 +46,7 @@ from elaswave.model.tensor_parallel import TpShard
 from elaswave.runtime.job.child import RULE_BROKEN, die_with_parent, exit_now
 from elaswave.runtime.job.config import EMULATED_DEVICE, JobConfig, JobSpec
 from elaswave.runtime.job.faults import validate_faults
+from elaswave.runtime.job.localrank import local_rank_of
 from elaswave.runtime.worker.early_release import EarlyRelease, device_groups
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.evaluation import HeldOutEval
@@ -163,7 +164,8 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
     cfg, ep = spec.config, spec.endpoints
     rank, member = cfg.layout.unit_of(process)
     backend = backend_for(cfg.layout.device, cfg.liveness.comm_timeout_s)
-    device = backend.device_for(process)
+    local_rank = local_rank_of(process)  # which of its host's devices the host gave it
+    device = backend.device_for(local_rank)
     store = connect_store(ep.store_host, ep.store_port, timeout_s=cfg.liveness.comm_timeout_s)
     store.set(f"pid/{process}", str(os.getpid()))  # a kill-node fault kills node peers by pid
     tp = None
@@ -223,6 +225,7 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
         ),
         pacer=pacer,
         evaluation=_evaluation(cfg),
+        local_rank=local_rank,
     )
 
 

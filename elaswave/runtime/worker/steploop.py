@@ -136,6 +136,7 @@ class StepLoop:
             WorkerStarted(
                 sender=self.sender, rank=self.rank, stage=stage, replica=replica,
                 pid=os.getpid(), host=socket.gethostname(), joining=joining,
+                local_rank=self.ctx.local_rank, device=str(self.ctx.device),
             )
         )  # fmt: skip
         if not self.session.confirm():

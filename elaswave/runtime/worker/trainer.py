@@ -94,6 +94,8 @@ class WorkerContext:
     """Where this member's plane meets (its groups and links); None: ``store``."""
     evaluation: HeldOutEval | None = None
     """The held-out windows ``--eval-every`` evaluates (None: no evaluation)."""
+    local_rank: int = 0
+    """Which of its host's devices :attr:`device` is (its host's ``LOCAL_RANK``)."""
 
     @property
     def tp_shard(self) -> TpShard:

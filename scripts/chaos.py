@@ -395,14 +395,15 @@ def draw_hosts(case: Case, weight: float) -> Case:
     ``weight`` where that is 2 to :data:`MAX_HOSTS` (a generator of its own: the rest of
     the draw is what any weight draws). Its node faults then kill a host's workers, not
     its agent; a joiner starts on a host that asked for work or on node 0. A
-    tensor-parallel case stays on one host (the job refuses ``--tp`` across hosts)."""
+    tensor-parallel case goes to several hosts where its TP groups fit in one host
+    each (the job refuses a group across hosts)."""
     if weight <= 0:
         return case
     rng = random.Random(f"chaos-hosts:{case.seed}:{case.index}")
     hosts, rest = divmod(case.processes, case.ranks_per_node)
     if rng.random() >= weight or rest or not 2 <= hosts <= MAX_HOSTS:
         return case
-    if case.tp > 1:  # refused: tensor parallelism runs on one host in this version
+    if case.ranks_per_node % case.tp:  # refused: a TP group across hosts
         return case
     return replace(case, hosts=hosts)
 

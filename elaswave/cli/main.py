@@ -234,9 +234,10 @@ def _agent(args: argparse.Namespace) -> int:
     if not args.rdzv_endpoint:
         raise ValueError(f"--node-rank {args.node_rank} needs --rdzv-endpoint HOST:PORT of node 0")
     parse_endpoint(args.rdzv_endpoint)
-    slots = args.ranks_per_node or 1
+    slots = args.ranks_per_node  # None: the job's
     out = args.out or Path("runs/train")
-    print(f"elaswave: node {args.node_rank} agent ({slots} workers) joining {args.rdzv_endpoint}")
+    offer = "the job's --nproc-per-node" if slots is None else slots
+    print(f"elaswave: node {args.node_rank} agent ({offer} workers) joining {args.rdzv_endpoint}")
     zygote = Zygote.start()  # before any thread or event loop: it forks this host's workers
     try:
         code = uvloop.run(

@@ -75,3 +75,20 @@ def test_elaswave_says_in_one_line_that_node_0_did_not_serve(monkeypatch, capsys
         "elaswave: node 1 agent: node 0 did not serve the job at 127.0.0.1:9 within 300 s: "
         "is node 0's `elaswave train` running there and reachable, and did it accept its job?"
     ]
+
+
+def test_a_host_offers_the_jobs_workers_or_is_told_the_number_in_one_line(monkeypatch) -> None:
+    """A host of the first plan runs the job's --nproc-per-node (left out: the job's),
+    a host joining later any number; a host without the job's devices is refused."""
+    from elaswave.runtime.job.config import JobConfig
+
+    layout = {"dp": 2, "pp": 2, "nnodes": 2, "ranks_per_node": 2, "rdzv_endpoint": "h:1"}
+    cfg = JobConfig.from_dict({"layout": layout})
+    assert [nodeagent.host_slots(cfg, 1, s) for s in (None, 2)] == [2, 2]
+    assert nodeagent.host_slots(cfg, 2, 5) == 5  # a new host
+    with pytest.raises(ValueError, match=r"^--nproc-per-node 3 on node 1: the job places 2 "):
+        nodeagent.host_slots(cfg, 1, 3)
+    cuda = JobConfig.from_dict({"layout": {**layout, "device": "cuda"}})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a host without GPUs
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        nodeagent.host_slots(cuda, 1, None)

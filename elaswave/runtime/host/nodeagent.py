@@ -36,6 +36,7 @@ from elaswave.bus.schema import (
     WorkerExited,
     WorkerSpawned,
 )
+from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import connect_store
 from elaswave.runtime.host.workers import start_worker
 from elaswave.runtime.host.zygote import ForkedProcess, Zygote
@@ -72,15 +73,17 @@ async def run_agent(
     run_dir: Path,
     *,
     node: int,
-    slots: int,
+    slots: int | None,
     endpoint: str,
     keys_dir: str | None,
     zygote: Zygote | None = None,
     timeout_s: float = 300.0,
 ) -> int:
     """Serve as node ``node``'s agent until the run finishes; 0 when it finished well.
+    ``slots``: the workers this host offers (None: the job's ``--nproc-per-node``).
     ``zygote``: forks this host's workers (:mod:`elaswave.runtime.host.workers`).
-    RendezvousFailed when node 0 has not served the job within ``timeout_s``."""
+    RendezvousFailed when node 0 has not served the job within ``timeout_s``;
+    ValueError naming the flag when this host cannot run the workers it offers."""
     host, port = parse_endpoint(endpoint)
     unserved = RendezvousFailed(
         f"node 0 did not serve the job at {endpoint} within {timeout_s:g} s: is node 0's "
@@ -94,6 +97,7 @@ async def run_agent(
     except RuntimeError:  # torch's DistNetworkError, DistStoreError: node 0 went away
         raise unserved from None
     spec = _take_spec(run_dir, text, node)
+    slots = host_slots(spec.config, node, slots)
     ep = spec.endpoints
     keys = load_keys(Path(keys_dir)) if keys_dir else spec.config.network.keys()
     client = BusClient(
@@ -202,6 +206,22 @@ class _Agent:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
+
+
+def host_slots(cfg: JobConfig, node: int, slots: int | None) -> int:
+    """The workers this host offers (``--nproc-per-node``; None: the job's): a host of
+    the first plan runs the job's number, a host that joins later any number; each
+    needs a device of its own where the job's device has them."""
+    lay = cfg.layout
+    if node < lay.nnodes and slots not in (None, lay.ranks_per_node):
+        raise ValueError(
+            f"--nproc-per-node {slots} on node {node}: the job places "
+            f"{lay.ranks_per_node} workers on each of its first {lay.nnodes} hosts; use "
+            f"--nproc-per-node {lay.ranks_per_node} (or leave it out) on this host"
+        )
+    offered = lay.ranks_per_node if slots is None else slots
+    check_capacity(backend_for(lay.device), offered, str(lay.device))
+    return offered
 
 
 def _reachable(host: str, port: int, timeout_s: float) -> bool:

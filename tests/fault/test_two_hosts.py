@@ -4,16 +4,19 @@ and node 0's summary takes what its own disk lacks from the event log."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import time
+from pathlib import Path
 
 import pytest
 
-from elaswave.bus.schema import WorkerStarted
+from elaswave.bus.schema import RecoveryFinished, StepTiming, WorkerSpawned, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_diff, param_rel_diff
 from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.job.results import read_summary
 from tests.fault.recovery import JOB
-from tests.runs import launch
+from tests.runs import Job, launch, train
 
 
 def _free_port() -> int:
@@ -71,4 +74,58 @@ def test_a_tp_group_per_host_trains_on_when_a_member_on_the_other_host_dies(
     local = {e.rank: e.local_rank for e in started if isinstance(e, WorkerStarted)}
     assert local == {0: 0, 1: 0}  # each group's leader: device 0 of its own host
     diff = compare_runs(runs_dir / "tp_hosts0", reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
+TP_BACK = ("--dp", "2", "--pp", "1", "--tp", "2", "--steps", "40", "--global-batch", "8",
+           "--micro-batch", "2", "--device", "emulated", "--heartbeat-timeout", "2")  # fmt: skip
+"""40 steps: a returning host's agent takes seconds to start, and its join must come
+before the job ends."""
+
+
+def _wait_for(out: Path, what, proc: Job, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(what(r.event) for r in read_run_log(out)):
+        assert proc.poll() is None, "the job ended before it got there"
+        assert time.monotonic() < deadline, "the job never got there"
+        time.sleep(0.05)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_host_of_tp_groups_lost_and_back_rejoins_with_whole_groups(runs_dir) -> None:
+    """dp2 x tp2 on two hosts, a TP group each. Node 1's agent is killed (its host lost:
+    the group's members die with it), the job trains on with node 0's group; the agent
+    comes back, offers its two slots as one group, and the group (workers 4 and 5)
+    starts there, on that host's devices 0 and 1, and joins. The run matches the
+    fault-free one."""
+    rdzv = f"127.0.0.1:{_free_port()}"
+    hosts = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", rdzv)
+    out = runs_dir / "tp_back0"
+    node0 = launch(out, *TP_BACK, *hosts, "--node-rank", "0")
+    agent = launch(runs_dir / "tp_back1", *hosts, "--node-rank", "1")
+    try:
+        _wait_for(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
+        agent.send_signal(signal.SIGKILL)  # the host: its agent and, with it, its workers
+        agent.wait(30)
+        _wait_for(out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0)
+        agent = launch(runs_dir / "tp_back1b", *hosts, "--node-rank", "1")  # it comes back
+        assert node0.wait(240) == 0, (runs_dir / "tp_back0.stderr").read_text()[-3000:]
+        assert agent.wait(60) == 0, (runs_dir / "tp_back1b.stderr").read_text()[-3000:]
+    finally:
+        for proc in (node0, agent):
+            if proc.poll() is None:
+                proc.kill()
+    s = read_summary(out)
+    assert s.steps_completed == 40
+    assert [(r.kind, sorted(r.ranks)) for r in s.recoveries] == [
+        ("fail-stop", [1]), ("join", [2]),
+    ]  # fmt: skip
+    events = [r.event for r in read_run_log(out)]
+    spawned = {e.rank: e.sender for e in events if isinstance(e, WorkerSpawned)}
+    assert spawned == {2: "node1", 3: "node1", 4: "node1", 5: "node1"}
+    local = {e.rank: e.local_rank for e in events if isinstance(e, WorkerStarted)}
+    assert local == {0: 0, 1: 0, 2: 0}
+    ref = train(runs_dir / "tp_back_ref", *TP_BACK)
+    diff = compare_runs(out, ref.out)
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff

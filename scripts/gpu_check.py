@@ -22,6 +22,9 @@ Cases (``--dry-run`` lists them):
   ranks, and threads grow with communicators and peers) and gain no GPU memory between
   the first change and the last step (sampled from /proc and nvidia-smi); MTTR median,
   and the survivors' resident host memory against the last joiner's (a figure).
+- ``hosts-tp``: dp2 x tp2 on two hosts of this machine (an agent on loopback), a TP
+  group each, a member on node 1 killed: the one-host run's numbers, each group's leader
+  on its host's device 0 (``LOCAL_RANK``), the ranks sharing the GPUs.
 - ``snapshot-overhead``: dp2 x pp2 with and without host snapshots (throughput, the
   snapshot threads' CPU share; parameters must be identical).
 
@@ -39,6 +42,8 @@ import enum
 import fnmatch
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -181,11 +186,13 @@ class Checker:
         self._runs: dict[str, Future[Run]] = {}
         self._models: dict[str, str] = {}
 
-    def env(self, device: str, processes: int) -> dict[str, str]:
+    def env(self, device: str, processes: int, *, share: bool = False) -> dict[str, str]:
+        """``share``: the ranks share the GPUs whatever their number (hosts on this
+        machine: each host's local rank 0 is GPU 0)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        if device == "cuda" and self.gpus < processes:
+        if device == "cuda" and (share or self.gpus < processes):
             env["ELASWAVE_SHARE_DEVICE"] = "1"
         return env
 
@@ -201,9 +208,10 @@ class Checker:
         processes: int,
         scale: float = 1.0,
         watch: bool = False,
+        share: bool = False,
     ) -> Run:
         """The run ``key`` (``elaswave train --device DEVICE ARGS``), started by its
-        first caller; later callers get the same run."""
+        first caller; later callers get the same run (``share``: :meth:`env`'s)."""
         with self._lock:
             future, mine = self._runs.get(key), False
             if future is None:
@@ -214,7 +222,7 @@ class Checker:
         argv = [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(out),
                 "--overwrite", "--device", device, *args]  # fmt: skip
         timeout = max(1.0, min(self.opts.run_timeout_s * scale, self.remaining_s()))
-        env = self.env(device, processes)
+        env = self.env(device, processes, share=share)
         run = run_train(argv, out, env=env, timeout_s=timeout, watch=watch, gpu=device == "cuda")
         future.set_result(run)
         return run
@@ -477,6 +485,64 @@ def check_exact_sums(ck: Checker) -> Outcome:
     return _outcome("exact-sums", figures, problems)
 
 
+def check_hosts(ck: Checker) -> Outcome:
+    """dp2 x tp2 on two hosts of this machine (node 0's job host, and node 1's agent on
+    loopback), a TP group each; node 1's member 1 (process 3) killed mid-backward at
+    step FAULT_STEP. The job must finish every step, match the one-host fault-free run
+    within FAULT_TOLERANCE, and each host must give its group's leader its device 0
+    (``LOCAL_RANK``), whatever the group's process ranks."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    args = [*JOB, "--dp", "2", "--pp", "1", "--tp", "2", "--steps", str(ck.opts.steps)]
+    node1 = ck.opts.out / "runs" / "hosts-tp-node1"
+    node1.mkdir(parents=True, exist_ok=True)
+    with (node1.parent / "hosts-tp-node1.log").open("w") as sink:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "elaswave.cli.main", "train", "--out", str(node1), *hosts,
+             "--node-rank", "1"],
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env=ck.env(ck.opts.device, 4, share=True),
+        )  # fmt: skip
+    fault = ["--fault", f"kill:3@{FAULT_STEP}:backward"]
+    try:
+        run = ck.train("hosts-tp", [*args, *fault, *hosts, "--node-rank", "0"],
+                       device=ck.opts.device, processes=4, share=True)  # fmt: skip
+        agent_code = agent.wait(60)
+    except subprocess.TimeoutExpired:
+        agent_code = None
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    ref = ck.train("hosts-tp-ref", args, device=ck.opts.device, processes=4)
+    (summary, why), (ref_summary, why_ref) = _summary(run), _summary(ref)
+    figures: dict[str, Figure] = {"wall_s": round(run.wall_s, 1), "agent_exit": agent_code}
+    if summary is None or ref_summary is None:
+        detail = f"two hosts: {why or 'ok'}; one host: {why_ref or 'ok'}"
+        return Outcome(name="hosts-tp", status=Status.FAIL, figures=figures, detail=detail)
+    diff = compare_runs(run.out, ref.out)
+    local = {e.rank: e.local_rank for e in events_of(run.out) if isinstance(e, WorkerStarted)}
+    recovered = [r for r in summary.recoveries if 1 in r.ranks]
+    figures |= {
+        "steps": summary.steps_completed, "loss_rel": diff.loss_rel, "param_rel": diff.param_rel,
+        "mttr_s": recovered[0].mttr_s if recovered else None, "local_ranks": str(local),
+    }  # fmt: skip
+    problems = []
+    if summary.steps_completed != ref_summary.steps_completed:
+        problems.append(f"{summary.steps_completed} of {ref_summary.steps_completed} steps")
+    if not recovered:
+        problems.append("no recovery of rank 1 (node 1's group)")
+    if local != {0: 0, 1: 0}:
+        problems.append(f"the groups' leaders' local ranks {local}, not 0 on each host")
+    if agent_code != 0:
+        problems.append(f"node 1's agent exited {agent_code}")
+    if max(diff.loss_rel, diff.param_rel) > FAULT_TOLERANCE:
+        problems.append(f"{diff} from the one-host run")
+    return _outcome("hosts-tp", figures, problems)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Case:
     name: str
@@ -515,6 +581,13 @@ def all_cases() -> list[Case]:
             name="exact-sums",
             what="dp2xpp2, float64 gradient sums, a kill: the bits of one process",
             check=check_exact_sums,
+        )
+    )
+    cases.append(
+        Case(
+            name="hosts-tp",
+            what="dp2xtp2 on two loopback hosts, a member on node 1 killed",
+            check=check_hosts,
         )
     )
     cases.append(

@@ -29,7 +29,7 @@ def test_the_dry_run_lists_every_case_and_a_bad_selection_is_named():
     names = [line.split()[1] for line in listed.stdout.splitlines() if line.startswith("PLAN")]
     assert "layout-tiny-tp2" in names and "layout-llama-dp2xpp2" in names
     assert {"kill-grad-sync", "hang-optimizer", "churn", "snapshot-overhead"} <= set(names)
-    assert "exact-sums" in names
+    assert {"exact-sums", "hosts-tp"} <= set(names)
     assert {"layout-llama-tp2", "layout-megatron-tp2", "layout-megatron-dp2xpp2-zb"} <= set(names)
     bad = gpu_check("--cases", "kill-nowhere", "--dry-run")
     assert bad.returncode == 2

@@ -234,25 +234,27 @@ def layer_costs(
     )
 
     whole = model.block_whole or 2 * h  # kept whole on every TP member: norms' gains
-    weights = model.block_param_count() - whole
-    matmul = weights - ((q + 2 * kv) if model.qkv_bias and not model.block_params else 0)
-    block_fwd = (2.0 * matmul * s + 4.0 * s * s * q) / tp
+    bias = (q + 2 * kv) if model.qkv_bias and not model.block_params else 0
     scores = float(FP32_BYTES * a * s) if flash_attention else float(dtype_bytes * a * s * s)
     block_act = (
         dtype_bytes * s * (4 * h + 2 * q + 2 * kv + 4 * f) + (2 * s * h if masks else 0) + scores
     ) / tp
-    blocks = [
-        LayerCost(
+
+    def block(index: int) -> LayerCost:
+        # priced from the parameters a token passes through (a mixture of experts: top_k)
+        matmul = model.block_active(index - 1) - whole - bias
+        fwd = (2.0 * matmul * s + 4.0 * s * s * q) / tp
+        return LayerCost(
             index=index,
             kind=LayerKind.BLOCK,
-            params=whole + weights // tp,
-            fwd_flops_per_sample=block_fwd,
-            bwd_flops_per_sample=2.0 * block_fwd,
+            params=whole + (model.block_params_of(index - 1) - whole) // tp,
+            fwd_flops_per_sample=fwd,
+            bwd_flops_per_sample=2.0 * fwd,
             activation_bytes_per_sample=block_act,
             output_bytes_per_sample=hidden_out,
         )
-        for index in range(1, model.num_blocks + 1)
-    ]
+
+    blocks = [block(index) for index in range(1, model.num_blocks + 1)]
 
     head_fwd = 2.0 * h * v * s / tp
     head = LayerCost(

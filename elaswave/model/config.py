@@ -46,6 +46,14 @@ class ModelConfig:
     block_whole: int = 0
     """Parameters of one block kept whole on every tensor-parallel member (norm gains,
     norms inside attention); 0: the two norms' (``2 * hidden_size``)."""
+    layer_params: tuple[int, ...] = ()
+    """Parameters of each block where the blocks differ (a Hugging Face model mixing
+    dense and mixture-of-experts layers, counted from its modules); empty: every block
+    has :meth:`block_param_count`."""
+    active_params: tuple[int, ...] = ()
+    """Parameters each token passes through in each block, where that is fewer than the
+    block's (a mixture of experts routes a token through ``top_k`` of its experts): what
+    the block's compute is priced from; empty: all of them."""
     tie_embeddings: bool = False
     """The LM head's weight is the token embedding's (a Hugging Face model's
     ``tie_word_embeddings``; :mod:`elaswave.fabric.tied`)."""
@@ -71,6 +79,7 @@ class ModelConfig:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
         if min(self.head_size, self.block_params, self.block_whole) < 0:
             raise ValueError("model.head_size, block_params and block_whole must be >= 0")
+        self._check_per_block()
         if not self.head_size and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "
@@ -99,6 +108,37 @@ class ModelConfig:
                 "hf:DIR (a Hugging Face model directory) or megatron:FILE (a megatron-core "
                 "GPT's shape as JSON)"
             )
+
+    def _check_per_block(self) -> None:
+        """:attr:`layer_params` and :attr:`active_params`: tuples (from JSON's lists) of
+        one positive count per block, none active beyond its block's."""
+        for name in ("layer_params", "active_params"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value
+            ):
+                raise ValueError(f"model.{name} = {value!r}: must be a list of positive integers")
+            if value and len(value) != self.num_blocks:
+                raise ValueError(
+                    f"model.{name} has {len(value)} entries: one per block "
+                    f"(model.num_blocks = {self.num_blocks}), or none"
+                )
+            object.__setattr__(self, name, tuple(value))
+        over = [b for b in range(self.num_blocks) if self.block_active(b) > self.block_params_of(b)]
+        if over:
+            raise ValueError(
+                f"model.active_params: block {over[0]} passes a token through "
+                f"{self.block_active(over[0])} parameters, more than its "
+                f"{self.block_params_of(over[0])}"
+            )
+
+    def block_params_of(self, block: int) -> int:
+        """Parameters of block ``block`` (0-based among the blocks)."""
+        return self.layer_params[block] if self.layer_params else self.block_param_count()
+
+    def block_active(self, block: int) -> int:
+        """Parameters a token passes through in block ``block`` (0-based)."""
+        return self.active_params[block] if self.active_params else self.block_params_of(block)
 
     @property
     def num_layers(self) -> int:

@@ -65,9 +65,10 @@ from elaswave.model.tensor_parallel import (
 
 TESTED_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "smollm3",
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
 )  # fmt: skip
 """``model_type`` values checked against transformers' own model (logits, gradients,
-layouts, recovery): ``tests/unit/test_hf_families.py``. Others of the same structure
+layouts, recovery): ``tests/unit/test_hf_model.py``. Others of the same structure
 are accepted."""
 
 TIED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -176,6 +177,20 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
                 "dropout inside the model's modules draws from torch's global generator, "
                 "which ElasWave cannot keep the same across layouts; set it to 0",
             )
+    if getattr(cfg, "output_router_logits", False):
+        refuse(
+            "output_router_logits = true",
+            "the router's load-balancing loss spans every layer of a sample, across "
+            "pipeline stages, and is not in ElasWave's loss; set it to false (the "
+            "model's own default: training on the language-model loss alone)",
+        )
+    for name, value in sorted(vars(cfg).items()):
+        if "jitter" in name and isinstance(value, int | float) and value and value > 0:
+            refuse(
+                f"{name} = {value}",
+                "router noise draws from torch's global generator, which ElasWave cannot "
+                "keep the same across layouts; set it to 0",
+            )
     if getattr(cfg, "final_logit_softcapping", None) is not None:
         refuse(
             f"final_logit_softcapping = {cfg.final_logit_softcapping}",
@@ -211,15 +226,61 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source=source,
     )
-    counted = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    experts = _experts(cfg)
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    active = [_active(layer, experts) for layer in model.model.layers]
+    counted = max(counts)
     if counted != shape.block_param_count():  # priced from the model's own modules
         shape = dataclasses.replace(shape, block_params=counted)
+    if len(set(counts)) > 1:  # dense and mixture-of-experts layers
+        shape = dataclasses.replace(shape, layer_params=tuple(counts))
+    if active != counts:  # a token passes through top_k of the experts
+        ffn = _activated_ffn(cfg, experts, mixed=len(set(counts)) > 1)
+        shape = dataclasses.replace(shape, active_params=tuple(active), ffn_hidden_size=ffn)
     whole = sum(
         p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
     )
     if whole != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
         shape = dataclasses.replace(shape, block_whole=whole)
     return shape
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Config names of a mixture of experts' routed experts (Mixtral; Qwen-MoE, OLMoE;
+DeepSeek), with ``num_experts_per_tok`` the experts each token is routed to."""
+
+
+def _experts(cfg: Any) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of a mixture-of-experts config; None for a
+    dense model."""
+    total = next((getattr(cfg, n) for n in EXPERT_COUNTS if getattr(cfg, n, None)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not total or not top_k:
+        return None
+    return int(total), int(top_k)
+
+
+def _active(layer: nn.Module, experts: tuple[int, int] | None) -> int:
+    """Parameters a token passes through in ``layer``: every parameter, but of the
+    routed experts' (named ``experts.``, fused along a leading expert dimension or one
+    module each) only its ``top_k`` of ``E`` share; a shared expert and the router are
+    on every token's path."""
+    total = 0
+    for name, param in layer.named_parameters():
+        routed = experts is not None and (name.startswith("experts.") or ".experts." in name)
+        total += param.numel() * experts[1] // experts[0] if routed and experts else param.numel()
+    return total
+
+
+def _activated_ffn(cfg: Any, experts: tuple[int, int] | None, *, mixed: bool) -> int:
+    """The MLP width a token's activations take in a mixture-of-experts block: its
+    ``top_k`` experts' and the shared experts' (a dense layer's where the model mixes
+    them and it is wider)."""
+    width = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", None) or 0)
+    shared += int(getattr(cfg, "n_shared_experts", None) or 0) * width
+    activated = (experts[1] if experts else 1) * width + shared
+    return max(activated, int(cfg.intermediate_size)) if mixed else activated
 
 
 class HfEmbedding(PipelineLayer):

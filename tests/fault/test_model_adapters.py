@@ -22,6 +22,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "granite": ("granite", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
     "smollm3": ("smollm3", {}), "mistral": ("mistral", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 48,
+                                "shared_expert_intermediate_size": 96,
+                                "mlp_only_layers": [1]}),  # a dense layer among MoE ones
 }  # fmt: skip
 """Each family's config: its model_type and its own settings beyond SHAPE."""
 MEGATRON = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
@@ -89,10 +94,18 @@ def test_a_users_model_trains_the_same_under_dp4_x_pp2_as_in_one_process(hf_runs
     _check_layout(hf_runs, family, 4, 2)
 
 
+DEFAULT_KILLS = ("llama", "qwen2-moe")
+"""The families whose kill runs in the default suite: a dense model, and a mixture of
+experts with a shared expert and a dense layer among its expert layers."""
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "family",
-    ["llama", *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES if f != "llama")],
+    [
+        *DEFAULT_KILLS,
+        *(pytest.param(f, marks=pytest.mark.long) for f in FAMILIES if f not in DEFAULT_KILLS),
+    ],
 )  # long: the families' layers against transformers: tests/unit/test_hf_model.py
 def test_a_users_model_recovers_from_a_kill_mid_backward(runs_dir, hf_runs, family):
     """Rank 1 (stage 0) is SIGKILLed in the backward of step 3; the survivors finish

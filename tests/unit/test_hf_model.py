@@ -36,6 +36,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),  # as Llama-3.2 1B/3B ship
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),  # as Qwen2.5 0.5B/1.5B
     "gemma-tied": ("gemma", {"head_dim": 8, "tie_word_embeddings": True}),  # as Gemma
+    # mixtures of experts: each token routed to 2 of 4 experts
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 24,
+                                "shared_expert_intermediate_size": 40,
+                                "mlp_only_layers": [1]}),  # a shared expert, a dense layer
+    "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 24, "head_dim": 16}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
 }  # fmt: skip
 SEQ = 16
 
@@ -126,6 +135,32 @@ def test_weights_come_from_safetensors(tmp_path):
     assert (ours - hf(tokens).logits).abs().max().item() < 1e-6
 
 
+def test_a_mixture_of_experts_is_priced_from_the_experts_a_token_passes_through(tmp_path):
+    """Qwen2-MoE with a dense layer between two of experts: each block's parameters as
+    its modules have them (the shards' layouts), its compute from the parameters a token
+    passes through (2 of 4 routed experts, the shared expert, the router), its
+    activations from the experts' widths it takes."""
+    model = HfModel(hf_shape(_write(tmp_path, "qwen2-moe"), seq_len=SEQ))
+    layers = _layers(model)[1:-1]
+    shape = model.config
+    assert list(shape.layer_params) == [sum(p.numel() for p in b.parameters()) for b in layers]
+    assert shape.layer_params[0] == shape.layer_params[2] > shape.layer_params[1]  # dense
+    routed = [
+        sum(p.numel() for n, p in b.named_parameters() if ".experts." in f".{n}") for b in layers
+    ]
+    assert routed[1] == 0 and routed[0] > 0
+    pairs = zip(shape.layer_params, routed, strict=True)
+    assert list(shape.active_params) == [n - r // 2 for n, r in pairs]
+    assert shape.ffn_hidden_size == max(2 * 24 + 40, 80)  # top_k x expert + shared; dense
+    costs = layer_costs(shape)[1:-1]
+    assert [c.params for c in costs] == list(shape.layer_params)
+    whole, s, q = shape.block_whole or 2 * shape.hidden_size, SEQ, shape.num_heads * shape.head_dim
+    for cost, active in zip(costs, shape.active_params, strict=True):
+        assert cost.fwd_flops_per_sample == 2.0 * (active - whole) * s + 4.0 * s * s * q
+    dense = HfModel(hf_shape(_write(tmp_path, "mixtral"), seq_len=SEQ)).config
+    assert not dense.layer_params and len(dense.active_params) == dense.num_blocks
+
+
 def test_a_job_takes_the_models_shape_and_only_seq_len(tmp_path):
     source = _write(tmp_path, "qwen2")
     job = build_job({"model": {"source": source, "seq_len": 24}})
@@ -137,14 +172,18 @@ def test_a_job_takes_the_models_shape_and_only_seq_len(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("family", "extra", "message"),
     [
-        ({"attention_dropout": 0.1}, r"attention_dropout = 0.1: .*set it to 0"),
-        ({"max_position_embeddings": 8}, r"max_position_embeddings = 8: seq_len = 16"),
+        ("llama", {"attention_dropout": 0.1}, r"attention_dropout = 0.1: .*set it to 0"),
+        ("llama", {"max_position_embeddings": 8}, r"max_position_embeddings = 8: seq_len = 16"),
+        ("mixtral", {"output_router_logits": True},
+         r"output_router_logits = true: the router's load-balancing loss .* set it to false"),
+        ("mixtral", {"router_jitter_noise": 0.01},
+         r"router_jitter_noise = 0.01: router noise .* set it to 0"),
     ],
-)
-def test_what_cannot_be_split_or_kept_invariant_is_refused(tmp_path, extra, message):
-    source = _write(tmp_path, "llama", **extra)
+)  # fmt: skip
+def test_what_cannot_be_split_or_kept_invariant_is_refused(tmp_path, family, extra, message):
+    source = _write(tmp_path, family, **extra)
     with pytest.raises(ValueError, match=message):
         hf_shape(source, seq_len=SEQ)
 

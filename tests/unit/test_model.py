@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -84,6 +87,26 @@ def test_per_sample_loss_shape():
 def test_model_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         ModelConfig(**{field: value})
+
+
+def test_per_block_counts_are_one_positive_count_a_block_and_survive_json() -> None:
+    from elaswave.runtime.job.config import JobConfig
+
+    shape = ModelConfig(num_blocks=2, layer_params=[900, 500], active_params=[600, 500])
+    assert shape.layer_params == (900, 500) and shape.block_active(0) == 600
+    assert [shape.block_params_of(b) for b in (0, 1)] == [900, 500]
+    assert TINY.block_params_of(3) == TINY.block_active(3) == TINY.block_param_count()
+    job = JobConfig.from_dict({"model": dataclasses.asdict(shape)})
+    assert JobConfig.from_dict(json.loads(json.dumps(job.to_dict()))).model == shape
+    for bad, message in [
+        ({"layer_params": [900]}, r"model.layer_params has 1 entries: one per block"),
+        ({"active_params": [0, 1]}, r"model.active_params = \[0, 1\]: must be a list of posi"),
+        ({"layer_params": "900"}, r"model.layer_params = '900': must be a list"),
+        ({"layer_params": [900, 500], "active_params": [600, 700]},
+         r"block 1 passes a token through 700 parameters, more than its 500"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(num_blocks=2, **bad)
 
 
 def test_token_file_windows_and_loader_are_layout_free(tmp_path):

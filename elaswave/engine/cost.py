@@ -260,7 +260,7 @@ def layer_costs(
     head = LayerCost(
         index=model.num_layers - 1,
         kind=LayerKind.HEAD,
-        params=h + h * v // tp,
+        params=(model.head_params - h * v if model.head_params else h) + h * v // tp,
         fwd_flops_per_sample=head_fwd,
         bwd_flops_per_sample=2.0 * head_fwd,
         activation_bytes_per_sample=(2.0 * dtype_bytes * s * h + FP32_BYTES * s * v) / tp,

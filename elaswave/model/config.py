@@ -46,6 +46,10 @@ class ModelConfig:
     block_whole: int = 0
     """Parameters of one block kept whole on every tensor-parallel member (norm gains,
     norms inside attention); 0: the two norms' (``2 * hidden_size``)."""
+    head_params: int = 0
+    """Parameters of the head (the final norm and the LM head) where the model's are not
+    ``hidden_size + hidden_size * vocab_size`` (a final layer norm with a bias); 0:
+    those."""
     layer_params: tuple[int, ...] = ()
     """Parameters of each block where the blocks differ (a Hugging Face model mixing
     dense and mixture-of-experts layers, counted from its modules); empty: every block
@@ -77,8 +81,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
-        if min(self.head_size, self.block_params, self.block_whole) < 0:
-            raise ValueError("model.head_size, block_params and block_whole must be >= 0")
+        if min(self.head_size, self.block_params, self.block_whole, self.head_params) < 0:
+            raise ValueError(
+                "model.head_size, block_params, block_whole and head_params must be >= 0"
+            )
         self._check_per_block()
         if not self.head_size and self.hidden_size % self.num_heads:
             raise ValueError(

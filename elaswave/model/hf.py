@@ -35,6 +35,7 @@ does, so ``from_pretrained`` can load them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from elaswave.model.config import ModelConfig
+from elaswave.model.hf_checkpoint import CheckpointNames
 from elaswave.model.llama import PipelineLayer, StepContext
 from elaswave.model.llama import per_sample_loss as _per_sample_loss
 from elaswave.model.rng import stream_key
@@ -65,7 +67,8 @@ from elaswave.model.tensor_parallel import (
 
 TESTED_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "smollm3",
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "granitemoe",
+    "starcoder2",
 )  # fmt: skip
 """``model_type`` values checked against transformers' own model (logits, gradients,
 layouts, recovery): ``tests/unit/test_hf_model.py``. Others of the same structure
@@ -226,6 +229,9 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source=source,
     )
+    head = sum(p.numel() for m in (model.model.norm, model.lm_head) for p in m.parameters())
+    if head != shape.hidden_size * (1 + shape.vocab_size):  # a final norm with a bias
+        shape = dataclasses.replace(shape, head_params=head)
     experts = _experts(cfg)
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     active = [_active(layer, experts) for layer in model.model.layers]
@@ -420,6 +426,8 @@ class HfModel:
         self.hf_config = load_hf_config(directory)
         self._skeleton = skeleton(self.hf_config, str(directory / "config.json"))
         self._weights = _weight_files(directory)
+        self._names = CheckpointNames(self._weights, self.hf_config.model_type)
+        """The model's tensor names in the files (renamed, experts fused)."""
         self._flags: dict[tuple[int, int], tuple[tuple[int, bool], ...]] = {}
 
     def _new(self, index: int) -> PipelineLayer:
@@ -481,30 +489,40 @@ class HfModel:
         return dict(embedding.named_parameters())[TIED_PARAMS[0]].detach()
 
     def _load(self, layer: PipelineLayer, index: int) -> None:
-        from safetensors import safe_open
-
         wanted = {
             name: _hf_name(name, index, self.config.num_layers)
             for name, _ in layer.named_parameters()
         }
-        if self.config.tie_embeddings and wanted.get(TIED_PARAMS[1]) not in self._weights:
+        head_copy = wanted.get(TIED_PARAMS[1])
+        if self.config.tie_embeddings and head_copy is not None and head_copy not in self._names:
             wanted[TIED_PARAMS[1]] = "model.embed_tokens.weight"  # saved once, as tied
-        missing = [hf for hf in wanted.values() if hf not in self._weights]
+        params = set(wanted)
+        for name in layer.state_dict():  # persistent buffers the files hold (a router's bias)
+            if name not in params:
+                with contextlib.suppress(KeyError):  # not the model's module (our rotary)
+                    hf_name = _hf_name(name, index, self.config.num_layers)
+                    if hf_name in self._names:
+                        wanted[name] = hf_name
+        missing = [hf for name, hf in wanted.items() if name in params and hf not in self._names]
         if missing:
             raise ValueError(
                 f"{self.directory}: the safetensors files lack {', '.join(missing[:3])}"
                 + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             )
-        state: dict[str, torch.Tensor] = {}
-        for name, hf in wanted.items():
-            with safe_open(str(self._weights[hf]), framework="pt") as f:
-                state[name] = f.get_tensor(hf).float()
-        try:
-            layer.load_state_dict(state)
+        state = {name: self._names.read(hf, self._read).float() for name, hf in wanted.items()}
+        try:  # every parameter (checked above); a buffer the files lack keeps its start
+            layer.load_state_dict(state, strict=False)
         except RuntimeError as exc:
             raise ValueError(
                 f"{self.directory}: layer {index}'s weights do not fit: {exc}"
             ) from None
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The files' tensor ``name``."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._weights[name]), framework="pt") as f:
+            return f.get_tensor(name)
 
     def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
         if (index, tp) not in self._flags:

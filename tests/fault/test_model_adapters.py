@@ -27,6 +27,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                 "moe_intermediate_size": 48,
                                 "shared_expert_intermediate_size": 96,
                                 "mlp_only_layers": [1]}),  # a dense layer among MoE ones
+    "deepseek-v3": ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "num_key_value_heads": 4, "moe_intermediate_size": 48,
+                                    "first_k_dense_replace": 1, "q_lora_rank": 32,
+                                    "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+                                    "topk_group": 1}),
+    "starcoder2": ("starcoder2", {}),
 }  # fmt: skip
 """Each family's config: its model_type and its own settings beyond SHAPE."""
 MEGATRON = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,

@@ -45,6 +45,17 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 24, "head_dim": 16}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek-v3": ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "num_key_value_heads": 4,  # multi-head latent attention
+                                    "moe_intermediate_size": 24, "first_k_dense_replace": 1,
+                                    "q_lora_rank": 16, "kv_lora_rank": 16,
+                                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                    "v_head_dim": 8, "n_group": 1, "topk_group": 1}),
+    "glm4-moe": ("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 24, "first_k_dense_replace": 1,
+                              "head_dim": 8}),
+    "granitemoe": ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "starcoder2": ("starcoder2", {}),  # layer norms with biases, a GELU MLP of two
 }  # fmt: skip
 SEQ = 16
 
@@ -75,7 +86,7 @@ def _hf_model(source: str, layers):
     directory = source[3:]
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     hf = transformers.AutoModelForCausalLM.from_config(config)
-    named = {i: dict(layer.named_parameters()) for i, layer in enumerate(layers)}
+    named = {i: layer.state_dict() for i, layer in enumerate(layers)}  # persistent buffers too
     hf.load_state_dict(to_hf_state_dict(named, len(layers)), strict=True)
     return hf
 
@@ -118,10 +129,16 @@ def test_layers_do_not_depend_on_who_builds_them(tmp_path):
     assert not torch.equal(next(a.parameters()), next(c.parameters()))
 
 
-def test_weights_come_from_safetensors(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen2-moe", "granitemoe"])
+def test_weights_come_from_safetensors(tmp_path, family):
+    """As the model's save_pretrained writes them (a mixture of experts: one tensor per
+    expert and projection, Mixtral's under other names), read into the model's own
+    fused experts."""
+    source = _write(tmp_path, family)
+    config = transformers.AutoConfig.from_pretrained(source[3:], local_files_only=True)
     directory = tmp_path / "saved"
     torch.manual_seed(11)
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False))
+    hf = transformers.AutoModelForCausalLM.from_config(config)
     hf.save_pretrained(directory, safe_serialization=True)
     assert list(directory.glob("*.safetensors"))
     model = HfModel(hf_shape(f"hf:{directory}", seq_len=SEQ))
@@ -133,6 +150,30 @@ def test_weights_come_from_safetensors(tmp_path):
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, SEQ))
     ours, _ = _run(layers, tokens, tokens)
     assert (ours - hf(tokens).logits).abs().max().item() < 1e-6
+
+
+def test_a_routers_bias_comes_from_safetensors_with_the_weights(tmp_path):
+    """DeepSeek-V3 routes by scores plus a per-expert bias, a buffer the checkpoint
+    holds (trained outside the gradient): read with the weights, not left at zero."""
+    source = _write(tmp_path, "deepseek-v3")
+    config = transformers.AutoConfig.from_pretrained(source[3:], local_files_only=True)
+    torch.manual_seed(12)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer))
+    directory = tmp_path / "saved"
+    hf.save_pretrained(directory, safe_serialization=True)
+    layers = _layers(HfModel(hf_shape(f"hf:{directory}", seq_len=SEQ)))
+    theirs = hf.state_dict()
+    ours = to_hf_state_dict({i: layer.state_dict() for i, layer in enumerate(layers)}, 5)
+    biases = [n for n in ours if n.endswith("e_score_correction_bias")]
+    assert len(biases) == 2 and all(torch.equal(ours[n], theirs[n]) for n in biases)
+    assert all(theirs[n].abs().sum() > 0 for n in biases)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, SEQ))
+    logits, _ = _run(layers, tokens, tokens)
+    assert (logits - hf(tokens).logits).abs().max().item() < 1e-6
 
 
 def test_a_mixture_of_experts_is_priced_from_the_experts_a_token_passes_through(tmp_path):
@@ -317,3 +358,25 @@ def test_a_model_tensor_parallelism_cannot_split_is_refused_naming_why(tmp_path,
     with pytest.raises(ValueError, match=message):
         build_job({"model": {"source": source}, "layout": {"tp": 2}})
     build_job({"model": {"source": _write(tmp_path, "llama")}, "layout": {"tp": 2}})
+
+
+def test_a_checkpoint_conversion_of_another_kind_is_refused_naming_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from elaswave.model import hf_checkpoint
+
+    class Chunk(SimpleNamespace):  # a conversion step ElasWave does not read
+        pass
+
+    class WeightConverter(SimpleNamespace):
+        pass
+
+    rule = WeightConverter(
+        source_patterns=[".experts.*.w1.weight"], target_patterns=[".experts.gate_up_proj"],
+        operations=[Chunk(dim=0)],
+    )  # fmt: skip
+    monkeypatch.setattr(hf_checkpoint, "_conversions", lambda model_type: [rule])
+    with pytest.raises(ValueError, match=r"model_type = 'moe': its checkpoint's .*\('Chunk', 0\)"):
+        hf_checkpoint.CheckpointNames(["model.layers.0.mlp.experts.0.w1.weight"], "moe")
+    names = hf_checkpoint.CheckpointNames(["model.norm.weight"], "moe")  # nothing to convert
+    assert "model.norm.weight" in names and "model.layers.0.mlp.experts.gate_up_proj" not in names

@@ -396,7 +396,8 @@ class CheckpointRequest(Event):
 @register
 @dataclass(frozen=True, kw_only=True)
 class CheckpointWritten(Event):
-    """A member wrote its part of the checkpoint a CheckpointRequest asked for."""
+    """A member wrote its part of the checkpoint a CheckpointRequest asked for (a TP
+    group's leader says so once every member of the group wrote its slices)."""
 
     KIND = EventKind.CHECKPOINT_WRITTEN
     TOPIC = Topic.RECOVERY

@@ -88,7 +88,7 @@ def _add_command_flags(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="RUN_DIR",
         help="continue RUN_DIR's job from its latest complete checkpoint, on the "
-        "layout the flags give (default: the same)",
+        "dp x pp the flags give (default: the same) and the checkpoint's tp",
     )
     p.add_argument(
         "--out",

@@ -65,19 +65,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 def _resume_sources(run_dir: Path, file_values: dict | None) -> list[dict | None]:
     """The resumed job's sources, in the order they apply: RUN_DIR's config, then the
-    TOML file, then the checkpoint to start from (flags come after them)."""
+    TOML file, then the checkpoint to start from: the latest complete one, written with
+    the old job's tp, which the job keeps (flags come after them)."""
     from elaswave.fabric.checkpoint import latest_complete
     from elaswave.runtime.job.config import JobSpec
 
     if not (run_dir / JOB).is_file():
         raise ValueError(f"--resume {str(run_dir)!r}: not a run directory (no {JOB})")
     old = JobSpec.read(run_dir).config
-    if old.layout.tp > 1:
-        raise ValueError(
-            f"--resume {str(run_dir)!r}: that job ran with tp = {old.layout.tp}, and --resume "
-            "needs tp = 1 in this version (a TP job restores its checkpoints inside the job)"
-        )
-    step = latest_complete(run_dir, old.model.num_layers)
+    step = latest_complete(run_dir, old.model.num_layers, old.layout.tp)
     if step is None:
         raise ValueError(
             f"--resume {str(run_dir)!r}: no complete checkpoint under "
@@ -86,10 +82,14 @@ def _resume_sources(run_dir: Path, file_values: dict | None) -> list[dict | None
     values = old.to_dict()
     values.pop("profile", None)  # measured again, or not, as --profile says
     values["injection"].pop("faults")  # injected into the old run only
-    for key in ("resume_dir", "resume_step"):
-        values["state"].pop(key)
-    resume = {"state": {"resume_dir": str(run_dir.resolve()), "resume_step": step}}
-    return [values, file_values or {}, resume]
+    resume = {
+        "resume_dir": str(run_dir.resolve()),
+        "resume_step": step,
+        "resume_tp": old.layout.tp,
+    }
+    for key in resume:  # the checkpoint the old job started from, if it was resumed too
+        values["state"].pop(key, None)
+    return [values, file_values or {}, {"state": resume}]
 
 
 def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
@@ -103,7 +103,8 @@ def _refuse_unfinished(out: Path, *, resuming: Path | None) -> None:
     if not (out / JOB).is_file() or (out / SUMMARY).is_file():
         return
     try:
-        step = latest_complete(out, JobSpec.read(out).config.model.num_layers)
+        old = JobSpec.read(out).config
+        step = latest_complete(out, old.model.num_layers, old.layout.tp)
     except (OSError, KeyError, TypeError, ValueError):
         return  # not a readable run: nothing to continue
     if step is not None:

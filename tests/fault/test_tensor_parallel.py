@@ -1,7 +1,8 @@
 """Tensor parallelism end to end: every layout of dp x pp x tp processes (up to 8) trains
 as dp1 x pp1 x tp1 does, and a TP group is one failure unit, recovered inside the step
 when any member is SIGKILLed, hangs, or goes down with its node; its other members are
-released and the rest continue without a restart."""
+released and the rest continue without a restart. A TP job that stops continues from its
+checkpoint (each member's slices) with --resume, on any dp x pp with the same tp."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from elaswave.fabric.placement import place_snapshots_across
 from elaswave.model.megatron import megatron_shape
-from elaswave.runtime.core.compare import compare_runs
+from elaswave.runtime.core.compare import compare_runs, loss_rel_diff, param_rel_diff
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
 from elaswave.runtime.job.results import Layout
@@ -161,19 +162,63 @@ def test_a_tp_group_lost_whole_waits_for_a_joining_group(runs_dir, reference):
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
-def test_a_tp_wait_that_runs_out_writes_no_checkpoint_and_says_so(tmp_path):
-    """A tensor-parallel job cannot be resumed (--resume needs tp = 1): a wait that runs
-    out writes no checkpoint to resume from, and the stop says what would have helped."""
+@pytest.mark.timeout(300)
+def test_a_tp_wait_that_runs_out_writes_a_checkpoint_that_resume_continues_on_another_layout(
+    runs_dir, tp_reference
+):
+    """dp1 x pp2 x tp2 loses its stage-1 group (process 2, member 0 of rank 1) in step 4
+    and no joiner comes: each member of rank 0 writes its slices of its own shard at step
+    2 (it committed step 3 and keeps the one before) and of rank 1's from the host
+    snapshot it holds, under ``step2/tp{M}/``, and the job stops naming the ``--resume``
+    that continues it. Another --tp is refused in one line; resumed as dp2 x pp1 (tp 2,
+    kept from the checkpoint) it ends as the fault-free run does."""
+    out = runs_dir / "tp_wait_out"
+    proc = elaswave("train", "--out", str(out), *_layout(1, 2, 2), *JOB, "--wait-for-nodes",
+                    "2", "--no-shorten-after-wait", "--fault", "kill:2@4:backward",
+                    timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "it wrote a checkpoint of step 2 from the state in memory" in proc.stderr, proc.stderr
+    assert f"resume with --resume {out}" in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints" / "step2").iterdir()) == ["tp0", "tp1"]
+    other = elaswave("train", "--resume", str(out), "--tp", "1", timeout=60)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr
+    assert other.stderr.strip().splitlines() == [
+        f"elaswave: error: --resume {str(out.resolve())!r}: its checkpoint of step 2 was written "
+        "with tp = 2, not 1; resume it with --tp 2 (any --dp/--pp)"
+    ]
+    resumed = train(runs_dir / "tp_wait_out_resumed", "--resume", str(out), "--dp", "2",
+                    "--pp", "1")  # fmt: skip
+    s = resumed.summary
+    assert s.layout == Layout(dp=2, pp=1, tp=2)
+    assert s.first_step == 3 and s.steps_completed == STEPS
+    assert loss_rel_diff(s.loss, tp_reference.summary.loss[3:]) <= 1e-5
+    assert param_rel_diff(resumed.params(), tp_reference.params()) <= 1e-5
+
+
+def test_a_tp_job_stops_naming_the_resume_that_continues_it(tmp_path):
+    """A TP job's stop names ``--resume RUN_DIR`` as a tp = 1 job's does, and a wait that
+    runs out writes a checkpoint from memory for it."""
     cfg = JobConfig.from_dict({"layout": {"tp": 2}, "elastic": {"wait_for_nodes_s": 5.0}})
     rules = rules_of(cfg, tmp_path, can_spawn=True)
-    assert rules.wait_for_nodes_s == 5.0 and rules.resume_command == ""
-    assert "--checkpoint-every K to restore lost state inside the job" in rules.resume_hint
-    assert "--resume needs tp = 1" in rules.resume_hint
+    assert rules.wait_for_nodes_s == 5.0 and rules.resume_command == f"--resume {tmp_path}"
+    assert "--checkpoint-every K to be able to resume" in rules.resume_hint
     cfg = JobConfig.from_dict({"layout": {"tp": 2}, "state": {"checkpoint_every": 3}})
     assert cfg.restores_in_job
-    assert (
-        "restore inside a running job only" in rules_of(cfg, tmp_path, can_spawn=True).resume_hint
-    )
+    hint = rules_of(cfg, tmp_path, can_spawn=True).resume_hint
+    assert hint == f"resume from its latest checkpoint with --resume {tmp_path}"
+
+
+def test_a_resumed_job_keeps_the_tp_of_its_checkpoint():
+    """A checkpoint's pieces are each TP member's slices: any dp x pp reads them, another
+    tp is refused naming both and what to pass."""
+    state = {"resume_dir": "/tmp/run", "resume_step": 2, "resume_tp": 2}
+    job = JobConfig.from_dict({"layout": {"dp": 1, "pp": 1, "tp": 2}, "state": state})
+    assert job.state.resume_tp == job.layout.tp == 2
+    with pytest.raises(ValueError, match=re.escape(
+        "--resume '/tmp/run': its checkpoint of step 2 was written with tp = 2, not 4; "
+        "resume it with --tp 2 (any --dp/--pp)"
+    )):  # fmt: skip
+        JobConfig.from_dict({"layout": {"tp": 4}, "state": state})
 
 
 def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
@@ -186,10 +231,6 @@ def test_a_bad_tp_flag_gets_one_clear_line(tmp_path):
     ("sections", "message"),
     [
         ({"layout": {"tp": 0}}, "tp = 0: must be a positive integer"),
-        (
-            {"layout": {"tp": 2}, "state": {"resume_dir": "/tmp/run", "resume_step": 2}},
-            "does not combine with --resume",
-        ),
         ({"layout": {"tp": 2, "ranks_per_node": 3}}, "a TP group must fill whole nodes"),
         ({"layout": {"tp": 2, "world_size": 4}}, "world size 4 != dp x pp x tp = 2 x 2 x 2 = 8"),
         (

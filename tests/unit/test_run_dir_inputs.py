@@ -1,6 +1,8 @@
 """``elaswave evaluate``, ``export`` and ``train --resume`` on a damaged run directory
 (parameter files that are not a run's, a job.json that is not a job) and on bad token
-files: one line naming the file or the value, status 2, nothing written."""
+files: one line naming the file or the value, status 2, nothing written. A stopped
+tensor-parallel run resumes from the latest step every member's pieces complete, with
+its tp."""
 
 from __future__ import annotations
 
@@ -13,15 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from elaswave.cli.main import main
+from elaswave.cli.main import _refuse_unfinished, _resume_sources, main
+from elaswave.fabric.checkpoint import write_pieces
 from elaswave.model.hf import HfModel, hf_shape
 from elaswave.rundir import JOB, PARAMS
+from elaswave.runtime.host.launcher import JobHost
 from elaswave.runtime.job.config import Endpoints, JobConfig, JobSpec
+from elaswave.runtime.job.sections import LayoutConfig
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = Path(__file__).parents[2] / "examples" / "models" / "tiny-llama"
 SEQ = 16
+ENDPOINTS = Endpoints(store_host="127.0.0.1", store_port=1, bus_publish="", bus_subscribe="")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +36,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     training saves them (one stage), without training."""
     run = tmp_path_factory.mktemp("run")
     model = hf_shape(f"hf:{MODEL}", seq_len=SEQ)
-    endpoints = Endpoints(store_host="127.0.0.1", store_port=1, bus_publish="", bus_subscribe="")
-    JobSpec(run_id="test", config=JobConfig(model=model), endpoints=endpoints).write(run)
+    JobSpec(run_id="test", config=JobConfig(model=model), endpoints=ENDPOINTS).write(run)
     layers = HfModel(model)
     params = {i: dict(layers.build_layer(i, seed=0).state_dict()) for i in range(model.num_layers)}
     (run / PARAMS).mkdir()
@@ -257,3 +262,46 @@ def test_resume_refuses_a_run_whose_job_json_is_not_a_job(
 ) -> None:
     damage(run_dir)
     _refused(capsys, ["train", "--resume", str(run_dir), "--profile", "off"], message)
+
+
+@pytest.fixture
+def tp_run(tmp_path: Path) -> Path:
+    """A dp1 x pp2 x tp2 run that stopped: both members wrote their pieces of steps 1 and
+    3, only member 0 of step 5 (pieces of no training: --resume reads their manifests)."""
+    run = tmp_path / "tp_run"
+    run.mkdir()
+    job = JobConfig(layout=LayoutConfig(dp=1, pp=2, tp=2))
+    JobSpec(run_id="tp", config=job, endpoints=ENDPOINTS).write(run)
+    layers = range(job.model.num_layers)
+    pieces = {i: {"numel": 4, "lo": 0, "hi": 4, "state": torch.zeros(3, 4)} for i in layers}
+    for step, members in ((1, 2), (3, 2), (5, 1)):
+        for member in range(members):
+            write_pieces(run, step, 0, pieces, member=member, tp=2)
+    return run
+
+
+def test_resume_of_a_tp_run_starts_from_the_latest_step_every_member_wrote(tp_run: Path):
+    *_, resume = _resume_sources(tp_run, None)
+    assert resume == {
+        "state": {"resume_dir": str(tp_run.resolve()), "resume_step": 3, "resume_tp": 2}
+    }
+
+
+def test_a_tp_job_whose_core_is_lost_names_the_resume_of_its_latest_checkpoint(tp_run: Path):
+    host = JobHost(JobSpec.read(tp_run).config, tp_run, None)
+    assert host._resume() == f"resume from the checkpoint of step 3 with --resume {tp_run}"
+
+
+def test_resume_of_a_tp_run_with_another_tp_is_refused_naming_both(tp_run: Path, capsys):
+    before = sorted(tp_run.rglob("*"))
+    message = (
+        r"--resume '.*tp_run': its checkpoint of step 3 was written with tp = 2, not 1; "
+        r"resume it with --tp 2 \(any --dp/--pp\)$"
+    )
+    _refused(capsys, ["train", "--resume", str(tp_run), "--tp", "1"], message)
+    assert sorted(tp_run.rglob("*")) == before
+
+
+def test_training_into_a_stopped_tp_run_is_refused_naming_its_checkpoint(tp_run: Path):
+    with pytest.raises(ValueError, match=r"with a complete checkpoint of step 3: continue it"):
+        _refuse_unfinished(tp_run, resuming=None)

@@ -79,6 +79,7 @@ SAMPLE = {
         "restore_in_job": False,
         "resume_dir": "/runs/before",
         "resume_step": 3,
+        "resume_tp": 1,
     },
     "network": {"bus_host": "192.0.2.2", "bus_keys": "/keys"},
     "injection": {"faults": ["kill:1@4", "join@6"], "bus_faults": "drop=0.1,seed=3"},
@@ -108,7 +109,7 @@ FLAGS = [
 
 SET_BY = {
     "schedule": {"script": ["train.py", "--lr", "0.1"]},
-    "state": {"resume_dir": "/runs/before", "resume_step": 3},
+    "state": {"resume_dir": "/runs/before", "resume_step": 3, "resume_tp": 1},
 }
 """What ``elaswave run SCRIPT`` and ``--resume`` set."""
 

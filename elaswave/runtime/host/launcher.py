@@ -175,13 +175,9 @@ class JobHost:
         return None
 
     def _resume(self) -> str:
-        tp = self.cfg.layout.tp
-        step = latest_complete(self.run_dir, self.cfg.model.num_layers, tp)
-        if step is not None and tp > 1:
-            return (
-                f"its checkpoint of step {step} restores inside a running job only "
-                f"(--resume needs tp = 1 in this version; this job has tp = {tp})"
-            )
+        """How to continue the job: its latest complete checkpoint (every TP member's
+        pieces of it) and the ``--resume`` that starts from it."""
+        step = latest_complete(self.run_dir, self.cfg.model.num_layers, self.cfg.layout.tp)
         if step is None:
             return "it wrote no complete checkpoint (train with --checkpoint-every K to resume)"
         return f"resume from the checkpoint of step {step} with --resume {self.run_dir}"

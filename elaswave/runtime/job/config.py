@@ -96,7 +96,7 @@ class JobConfig:
 
     def _check_across_sections(self) -> None:
         """What one section's settings ask of another's (each section checked its own)."""
-        self._check_tp()
+        self._check_resume()
         layout, steps = self.layout, self.schedule.steps
         specs = validate_faults(
             self.injection.faults,
@@ -118,7 +118,19 @@ class JobConfig:
                     f"{self.schedule.eval_every}: steps K-1, 2K-1, ... and the last do)"
                 )
         self._check_eval()
-        resume_step = self.state.resume_step
+
+    def _check_resume(self) -> None:
+        """What the checkpoint ``--resume`` starts from asks of the job: its tp (each TP
+        member's pieces are its own slices of every layer; any dp x pp reads them), and
+        steps beyond its own."""
+        state, steps = self.state, self.schedule.steps
+        if state.resume_tp is not None and state.resume_tp != self.layout.tp:
+            raise ValueError(
+                f"--resume {state.resume_dir!r}: its checkpoint of step {state.resume_step} "
+                f"was written with tp = {state.resume_tp}, not {self.layout.tp}; resume it "
+                f"with --tp {state.resume_tp} (any --dp/--pp)"
+            )
+        resume_step = state.resume_step
         if resume_step is not None and not -1 <= resume_step < steps - 1:
             raise ValueError(
                 f"the checkpoint is at step {resume_step}, at or past the last step "
@@ -137,21 +149,6 @@ class JobConfig:
                 f"{data.path!r}; give --eval-data FILE (data.heldout)"
             )
         object.__setattr__(self, "data", dataclasses.replace(data, heldout=heldout))
-
-    def _check_tp(self) -> None:
-        """What tensor parallelism does not combine with (yet), named."""
-        tp = self.layout.tp
-        if tp == 1:
-            return
-        unsupported = {
-            "--resume": self.state.resume_dir is not None,
-        }
-        for flag, used in unsupported.items():
-            if used:
-                raise ValueError(
-                    f"tp = {tp} does not combine with {flag} in this version: use --tp 1, "
-                    f"or leave {flag.split()[0]} out"
-                )
 
     @property
     def restores_in_job(self) -> bool:

@@ -76,13 +76,6 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         if cfg.state.checkpoint_every
         else "it wrote no checkpoint (train with --checkpoint-every K to be able to resume)"
     )
-    if cfg.layout.tp > 1:  # a TP job's checkpoints are restored inside the job only
-        resume = (
-            "its checkpoints restore inside a running job only"
-            if cfg.state.checkpoint_every
-            else "it wrote no checkpoint (train with --checkpoint-every K to restore lost "
-            "state inside the job)"
-        ) + f" (--resume needs tp = 1 in this version; this job has tp = {cfg.layout.tp})"
     return Rules(
         steps=cfg.schedule.steps,
         recovery=cfg.elastic.recovery,
@@ -101,5 +94,5 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         first_step=cfg.state.resume_step if cfg.state.resume_step is not None else -1,
         wait_for_nodes_s=cfg.elastic.wait_for_nodes_s,
         shorten_after_wait=cfg.elastic.shorten_after_wait,
-        resume_command=f"--resume {run_dir}" if cfg.layout.tp == 1 else "",  # see above
+        resume_command=f"--resume {run_dir}",
     )

@@ -522,11 +522,18 @@ class StateConfig:
         None, set_by="--resume RUN_DIR", help="the step of that checkpoint"
     )
     """The checkpoint's step; training continues at the next one."""
+    resume_tp: int | None = setting(
+        None, set_by="--resume RUN_DIR", help="the tp that checkpoint was written with"
+    )
+    """The tp the checkpoint was written with: each TP member's pieces are its own
+    slices of every layer, so the resumed job keeps it (on any dp x pp)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every = {self.checkpoint_every}: must be >= 0")
         check_positive_int(self, "snapshot_copies")
+        if self.resume_tp is not None:
+            check_positive_int(self, "resume_tp")
 
     @property
     def first_step(self) -> int:

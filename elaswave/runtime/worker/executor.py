@@ -369,6 +369,14 @@ def _report(
         if ctx.rank not in request.writers:
             return
         owners = write_part(ctx, trainer, request, timeout, kept)
+        if ctx.tp is not None:  # the leader reports the part once every member wrote its
+            # slices of it (a Core asking again finds the barrier passed)
+            unit_barrier(
+                ctx.store, f"checkpoint/g{request.generation}/s{request.step}", ctx.rank,
+                ctx.member, ctx.tp.size, timeout_s=timeout, what="write its checkpoint part",
+            )  # fmt: skip
+        if not ctx.leader:
+            return
         session.publish(
             CheckpointWritten(
                 sender=sender,

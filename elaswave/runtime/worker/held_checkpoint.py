@@ -5,8 +5,9 @@ the step every survivor rolls back to: the rank itself when it stopped at that s
 or the next (its optimizer keeps the shard of the step before, for a one-step
 rollback), else the holder of its host snapshot. Each part is
 written as the periodic checkpoints are (:mod:`elaswave.fabric.checkpoint`: element
-ranges of whole layers, under the owner's name, renamed into place), so the union is a
-complete, layout-independent checkpoint that ``--resume`` continues on any layout.
+ranges of whole layers, under the owner's name, renamed into place; in a TP job each
+member writes its own slices), so the union is a complete, layout-independent checkpoint
+that ``--resume`` continues on any dp x pp (with the same tp).
 """
 
 from __future__ import annotations

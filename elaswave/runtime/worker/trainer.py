@@ -35,7 +35,7 @@ from elaswave.engine.plan import (
 )
 from elaswave.engine.steptime import plan_lists
 from elaswave.fabric.adamw import ShardState
-from elaswave.fabric.checkpoint import load_layers, shard_of_layers
+from elaswave.fabric.checkpoint import load_layers, piece_dir, shard_of_layers
 from elaswave.fabric.clip import GradClip
 from elaswave.fabric.placement import snapshot_link_name
 from elaswave.fabric.snapshot import SnapshotKeeper, SnapshotSender
@@ -45,7 +45,6 @@ from elaswave.model.hf import TIED_PARAMS
 from elaswave.model.llama import layer_index
 from elaswave.model.rng import DropoutRng
 from elaswave.model.tensor_parallel import TpShard, split_dim
-from elaswave.rundir import step_dir
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.worker.emulation import Pacer
 from elaswave.runtime.worker.evaluation import HeldOutEval
@@ -336,7 +335,8 @@ def device_plane(
 
 
 def initial_trainer(ctx: WorkerContext) -> Trainer:
-    """The trainer at the start of the run, or at a checkpoint when resuming."""
+    """The trainer at the start of the run, or at a checkpoint when resuming (this TP
+    member's pieces of it)."""
     plan = ctx.cfg.plan()
     links = DynamicCommunicator(
         ctx.comm_store, ctx.rank, ctx.host_backend, timeout=ctx.timeout, abort=ctx.abort
@@ -349,11 +349,10 @@ def initial_trainer(ctx: WorkerContext) -> Trainer:
         keepers = attach_snapshots(ctx, plan, comm, optimizer, step=-1, initial=None)
         runner = build_runner(ctx, plan, device, layers, optimizer)
         return Trainer(plan, links, device, optimizer, runner, layers, keepers)
-    ckpt = step_dir(Path(ctx.cfg.state.resume_dir), ctx.cfg.state.resume_step)
-    optimizer, initial = load_checkpoint(ctx, plan, device, layers, ckpt, ctx.cfg.state.resume_step)
-    keepers = attach_snapshots(
-        ctx, plan, comm, optimizer, step=ctx.cfg.state.resume_step, initial=initial
-    )
+    step = ctx.cfg.state.resume_step
+    ckpt = piece_dir(Path(ctx.cfg.state.resume_dir), step, ctx.member, ctx.cfg.layout.tp)
+    optimizer, initial = load_checkpoint(ctx, plan, device, layers, ckpt, step)
+    keepers = attach_snapshots(ctx, plan, comm, optimizer, step=step, initial=initial)
     runner = build_runner(ctx, plan, device, layers, optimizer)
     return Trainer(plan, links, device, optimizer, runner, layers, keepers)
 

@@ -354,6 +354,7 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
         timeout=200,
     )
     assert proc.returncode == 1 and "no worker survives" in proc.stderr, proc.stderr
+    assert f"resume from the checkpoint of step 5 with --resume {crashed}" in proc.stderr
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step2", "step5"]
     # Training into it again would clear what can continue it: refused, nothing touched.
     again = elaswave("train", "--out", str(crashed), *steps, timeout=60)
@@ -372,6 +373,23 @@ def test_unrecoverable_job_resumes_from_its_checkpoint_on_another_layout(runs_di
 
     assert loss_rel_diff(s.loss, ref.summary.loss[6:]) <= 1e-5
     assert param_rel_diff(load_params(resumed.out), load_params(ref.out)) <= 1e-5
+
+
+def test_a_stop_names_the_resume_that_continues_the_job(runs_dir):
+    """With recovery off a kill stops the job at its failure; the run directory holds a
+    checkpoint, so the stop names the --resume that continues from it (the Core's
+    reason said only what failed)."""
+    out = runs_dir / "stopped_off"
+    proc = elaswave(
+        "train", "--out", str(out), "--dp", "2", "--pp", "1", "--steps", "6",
+        "--global-batch", "8", "--micro-batch", "2", "--checkpoint-every", "2",
+        "--no-recovery", "--fault", "kill:0@4:backward", timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        f"(recovery is off); resume from the checkpoint of step 3 with --resume {out}"
+        in proc.stderr
+    ), proc.stderr[-2000:]
 
 
 def test_resume_refuses_a_run_without_checkpoints(runs_dir, reference):

@@ -120,7 +120,7 @@ class JobHost:
                     return
                 result = self._result()
                 if code == JOB_FAILED and result is not None:
-                    raise JobFailed(result["reason"])
+                    raise JobFailed(self._with_resume(result["reason"]))
                 lost = f"the Core was lost ({exit_text(code)}; see logs/core{incarnation}.log)"
                 state = self._state()
                 if state is not None and self._all_finished(state):
@@ -173,6 +173,15 @@ class JobHost:
         with contextlib.suppress(OSError, ValueError):
             return json.loads((self.run_dir / CORE_RESULT).read_text())
         return None
+
+    def _with_resume(self, reason: str) -> str:
+        """The Core's reason for stopping the job, with how to continue it where the run
+        directory holds a complete checkpoint the reason does not name already (a job
+        whose last worker died, or with recovery off, stops at its failure)."""
+        if "--resume" in reason:
+            return reason
+        step = latest_complete(self.run_dir, self.cfg.model.num_layers, self.cfg.layout.tp)
+        return reason if step is None else f"{reason}; {self._resume()}"
 
     def _resume(self) -> str:
         """How to continue the job: its latest complete checkpoint (every TP member's

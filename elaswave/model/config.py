@@ -46,6 +46,9 @@ class ModelConfig:
     block_whole: int = 0
     """Parameters of one block kept whole on every tensor-parallel member (norm gains,
     norms inside attention); 0: the two norms' (``2 * hidden_size``)."""
+    expert_ffn_size: int = 0
+    """Inner width of one routed expert's MLP (a mixture of experts: what tensor
+    parallelism splits each expert's gate and up rows by); 0: none."""
     head_params: int = 0
     """Parameters of the head (the final norm and the LM head) where the model's are not
     ``hidden_size + hidden_size * vocab_size`` (a final layer norm with a bias); 0:
@@ -81,9 +84,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
-        if min(self.head_size, self.block_params, self.block_whole, self.head_params) < 0:
+        sizes = (self.head_size, self.block_params, self.block_whole, self.head_params)
+        if min(*sizes, self.expert_ffn_size) < 0:
             raise ValueError(
-                "model.head_size, block_params, block_whole and head_params must be >= 0"
+                "model.head_size, block_params, block_whole, head_params and "
+                "expert_ffn_size must be >= 0"
             )
         self._check_per_block()
         if not self.head_size and self.hidden_size % self.num_heads:

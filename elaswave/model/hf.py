@@ -242,7 +242,14 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         shape = dataclasses.replace(shape, layer_params=tuple(counts))
     if active != counts:  # a token passes through top_k of the experts
         ffn = _activated_ffn(cfg, experts, mixed=len(set(counts)) > 1)
-        shape = dataclasses.replace(shape, active_params=tuple(active), ffn_hidden_size=ffn)
+        width = next(  # one expert's inner width, from the fused experts themselves
+            (p.shape[-1] for n, p in model.model.named_parameters() if n.endswith(".down_proj")
+             and ".experts." in n and p.dim() == 3),
+            0,
+        )  # fmt: skip
+        shape = dataclasses.replace(
+            shape, active_params=tuple(active), ffn_hidden_size=ffn, expert_ffn_size=width
+        )
     whole = sum(
         p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
     )
@@ -556,20 +563,26 @@ def _projections(module: Any, separate: tuple[str, ...]) -> tuple[str, ...]:
 def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
     """ValueError naming why the Hugging Face model cannot be split ``tp`` ways: its
     attention and MLP must be the separate q/k/v/o and gate/up/down projections (or
-    fused ones of a known layout: :data:`FUSED_TP`), with no bias after a row-parallel
-    projection, and a q or k norm inside
-    attention only of a shape :func:`_attention_norm` splits (Qwen3's, OLMo-2's)."""
+    fused ones of a known layout: :data:`FUSED_TP`; or a mixture of experts: fused
+    routed experts, shared experts of separate projections), with no bias after a
+    row-parallel projection, and a q or k norm inside attention only of a shape
+    :func:`_attention_norm` splits (Qwen3's, OLMo-2's). Every block alike: a model
+    mixing dense and expert layers is refused."""
     directory = _directory(config.source)
     where = f"{directory / 'config.json'}: --tp {tp}"
+    if config.layer_params:
+        raise ValueError(
+            f"{where}: its blocks differ (dense and mixture-of-experts layers); tensor "
+            "parallelism splits blocks of one kind: use --tp 1"
+        )
     model = skeleton(load_hf_config(directory), where)
     layer = model.model.layers[0]
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = [
-        f"{part}.{leaf}"
-        for part, module, separate in (("self_attn", attn, TP_ATTENTION), ("mlp", mlp, TP_MLP))
-        for leaf in _projections(module, separate)
-        if not isinstance(getattr(module, leaf, None), nn.Linear)
-    ]
+        f"self_attn.{leaf}"
+        for leaf in _projections(attn, TP_ATTENTION)
+        if not isinstance(getattr(attn, leaf, None), nn.Linear)
+    ] + [f"mlp.{name}" for name in _mlp_lacks(mlp)]
     if names:
         raise ValueError(
             f"{where}: the layers lack the separate projections tensor parallelism splits "
@@ -578,9 +591,9 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
         )
     assert attn is not None  # it has its projections
     assert mlp is not None
-    for row in (attn.o_proj, mlp.down_proj):
-        if row.bias is not None:
-            raise ValueError(f"{where}: a bias after a row-parallel projection: use --tp 1")
+    rows = [attn.o_proj, *(m for n, m in mlp.named_modules() if n.endswith("down_proj"))]
+    if any(getattr(row, "bias", None) is not None for row in rows):
+        raise ValueError(f"{where}: a bias after a row-parallel projection: use --tp 1")
     for leaf in ("q_norm", "k_norm"):
         norm = getattr(attn, leaf, None)
         if norm is not None and _attention_norm(norm, attn, leaf) is None:
@@ -588,6 +601,29 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
                 f"{where}: self_attn.{leaf} ({type(norm).__name__}) is neither a gain per "
                 "head nor an RMS norm over all heads with a gain only: use --tp 1"
             )
+
+
+def _mlp_lacks(mlp: Any) -> list[str]:
+    """What tensor parallelism needs of a block's MLP and ``mlp`` lacks (empty: it can
+    be split): the separate (or known fused) projections; of a mixture of experts, its
+    routed experts fused as transformers 5 holds them and each shared expert's separate
+    projections (its router and gates are kept whole)."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        return [
+            leaf
+            for leaf in _projections(mlp, TP_MLP)
+            if not isinstance(getattr(mlp, leaf, None), nn.Linear)
+        ]
+    lacks = [
+        f"experts.{leaf}"
+        for leaf in ("gate_up_proj", "down_proj")
+        if not (isinstance(p := getattr(experts, leaf, None), nn.Parameter) and p.dim() == 3)
+    ]
+    for name, shared in mlp.named_children():
+        if name.startswith("shared_expert") and not isinstance(shared, nn.Linear):
+            lacks += [f"{name}.{leaf}" for leaf in _mlp_lacks(shared)]
+    return lacks
 
 
 def _attention_norm(norm: nn.Module, attn: nn.Module, leaf: str) -> str | None:
@@ -634,6 +670,11 @@ def _shard(layer: PipelineLayer, tp: TpShard, shape: ModelConfig) -> None:
         for part in (decoder.self_attn, decoder.mlp):
             part.register_forward_pre_hook(_copy_input(tp), with_kwargs=True)
             part.register_forward_hook(_reduce_output(tp))
+        for name, param in decoder.mlp.named_parameters():
+            # Whole in an MLP of experts (a router, a shared expert's gate): it weighs
+            # this member's part of the output, so its gradient is this member's part.
+            if split_dim(name) is None:
+                param.register_hook(summed_grad(tp))
         if type(decoder.self_attn).__name__ in FUSED_TP:  # it slices q | k | v by count
             _own_heads(decoder.self_attn, tp)
         for leaf in ("q_norm", "k_norm"):

@@ -89,6 +89,13 @@ ROW += ("linear_proj.weight", "linear_fc2.weight")
 """Parameters split along dimension 1 (input columns)."""
 
 
+EXPERTS: dict[str, int] = {"experts.gate_up_proj": 1, "experts.down_proj": 2}
+"""A mixture of experts' routed experts, fused along a leading expert dimension
+(transformers 5's ``[experts, 2 x width, hidden]`` gate | up and ``[experts, hidden,
+width]`` down): each expert's MLP split as a dense one's, its gate and up rows (blocks,
+:func:`fused_parts`) and its down columns; every member holds a slice of every expert."""
+
+
 def split_dim(name: str) -> int | None:
     """The dimension parameter ``name`` is split along, None when it is kept whole."""
     leaf = name.rsplit(".", 2)[-2:]
@@ -97,7 +104,7 @@ def split_dim(name: str) -> int | None:
         return 0
     if key in ROW:
         return 1
-    return None
+    return EXPERTS.get(key)
 
 
 class Shape(Protocol):
@@ -111,18 +118,22 @@ class Shape(Protocol):
     def ffn_hidden_size(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+    @property
+    def expert_ffn_size(self) -> int: ...
 
 
 def fused_parts(name: str, shape: Shape) -> tuple[int, ...] | None:
     """The blocks of rows a fused projection's weight ``name`` holds (Phi-3's q, k and v
-    heads; its and megatron's gate and up halves), each split over the group in turn;
-    None for any other parameter."""
+    heads; its, megatron's and fused experts' gate and up halves), each split over the
+    group in turn; None for any other parameter."""
     leaf = ".".join(name.rsplit(".", 2)[-2:])
     if leaf == "qkv_proj.weight":
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         return (q, kv, kv)
     if leaf in ("gate_up_proj.weight", "linear_fc1.weight"):
         return (shape.ffn_hidden_size, shape.ffn_hidden_size)
+    if leaf == "experts.gate_up_proj":
+        return (shape.expert_ffn_size, shape.expert_ffn_size)
     return None
 
 

@@ -27,6 +27,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                 "moe_intermediate_size": 48,
                                 "shared_expert_intermediate_size": 96,
                                 "mlp_only_layers": [1]}),  # a dense layer among MoE ones
+    "qwen2-moe-even": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 96}),
     "deepseek-v3": ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2,
                                     "num_key_value_heads": 4, "moe_intermediate_size": 48,
                                     "first_k_dense_replace": 1, "q_lora_rank": 32,
@@ -137,9 +140,9 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
 
 
-TP_FAMILIES = ["llama", "mistral", "qwen2", "granite", "megatron"]
+TP_FAMILIES = ["llama", "mistral", "qwen2", "granite", "megatron", "mixtral", "qwen2-moe-even"]
 """Families whose dp2 x tp2 runs stay within 1e-5 of one process (megatron-core's
-through its own tensor-parallel layers)."""
+through its own tensor-parallel layers; the mixtures of experts: 2.2e-6)."""
 TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3", "llama-tied"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
 one process within 6 steps (2.8e-5, 6.8e-6, 3.0e-5, 1.7e-5, 1.4e-5, 1.12e-5 on
@@ -184,7 +187,7 @@ def test_a_drifting_family_trains_under_tensor_parallelism_within_the_recovery_t
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "megatron"])
+@pytest.mark.parametrize("family", ["llama", "megatron", "mixtral"])
 def test_a_users_tensor_parallel_model_recovers_from_a_member_killed_mid_backward(
     runs_dir, hf_runs, family
 ):

@@ -3,7 +3,9 @@ process: the same loss and logits, and every parameter's gradient (the members' 
 joined again), for the families whose attention holds norms (Qwen3's per head, OLMo-2's
 over every head), Phi-3's fused projections (split by their blocks of rows), the
 families whose TP runs drift past 1e-5 over steps (Gemma, SmolLM3, Qwen3: their
-one-step gradients are exact to rounding) and a plain Llama."""
+one-step gradients are exact to rounding), mixtures of experts (every expert's MLP split,
+a shared expert, the routers and the shared expert's gate whole: their gradients the
+group's sums) and a plain Llama."""
 
 from __future__ import annotations
 
@@ -24,7 +26,11 @@ SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_lay
              tie_word_embeddings=False)  # fmt: skip
 FAMILIES = {"llama": ("llama", {}), "qwen3": ("qwen3", {"head_dim": 16}),
             "olmo2": ("olmo2", {}), "gemma": ("gemma", {"head_dim": 8}),
-            "smollm3": ("smollm3", {}), "phi3": ("phi3", {})}  # fmt: skip
+            "smollm3": ("smollm3", {}), "phi3": ("phi3", {}),
+            "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+            "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                        "moe_intermediate_size": 24,
+                                        "shared_expert_intermediate_size": 40})}  # fmt: skip
 SEQ = 16
 
 
@@ -40,6 +46,7 @@ def _member(rank: int, store: dist.Store, size: int, source: str) -> tuple:
     "family",
     [
         "llama", "olmo2", "qwen3", "phi3",
+        "mixtral", "qwen2-moe",  # routed experts split, a shared expert, whole routers
         # long: the same layers as llama's here; their drift is the fault suite's
         pytest.param("gemma", marks=pytest.mark.long),
         pytest.param("smollm3", marks=pytest.mark.long),

@@ -42,6 +42,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                 "moe_intermediate_size": 24,
                                 "shared_expert_intermediate_size": 40,
                                 "mlp_only_layers": [1]}),  # a shared expert, a dense layer
+    "qwen2-moe-even": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 24,
+                                     "shared_expert_intermediate_size": 40}),
     "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 24, "head_dim": 16}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
@@ -315,8 +318,10 @@ def test_a_tied_weights_two_copies_start_equal_and_load_from_its_one_tensor(tmp_
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "granite", "llama-tied"]
-)
+    "family",
+    ["llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "granite", "llama-tied", "mixtral",
+     "qwen2-moe-even", "qwen3-moe", "olmoe"],
+)  # fmt: skip
 def test_tensor_parallel_pieces_join_into_the_whole_layers(tmp_path, family):
     """Member r of 2 holds rows (q, k, v, gate, up, the vocabulary) or columns (o, down)
     of the whole layer's parameters, and joined they are the whole layer's."""
@@ -351,6 +356,8 @@ def test_fused_projections_of_an_unknown_layout_are_refused(tmp_path, monkeypatc
     ("family", "message"),
     [
         ("llama-biased-gelu", r"--tp 2: a bias after a row-parallel projection"),
+        ("qwen2-moe", r"--tp 2: its blocks differ \(dense and mixture-of-experts layers\)"),
+        ("deepseek-v3", r"--tp 2: its blocks differ"),  # a dense first block
     ],
 )
 def test_a_model_tensor_parallelism_cannot_split_is_refused_naming_why(tmp_path, family, message):

@@ -3,7 +3,9 @@
 A Hugging Face run (``--model hf:DIR``): a directory that transformers'
 ``from_pretrained`` loads. OUT_DIR gets the model's ``config.json`` (the one the run
 trained, as transformers writes it), its trained parameters as ``model.safetensors``
-under the model's own names (a tied weight once, as transformers saves it), and the
+under the names the model's checkpoints have (a tied weight once; a mixture of experts'
+experts one tensor each, as ``save_pretrained`` writes them), with the persistent
+buffers the model directory's files hold (a router's bias: they do not train), and the
 tokenizer files of the model's directory when it has them.
 
 A megatron-core run (``--model megatron:FILE``): a Megatron checkpoint in the ``torch``
@@ -62,7 +64,14 @@ def export(run_dir: Path, out_dir: Path) -> Path:
     """Write ``run_dir``'s model into ``out_dir``; ValueError naming what is wrong."""
     from safetensors.torch import save_file
 
-    from elaswave.model.hf import TIED_PARAMS, load_hf_config, skeleton, to_hf_state_dict
+    from elaswave.model.hf import (
+        TIED_PARAMS,
+        load_hf_config,
+        skeleton,
+        source_buffers,
+        to_hf_state_dict,
+    )
+    from elaswave.model.hf_checkpoint import to_hub_layout
     from elaswave.runtime.core.compare import load_params
     from elaswave.runtime.job.config import JobSpec
 
@@ -97,7 +106,9 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         state.pop(f"{TIED_PARAMS[1]}")
     source = Path(model.source[3:])
     config = load_hf_config(source)
-    _check_shapes(run_dir, state, skeleton(config, str(source / "config.json")))
+    hf = skeleton(config, str(source / "config.json"))
+    _check_shapes(run_dir, state, hf)
+    state = to_hub_layout({**source_buffers(source, hf), **state}, config.model_type)
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}

@@ -414,6 +414,30 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     return out
 
 
+def _read_tensor(files: Mapping[str, Path], name: str) -> torch.Tensor:
+    """Tensor ``name`` of the safetensors files (``files``: which file holds each)."""
+    from safetensors import safe_open
+
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def source_buffers(directory: Path, model: Any) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``model`` (the skeleton; a router's bias) that the
+    model directory's weight files hold, under the model's names ({} without weights):
+    they do not train, so an export writes them as the run read them."""
+    files = _weight_files(directory)
+    if not files:
+        return {}
+    names = CheckpointNames(files, model.config.model_type)
+    params = {name for name, _ in model.named_parameters()}
+    return {
+        name: names.read(name, functools.partial(_read_tensor, files))
+        for name in model.state_dict()
+        if name not in params and name in names
+    }
+
+
 class HfModel:
     """A Hugging Face causal LM split into ElasWave's pipeline layers."""
 
@@ -525,11 +549,7 @@ class HfModel:
             ) from None
 
     def _read(self, name: str) -> torch.Tensor:
-        """The files' tensor ``name``."""
-        from safetensors import safe_open
-
-        with safe_open(str(self._weights[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return _read_tensor(self._weights, name)
 
     def decay_flags(self, index: int, tp: int = 1) -> tuple[tuple[int, bool], ...]:
         if (index, tp) not in self._flags:

@@ -10,6 +10,11 @@ that a layer built alone is loaded from the files as the whole model would be: r
 then each fused tensor stacked over the experts (``MergeModulelist(dim=0)``) and its
 projections concatenated (``Concatenate(dim=1)``). A conversion of any other kind is
 refused, naming the family. Names the model and the files share need nothing.
+
+:func:`to_hub_layout` goes the other way, for ``elaswave export``: the model's fused
+tensors split back into the files' one per expert and projection, and the renamings
+reversed, as ``save_pretrained`` writes them (what other tools that read the hub's
+checkpoints expect).
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ class Fused:
     def assemble(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         stacked = [torch.stack([read(name) for name in experts]) for experts in self.parts]
         return stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
+
+
+def _steps(rule: Any, model_type: str, what: str) -> None:
+    """Refuse a conversion rule of another kind than :data:`MERGES`, naming it."""
+    steps = {(type(op).__name__, getattr(op, "dim", None)) for op in rule.operations}
+    if not steps <= MERGES:
+        raise ValueError(
+            f"model_type = {model_type!r}: its checkpoint's {what} is converted by "
+            f"{sorted(steps)}, which ElasWave does not read (only experts stacked and their "
+            "projections concatenated)"
+        )
 
 
 def _conversions(model_type: str) -> list[Any]:
@@ -70,19 +86,13 @@ class CheckpointNames:
         for rule in conversions:
             if type(rule).__name__ != "WeightConverter":
                 continue
-            steps = {(type(op).__name__, getattr(op, "dim", None)) for op in rule.operations}
             (target,) = rule.target_patterns
             for which, pattern in enumerate(rule.source_patterns):
                 regex = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
                 for new, old in renamed.items():
                     if (match := regex.search(new)) is None:
                         continue
-                    if not steps <= MERGES:
-                        raise ValueError(
-                            f"model_type = {self.model_type!r}: its checkpoint's {old} is "
-                            f"converted by {sorted(steps)}, which ElasWave does not read "
-                            "(only experts stacked and their projections concatenated)"
-                        )
+                    _steps(rule, self.model_type, old)
                     found[new[: match.start()] + target][which][int(match.group(1))] = old
         return {
             name: Fused(tuple(tuple(e[i] for i in sorted(e)) for _, e in sorted(parts.items())))
@@ -99,3 +109,49 @@ class CheckpointNames:
         if name in self.renamed:
             return read(self.renamed[name])
         return self.fused[name].assemble(read)
+
+
+def _literal(pattern: str) -> str | None:
+    """A renaming's source pattern as the text it matches (escapes undone), None when it
+    is a pattern of another kind (it cannot be written back)."""
+    text = re.sub(r"\\(.)", r"\1", pattern)
+    return None if re.search(r"[\^$*+?()\[\]{}|]", re.sub(r"\\.", "", pattern)) else text
+
+
+def to_hub_layout(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """``state`` (the model's names, experts fused) as checkpoints on disk hold it: each
+    fused tensor split into one per expert and projection, then the family's renamings
+    undone (see the module docstring); a family without conversions as it is."""
+    conversions = _conversions(model_type)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        out.update(_unfused(name, tensor, conversions, model_type) or {name: tensor})
+    for rule in reversed(conversions):
+        if type(rule).__name__ != "WeightRenaming":
+            continue
+        for source, target in zip(rule.source_patterns, rule.target_patterns, strict=True):
+            text = _literal(source)
+            if text is not None:
+                out = {name.replace(target, text): t for name, t in out.items()}
+    return out
+
+
+def _unfused(
+    name: str, tensor: torch.Tensor, conversions: list[Any], model_type: str
+) -> dict[str, torch.Tensor] | None:
+    """Fused tensor ``name`` as its files' tensors (None: not a fused one)."""
+    for rule in conversions:
+        if type(rule).__name__ != "WeightConverter":
+            continue
+        (target,) = rule.target_patterns
+        if not name.endswith(target):
+            continue
+        _steps(rule, model_type, name)
+        prefix, sources = name[: len(name) - len(target)], rule.source_patterns
+        parts = tensor.chunk(len(sources), dim=1) if len(sources) > 1 else (tensor,)
+        return {
+            prefix + pattern.replace("*", str(expert)): part[expert].contiguous()
+            for pattern, part in zip(sources, parts, strict=True)
+            for expert in range(part.shape[0])
+        }
+    return None

@@ -38,8 +38,9 @@ def _forward(model, run_dir, tokens: torch.Tensor) -> torch.Tensor:
     x = tokens
     with torch.no_grad():
         for index in range(model.config.num_layers):
-            layer = model.build_layer(index, seed=0)
-            layer.load_state_dict(params[index])
+            layer = model.build_layer(index, seed=0)  # its buffers as the model reads them
+            missing = layer.load_state_dict(params[index], strict=False).missing_keys
+            assert not set(missing) & {n for n, _ in layer.named_parameters()}, missing
             x = layer(x, ctx)
     return x
 
@@ -126,3 +127,49 @@ def test_an_exported_megatron_run_loads_in_megatrons_gpt_with_the_same_logits(ru
         mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None]
         theirs = gpt(tokens, positions, mask)
     assert (x - theirs).abs().max().item() <= 1e-5
+
+
+def test_an_exported_mixture_of_experts_is_written_as_its_checkpoints_are(runs_dir):
+    """DeepSeek-V3 from a directory with weights (one tensor per expert, as its
+    checkpoints are; its routers' bias set): the run reads them into fused experts, and
+    export writes the trained model back in its checkpoints' layout, the bias as read,
+    which transformers loads to ElasWave's logits."""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", **{**SHAPE, "num_key_value_heads": 4}, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    original = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, buffer in original.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer))
+    directory = runs_dir / "export_moe_model"
+    original.save_pretrained(directory, safe_serialization=True)
+    source = f"hf:{directory}"
+    run = train(runs_dir / "export_moe_run", "--model", source, "--dp", "1", "--pp", "2",
+                "--steps", "3", "--global-batch", "4", "--micro-batch", "2")  # fmt: skip
+    out = runs_dir / "exported_moe"
+    proc = elaswave("export", str(run.out), str(out))
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    before = load_file(str(directory / "model.safetensors"))
+    after = load_file(str(out / "model.safetensors"))
+    assert after.keys() == before.keys()  # one tensor per expert and projection
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in after
+    biases = [n for n in after if n.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(after[n], before[n]) for n in biases)
+    assert not torch.equal(
+        after["model.layers.1.mlp.experts.0.up_proj.weight"],
+        before["model.layers.1.mlp.experts.0.up_proj.weight"],
+    )  # trained
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tokens = torch.randint(
+        3, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7)
+    )
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert (_ours(source, run.out, tokens) - theirs).abs().max().item() <= 1e-5

@@ -387,3 +387,25 @@ def test_a_checkpoint_conversion_of_another_kind_is_refused_naming_it(monkeypatc
         hf_checkpoint.CheckpointNames(["model.layers.0.mlp.experts.0.w1.weight"], "moe")
     names = hf_checkpoint.CheckpointNames(["model.norm.weight"], "moe")  # nothing to convert
     assert "model.norm.weight" in names and "model.layers.0.mlp.experts.gate_up_proj" not in names
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe", "granitemoe", "deepseek-v3", "llama"])
+def test_the_models_tensors_go_back_to_the_layout_save_pretrained_writes(tmp_path, family):
+    """What export writes: the model's fused experts split into one tensor per expert and
+    projection, renamed back, exactly the names and tensors of the model's own files."""
+    from safetensors.torch import load_file
+
+    from elaswave.model.hf_checkpoint import CheckpointNames, to_hub_layout
+
+    source = _write(tmp_path, family)
+    config = transformers.AutoConfig.from_pretrained(source[3:], local_files_only=True)
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(tmp_path / "saved", safe_serialization=True)
+    files = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    ours = to_hub_layout(hf.state_dict(), config.model_type)
+    assert ours.keys() == files.keys()
+    assert all(torch.equal(ours[name], files[name]) for name in files)
+    names = CheckpointNames(files, config.model_type)  # and read back, the model's again
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(names.read(name, files.__getitem__), tensor), name

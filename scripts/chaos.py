@@ -52,7 +52,7 @@ coin's generator draws
                kill-node:K the processes K*rpn .. K*rpn+rpn-1; a join adds a whole TP
                group, and joins stop at 12 processes in all (a join past that is drawn
                again)
-    job, policy, device, timeouts as above; never --wait-for-nodes (tp > 1 refuses it)
+    job, policy, device, timeouts as above; never --wait-for-nodes (not drawn for TP)
 The plan's ranks are then units (TP groups): summary.json's recoveries and the job's
 messages name units, so the checks below map every victim process P to its unit
 P // tp, and a unit is a victim when any of its processes is.
@@ -77,13 +77,19 @@ unchanged: the Core's loss must not change what the job does.
 
 Many hosts (--hosts-weight W, default 0): with chance W, by a coin of its own generator
 (``random.Random(f"chaos-hosts:{S}:{K}")``), a case whose workers fill 2 to 4 nodes of
-``--ranks-per-node`` (and is not tensor-parallel: the job refuses that across hosts)
-runs on that many hosts of this machine: node 0's ``elaswave train --nnodes H
---rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other node (``--node-rank N``),
-all in the case's run directory; the other hosts' workers are started, signalled and
+``--ranks-per-node`` (a tensor-parallel one where each TP group fits in one node: the
+job refuses a group across hosts) runs on that many hosts of this machine: node 0's
+``elaswave train --nnodes H --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each
+other node (``--node-rank N``), all in the case's run directory; the other hosts' workers are started, signalled and
 reaped through their agents, and a node fault kills a host's workers (not its agent).
 Every outcome rule holds unchanged, every agent must leave within 20 s of node 0's job,
 and where that job finished, with status 0.
+
+Model families (--model-weight W, default 0): with chance W, by a coin of its own
+generator (``random.Random(f"chaos-model:{S}:{K}")``), the case and its twin train a
+tiny Hugging Face family instead of the built-in model (:data:`MODELS`: Llama, Mixtral,
+Qwen2-MoE with a shared expert; 6 pipeline layers, every width split by tp 2 or 4),
+written under OUT/seedS/models at the start.
 
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
@@ -262,6 +268,11 @@ class Case:
     machine on loopback, in one run directory."""
     rdzv_port: int = 0
     """Node 0's store port for the other hosts' agents (a free one, taken at run time)."""
+    model: str = ""
+    """The Hugging Face family the case trains (one of :data:`MODELS`, drawn by
+    :func:`draw_model`); "": the built-in model."""
+    model_source: str = ""
+    """``hf:DIR`` of :attr:`model`'s directory (written at the campaign's start)."""
 
     def env(self) -> dict[str, str]:
         """What the case's job adds to the campaign's environment."""
@@ -299,6 +310,7 @@ class Case:
             "--seed", str(self.train_seed), "--device", self.device, *FIXED,
             "--schedule", self.schedule,  # named even for 1f1b: the default is auto
             *(["--eval-every", str(self.eval_every)] if self.eval_every else []),
+            *(["--model", self.model_source] if self.model else []),
             *JOB_FILE,
         ]  # fmt: skip
 
@@ -336,6 +348,7 @@ class Case:
             f"_s{self.steps}_seed{self.train_seed}_{self.device}"
             + (f"_{self.schedule}" if self.schedule != "1f1b" else "")
             + (f"_eval{self.eval_every}" if self.eval_every else "")
+            + (f"_{self.model}" if self.model else "")
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -352,6 +365,7 @@ class Case:
             + (f" eval-every={self.eval_every}" if self.eval_every else "")
             + (f" core-killed-after={self.core_kill}" if self.core_kill else "")
             + (f" hosts={self.hosts}" if self.hosts > 1 else "")
+            + (f" model={self.model}" if self.model else "")
         )
 
 
@@ -384,6 +398,51 @@ def draw_core_kill(case: Case, weight: float) -> Case:
     if rng.random() >= weight:
         return case
     return replace(case, core_kill=rng.choice(("plan", "commit")))
+
+
+MODEL_SHAPE: dict[str, object] = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+"""The Hugging Face families' shape: the built-in model's 6 pipeline layers, and every
+width a tp of 2 or 4 divides."""
+MODELS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 48,
+                                "shared_expert_intermediate_size": 96}),
+}  # fmt: skip
+"""What ``--model-weight`` draws: a dense decoder, a mixture of experts, and one with a
+shared expert (config.json only: seeded initialisation)."""
+
+
+def write_models(root: Path) -> dict[str, str]:
+    """Each of :data:`MODELS` as a model directory under ROOT/models: family -> hf:DIR."""
+    import transformers
+
+    sources = {}
+    for family, (model_type, own) in MODELS.items():
+        directory = root / "models" / family
+        if not (directory / "config.json").is_file():
+            config = transformers.AutoConfig.for_model(model_type, **{**MODEL_SHAPE, **own})
+            config.save_pretrained(directory)
+        sources[family] = f"hf:{directory}"
+    return sources
+
+
+def draw_model(case: Case, weight: float, sources: dict[str, str]) -> Case:
+    """``case`` training one of :data:`MODELS` (``sources``: their directories) with
+    chance ``weight`` (a generator of its own: the rest of the draw is what any weight
+    draws)."""
+    if weight <= 0:
+        return case
+    rng = random.Random(f"chaos-model:{case.seed}:{case.index}")
+    if rng.random() >= weight:
+        return case
+    family = rng.choice(sorted(MODELS))
+    return replace(case, model=family, model_source=sources[family])
 
 
 MAX_HOSTS = 4
@@ -1252,6 +1311,14 @@ def main(argv: list[str] | None = None) -> int:
         "(default 0; the other draws do not change)",
     )
     parser.add_argument(
+        "--model-weight",
+        type=float,
+        default=0.0,
+        help="the chance that a case trains a Hugging Face family instead of the built-in "
+        f"model ({', '.join(sorted(MODELS))}: tiny, seeded; default 0; the other draws do "
+        "not change)",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         help="a job file every case and its twin train with (e.g. a recipe of clipping "
@@ -1281,6 +1348,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--core-kill-weight {args.core_kill_weight:g}: must be from 0 to 1")
     if not 0 <= args.hosts_weight <= 1:
         parser.error(f"--hosts-weight {args.hosts_weight:g}: must be from 0 to 1")
+    if not 0 <= args.model_weight <= 1:
+        parser.error(f"--model-weight {args.model_weight:g}: must be from 0 to 1")
     indices = (
         _case_list(args.case) if args.case else list(range(args.first, args.first + args.cases))
     )
@@ -1322,6 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
         check=False,
     ).stdout.strip()
     args.code += f" (git HEAD {head or '?'} plus uncommitted edits, if any)"
+    sources = write_models(root) if args.model_weight > 0 else {}
     records: list[dict] = []
     started = time.monotonic()
     for index in indices:
@@ -1332,6 +1402,7 @@ def main(argv: list[str] | None = None) -> int:
         case = draw_applied(case, args.applied_weight)
         case = draw_core_kill(case, args.core_kill_weight)
         case = draw_hosts(case, args.hosts_weight)
+        case = draw_model(case, args.model_weight, sources)
         if args.dry_run:
             cmd = command(root / f"case{index:04d}", case.args(), case.env())
             print(f"case {index:>4}  {case.describe()}\n    {cmd}")

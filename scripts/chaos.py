@@ -79,11 +79,11 @@ Many hosts (--hosts-weight W, default 0): with chance W, by a coin of its own ge
 (``random.Random(f"chaos-hosts:{S}:{K}")``), a case whose workers fill 2 to 4 nodes of
 ``--ranks-per-node`` (a tensor-parallel one where each TP group fits in one node: the
 job refuses a group across hosts) runs on that many hosts of this machine: node 0's
-``elaswave train --nnodes H --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each
-other node (``--node-rank N``), all in the case's run directory; the other hosts' workers are started, signalled and
-reaped through their agents, and a node fault kills a host's workers (not its agent).
-Every outcome rule holds unchanged, every agent must leave within 20 s of node 0's job,
-and where that job finished, with status 0.
+``elaswave train --nnodes H --rdzv-endpoint 127.0.0.1:PORT`` and an agent for each other
+node (``--node-rank N``), all in the case's run directory; the other hosts' workers are
+started, signalled and reaped through their agents, and a node fault kills a host's
+workers (not its agent). Every outcome rule holds unchanged, every agent must leave
+within 20 s of node 0's job, and where that job finished, with status 0.
 
 Model families (--model-weight W, default 0): with chance W, by a coin of its own
 generator (``random.Random(f"chaos-model:{S}:{K}")``), the case and its twin train a

@@ -229,6 +229,20 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source=source,
     )
+    shape = _counted(shape, cfg, model)
+    whole = sum(
+        p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
+    )
+    if whole != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
+        shape = dataclasses.replace(shape, block_whole=whole)
+    return shape
+
+
+def _counted(shape: ModelConfig, cfg: Any, model: Any) -> ModelConfig:
+    """``shape`` with the parameters the model's own modules have where they differ
+    from the built-in block's: the head's (a final norm with a bias), each block's
+    (dense and expert layers mixed), and what a token passes through (a mixture of
+    experts: the cost model prices its compute from that)."""
     head = sum(p.numel() for m in (model.model.norm, model.lm_head) for p in m.parameters())
     if head != shape.hidden_size * (1 + shape.vocab_size):  # a final norm with a bias
         shape = dataclasses.replace(shape, head_params=head)
@@ -250,11 +264,6 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         shape = dataclasses.replace(
             shape, active_params=tuple(active), ffn_hidden_size=ffn, expert_ffn_size=width
         )
-    whole = sum(
-        p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
-    )
-    if whole != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
-        shape = dataclasses.replace(shape, block_whole=whole)
     return shape
 
 

@@ -206,11 +206,31 @@ LLAMA2_34B = ModelConfig(
     dropout=0.0,
 )
 
+MIXTRAL_WIDTH = 14336
+"""Mixtral 8x7B's expert width; its blocks: 8 experts, 2 a token."""
+MIXTRAL_8X7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    num_blocks=32,
+    num_heads=32,
+    num_kv_heads=8,
+    ffn_hidden_size=2 * MIXTRAL_WIDTH,  # a token's two experts
+    seq_len=4096,
+    dropout=0.0,
+    rope_theta=1e6,
+    # attention 41,943,040 + router 32,768 + norms 8,192, and 8 (or 2) experts of
+    # 3 x 4096 x 14336: 46.7B parameters in all, 12.9B a token passes through
+    block_params=41_943_040 + 32_768 + 8_192 + 8 * 3 * 4096 * MIXTRAL_WIDTH,
+    active_params=(41_943_040 + 32_768 + 8_192 + 2 * 3 * 4096 * MIXTRAL_WIDTH,) * 32,
+    block_whole=32_768 + 8_192,  # the router and the norms, whole on every TP member
+    expert_ffn_size=MIXTRAL_WIDTH,
+)
 PRESETS: dict[str, ModelConfig] = {
     "tiny": TINY,
     "llama2-7b": LLAMA2_7B,
     "llama2-13b": LLAMA2_13B,
     "llama2-34b": LLAMA2_34B,
+    "mixtral-8x7b": MIXTRAL_8X7B,
 }
 
 
@@ -224,9 +244,11 @@ def preset(name: str) -> ModelConfig:
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of the whole model, computed from shapes (no allocation)."""
+    """Parameters of the whole model, computed from shapes (no allocation): each
+    block's as the model has them (:meth:`ModelConfig.block_params_of`), its head's."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    return v * h + cfg.num_blocks * cfg.block_param_count() + h + h * v
+    blocks = sum(cfg.block_params_of(b) for b in range(cfg.num_blocks))
+    return v * h + blocks + (cfg.head_params or h + h * v)
 
 
 class RngKind(enum.StrEnum):

@@ -409,3 +409,18 @@ def test_the_models_tensors_go_back_to_the_layout_save_pretrained_writes(tmp_pat
     names = CheckpointNames(files, config.model_type)  # and read back, the model's again
     for name, tensor in hf.state_dict().items():
         assert torch.equal(names.read(name, files.__getitem__), tensor), name
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "starcoder2", "llama-tied", "deepseek-v3"])
+def test_a_models_parameter_count_is_its_modules(tmp_path, family):
+    """What the memory check counts: each block as the model has it, its head's norm."""
+    from elaswave.model.config import parameter_count
+
+    source = _write(tmp_path, family)
+    config = transformers.AutoConfig.from_pretrained(source[3:], local_files_only=True)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    own = sum(p.numel() for p in hf.parameters())  # a tied weight once
+    shape = hf_shape(source, seq_len=SEQ)
+    tied = shape.vocab_size * shape.hidden_size if shape.tie_embeddings else 0
+    assert parameter_count(shape) == own + tied  # ElasWave holds a tied weight twice

@@ -131,3 +131,11 @@ def test_token_file_windows_and_loader_are_layout_free(tmp_path):
     first = [loader.corpus_index(i) for i in range(len(source))]
     second = [loader.corpus_index(i + len(source)) for i in range(len(source))]
     assert first != second, "each epoch draws its own order"
+
+
+def test_the_mixtral_preset_has_mixtrals_parameters_and_its_active_ones() -> None:
+    from elaswave.model.config import MIXTRAL_8X7B as m
+
+    assert round(parameter_count(m) / 1e9, 1) == 46.7
+    active = sum(m.block_active(b) for b in range(m.num_blocks)) + 2 * m.vocab_size * 4096
+    assert round(active / 1e9, 1) == 12.9

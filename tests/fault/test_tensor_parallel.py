@@ -400,3 +400,23 @@ def test_two_slowed_members_of_one_group_do_not_stretch_each_others_waits(runs_d
     times = run.summary.step_time_s
     assert run.summary.steps_completed == 10
     assert max(times[4:]) < 4 * max(times[3], 0.2), times  # no growth from step to step
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_group_torn_in_an_apply_reports_at_once(runs_dir, reference):
+    """dp2 x pp2 x tp2: process 0 dies in step 2 and process 2 (unit 1's leader) as the
+    survivors apply that change: the plan is rolled back. The other groups' stop reports
+    for the rollback met on the store connection that the torn apply's abandoned group
+    creation held until the comm timeout: the change took the whole 20 s (chaos seed
+    40883, case 4: 30 s). They report on new connections now, and the run matches the
+    fault-free one."""
+    run = train(
+        runs_dir / "tp_torn", *_layout(2, 2, 2), *JOB, "--comm-timeout", "20",
+        "--fault", "kill:0@2:optimizer", "--fault", "kill:2@2:apply",
+    )  # fmt: skip
+    torn, answered = run.summary.recoveries
+    assert torn.rolled_back and not answered.rolled_back
+    assert answered.ranks == (0, 1)
+    assert answered.mttr_s < 5.0, f"the rollback's change took {answered.mttr_s:.1f} s"
+    diff = compare_runs(run.out, reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff

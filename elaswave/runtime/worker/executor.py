@@ -312,10 +312,17 @@ def _rejoin(
 
 def _join_again(ctx: WorkerContext, session: Session, inbox: Mailbox, gen: int) -> Trainer:
     """Wait for a plan after generation ``gen`` that adds this rank, and take it, on new
-    store connections: the groups the taken-back plan began may hold the old ones."""
+    store connections (:func:`_fresh_stores`)."""
+    return join(_fresh_stores(ctx), session, inbox, after=gen)
+
+
+def _fresh_stores(ctx: WorkerContext) -> WorkerContext:
+    """``ctx`` on new store connections: a group creation that a torn apply abandoned
+    (its peer dead) holds the old ones in its wait until the store's timeout, and a TP
+    group's stop report or barrier behind it waited as long (30 s, the comm timeout, of
+    a change's MTTR: chaos seed 40883, case 4)."""
     plane = ctx.plane_store and fresh_client(ctx.plane_store)
-    fresh = dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
-    return join(fresh, session, inbox, after=gen)
+    return dataclasses.replace(ctx, store=fresh_client(ctx.store), plane_store=plane)
 
 
 def _kept_for(ctx: WorkerContext, trainer: Trainer, announced: Event) -> Memento | None:
@@ -441,6 +448,7 @@ def _after_torn_apply(
             f"rank {ctx.rank}'s apply of generation {gen} was torn ({cause}), and the Core "
             "does not roll the plan back"
         )
+    ctx = _fresh_stores(ctx)
     on_checkpoint = _report(ctx, session, gen, _kept_report(kept), None, kept, torn=True)
     answer = _next_plan(inbox, gen, timeout, on_checkpoint)
     base = taken_back(kept.plan, gen)

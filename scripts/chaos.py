@@ -127,6 +127,8 @@ Outcomes (``ok``: the first four; any other is a failure, and the script exits 1
                     does the job stop ("... no member of the plan is left to roll back
                     ..."): a failure of the job, as every outcome below
     mismatch        exit 0 but steps missing, or losses/parameters differ by > 1e-4
+    slow-recovery   recovered, but a change took over 15 s (half the comm timeout) beyond
+                    its wait for nodes: something waited for a timeout
     replay-diverged replay recomputes a plan differently (or the plans do not match the
                     recoveries)
     traceback       a Python traceback in the job's output, a ``worker.failed`` record
@@ -182,6 +184,7 @@ WAIT_S = 20.0
 FAIL_OUTCOMES = (
     "stopped-window",
     "mismatch",
+    "slow-recovery",
     "replay-diverged",
     "traceback",
     "collateral",
@@ -207,6 +210,11 @@ SMOKE = (
 FIXED = (
     "--heartbeat-timeout", "2", "--plan-ack-timeout", "2", "--comm-timeout", "30",
 )  # fmt: skip
+SLOW_RECOVERY_S = 15.0
+"""The longest a recovered case's change may take, less its wait for nodes: half the
+comm timeout. A change that takes longer waited for a timeout (seed 40883, case 4: a
+rollback's stop reports behind a torn apply's abandoned wait, 30.4 s); it recovered, but
+it is a failure."""
 BUG_TYPES = {
     "TypeError",
     "KeyError",
@@ -1079,6 +1087,17 @@ def judge(case: Case, job: Job, twin: Path | None) -> Verdict:
             "mismatch",
             f"loss {diff.loss_rel:.2e}, params {diff.param_rel:.2e}, held-out loss "
             f"{diff.eval_rel:.2e} rel. to the twin",
+        )
+    slow = [
+        (r.generation, round(r.mttr_s - (r.waited_s or 0.0), 1))
+        for r in summary.recoveries
+        if r.mttr_s - (r.waited_s or 0.0) > SLOW_RECOVERY_S
+    ]
+    if slow:
+        return Verdict(
+            "slow-recovery",
+            f"changes (generation, seconds not waiting for nodes) {slow}: over "
+            f"{SLOW_RECOVERY_S:g} s, half the comm timeout (something waited for a timeout)",
         )
     kinds = [str(r.kind) for r in summary.recoveries]
     return Verdict(

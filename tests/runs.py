@@ -154,3 +154,15 @@ def background_job(out: Path, *args: str) -> Iterator[Job]:
         if job.poll() is None:
             job.kill()
         job.communicate()
+
+
+def wait_for_event(out: Path, what, proc, timeout_s: float = 120) -> None:
+    """Until RUN_DIR ``out``'s logs hold an event ``what`` accepts, while ``proc`` (the
+    job) runs; AssertionError when the job ends first or ``timeout_s`` passes."""
+    from elaswave.runtime.core.runlog import read_run_log
+
+    deadline = time.monotonic() + timeout_s
+    while not any(what(r.event) for r in read_run_log(out)):
+        assert proc.poll() is None, "the job ended before it got there"
+        assert time.monotonic() < deadline, "the job never got there"
+        time.sleep(0.05)

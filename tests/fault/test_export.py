@@ -16,6 +16,7 @@ from elaswave.model.hf import HfModel, hf_shape
 from elaswave.model.llama import StepContext
 from elaswave.model.rng import make_rng
 from elaswave.runtime.core.compare import load_params
+from tests.hf_models import saved_with_router_bias
 from tests.runs import elaswave, train
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,14 +141,8 @@ def test_an_exported_mixture_of_experts_is_written_as_its_checkpoints_are(runs_d
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16, n_group=1, topk_group=1, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(3)
-    original = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, buffer in original.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer))
     directory = runs_dir / "export_moe_model"
-    original.save_pretrained(directory, safe_serialization=True)
+    saved_with_router_bias(config, directory, seed=3)
     source = f"hf:{directory}"
     run = train(runs_dir / "export_moe_run", "--model", source, "--dp", "1", "--pp", "2",
                 "--steps", "3", "--global-batch", "4", "--micro-batch", "2")  # fmt: skip

@@ -9,7 +9,6 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +17,8 @@ import pytest
 from elaswave.bus.eventlog import read_event_log
 from elaswave.bus.schema import RecoveryFinished, StepTiming, WorkerSpawned
 from elaswave.runtime.core.compare import compare_runs
-from elaswave.runtime.core.runlog import read_run_log
 from tests import netns
-from tests.runs import Run, check_replay, elaswave, train
+from tests.runs import Run, check_replay, elaswave, train, wait_for_event
 
 NET = "10.78.0"
 HOSTS = 3
@@ -51,14 +49,6 @@ def _host(i: int, out: Path, keys: Path, node0: str, *extra: str) -> subprocess.
         )  # fmt: skip
 
 
-def _wait_for(out: Path, what, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(what(r.event) for r in read_run_log(out)):
-        assert proc.poll() is None, "the job ended before it got there"
-        assert time.monotonic() < deadline, "the job never got there"
-        time.sleep(0.05)
-
-
 @pytest.mark.long
 @pytest.mark.timeout(400)
 def test_a_host_lost_whole_is_a_node_failure_and_its_return_a_join(hosts, runs_dir, tmp_path):
@@ -68,10 +58,12 @@ def test_a_host_lost_whole_is_a_node_failure_and_its_return_a_join(hosts, runs_d
     node0 = _host(0, out, keys, hosts[0], *JOB)
     agents = {i: _host(i, out, keys, hosts[0]) for i in (1, 2)}
     try:
-        _wait_for(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
+        wait_for_event(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
         agents[1].send_signal(signal.SIGKILL)  # the host: its agent and, with it, its workers
         agents[1].wait(30)
-        _wait_for(out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0)
+        wait_for_event(
+            out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0
+        )
         agents[1] = _host(1, out, keys, hosts[0])  # the host comes back
         assert node0.wait(300) == 0, (out.parent / "multihost.node0.stderr").read_text()
         assert agents[2].wait(60) == 0

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +14,7 @@ from elaswave.runtime.core.compare import compare_runs, load_params, loss_rel_di
 from elaswave.runtime.core.runlog import read_run_log
 from elaswave.runtime.job.results import read_summary
 from tests.fault.recovery import JOB
-from tests.runs import Job, launch, train
+from tests.runs import launch, train, wait_for_event
 
 
 def _free_port() -> int:
@@ -83,14 +81,6 @@ TP_BACK = ("--dp", "2", "--pp", "1", "--tp", "2", "--steps", "40", "--global-bat
 before the job ends."""
 
 
-def _wait_for(out: Path, what, proc: Job, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(what(r.event) for r in read_run_log(out)):
-        assert proc.poll() is None, "the job ended before it got there"
-        assert time.monotonic() < deadline, "the job never got there"
-        time.sleep(0.05)
-
-
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_host_of_tp_groups_lost_and_back_rejoins_with_whole_groups(runs_dir) -> None:
@@ -105,10 +95,12 @@ def test_a_host_of_tp_groups_lost_and_back_rejoins_with_whole_groups(runs_dir) -
     node0 = launch(out, *TP_BACK, *hosts, "--node-rank", "0")
     agent = launch(runs_dir / "tp_back1", *hosts, "--node-rank", "1")
     try:
-        _wait_for(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
+        wait_for_event(out, lambda e: isinstance(e, StepTiming) and e.step >= 4, node0)
         agent.send_signal(signal.SIGKILL)  # the host: its agent and, with it, its workers
         agent.wait(30)
-        _wait_for(out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0)
+        wait_for_event(
+            out, lambda e: isinstance(e, RecoveryFinished) and e.kind == "fail-stop", node0
+        )
         agent = launch(runs_dir / "tp_back1b", *hosts, "--node-rank", "1")  # it comes back
         assert node0.wait(240) == 0, (runs_dir / "tp_back0.stderr").read_text()[-3000:]
         assert agent.wait(60) == 0, (runs_dir / "tp_back1b.stderr").read_text()[-3000:]

@@ -16,6 +16,7 @@ from elaswave.engine.cost import layer_costs
 from elaswave.model.hf import HfModel, hf_shape, to_hf_state_dict
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.rng import make_rng
+from tests.hf_models import saved_with_router_bias
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -160,14 +161,8 @@ def test_a_routers_bias_comes_from_safetensors_with_the_weights(tmp_path):
     holds (trained outside the gradient): read with the weights, not left at zero."""
     source = _write(tmp_path, "deepseek-v3")
     config = transformers.AutoConfig.from_pretrained(source[3:], local_files_only=True)
-    torch.manual_seed(12)
-    hf = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer))
     directory = tmp_path / "saved"
-    hf.save_pretrained(directory, safe_serialization=True)
+    hf = saved_with_router_bias(config, directory, seed=12)
     layers = _layers(HfModel(hf_shape(f"hf:{directory}", seq_len=SEQ)))
     theirs = hf.state_dict()
     ours = to_hf_state_dict({i: layer.state_dict() for i, layer in enumerate(layers)}, 5)

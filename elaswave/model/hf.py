@@ -255,12 +255,12 @@ def _counted(shape: ModelConfig, cfg: Any, model: Any) -> ModelConfig:
     if len(set(counts)) > 1:  # dense and mixture-of-experts layers
         shape = dataclasses.replace(shape, layer_params=tuple(counts))
     if active != counts:  # a token passes through top_k of the experts
-        ffn = _activated_ffn(cfg, experts, mixed=len(set(counts)) > 1)
         width = next(  # one expert's inner width, from the fused experts themselves
             (p.shape[-1] for n, p in model.model.named_parameters() if n.endswith(".down_proj")
              and ".experts." in n and p.dim() == 3),
             0,
         )  # fmt: skip
+        ffn = _activated_ffn(cfg, experts, width, mixed=len(set(counts)) > 1)
         shape = dataclasses.replace(
             shape, active_params=tuple(active), ffn_hidden_size=ffn, expert_ffn_size=width
         )
@@ -294,11 +294,10 @@ def _active(layer: nn.Module, experts: tuple[int, int] | None) -> int:
     return total
 
 
-def _activated_ffn(cfg: Any, experts: tuple[int, int] | None, *, mixed: bool) -> int:
-    """The MLP width a token's activations take in a mixture-of-experts block: its
-    ``top_k`` experts' and the shared experts' (a dense layer's where the model mixes
-    them and it is wider)."""
-    width = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+def _activated_ffn(cfg: Any, experts: tuple[int, int] | None, width: int, *, mixed: bool) -> int:
+    """The MLP width a token's activations take in a mixture-of-experts block of
+    experts ``width`` wide: its ``top_k`` experts' and the shared experts' (a dense
+    layer's where the model mixes them and it is wider)."""
     shared = int(getattr(cfg, "shared_expert_intermediate_size", None) or 0)
     shared += int(getattr(cfg, "n_shared_experts", None) or 0) * width
     activated = (experts[1] if experts else 1) * width + shared

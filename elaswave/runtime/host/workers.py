@@ -30,11 +30,10 @@ async def start_worker(
     on the device of this host's ``devices`` it takes (given back when it exits)."""
     argv = ["--run-dir", str(run_dir), "--rank", str(rank), *(["--join"] if join else [])]
     env = {**WORKER_ENV, **devices.env(rank)}
-    forked_env: dict[str, str | None] = dict(env)
     try:
         with rank_log(run_dir, rank).open("wb") as out:
             if zygote is not None and not cfg.layout.worker_prefix:
-                forked = await zygote.spawn("worker", argv, forked_env, [out.fileno()])
+                forked = await zygote.spawn("worker", argv, {**env}, [out.fileno()])
                 return ForkedProcess(zygote, forked)
             command = [*cfg.layout.worker_command(rank), sys.executable]
             return await asyncio.create_subprocess_exec(

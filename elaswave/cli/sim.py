@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.engine.cost import DEVICES, DeviceSpec, LayerCost, device
+from elaswave.engine.schedule import ScheduleSetting
+from elaswave.engine.steptime import plan_step_time
 from elaswave.model.config import PRESETS, preset
 from elaswave.sim.mttr import RecoveryCosts
-from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline
+from elaswave.sim.policies import Layout, SimJob, SimPolicy, baseline, elaswave_start
 from elaswave.sim.timeline import Timeline, simulate
 from elaswave.sim.trace import (
     SlotTrace,
@@ -81,6 +83,13 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
         help="a run's profile.json (elaswave train --profile on): price the layers by "
         "their measured seconds on --device instead of the FLOP formulas; the model must "
         "have as many layers, and --tp must be 1 (the layers were measured whole)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=ScheduleSetting.AUTO.value,
+        help="ElasWave's pipeline schedule, as `elaswave run --schedule`: auto (default: "
+        "its planner takes the one it simulates fastest, for the initial plan and at every "
+        "change), 1f1b, zb-h1 or zb-cost; the other policies run 1F1B",
     )
     p.add_argument(
         "--layout",
@@ -199,6 +208,11 @@ def job_from_args(args: argparse.Namespace) -> SimJob:
     except ValueError:
         valid = ", ".join(v.value for v in Layout)
         raise ValueError(f"--layout {args.layout!r}: valid layouts: {valid}") from None
+    try:
+        schedule = ScheduleSetting(args.schedule)
+    except ValueError:
+        valid = ", ".join(v.value for v in ScheduleSetting)
+        raise ValueError(f"--schedule {args.schedule!r}: valid schedules: {valid}") from None
     spec = device(args.device)
     profile: tuple[LayerCost, ...] = ()
     if getattr(args, "profile", None) is not None:
@@ -214,6 +228,7 @@ def job_from_args(args: argparse.Namespace) -> SimJob:
         devices_per_node=args.devices_per_node,
         layout=layout,
         profile=profile,
+        schedules=schedule.choices,
     )
 
 
@@ -334,7 +349,8 @@ def summarise(
             "csv": format_trace(trace.published),
         },
         "assumptions": asdict(costs),
-        "baseline": {"step_s": base.step_s, "samples_per_s": base.throughput},
+        "baseline": {"step_s": base.step_s, "samples_per_s": base.throughput, "schedule": "1f1b"},
+        "elaswave_fault_free": _own_fault_free(job),
         "policies": {},
     }
     for tl in timelines:
@@ -342,9 +358,11 @@ def summarise(
         frac = device_fraction(trace.events, trace.num_slots, end)
         rel = tl.samples_per_s / base.throughput
         mttrs = [c.mttr_s for c in tl.changes if c.kind == "remove" and c.mttr_s is not None]
+        own = out["elaswave_fault_free"] if tl.policy.is_elaswave else out["baseline"]
         out["policies"][tl.policy.value] = {
             "samples_per_s": tl.samples_per_s,
             "vs_fault_free": rel,
+            "vs_own_fault_free": tl.samples_per_s / own["samples_per_s"],
             "device_fraction": frac,
             "linear_scaling_efficiency": rel / frac if frac > 0 else None,
             "steps": len(tl.steps),
@@ -361,21 +379,36 @@ def summarise(
     return out
 
 
+def _own_fault_free(job: SimJob) -> dict[str, Any]:
+    """ElasWave's own fault-free job: the plan it starts on (its ``--schedule``)."""
+    plan = elaswave_start(job)
+    step = plan_step_time(plan, job.layers, job.device).step_s
+    return {
+        "step_s": step,
+        "samples_per_s": plan.global_batch / step,
+        "schedule": str(plan.schedule),
+    }
+
+
 def lines(doc: dict[str, Any]) -> list[str]:
     job = doc["job"]
     head = (
         f"{job['model']} on {job['devices']} {job['device']} "
         f"devices (tp {job['tp']} pp {job['pp']} dp {job['dp']}, {job['layout']}); "
         f"{doc['trace']['source']} ({doc['trace']['events']} events); fault-free "
-        f"{doc['baseline']['samples_per_s']:.1f} samples/s"
+        f"{doc['baseline']['samples_per_s']:.1f} samples/s on 1F1B"
     )
-    out = [head, f"{'policy':<18}{'samples/s':>11}{'vs fault-free':>15}{'LSE':>7}"
+    own = doc["elaswave_fault_free"]
+    if own["schedule"] != doc["baseline"]["schedule"]:
+        head += f", {own['samples_per_s']:.1f} on ElasWave's {own['schedule']}"
+    out = [head, f"{'policy':<18}{'samples/s':>11}{'vs fault-free':>15}{'vs own':>8}{'LSE':>7}"
            f"{'median MTTR':>13}{'waited':>10}"]  # fmt: skip
     for name, p in doc["policies"].items():
         lse = p["linear_scaling_efficiency"]
         mttr = p["median_mttr_s"]
         out.append(
             f"{name:<18}{p['samples_per_s']:>11.1f}{p['vs_fault_free']:>15.3f}"
+            f"{p['vs_own_fault_free']:>8.3f}"
             f"{'' if lse is None else f'{lse:.3f}':>7}"
             f"{'-' if mttr is None else f'{mttr:.1f} s':>13}{p['waited_s']:>9.0f}s"
         )

@@ -95,8 +95,9 @@ class SimJob:
     """Measured layer costs priced on ``device`` (``elaswave sim --profile``), one per
     layer of ``model``, in place of the FLOP formulas; empty: the formulas."""
     schedules: tuple[Schedule, ...] = ()
-    """The pipeline schedules ElasWave's planner chooses from at each change (its
-    ``--schedule auto``: every schedule); empty: its plans keep 1F1B, as the others'."""
+    """The pipeline schedules ElasWave's planner chooses from, for its initial plan and
+    at each change (its ``--schedule auto``: every schedule; one: that schedule, as
+    ``--schedule zb-h1``); empty: its plans keep 1F1B, as the others'."""
 
     def __post_init__(self) -> None:
         if self.profile and len(self.profile) != self.model.num_layers:
@@ -396,6 +397,18 @@ def restart_plan(job: SimJob, alive: Collection[int]) -> tuple[Plan, str]:
         f"restart on {len(alive)} ranks: {dp} replicas, global batch {batch} in "
         f"{new.num_micro_batches} micro-batches" + (f", {spare} ranks idle" if spare else "")
     )
+
+
+def elaswave_start(job: SimJob) -> Plan:
+    """The plan ElasWave starts ``job`` on: the static job under the schedule of
+    ``job.schedules`` that simulates fastest within memory (the first one's when it is
+    the only one), as the runtime's initial plan under ``--schedule``."""
+    plan = job.plan()
+    if not job.schedules:
+        return plan
+    first = dataclasses.replace(plan, schedule=job.schedules[0])
+    choosing = Rebalancing(layers=job.layers, device=job.device, schedules=job.schedules)
+    return with_schedule(first, choosing)
 
 
 def baseline(job: SimJob) -> PolicyPlan:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.engine.plan import Plan
-from elaswave.engine.recovery import Rebalancing, next_plan, with_schedule
+from elaswave.engine.recovery import Rebalancing, next_plan
 from elaswave.engine.reshape import reshape
 from elaswave.engine.steptime import plan_step_time
 from elaswave.fabric.errors import Unrecoverable
@@ -42,6 +42,7 @@ from elaswave.sim.policies import (
     SimJob,
     SimPolicy,
     answer,
+    elaswave_start,
     keep_replicas,
     recycle_time,
     restart_plan,
@@ -189,9 +190,8 @@ def simulate(
     steps = steps if steps is not None else 2**62
     costs = costs or RecoveryCosts()
     full = job.plan()
-    if policy.is_elaswave and job.schedules:  # its planner chooses the schedule too
-        choosing = Rebalancing(layers=job.layers, device=job.device, schedules=job.schedules)
-        full = with_schedule(full, choosing)
+    if policy.is_elaswave:  # its planner chooses the schedule too
+        full = elaswave_start(job)
     run = _Run(
         job=job,
         policy=policy,

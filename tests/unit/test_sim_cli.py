@@ -58,6 +58,7 @@ def test_a_bad_trace_is_refused_naming_the_line(tmp_path, capsys, text, words):
     [
         (["--policies", "elaswave,foo"], "unknown policy 'foo'; valid: elaswave"),
         (["--layout", "diagonal"], "--layout 'diagonal': valid layouts: stage-major"),
+        (["--schedule", "gpipe"], "--schedule 'gpipe': valid schedules: auto, 1f1b, zb-h1"),
         (["--mtbf-hours", "-1"], "--mtbf-hours -1.0: must be a positive number"),
         (["--model", "gpt5"], "unknown model preset 'gpt5'"),
         (["--tp", "3"], "tp = 3 does not divide 8 devices per node"),
@@ -96,6 +97,41 @@ def test_a_run_writes_every_policy_to_json_and_a_png(tmp_path, capsys):
     assert doc["assumptions"]["process_restart_s"] == 60
     png = read_png(out / "sim.png")
     assert png.width > 800 and png.height > 300
+
+
+SMALL_BATCH = ["--model", "llama2-13b", "--device", "h100", "--tp", "4", "--pp", "4", "--dp",
+               "8", "--micro-batch", "1", "--global-batch", "1024", "--every-s", "600",
+               "--count", "5", "--policies", "elaswave,recycle", "--no-plot"]  # fmt: skip
+
+
+def test_elaswave_chooses_its_schedule_as_the_runtime_does(tmp_path, capsys):
+    """`--schedule` as `elaswave run`'s, default auto: ElasWave's planner chooses the
+    schedule of its initial plan and of every change. A job of one-sample micro-batches
+    losing a node every 10 minutes (a stage left with 7 or 6 ranks of 8 shares every
+    8-sample micro-batch unevenly): on 1F1B alone ElasWave trails ReCycle, whose
+    weight-gradient passes fill the bubbles; choosing zero-bubble lists it leads, also
+    against its own fault-free job."""
+    docs = {}
+    for schedule in ("auto", "1f1b"):
+        out = tmp_path / schedule
+        assert main(["sim", *SMALL_BATCH, "--schedule", schedule, "--out", str(out)]) == 0
+        docs[schedule] = json.loads((out / "sim.json").read_text())
+    auto, fixed = docs["auto"], docs["1f1b"]
+    assert fixed["elaswave_fault_free"] == fixed["baseline"]
+    assert auto["elaswave_fault_free"]["schedule"] != "1f1b"
+    assert auto["elaswave_fault_free"]["samples_per_s"] > auto["baseline"]["samples_per_s"]
+    assert auto["policies"]["recycle"] == fixed["policies"]["recycle"]
+    recycle = auto["policies"]["recycle"]["samples_per_s"]
+    assert fixed["policies"]["elaswave"]["samples_per_s"] < recycle
+    assert (
+        auto["policies"]["elaswave"]["vs_own_fault_free"]
+        > 1.05 * recycle / (auto["baseline"]["samples_per_s"])
+    )
+    printed = capsys.readouterr().out
+    own = auto["elaswave_fault_free"]
+    assert (
+        f"samples/s on 1F1B, {own['samples_per_s']:.1f} on ElasWave's {own['schedule']}" in printed
+    )
 
 
 def test_device_fraction_is_the_time_average_of_nodes_present():

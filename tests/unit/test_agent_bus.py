@@ -79,7 +79,8 @@ def test_elaswave_says_in_one_line_that_node_0_did_not_serve(monkeypatch, capsys
 
 def test_a_host_offers_the_jobs_workers_or_is_told_the_number_in_one_line(monkeypatch) -> None:
     """A host of the first plan runs the job's --nproc-per-node (left out: the job's),
-    a host joining later any number; a host without the job's devices is refused."""
+    a host joining later any number of whole TP groups; a host without the job's devices
+    is refused."""
     from elaswave.runtime.job.config import JobConfig
 
     layout = {"dp": 2, "pp": 2, "nnodes": 2, "ranks_per_node": 2, "rdzv_endpoint": "h:1"}
@@ -88,6 +89,12 @@ def test_a_host_offers_the_jobs_workers_or_is_told_the_number_in_one_line(monkey
     assert nodeagent.host_slots(cfg, 2, 5) == 5  # a new host
     with pytest.raises(ValueError, match=r"^--nproc-per-node 3 on node 1: the job places 2 "):
         nodeagent.host_slots(cfg, 1, 3)
+    tp = JobConfig.from_dict({"layout": {**layout, "tp": 2, "ranks_per_node": 4}})
+    assert [nodeagent.host_slots(tp, 2, s) for s in (None, 2, 6)] == [4, 2, 6]
+    for slots, use in ((1, 2), (3, 2), (5, 4)):  # a joining host offers whole TP groups
+        with pytest.raises(ValueError, match=rf"^--nproc-per-node {slots} on node 2: .*groups "
+                           rf"are 2 workers, .*; use --nproc-per-node {use}$"):  # fmt: skip
+            nodeagent.host_slots(tp, 2, slots)
     cuda = JobConfig.from_dict({"layout": {**layout, "device": "cuda"}})
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a host without GPUs
     with pytest.raises(ValueError, match="torch sees no CUDA device"):

@@ -210,8 +210,9 @@ class _Agent:
 
 def host_slots(cfg: JobConfig, node: int, slots: int | None) -> int:
     """The workers this host offers (``--nproc-per-node``; None: the job's): a host of
-    the first plan runs the job's number, a host that joins later any number; each
-    needs a device of its own where the job's device has them."""
+    the first plan runs the job's number, a host that joins later any number of whole
+    tensor-parallel groups; each needs a device of its own where the job's device has
+    them."""
     lay = cfg.layout
     if node < lay.nnodes and slots not in (None, lay.ranks_per_node):
         raise ValueError(
@@ -220,6 +221,13 @@ def host_slots(cfg: JobConfig, node: int, slots: int | None) -> int:
             f"--nproc-per-node {lay.ranks_per_node} (or leave it out) on this host"
         )
     offered = lay.ranks_per_node if slots is None else slots
+    if offered % lay.tp:
+        whole = max(lay.tp, offered // lay.tp * lay.tp)
+        raise ValueError(
+            f"--nproc-per-node {offered} on node {node}: the job's tensor-parallel groups "
+            f"are {lay.tp} workers, each on one host, so a host offers a multiple of "
+            f"{lay.tp} workers; use --nproc-per-node {whole}"
+        )
     check_capacity(backend_for(lay.device), offered, str(lay.device))
     return offered
 

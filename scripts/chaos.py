@@ -420,10 +420,12 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 48,
-                                "shared_expert_intermediate_size": 96}),
+                                "shared_expert_intermediate_size": 96,
+                                "mlp_only_layers": [1]}),
 }  # fmt: skip
 """What ``--model-weight`` draws: a dense decoder, a mixture of experts, and one with a
-shared expert (config.json only: seeded initialisation)."""
+shared expert and a dense block among its expert ones (config.json only: seeded
+initialisation)."""
 
 
 def write_models(root: Path) -> dict[str, str]:

@@ -233,7 +233,6 @@ def layer_costs(
         output_bytes_per_sample=hidden_out,
     )
 
-    whole = model.block_whole or 2 * h  # kept whole on every TP member: norms' gains
     bias = (q + 2 * kv) if model.qkv_bias and not model.block_params else 0
     scores = float(FP32_BYTES * a * s) if flash_attention else float(dtype_bytes * a * s * s)
     block_act = (
@@ -242,6 +241,7 @@ def layer_costs(
 
     def block(index: int) -> LayerCost:
         # priced from the parameters a token passes through (a mixture of experts: top_k)
+        whole = model.block_whole_of(index - 1)  # kept whole on every TP member: norms
         matmul = model.block_active(index - 1) - whole - bias
         fwd = (2.0 * matmul * s + 4.0 * s * s * q) / tp
         return LayerCost(

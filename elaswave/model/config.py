@@ -57,6 +57,10 @@ class ModelConfig:
     """Parameters of each block where the blocks differ (a Hugging Face model mixing
     dense and mixture-of-experts layers, counted from its modules); empty: every block
     has :meth:`block_param_count`."""
+    layer_whole: tuple[int, ...] = ()
+    """Parameters of each block kept whole on every tensor-parallel member, where the
+    blocks differ in them (dense and expert blocks mixed: an expert block's router is
+    whole); empty: every block has :attr:`block_whole`'s."""
     active_params: tuple[int, ...] = ()
     """Parameters each token passes through in each block, where that is fewer than the
     block's (a mixture of experts routes a token through ``top_k`` of its experts): what
@@ -121,9 +125,10 @@ class ModelConfig:
             )
 
     def _check_per_block(self) -> None:
-        """:attr:`layer_params` and :attr:`active_params`: tuples (from JSON's lists) of
-        one positive count per block, none active beyond its block's."""
-        for name in ("layer_params", "active_params"):
+        """:attr:`layer_params`, :attr:`layer_whole` and :attr:`active_params`: tuples
+        (from JSON's lists) of one positive count per block, none active beyond its
+        block's."""
+        for name in ("layer_params", "layer_whole", "active_params"):
             value = getattr(self, name)
             if not isinstance(value, list | tuple) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value
@@ -146,6 +151,13 @@ class ModelConfig:
     def block_params_of(self, block: int) -> int:
         """Parameters of block ``block`` (0-based among the blocks)."""
         return self.layer_params[block] if self.layer_params else self.block_param_count()
+
+    def block_whole_of(self, block: int) -> int:
+        """Parameters of block ``block`` (0-based) kept whole on every tensor-parallel
+        member."""
+        if self.layer_whole:
+            return self.layer_whole[block]
+        return self.block_whole or 2 * self.hidden_size
 
     def block_active(self, block: int) -> int:
         """Parameters a token passes through in block ``block`` (0-based)."""

@@ -230,11 +230,14 @@ def hf_shape(source: str, *, seq_len: int) -> ModelConfig:
         source=source,
     )
     shape = _counted(shape, cfg, model)
-    whole = sum(
-        p.numel() for n, p in model.model.layers[0].named_parameters() if split_dim(n) is None
-    )
-    if whole != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
-        shape = dataclasses.replace(shape, block_whole=whole)
+    whole = [
+        sum(p.numel() for n, p in layer.named_parameters() if split_dim(n) is None)
+        for layer in model.model.layers
+    ]
+    if whole[0] != 2 * shape.hidden_size:  # kept whole under TP: norms inside attention
+        shape = dataclasses.replace(shape, block_whole=whole[0])
+    if len(set(whole)) > 1:  # and routers of expert blocks among dense ones
+        shape = dataclasses.replace(shape, layer_whole=tuple(whole))
     return shape
 
 
@@ -594,17 +597,30 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
     fused ones of a known layout: :data:`FUSED_TP`; or a mixture of experts: fused
     routed experts, shared experts of separate projections), with no bias after a
     row-parallel projection, and a q or k norm inside attention only of a shape
-    :func:`_attention_norm` splits (Qwen3's, OLMo-2's). Every block alike: a model
-    mixing dense and expert layers is refused."""
+    :func:`_attention_norm` splits (Qwen3's, OLMo-2's). Each kind of block a model has
+    is checked (dense and expert blocks mixed: Qwen2-MoE's, GLM-4.5's)."""
     directory = _directory(config.source)
     where = f"{directory / 'config.json'}: --tp {tp}"
-    if config.layer_params:
-        raise ValueError(
-            f"{where}: its blocks differ (dense and mixture-of-experts layers); tensor "
-            "parallelism splits blocks of one kind: use --tp 1"
-        )
     model = skeleton(load_hf_config(directory), where)
-    layer = model.model.layers[0]
+    kinds: dict[tuple[type, type], Any] = {}
+    for layer in model.model.layers:
+        parts = (type(getattr(layer, "self_attn", None)), type(getattr(layer, "mlp", None)))
+        kinds.setdefault(parts, layer)
+    for layer in kinds.values():
+        _refuse_block(layer, where)
+        for name, param in layer.named_parameters():
+            dim = split_dim(name)
+            if dim is None:
+                continue
+            if any(size % tp for size in fused_parts(name, config) or (param.shape[dim],)):
+                raise ValueError(
+                    f"{where}: tp = {tp} does not divide dimension {dim} of {name} "
+                    f"({param.shape[dim]}): use a --tp that divides it"
+                )
+
+
+def _refuse_block(layer: nn.Module, where: str) -> None:
+    """ValueError naming what ``layer`` lacks for tensor parallelism (:func:`refuse_hf_tp`)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = [
         f"self_attn.{leaf}"

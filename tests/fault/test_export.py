@@ -130,23 +130,40 @@ def test_an_exported_megatron_run_loads_in_megatrons_gpt_with_the_same_logits(ru
     assert (x - theirs).abs().max().item() <= 1e-5
 
 
-def test_an_exported_mixture_of_experts_is_written_as_its_checkpoints_are(runs_dir):
-    """DeepSeek-V3 from a directory with weights (one tensor per expert, as its
-    checkpoints are; its routers' bias set): the run reads them into fused experts, and
-    export writes the trained model back in its checkpoints' layout, the bias as read,
-    which transformers loads to ElasWave's logits."""
+MOE_CONFIGS = {
+    "deepseek-v3": dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+    ),
+    "glm4-moe": dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        first_k_dense_replace=1, n_shared_experts=1, head_dim=16,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "tp"),
+    [("deepseek-v3", 1), pytest.param("glm4-moe", 2, marks=pytest.mark.long)],
+)  # long: TP of dense and expert blocks: tests/multiproc/test_hf_tensor_parallel.py
+def test_an_exported_mixture_of_experts_is_written_as_its_checkpoints_are(runs_dir, family, tp):
+    """DeepSeek-V3, and GLM-4.5 split two ways (TP), from a directory with weights (one
+    tensor per expert, as their checkpoints are; their routers' bias set), each with a
+    dense first block: the run reads them into fused experts (each member its piece),
+    and export writes the trained model back in its checkpoints' layout, the bias as
+    read, which transformers loads to ElasWave's logits."""
+    model_type = family.replace("-", "_")
     config = transformers.AutoConfig.for_model(
-        "deepseek_v3", **{**SHAPE, "num_key_value_heads": 4}, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
-        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, n_group=1, topk_group=1, tie_word_embeddings=False,
-    )  # fmt: skip
-    directory = runs_dir / "export_moe_model"
+        model_type, **{**SHAPE, **MOE_CONFIGS[family]}, tie_word_embeddings=False
+    )
+    directory = runs_dir / f"export_moe_model_{family}"
     saved_with_router_bias(config, directory, seed=3)
     source = f"hf:{directory}"
-    run = train(runs_dir / "export_moe_run", "--model", source, "--dp", "1", "--pp", "2",
-                "--steps", "3", "--global-batch", "4", "--micro-batch", "2")  # fmt: skip
-    out = runs_dir / "exported_moe"
+    run = train(runs_dir / f"export_moe_run_{family}", "--model", source, "--dp", "1",
+                "--pp", "2", "--tp", str(tp), "--steps", "3", "--global-batch", "4",
+                "--micro-batch", "2")  # fmt: skip
+    out = runs_dir / f"exported_moe_{family}"
     proc = elaswave("export", str(run.out), str(out))
     assert proc.returncode == 0, proc.stderr
     from safetensors.torch import load_file

@@ -36,6 +36,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                     "kv_lora_rank": 16, "qk_rope_head_dim": 8,
                                     "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
                                     "topk_group": 1}),
+    "glm4-moe": ("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 48, "first_k_dense_replace": 1,
+                              "n_shared_experts": 1, "head_dim": 16}),  # a dense first block
     "starcoder2": ("starcoder2", {}),
 }  # fmt: skip
 """Each family's config: its model_type and its own settings beyond SHAPE."""
@@ -140,9 +143,12 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
     assert diff.loss_rel <= 1e-5 and diff.param_rel <= 1e-5, diff
 
 
-TP_FAMILIES = ["llama", "mistral", "qwen2", "granite", "megatron", "mixtral", "qwen2-moe-even"]
+TP_FAMILIES = [
+    "llama", "mistral", "qwen2", "granite", "megatron", "mixtral", "qwen2-moe", "glm4-moe"
+]  # fmt: skip
 """Families whose dp2 x tp2 runs stay within 1e-5 of one process (megatron-core's
-through its own tensor-parallel layers; the mixtures of experts: 2.2e-6)."""
+through its own tensor-parallel layers; the mixtures of experts: 2.2e-6; Qwen2-MoE and
+GLM-4.5 mix dense and expert blocks)."""
 TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3", "llama-tied"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
 one process within 6 steps (2.8e-5, 6.8e-6, 3.0e-5, 1.7e-5, 1.4e-5, 1.12e-5 on

@@ -5,7 +5,7 @@ over every head), Phi-3's fused projections (split by their blocks of rows), the
 families whose TP runs drift past 1e-5 over steps (Gemma, SmolLM3, Qwen3: their
 one-step gradients are exact to rounding), mixtures of experts (every expert's MLP split,
 a shared expert, the routers and the shared expert's gate whole: their gradients the
-group's sums) and a plain Llama."""
+group's sums; dense and expert blocks in one model) and a plain Llama."""
 
 from __future__ import annotations
 
@@ -30,7 +30,15 @@ FAMILIES = {"llama": ("llama", {}), "qwen3": ("qwen3", {"head_dim": 16}),
             "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
             "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                         "moe_intermediate_size": 24,
-                                        "shared_expert_intermediate_size": 40})}  # fmt: skip
+                                        "shared_expert_intermediate_size": 40}),
+            # dense and expert blocks mixed: Qwen2-MoE's dense layer, GLM-4.5's first
+            "qwen2-moe-mixed": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                              "moe_intermediate_size": 24,
+                                              "shared_expert_intermediate_size": 40,
+                                              "mlp_only_layers": [1]}),
+            "glm4-moe": ("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 24, "first_k_dense_replace": 1,
+                                      "head_dim": 8})}  # fmt: skip
 SEQ = 16
 
 
@@ -47,6 +55,7 @@ def _member(rank: int, store: dist.Store, size: int, source: str) -> tuple:
     [
         "llama", "olmo2", "qwen3", "phi3",
         "mixtral", "qwen2-moe",  # routed experts split, a shared expert, whole routers
+        "qwen2-moe-mixed", "glm4-moe",  # dense and expert blocks in one model
         # long: the same layers as llama's here; their drift is the fault suite's
         pytest.param("gemma", marks=pytest.mark.long),
         pytest.param("smollm3", marks=pytest.mark.long),

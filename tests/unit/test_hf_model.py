@@ -16,6 +16,7 @@ from elaswave.engine.cost import layer_costs
 from elaswave.model.hf import HfModel, hf_shape, to_hf_state_dict
 from elaswave.model.llama import StepContext, per_sample_loss
 from elaswave.model.rng import make_rng
+from elaswave.model.tensor_parallel import split_dim
 from tests.hf_models import saved_with_router_bias
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
@@ -193,9 +194,16 @@ def test_a_mixture_of_experts_is_priced_from_the_experts_a_token_passes_through(
     assert shape.ffn_hidden_size == max(2 * 24 + 40, 80)  # top_k x expert + shared; dense
     costs = layer_costs(shape)[1:-1]
     assert [c.params for c in costs] == list(shape.layer_params)
-    whole, s, q = shape.block_whole or 2 * shape.hidden_size, SEQ, shape.num_heads * shape.head_dim
-    for cost, active in zip(costs, shape.active_params, strict=True):
-        assert cost.fwd_flops_per_sample == 2.0 * (active - whole) * s + 4.0 * s * s * q
+    s, q = SEQ, shape.num_heads * shape.head_dim
+    kept = [  # kept whole on every TP member: the norms, an expert block's router and gate
+        sum(p.numel() for n, p in b.named_parameters() if split_dim(n) is None) for b in layers
+    ]
+    assert list(shape.layer_whole) == kept and kept[1] == 2 * shape.hidden_size < kept[0]
+    for b, (cost, active) in enumerate(zip(costs, shape.active_params, strict=True)):
+        assert cost.fwd_flops_per_sample == 2.0 * (active - kept[b]) * s + 4.0 * s * s * q
+    split = layer_costs(shape, tp=2)[1:-1]  # what each TP member holds of each block
+    assert [c.params for c in split] == [w + (n - w) // 2 for n, w in zip(
+        shape.layer_params, kept, strict=True)]  # fmt: skip
     dense = HfModel(hf_shape(_write(tmp_path, "mixtral"), seq_len=SEQ)).config
     assert not dense.layer_params and len(dense.active_params) == dense.num_blocks
 
@@ -351,15 +359,21 @@ def test_fused_projections_of_an_unknown_layout_are_refused(tmp_path, monkeypatc
     ("family", "message"),
     [
         ("llama-biased-gelu", r"--tp 2: a bias after a row-parallel projection"),
-        ("qwen2-moe", r"--tp 2: its blocks differ \(dense and mixture-of-experts layers\)"),
-        ("deepseek-v3", r"--tp 2: its blocks differ"),  # a dense first block
+        # multi-head latent attention: low-rank q and kv projections
+        ("deepseek-v3", r"--tp 2: the layers lack .*\(self_attn\.q_proj, self_attn\.k_proj"),
+        (
+            "olmoe",
+            r"--tp 2: tp = 2 does not divide dimension 1 of mlp\.experts\.gate_up_proj "
+            r"\(50\): use a --tp that divides it",
+        ),
     ],
 )
 def test_a_model_tensor_parallelism_cannot_split_is_refused_naming_why(tmp_path, family, message):
-    source = _write(tmp_path, family)
+    source = _write(tmp_path, family, intermediate_size=25) if family == "olmoe" else None
     with pytest.raises(ValueError, match=message):
-        build_job({"model": {"source": source}, "layout": {"tp": 2}})
-    build_job({"model": {"source": _write(tmp_path, "llama")}, "layout": {"tp": 2}})
+        build_job({"model": {"source": source or _write(tmp_path, family)}, "layout": {"tp": 2}})
+    for fine in ("llama", "qwen2-moe", "glm4-moe"):  # these two mix dense and expert blocks
+        build_job({"model": {"source": _write(tmp_path, fine)}, "layout": {"tp": 2}})
 
 
 def test_a_checkpoint_conversion_of_another_kind_is_refused_naming_it(monkeypatch):

@@ -963,14 +963,23 @@ def _unrestored(case: Case, job: Job, verdict: Verdict) -> Verdict:
     return verdict
 
 
+RESUME_HINT = re.compile(
+    r"; (resume from the checkpoint of step -?\d+ with --resume \S+"
+    r"|it wrote no complete checkpoint \(train with --checkpoint-every K to resume\))$"
+)
+"""What a stop message appends to its reason when the run directory holds a complete
+checkpoint (or that it holds none): how to continue the job, not why it stopped."""
+
+
 def _judge_stop(case: Case, job: Job, hit: set[int]) -> Verdict:
     lines = [ln for ln in job.stderr.splitlines() if ln.startswith("elaswave: job failed: ")]
     if job.code != 1 or len(lines) != 1:
         tail = job.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
         return Verdict("unexplained-stop", f"exit {job.code}, no single 'job failed' line: "
                        f"{tail[0][:300]}")  # fmt: skip
-    msg = lines[0].removeprefix("elaswave: job failed: ")
-    short = msg if len(msg) < 400 else msg[:400] + "..."
+    said = lines[0].removeprefix("elaswave: job failed: ")
+    short = said if len(said) < 400 else said[:400] + "..."
+    msg = RESUME_HINT.sub("", said)  # how to go on, after the reason
     if msg.startswith(("the Core failed", "the Core stopped")):
         return Verdict("traceback", short)
     unknown = lambda ranks: sorted(set(ranks) - set(hit))  # noqa: E731

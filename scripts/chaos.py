@@ -256,6 +256,9 @@ class Case:
     snapshot_copies: int = 1
     """``--snapshot-copies`` (the campaign's, not drawn: the same seed draws the same
     cases with any number of copies)."""
+    max_restarts: int = 0
+    """``--max-restarts`` (the campaign's, not drawn): a failed worker whose host is up
+    is started again and joins."""
     checkpoint_every: int = 0
     """``--checkpoint-every`` (the campaign's, not drawn, as the copies): lost state is
     then restored from a checkpoint inside the job."""
@@ -329,6 +332,8 @@ class Case:
             out += ["--snapshot-copies", str(self.snapshot_copies)]
         if self.checkpoint_every:
             out += ["--checkpoint-every", str(self.checkpoint_every)]
+        if self.max_restarts:
+            out += ["--max-restarts", str(self.max_restarts)]
         if self.wait_for_nodes:
             out += ["--wait-for-nodes", f"{self.wait_for_nodes:g}"]
         for fault in self.faults:
@@ -369,6 +374,7 @@ class Case:
             + (f" wait={self.wait_for_nodes:g}" if self.wait_for_nodes else "")
             + (f" copies={self.snapshot_copies}" if self.snapshot_copies > 1 else "")
             + (f" checkpoint-every={self.checkpoint_every}" if self.checkpoint_every else "")
+            + (f" max-restarts={self.max_restarts}" if self.max_restarts else "")
             + (f" schedule={self.schedule}" if self.schedule != "1f1b" else "")
             + (f" eval-every={self.eval_every}" if self.eval_every else "")
             + (f" core-killed-after={self.core_kill}" if self.core_kill else "")
@@ -1178,6 +1184,7 @@ def run_case(case: Case, root: Path, timeout: float, keep: bool, tp_weight: floa
         + (f" --tp-weight {tp_weight:g}" if tp_weight else "")
         + (f" --snapshot-copies {case.snapshot_copies}" if case.snapshot_copies > 1 else "")
         + (f" --checkpoint-every {case.checkpoint_every}" if case.checkpoint_every else "")
+        + (f" --max-restarts {case.max_restarts}" if case.max_restarts else "")
         + (" --schedule-weight 1" if case.schedule != "1f1b" else "")  # its coins, the same
         + (" --drawn-schedule auto" if case.schedule == "auto" else "")
         + (f" --applied-weight {case.applied_weight:g}" if case.applied_weight else "")
@@ -1295,6 +1302,13 @@ def main(argv: list[str] | None = None) -> int:
         "none; lost state is then restored inside the job; the draws do not change)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start a failed worker whose host is up again, up to K times a job, in every "
+        "case (default 0: never; the draws do not change)",
+    )
+    parser.add_argument(
         "--schedule-weight",
         type=float,
         default=0.0,
@@ -1370,6 +1384,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--snapshot-copies {args.copies}: must be at least 1")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more")
     if not 0 <= args.applied_weight <= 1:
         parser.error(f"--applied-weight {args.applied_weight:g}: must be from 0 to 1")
     if args.eval_every < 0:
@@ -1426,7 +1442,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     for index in indices:
         case = draw_case(args.seed, index, args.tp_weight)
-        case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every)
+        case = replace(case, snapshot_copies=args.copies, checkpoint_every=args.checkpoint_every,
+                       max_restarts=args.max_restarts)  # fmt: skip
         case = draw_schedule(case, args.schedule_weight, args.drawn_schedule)
         case = draw_eval(case, args.eval_every)
         case = draw_applied(case, args.applied_weight)
@@ -1509,6 +1526,7 @@ def _tp_flag(args: argparse.Namespace) -> str:
     """The campaign's flags besides the seed (what reproduces its draws)."""
     copies = f" --snapshot-copies {args.copies}" if args.copies > 1 else ""
     every = f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""
+    every += f" --max-restarts {args.max_restarts}" if args.max_restarts else ""
     zb = f" --schedule-weight {args.schedule_weight:g}" if args.schedule_weight else ""
     zb += " --drawn-schedule auto" if args.schedule_weight and args.drawn_schedule == "auto" else ""
     held = f" --eval-every {args.eval_every}" if args.eval_every else ""
@@ -1525,6 +1543,7 @@ def _write_json(args: argparse.Namespace, records: list[dict], total: float) -> 
         **({"tp_weight": args.tp_weight} if args.tp_weight else {}),
         **({"snapshot_copies": args.copies} if args.copies > 1 else {}),
         **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}),
+        **({"max_restarts": args.max_restarts} if args.max_restarts else {}),
         **({"applied_weight": args.applied_weight} if args.applied_weight else {}),
         "code": args.code,
         "cases": len(records),

@@ -75,6 +75,32 @@ def test_a_tp_group_per_host_trains_on_when_a_member_on_the_other_host_dies(
     assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
 
 
+@pytest.mark.long  # a restart on one host: tests/fault/test_restarts.py
+@pytest.mark.timeout(240)
+def test_a_tp_group_killed_on_a_host_that_is_up_is_started_again_there(runs_dir, reference):
+    """As above with ``--max-restarts 1``: once both members of node 1's group have
+    exited, node 0 offers node 1's two devices again; the new group (rank 2, processes
+    4 and 5) starts there through node 1's agent on its devices 0 and 1, joins, and
+    the job ends at the fault-free run's losses and parameters."""
+    rdzv = f"127.0.0.1:{_free_port()}"
+    hosts = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", rdzv)
+    job = ("--dp", "2", "--pp", "1", "--tp", "2", *JOB, "--max-restarts", "1")
+    fault = ("--fault", "kill:3@3:backward")
+    node0 = launch(runs_dir / "tp_restart0", *job, *fault, *hosts, "--node-rank", "0")
+    node1 = launch(runs_dir / "tp_restart1", *hosts, "--node-rank", "1")
+    assert node0.wait(200) == 0, (runs_dir / "tp_restart0.stderr").read_text()[-2000:]
+    assert node1.wait(60) == 0, (runs_dir / "tp_restart1.stderr").read_text()[-2000:]
+    summary = read_summary(runs_dir / "tp_restart0")
+    assert [(r.kind, r.ranks) for r in summary.recoveries] == [("fail-stop", (1,)), ("join", (2,))]
+    events = [r.event for r in read_run_log(runs_dir / "tp_restart0")]
+    spawned = {e.rank: e.node for e in events if isinstance(e, WorkerSpawned)}
+    assert spawned == {2: 1, 3: 1, 4: 1, 5: 1}  # node 1's processes, the new group's too
+    local = {e.rank: e.local_rank for e in events if isinstance(e, WorkerStarted)}
+    assert local == {0: 0, 1: 0, 2: 0}
+    diff = compare_runs(runs_dir / "tp_restart0", reference(1, 1).out)
+    assert diff.loss_rel <= 1e-4 and diff.param_rel <= 1e-4, diff
+
+
 TP_BACK = ("--dp", "2", "--pp", "1", "--tp", "2", "--steps", "40", "--global-batch", "8",
            "--micro-batch", "2", "--device", "emulated", "--heartbeat-timeout", "2")  # fmt: skip
 """40 steps: a returning host's agent takes seconds to start, and its join must come

@@ -59,6 +59,7 @@ SAMPLE = {
         "straggler_min_steps": 3,
         "wait_for_nodes_s": 5.0,
         "shorten_after_wait": False,
+        "max_restarts": 3,
         "reform": True,
     },
     "liveness": {
@@ -97,6 +98,7 @@ FLAGS = [
     *("--migration-early", "1", "--straggler-detection", "--straggler-window", "4"),
     *("--straggler-threshold", "1.5", "--straggler-min-steps", "3", "--wait-for-nodes", "5"),
     "--no-shorten-after-wait",
+    *("--max-restarts", "3"),
     "--reform",
     *("--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--plan-ack-timeout", "6"),
     *("--comm-timeout", "30", "--core-restarts", "2", "--core-restart-delay", "1"),

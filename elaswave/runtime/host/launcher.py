@@ -23,9 +23,9 @@ from typing import Any
 import structlog
 
 from elaswave import logs
-from elaswave.bus.client import BusClient
+from elaswave.bus.client import BusClient, BusError
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import Event, RunFinished, Topic
+from elaswave.bus.schema import Event, RunFinished, ScaleRequest, Topic
 from elaswave.comm.backend import backend_for, check_capacity
 from elaswave.comm.store import serve_store
 from elaswave.engine.change import State, state_from_json
@@ -49,6 +49,7 @@ from elaswave.runtime.core.supervisor import CORE_FAULT_ENV, JobFailed, exit_tex
 from elaswave.runtime.host.nodeagent import JOB_KEY, parse_endpoint
 from elaswave.runtime.host.nodes import RemoteNodes
 from elaswave.runtime.host.profile import LayerProfile
+from elaswave.runtime.host.restarts import Offer, Restarts
 from elaswave.runtime.host.tensorboard import ScalarLog
 from elaswave.runtime.host.workers import start_worker
 from elaswave.runtime.host.zygote import Zygote
@@ -58,6 +59,9 @@ from elaswave.runtime.job.localrank import LocalRanks
 from elaswave.runtime.job.results import Summary, read_summary, write_summary
 
 log = structlog.get_logger(__name__)
+
+RESTARTS_SENDER = "host-restarts"
+"""The job host's name on the bus where it offers failed workers' devices again."""
 
 OBSERVED = (Topic.LIFECYCLE, Topic.METRICS, Topic.RECOVERY)
 """What ``on_event`` is given: heartbeats (HEALTH) are the Core's business, and each
@@ -103,6 +107,10 @@ class JobHost:
         self.codes: dict[int, int | None] = {}
         self.devices = LocalRanks(cfg.layout.local_processes)
         """This host's devices and the local workers holding them."""
+        self.restarts = Restarts(cfg.layout.tp, cfg.elastic.max_restarts)
+        """Which failed workers' devices are offered again (``--max-restarts``)."""
+        self._offers: BusClient | None = None
+        """Publishes those offers (connected at the first)."""
         self._reapers: list[asyncio.Task[None]] = []
         self._link: HostLink | None = None
         self._observer: asyncio.Task[None] | None = None
@@ -288,6 +296,29 @@ class JobHost:
         self.codes[rank] = code
         if self._link is not None:
             self._link.send({"op": LinkOp.EXITED, "rank": rank, "code": code})
+        node = getattr(proc, "node", 0)
+        up = node == 0 or (self.nodes is not None and not self.nodes.agents[node].lost)
+        offer = self.restarts.exited(rank, code, node=node, host_up=up)
+        if offer is not None:
+            await self._offer(offer)
+
+    async def _offer(self, offer: Offer) -> None:
+        """Ask the Core for a worker in place of ``offer``'s unit, on its host."""
+        log.warning("host.restart", rank=offer.unit, node=offer.node, count=offer.count,
+                    of=offer.budget)  # fmt: skip
+        if self.nodes is not None and offer.node != 0:
+            self.nodes.offer(offer.node)
+        try:
+            if self._offers is None:
+                ep = JobSpec.read(self.run_dir).endpoints
+                self._offers = BusClient(RESTARTS_SENDER, ep.bus_publish, ep.bus_subscribe,
+                                         topics=(), keys=self.cfg.network.keys())  # fmt: skip
+                await self._offers.connect()
+            await self._offers.publish(ScaleRequest(sender=RESTARTS_SENDER, add=1,
+                                                    reason=offer.reason))  # fmt: skip
+        except (BusError, OSError) as exc:  # the Core is down: the device stays idle
+            self._offers = None
+            log.error("host.restart_not_offered", rank=offer.unit, error=str(exc))
 
     async def _observe(self) -> None:
         """Feed ``on_event`` the observed events (whichever Core incarnation runs the bus)."""
@@ -316,6 +347,7 @@ class JobHost:
             await client.close()
 
     async def _stop_workers(self) -> None:
+        self.restarts.ending = True
         for rank, proc in self.workers.items():
             if self.codes[rank] is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -325,6 +357,8 @@ class JobHost:
                 await asyncio.wait_for(task, 10.0)
         if self.nodes is not None:
             await self.nodes.close()
+        if self._offers is not None:
+            await self._offers.close()
         if self._observer is not None:
             # the last events (RunFinished) on their way
             await _first(self._seen_finish.wait(), self._observer, OBSERVER_WAIT_S)

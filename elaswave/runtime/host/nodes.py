@@ -108,6 +108,11 @@ class RemoteNodes:
             self._unit_nodes[unit] = node
         return node
 
+    def offer(self, node: int) -> None:
+        """``node``'s devices of a failed worker take the Core's next joining rank
+        (:mod:`elaswave.runtime.host.restarts`)."""
+        self._waiting_hosts.append(node)
+
     async def start(self, run_dir_spec: JobSpec) -> None:
         """Connect to the job's bus (the Core has bound it) and follow the agents."""
         ep = run_dir_spec.endpoints

@@ -53,6 +53,8 @@ from elaswave.runtime.job.setting import (
 
 MAX_WAIT_FOR_NODES_S = 86400
 """The longest wait for joining ranks a job may ask for (a day)."""
+MAX_RESTARTS = 1_000_000
+"""The most worker restarts a job may ask for (``--max-restarts``)."""
 
 
 class Partition(enum.StrEnum):
@@ -367,6 +369,17 @@ class ElasticConfig:
     )
     """When ``wait_for_nodes_s`` runs out: the survivors go on on a shorter pipeline, in
     memory, if one fits; off (or none fits), they write a checkpoint and the job stops."""
+    max_restarts: int = setting(
+        0,
+        metavar="K",
+        help="start a worker that failed on a host that is still up again, as a joiner on "
+        "the device it freed, up to K times in the job (torchrun's --max-restarts, without "
+        "stopping the others; default 0: never)",
+    )
+    """Workers (TP groups) started again in the job after one failed on a host that is
+    still up (a crash, a fenced hang): each joins on the device it freed, the others
+    training on (:mod:`elaswave.runtime.host.restarts`). 0: a failed worker's device
+    stays idle until a join asks for it."""
     reform: bool = setting(
         False,
         help="after a loss, re-form damaged replicas into a pipeline of fewer, full stages "
@@ -392,6 +405,8 @@ class ElasticConfig:
         choose(self, "migration", MigrationMode, valid)
         if self.migration not in MIGRATION_MODES:  # none is the Core's decision, not a request
             raise ValueError(f"migration = {str(self.migration)!r}: {valid}")
+        check(self, "max_restarts", lambda v: is_int(v) and 0 <= v <= MAX_RESTARTS,
+              f"must be an integer from 0 to {MAX_RESTARTS}")  # fmt: skip
         early = self.migration_early
         if early is not None and early < 0:
             raise ValueError(f"migration_early = {early}: must be at least 0")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 
 import structlog
@@ -36,7 +36,7 @@ from elaswave.comm.abort import AbortSignal
 from elaswave.comm.backend import backend_for
 from elaswave.comm.idle import IDLE
 from elaswave.comm.spec import Device, parse_device
-from elaswave.comm.store import connect_store
+from elaswave.comm.store import connect_store, fresh_client
 from elaswave.comm.strict import StrictViolation
 from elaswave.data.corpus import SampleLoader, open_heldout, open_source
 from elaswave.engine.cost import device as device_spec
@@ -221,7 +221,7 @@ def _context(run_dir: Path, process: int, spec: JobSpec, abort: AbortSignal) -> 
             cfg.layout.ranks_per_node,
             faults,
             run_dir,
-            pid_of=partial(_registered_pid, store),
+            pid_of=pid_lookup(store),
         ),
         pacer=pacer,
         evaluation=_evaluation(cfg),
@@ -241,11 +241,21 @@ def _evaluation(cfg: JobConfig) -> HeldOutEval | None:
     return HeldOutEval(held, schedule.eval_batches, schedule.evaluates)
 
 
-def _registered_pid(store: dist.Store, rank: int) -> int | None:
-    """The process id ``rank`` registered, None if no such rank has started: a rank
-    that does not exist must not hold a kill-node for the store's timeout."""
-    key = f"pid/{rank}"
-    return int(store.get(key)) if store.check([key]) else None
+def pid_lookup(store: dist.Store) -> Callable[[int], int | None]:
+    """The process id a rank registered, None if no such rank has started (a rank that
+    does not exist must not hold a kill-node for the store's timeout); looked up on a
+    connection of its own, opened at the first lookup: a group creation a torn apply
+    abandoned holds the worker's own connection in its wait until the store's timeout,
+    and a kill-node behind it took the node 27 s late (chaos seed 44357, case 24)."""
+    own: list[dist.Store] = []
+
+    def pid_of(rank: int) -> int | None:
+        if not own:
+            own.append(fresh_client(store))
+        key = f"pid/{rank}"
+        return int(own[0].get(key)) if own[0].check([key]) else None
+
+    return pid_of
 
 
 def main(argv: list[str] | None = None) -> int:

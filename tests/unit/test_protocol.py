@@ -26,7 +26,8 @@ After every event it checks:
   would have; an attempt's plan depends only on its inputs;
 - each phase's own state is consistent: the participants of a plan are its survivors
   and joiners, never a failed rank; a stop's reports come from its members; a wait has
-  members and misses ranks; a checkpoint's writers are stopped members;
+  members (or none, and a checkpoint for joiners to restore) and misses ranks; a
+  checkpoint's writers are stopped members;
 
 and, at the end of every sequence, that with faults stopped and messages delivered every
 announced change ends: committed, or the job stopped for a named reason.
@@ -345,7 +346,9 @@ class World(RuleBasedStateMachine):
         if isinstance(p, ch.Waiting):
             assert self.rules.wait_for_nodes_s > 0, "waited although the job may not wait"
             # (No participants while waiting: the Waiting phase has none.)
-            assert p.needed > 0 and p.members
+            assert p.needed > 0
+            # members with their state, or none left and a checkpoint for joiners
+            assert p.members or (self.rules.restore and s.checkpoints), p
             assert p.deadline == p.since + self.rules.wait_for_nodes_s
         if isinstance(p, ch.Stopping):
             assert p.generation == c.generation
@@ -419,13 +422,15 @@ class WaitingWorld(_FewFaults):
     """Pipelines one rank wide, where a single failure leaves too few ranks for the
     stages and the job waits for joiners (``wait_for_nodes_s``): waits that end with
     joiners, with a member or a joiner lost meanwhile, with the Core restarted, or with
-    the wait running out and a checkpoint written (or not) before the job stops."""
+    the wait running out and a checkpoint written (or not) before the job stops; jobs
+    that restore checkpoints, whose every member may be lost: then the wait is for
+    joiners to restore one."""
 
-    @initialize(layout=st.sampled_from([(1, 2), (1, 3), (2, 2)]))
-    def start_waiting(self, layout: tuple[int, int]) -> None:
-        World.start(self, layout, 20.0)
+    @initialize(layout=st.sampled_from([(1, 2), (1, 3), (2, 2)]), restore=st.booleans())
+    def start_waiting(self, layout: tuple[int, int], restore: bool) -> None:
+        World.start(self, layout, 20.0, restore)
 
-    def start(self, layout: tuple[int, int], wait: float) -> None:  # type: ignore[override]
+    def start(self, layout: tuple[int, int], wait: float, restore: bool = False) -> None:
         pass  # replaced by start_waiting
 
 
@@ -668,6 +673,41 @@ def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
     (plan,) = _published(out, RecoveryPlan)
     assert plan.failed == [1] and plan.joined == [2] and plan.committed_step == 2
     assert state.change is not None and state.change.phase.record.waited_s == pytest.approx(4.9)
+
+
+@pytest.mark.parametrize("joiner", [True, False])
+def test_with_no_member_left_a_restoring_job_waits_for_joiners_to_restore(joiner) -> None:
+    """dp 1 x pp 1 of a job that restores checkpoints (step 2 on disk) loses its only
+    rank: with a wait, the Core announces WaitingForNodes for joiners to restore the
+    checkpoint (a restarted worker, ``--max-restarts``); one that comes is planned onto
+    the checkpoint; none coming by the deadline, the job stops naming the wait."""
+    from elaswave.bus.schema import WaitingForNodes
+
+    cfg, rules = _job(1, 1)
+    rules = dataclasses.replace(_waiting(rules, 30.0), restore=True)
+    state = ch.initial_state(cfg.plan())
+    for event in (inp.OnDisk((2,)), inp.StepDone(4, 990.0)):
+        state, _ = protocol.step(rules, state, event, 990.0)
+    state, _ = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
+    state, out = protocol.step(rules, state, inp.Tick(), 1000.1)  # its detection window over
+    (waiting,) = _published(out, WaitingForNodes)
+    assert waiting.needed == 1 and waiting.reason == (
+        "rank 0 exited with signal SIGKILL; no worker survives: waiting for joining ranks "
+        "to restore the checkpoint of step 2"
+    )
+    assert state.change is not None and isinstance(state.change.phase, ch.Waiting)
+    if not joiner:
+        state, out = protocol.step(rules, state, inp.Tick(), 1030.2)
+        (stop,) = [a for a in out if isinstance(a, act.Stop)]
+        assert stop.reason.endswith(
+            "; waited 30 s for joining ranks to restore the checkpoint of step 2, and none "
+            "came; no worker survives"
+        )
+        return
+    state, _ = protocol.step(rules, state, inp.ScaleUp(0, 1), 1001.0)
+    state, out = protocol.step(rules, state, inp.Joining(1), 1002.0)
+    (plan,) = _published(out, RecoveryPlan)
+    assert plan.restore and plan.joined == [1] and plan.committed_step == 2
 
 
 def test_without_a_wait_fewer_ranks_than_stages_run_on_a_shorter_pipeline() -> None:

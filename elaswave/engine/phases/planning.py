@@ -263,8 +263,7 @@ def wait_for_nodes(
     """Too few ranks are left for the stages: the stopped members keep their state and
     wait for joiners (``p``) until ``r.wait_for_nodes_s`` after the wait began (its
     deadline, at which :mod:`.waiting` asks for a checkpoint). Announced again whenever what is
-    missing changes. Joiners the job schedules (``join@STEP``) are started at once, as
-    many as are missing: the steps they were due at cannot come while the job waits."""
+    missing changes; the joiners the job schedules start at once (:func:`spawn_scheduled`)."""
     s = with_phase(s, c, p)
     reason = f"{c.detail}; {exc}"
     out.append(Note("core.waiting_for_nodes", {"needed": exc.needed, "joined": list(c.joined)}))
@@ -280,8 +279,15 @@ def wait_for_nodes(
             )
         )
     )
+    return spawn_scheduled(r, s, c, exc.needed, out)
+
+
+def spawn_scheduled(r: Rules, s: State, c: Change, needed: int, out: list[Action]) -> State:
+    """While the change waits for ``needed`` joiners: start the joiners the job
+    schedules (``join@STEP``) at once, as many as are missing, for the steps they were
+    due at cannot come while the job waits."""
     coming = s.alive - set(s.plan.ranks) - set(c.joined)  # started, not joining yet
-    while len(coming) < exc.needed and s.joins_done < len(r.join_steps) and r.can_spawn:
+    while len(coming) < needed and s.joins_done < len(r.join_steps) and r.can_spawn:
         s = spawn(r, replace(s, joins_done=s.joins_done + 1), out)
         coming = s.alive - set(s.plan.ranks) - set(c.joined)
     return s

@@ -15,6 +15,10 @@ ranks).
   step they roll back to (:mod:`.checkpointing`), then stop the job naming how to
   resume.
 - A restarted Core announces the wait again (its deadline kept).
+- **No member left** (:func:`wait_to_restore`): when every member was lost but a
+  checkpoint is on disk and the job restores them, the change waits the same way for
+  joiners (a worker started again, ``--max-restarts``; a returning host) and plans
+  them onto the checkpoint; none coming by the deadline, the job stops.
 
 A job that does not wait re-pipelines onto fewer stages instead
 (:func:`elaswave.engine.replan.replan`).
@@ -24,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.engine.actions import Action, SharePlan, Stopped
+from elaswave.bus.schema import CORE_SENDER, WaitingForNodes
+from elaswave.engine.actions import Action, Note, Publish, SharePlan, Stopped
 from elaswave.engine.change import Change, State, Waiting
 from elaswave.engine.inputs import Exited, Input, Restarted
 from elaswave.engine.phases.checkpointing import begin_checkpoint
-from elaswave.engine.phases.planning import plan_next
-from elaswave.engine.phases.shared import describe, ready_joiners
+from elaswave.engine.phases.planning import plan_next, spawn_scheduled
+from elaswave.engine.phases.shared import describe, ready_joiners, with_phase
 from elaswave.engine.rules import Rules
 
 replace = dataclasses.replace
@@ -50,7 +55,9 @@ def take(
             c = replace(c, detail=f"{c.detail}; then, while waiting for nodes: {why}")
             p = replace(p, members=p.members - {rank}, failed=p.failed | {rank})
             return _plan(r, s, c, p, now, out)
-        case Restarted():  # announce the wait again (its deadline kept)
+        case Restarted() if not p.members:  # announce the wait again (its deadline kept)
+            return _announce_restore(r, s, c, p, out)
+        case Restarted():
             return _plan(r, s, c, p, now, out)
     return s
 
@@ -62,6 +69,11 @@ def due(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]
         out.append(SharePlan(s.plan))
         c = replace(c, joined=(*c.joined, *ready), detail=f"{c.detail}; ranks {ready} join")
         return _plan(r, replace(s, joiners=frozenset()), c, p, now, out)
+    if now >= p.deadline and not p.members:
+        raise Stopped(
+            f"{c.detail}; waited {r.wait_for_nodes_s:g} s for joining ranks to restore the "
+            f"checkpoint of step {_restore_step(s)}, and none came; no worker survives"
+        )
     if now >= p.deadline and r.shorten_after_wait:
         return _shortened(r, s, c, p, now, out)
     if now >= p.deadline:
@@ -87,3 +99,34 @@ def _plan(
         r, s, c, members=p.members, failed=p.failed, attempt=p.attempt, waited_since=p.since,
         completed=p.completed, now=now, out=out, shorten=shorten,
     )  # fmt: skip
+
+
+def wait_to_restore(
+    r: Rules, s: State, c: Change, failed: frozenset[int], now: float, out: list[Action]
+) -> State:
+    """No member is left, a checkpoint can be restored and the job waits for nodes: wait
+    for joiners to restore it, until ``r.wait_for_nodes_s`` from now."""
+    p = Waiting(
+        members=frozenset(), failed=failed, needed=len(s.plan.stages), step=-1, since=now,
+        attempt=-1, deadline=now + r.wait_for_nodes_s,
+    )  # fmt: skip
+    return spawn_scheduled(r, _announce_restore(r, s, c, p, out), c, p.needed, out)
+
+
+def _announce_restore(r: Rules, s: State, c: Change, p: Waiting, out: list[Action]) -> State:
+    """Announce the wait of :func:`wait_to_restore` (again, after a Core restart)."""
+    reason = (
+        f"{c.detail}; no worker survives: waiting for joining ranks to restore the "
+        f"checkpoint of step {_restore_step(s)}"
+    )
+    out.append(Note("core.waiting_for_nodes", {"needed": p.needed, "restore": True}))
+    out.append(Publish(WaitingForNodes(
+        sender=CORE_SENDER, generation=c.generation + 1, needed=p.needed,
+        wait_s=r.wait_for_nodes_s, since=p.since, reason=reason,
+    )))  # fmt: skip
+    return with_phase(s, c, p)
+
+
+def _restore_step(s: State) -> int:
+    """The newest checkpoint a restore would read: none newer than the last done step."""
+    return max(x for x in s.checkpoints if x <= s.done_step)

@@ -35,7 +35,16 @@ from elaswave.engine.change import (
     state_from_json,
     state_to_json,
 )
-from elaswave.engine.inputs import Input, OnDisk, Ready, Restarted, Silent, Straggling, Tick
+from elaswave.engine.inputs import (
+    Exited,
+    Input,
+    OnDisk,
+    Ready,
+    Restarted,
+    Silent,
+    Straggling,
+    Tick,
+)
 from elaswave.engine.phases.shared import exit_text
 from elaswave.engine.plan import Plan, plan_key, plan_to_dict
 from elaswave.engine.protocol import deadline, step
@@ -209,9 +218,10 @@ class Supervisor:
             return Tick(), None
 
     async def _step(self, event: Input, position: int | None = None) -> None:
-        if isinstance(event, Ready) and self.rules.restore:
-            # A member stopped for a change, which may find state lost: plan it knowing
-            # every checkpoint completed until now (the watcher looks every 0.5 s).
+        if isinstance(event, Ready | Exited) and self.rules.restore:
+            # A member stopped for a change, or one was lost, which may find state lost:
+            # plan it knowing every checkpoint completed until now (the watcher looks
+            # every 0.5 s; with every member lost, no Ready comes).
             steps = await asyncio.to_thread(self._complete_steps)
             if steps != frozenset(self.state.checkpoints):
                 await self._step(OnDisk(tuple(sorted(steps))))

@@ -111,6 +111,8 @@ class JobHost:
         """Which failed workers' devices are offered again (``--max-restarts``)."""
         self._offers: BusClient | None = None
         """Publishes those offers (connected at the first)."""
+        self._offering = asyncio.Lock()
+        """One offer at a time: the first connects the client, and they go in order."""
         self._reapers: list[asyncio.Task[None]] = []
         self._link: HostLink | None = None
         self._observer: asyncio.Task[None] | None = None
@@ -308,17 +310,20 @@ class JobHost:
                     of=offer.budget)  # fmt: skip
         if self.nodes is not None and offer.node != 0:
             self.nodes.offer(offer.node)
-        try:
-            if self._offers is None:
-                ep = JobSpec.read(self.run_dir).endpoints
-                self._offers = BusClient(RESTARTS_SENDER, ep.bus_publish, ep.bus_subscribe,
-                                         topics=(), keys=self.cfg.network.keys())  # fmt: skip
-                await self._offers.connect()
-            await self._offers.publish(ScaleRequest(sender=RESTARTS_SENDER, add=1,
-                                                    reason=offer.reason))  # fmt: skip
-        except (BusError, OSError) as exc:  # the Core is down: the device stays idle
-            self._offers = None
-            log.error("host.restart_not_offered", rank=offer.unit, error=str(exc))
+        async with self._offering:
+            try:
+                if self._offers is None:
+                    ep = JobSpec.read(self.run_dir).endpoints
+                    self._offers = BusClient(
+                        RESTARTS_SENDER, ep.bus_publish, ep.bus_subscribe, topics=(),
+                        keys=self.cfg.network.keys(),
+                    )  # fmt: skip
+                    await self._offers.connect()
+                request = ScaleRequest(sender=RESTARTS_SENDER, add=1, reason=offer.reason)
+                await self._offers.publish(request)
+            except (BusError, OSError) as exc:  # the Core is down: the device stays idle
+                self._offers = None
+                log.error("host.restart_not_offered", rank=offer.unit, error=str(exc))
 
     async def _observe(self) -> None:
         """Feed ``on_event`` the observed events (whichever Core incarnation runs the bus)."""

@@ -25,6 +25,9 @@ Cases (``--dry-run`` lists them):
 - ``hosts-tp``: dp2 x tp2 on two hosts of this machine (an agent on loopback), a TP
   group each, a member on node 1 killed: the one-host run's numbers, each group's leader
   on its host's device 0 (``LOCAL_RANK``), the ranks sharing the GPUs.
+- ``restart``: dp2 x pp2 with ``--max-restarts 1``, rank 1 killed mid-backward: a new
+  worker starts on the device rank 1 freed (its ``LOCAL_RANK``), joins, and the job
+  matches its fault-free run; one Core.
 - ``snapshot-overhead``: dp2 x pp2 with and without host snapshots (throughput, the
   snapshot threads' CPU share; parameters must be identical).
 
@@ -543,6 +546,40 @@ def check_hosts(ck: Checker) -> Outcome:
     return _outcome("hosts-tp", figures, problems)
 
 
+def check_restart(ck: Checker) -> Outcome:
+    """dp2 x pp2 with one restart, rank FAULT_RANK killed mid-backward at FAULT_STEP: the
+    worker started in its place must take the device it freed (its local rank), join,
+    and the job match its fault-free run within FAULT_TOLERANCE, on one Core."""
+    args, processes = _layout_args("dp2xpp2", ck.opts.steps)
+    fault = ["--fault", f"kill:{FAULT_RANK}@{FAULT_STEP}:backward", "--max-restarts", "1"]
+    run = ck.train("restart", [*args, *fault], device=ck.opts.device, processes=processes)
+    ref = reference(ck, "tiny", "dp2xpp2", ck.opts.device)
+    (summary, why), (ref_summary, why_ref) = _summary(run), _summary(ref)
+    figures: dict[str, Figure] = {"wall_s": round(run.wall_s, 1)}
+    if summary is None or ref_summary is None:
+        detail = why or f"fault-free run: {why_ref}"
+        return Outcome(name="restart", status=Status.FAIL, figures=figures, detail=detail)
+    local = {e.rank: e.local_rank for e in events_of(run.out) if isinstance(e, WorkerStarted)}
+    diff = compare_runs(run.out, ref.out)
+    kinds = [(str(r.kind), r.ranks) for r in summary.recoveries]
+    figures |= {
+        "steps": summary.steps_completed, "loss_rel": diff.loss_rel, "param_rel": diff.param_rel,
+        "recoveries": str(kinds), "local_ranks": str(local),
+    }  # fmt: skip
+    problems = []
+    if summary.steps_completed != ref_summary.steps_completed:
+        problems.append(f"{summary.steps_completed} of {ref_summary.steps_completed} steps")
+    if kinds[:2] != [("fail-stop", (FAULT_RANK,)), ("join", (processes,))]:
+        problems.append(f"not a loss of rank {FAULT_RANK} and the join of its restart: {kinds}")
+    if local.get(processes) != local.get(FAULT_RANK):
+        problems.append(f"the restart took local rank {local.get(processes)}, not the freed one")
+    if (summary.core_incarnations or 1) != 1:
+        problems.append(f"{summary.core_incarnations} Core incarnations")
+    if max(diff.loss_rel, diff.param_rel) > FAULT_TOLERANCE:
+        problems.append(f"{diff} from the fault-free run")
+    return _outcome("restart", figures, problems)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Case:
     name: str
@@ -588,6 +625,13 @@ def all_cases() -> list[Case]:
             name="hosts-tp",
             what="dp2xtp2 on two loopback hosts, a member on node 1 killed",
             check=check_hosts,
+        )
+    )
+    cases.append(
+        Case(
+            name="restart",
+            what="dp2xpp2, rank 1 killed and started again on its device",
+            check=check_restart,
         )
     )
     cases.append(

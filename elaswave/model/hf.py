@@ -608,15 +608,21 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
         kinds.setdefault(parts, layer)
     for layer in kinds.values():
         _refuse_block(layer, where)
-        for name, param in layer.named_parameters():
-            dim = split_dim(name)
-            if dim is None:
-                continue
-            if any(size % tp for size in fused_parts(name, config) or (param.shape[dim],)):
-                raise ValueError(
-                    f"{where}: tp = {tp} does not divide dimension {dim} of {name} "
-                    f"({param.shape[dim]}): use a --tp that divides it"
-                )
+        _refuse_widths(layer, config, tp, where)
+
+
+def _refuse_widths(layer: nn.Module, config: ModelConfig, tp: int, where: str) -> None:
+    """ValueError naming the first width of ``layer`` that ``tp`` does not split evenly
+    (each block of a fused weight on its own: an expert's inner width)."""
+    for name, param in layer.named_parameters():
+        dim = split_dim(name)
+        if dim is not None and any(
+            size % tp for size in fused_parts(name, config) or (param.shape[dim],)
+        ):
+            raise ValueError(
+                f"{where}: tp = {tp} does not divide dimension {dim} of {name} "
+                f"({param.shape[dim]}): use a --tp that divides it"
+            )
 
 
 def _refuse_block(layer: nn.Module, where: str) -> None:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from elaswave.engine.recovery import Rebalancing
 
+RESTART_WAIT_S = 60.0
+"""How long a job that starts failed workers again and lost every member waits for them
+to restore its checkpoint, where it waits for no nodes otherwise."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Rules:
@@ -52,8 +56,18 @@ class Rules:
     wait_for_nodes_s: float = 0.0
     """How long a job with too few ranks left for its stages waits for joiners, its
     state in memory (0: it shortens its pipeline at once, or stops)."""
+    restarts: bool = False
+    """Whether the job starts failed workers again (``--max-restarts``): a job that lost
+    every member waits for them to restore its checkpoint (:attr:`restore_wait_s`)."""
     shorten_after_wait: bool = True
     """Whether a wait that runs out goes on with fewer stages (if they fit in memory)
     rather than writing a checkpoint and stopping."""
     resume_command: str = ""
     """The flag that resumes this job from a checkpoint it writes (``--resume RUN``)."""
+
+    @property
+    def restore_wait_s(self) -> float:
+        """How long a job that lost every member waits for joiners to restore its
+        checkpoint: its wait for nodes, else the time restarted workers take to come
+        (:data:`RESTART_WAIT_S`) if it starts them, else none (it stops)."""
+        return self.wait_for_nodes_s or (RESTART_WAIT_S if self.restarts else 0.0)

@@ -68,16 +68,17 @@ def test_a_single_replica_pipeline_waits_for_its_restarted_worker(runs_dir):
 
 def test_a_job_that_lost_every_worker_restarts_them_from_its_checkpoint(runs_dir):
     """dp1 x pp2 on one node of two ranks, the node's workers killed in step 5: no
-    worker survives, and its state in memory is gone with them. With restarts, a
-    checkpoint every 2 steps and a wait, the job waits for its restarted workers; the
+    worker survives, and its state in memory is gone with them. With restarts and a
+    checkpoint every 2 steps, the job waits for its restarted workers (without a wait
+    for nodes: RESTART_WAIT_S at the most); the
     first restores the checkpoint of step 3 inside the job (on one stage), the second
     joins and the pipeline grows back to two stages. Every step matches the fault-free
     run, the steps redone from the checkpoint included."""
     job = ("--dp", "1", "--pp", "2", "--steps", "8", "--global-batch", "4",
            "--micro-batch", "1", "--ranks-per-node", "2", "--checkpoint-every", "2")  # fmt: skip
     ref = train(runs_dir / "restart_all_ref", *job)
-    run = train(runs_dir / "restart_all", *job, "--max-restarts", "2", "--wait-for-nodes",
-                "60", "--fault", "kill-node:0@5:backward")  # fmt: skip
+    run = train(runs_dir / "restart_all", *job, "--max-restarts", "2",
+                "--fault", "kill-node:0@5:backward")  # fmt: skip
     lost, *joins = run.summary.recoveries
     assert lost.kind == "fail-stop" and lost.ranks == (0, 1)
     assert "restored from the checkpoint of step 3 inside the job" in lost.reason

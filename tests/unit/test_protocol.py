@@ -65,7 +65,7 @@ from elaswave.engine.change import state_from_json, state_to_json
 from elaswave.engine.phases import agreeing
 from elaswave.engine.phases.shared import KILLED
 from elaswave.engine.recovery import plan_digest
-from elaswave.engine.rules import Rules
+from elaswave.engine.rules import RESTART_WAIT_S, Rules
 from elaswave.runtime.job.config import JobConfig
 from elaswave.runtime.job.inputs import rules_of
 from elaswave.runtime.job.sections import LayoutConfig, ScheduleConfig
@@ -97,11 +97,15 @@ def _job(dp: int, pp: int) -> tuple[JobConfig, Rules]:
 
 class World(RuleBasedStateMachine):
     @initialize(
-        layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]), restore=st.booleans()
-    )
-    def start(self, layout: tuple[int, int], wait: float, restore: bool = False) -> None:
+        layout=st.sampled_from(LAYOUTS), wait=st.sampled_from([0.0, 20.0]), restore=st.booleans(),
+        restarts=st.booleans(),
+    )  # fmt: skip
+    def start(
+        self, layout: tuple[int, int], wait: float, restore: bool = False, restarts: bool = False
+    ) -> None:
         cfg, rules = _job(*layout)
-        self.rules = dataclasses.replace(_waiting(rules, wait), restore=restore)
+        rules = dataclasses.replace(_waiting(rules, wait), restore=restore, restarts=restarts)
+        self.rules = rules
         self.on_disk: set[int] = set()
         """Steps of the complete disk checkpoints the Core was told of."""
         self.state = ch.initial_state(cfg.plan())
@@ -344,12 +348,13 @@ class World(RuleBasedStateMachine):
         if isinstance(p, ch.Checkpointing):
             assert p.written <= p.writers <= p.members and p.step >= 0
         if isinstance(p, ch.Waiting):
-            assert self.rules.wait_for_nodes_s > 0, "waited although the job may not wait"
+            # members with their state, or none left and a checkpoint for joiners
+            wait = self.rules.wait_for_nodes_s if p.members else self.rules.restore_wait_s
+            assert wait > 0, "waited although the job may not wait"
             # (No participants while waiting: the Waiting phase has none.)
             assert p.needed > 0
-            # members with their state, or none left and a checkpoint for joiners
             assert p.members or (self.rules.restore and s.checkpoints), p
-            assert p.deadline == p.since + self.rules.wait_for_nodes_s
+            assert p.deadline == p.since + wait
         if isinstance(p, ch.Stopping):
             assert p.generation == c.generation
             assert p.reported <= p.members and not p.members & set(p.failed)
@@ -430,7 +435,9 @@ class WaitingWorld(_FewFaults):
     def start_waiting(self, layout: tuple[int, int], restore: bool) -> None:
         World.start(self, layout, 20.0, restore)
 
-    def start(self, layout: tuple[int, int], wait: float, restore: bool = False) -> None:
+    def start(
+        self, layout: tuple[int, int], wait: float, restore: bool = False, restarts: bool = False
+    ) -> None:
         pass  # replaced by start_waiting
 
 
@@ -675,33 +682,44 @@ def test_too_few_ranks_wait_for_a_joiner_and_plan_with_it() -> None:
     assert state.change is not None and state.change.phase.record.waited_s == pytest.approx(4.9)
 
 
-@pytest.mark.parametrize("joiner", [True, False])
-def test_with_no_member_left_a_restoring_job_waits_for_joiners_to_restore(joiner) -> None:
+@pytest.mark.parametrize(
+    ("joiner", "wait", "restarts", "waited"),
+    [(True, 30.0, False, 30.0), (False, 30.0, False, 30.0), (True, 0.0, True, RESTART_WAIT_S),
+     (False, 0.0, True, RESTART_WAIT_S), (False, 0.0, False, 0.0)],
+)  # fmt: skip
+def test_with_no_member_left_a_restoring_job_waits_for_joiners_to_restore(
+    joiner, wait, restarts, waited
+) -> None:
     """dp 1 x pp 1 of a job that restores checkpoints (step 2 on disk) loses its only
-    rank: with a wait, the Core announces WaitingForNodes for joiners to restore the
-    checkpoint (a restarted worker, ``--max-restarts``); one that comes is planned onto
-    the checkpoint; none coming by the deadline, the job stops naming the wait."""
+    rank: with a wait for nodes, or starting failed workers again (``--max-restarts``,
+    then for RESTART_WAIT_S), the Core announces WaitingForNodes for joiners to restore
+    the checkpoint; one that comes is planned onto it; none coming by the deadline, the
+    job stops naming the wait. A job that does neither stops at once."""
     from elaswave.bus.schema import WaitingForNodes
 
     cfg, rules = _job(1, 1)
-    rules = dataclasses.replace(_waiting(rules, 30.0), restore=True)
+    rules = dataclasses.replace(_waiting(rules, wait), restore=True, restarts=restarts)
     state = ch.initial_state(cfg.plan())
     for event in (inp.OnDisk((2,)), inp.StepDone(4, 990.0)):
         state, _ = protocol.step(rules, state, event, 990.0)
     state, _ = protocol.step(rules, state, inp.Exited(0, -9), 1000.0)
     state, out = protocol.step(rules, state, inp.Tick(), 1000.1)  # its detection window over
-    (waiting,) = _published(out, WaitingForNodes)
-    assert waiting.needed == 1 and waiting.reason == (
+    if not waited:
+        (stop,) = [a for a in out if isinstance(a, act.Stop)]
+        assert stop.reason == "rank 0 exited with signal SIGKILL; no worker survives"
+        return
+    (announced,) = _published(out, WaitingForNodes)
+    assert (announced.needed, announced.wait_s) == (1, waited) and announced.reason == (
         "rank 0 exited with signal SIGKILL; no worker survives: waiting for joining ranks "
         "to restore the checkpoint of step 2"
     )
     assert state.change is not None and isinstance(state.change.phase, ch.Waiting)
     if not joiner:
-        state, out = protocol.step(rules, state, inp.Tick(), 1030.2)
+        state, out = protocol.step(rules, state, inp.Tick(), 1000.2 + waited)
         (stop,) = [a for a in out if isinstance(a, act.Stop)]
         assert stop.reason.endswith(
-            "; waited 30 s for joining ranks to restore the checkpoint of step 2, and none "
-            "came; no worker survives"
+            f"; waited {waited:g} s for joining ranks to restore the checkpoint of step 2, "
+            "and none came; no worker survives"
         )
         return
     state, _ = protocol.step(rules, state, inp.ScaleUp(0, 1), 1001.0)

@@ -229,7 +229,7 @@ def after_stop(r: Rules, s: State, c: Change, p: Stopping, now: float, out: list
         out.append(Note("core.change_dropped", {"generation": c.generation, "why": c.detail}))
         return replace(s, change=None)
     if result is StopStatus.NONE_LEFT and not (restorable(r, s) and ready_joiners(s)):
-        if restorable(r, s) and r.wait_for_nodes_s > 0:  # joiners may come to restore it
+        if restorable(r, s) and r.restore_wait_s > 0:  # joiners may come to restore it
             c = replace(c, detail=stop_text(s, c, p))
             return wait_to_restore(r, s, c, frozenset(p.failed), now, out)
         raise Stopped(f"{stop_text(s, c, p)}; no worker survives")

@@ -18,7 +18,9 @@ ranks).
 - **No member left** (:func:`wait_to_restore`): when every member was lost but a
   checkpoint is on disk and the job restores them, the change waits the same way for
   joiners (a worker started again, ``--max-restarts``; a returning host) and plans
-  them onto the checkpoint; none coming by the deadline, the job stops.
+  them onto the checkpoint, for the job's wait for nodes or, without one in a job that
+  starts failed workers again, :data:`~elaswave.engine.rules.RESTART_WAIT_S`; none
+  coming by the deadline, the job stops.
 
 A job that does not wait re-pipelines onto fewer stages instead
 (:func:`elaswave.engine.replan.replan`).
@@ -71,7 +73,7 @@ def due(r: Rules, s: State, c: Change, p: Waiting, now: float, out: list[Action]
         return _plan(r, replace(s, joiners=frozenset()), c, p, now, out)
     if now >= p.deadline and not p.members:
         raise Stopped(
-            f"{c.detail}; waited {r.wait_for_nodes_s:g} s for joining ranks to restore the "
+            f"{c.detail}; waited {r.restore_wait_s:g} s for joining ranks to restore the "
             f"checkpoint of step {_restore_step(s)}, and none came; no worker survives"
         )
     if now >= p.deadline and r.shorten_after_wait:
@@ -104,11 +106,12 @@ def _plan(
 def wait_to_restore(
     r: Rules, s: State, c: Change, failed: frozenset[int], now: float, out: list[Action]
 ) -> State:
-    """No member is left, a checkpoint can be restored and the job waits for nodes: wait
-    for joiners to restore it, until ``r.wait_for_nodes_s`` from now."""
+    """No member is left, a checkpoint can be restored and the job waits for nodes or
+    starts failed workers again: wait for joiners to restore it, until
+    ``r.restore_wait_s`` from now."""
     p = Waiting(
         members=frozenset(), failed=failed, needed=len(s.plan.stages), step=-1, since=now,
-        attempt=-1, deadline=now + r.wait_for_nodes_s,
+        attempt=-1, deadline=now + r.restore_wait_s,
     )  # fmt: skip
     return spawn_scheduled(r, _announce_restore(r, s, c, p, out), c, p.needed, out)
 
@@ -122,7 +125,7 @@ def _announce_restore(r: Rules, s: State, c: Change, p: Waiting, out: list[Actio
     out.append(Note("core.waiting_for_nodes", {"needed": p.needed, "restore": True}))
     out.append(Publish(WaitingForNodes(
         sender=CORE_SENDER, generation=c.generation + 1, needed=p.needed,
-        wait_s=r.wait_for_nodes_s, since=p.since, reason=reason,
+        wait_s=r.restore_wait_s, since=p.since, reason=reason,
     )))  # fmt: skip
     return with_phase(s, c, p)
 

@@ -93,6 +93,7 @@ def rules_of(cfg: JobConfig, run_dir: Path, *, can_spawn: bool) -> Rules:
         resume_hint=resume,
         first_step=cfg.state.resume_step if cfg.state.resume_step is not None else -1,
         wait_for_nodes_s=cfg.elastic.wait_for_nodes_s,
+        restarts=cfg.elastic.max_restarts > 0,
         shorten_after_wait=cfg.elastic.shorten_after_wait,
         resume_command=f"--resume {run_dir}",
     )

@@ -187,7 +187,8 @@ def _take(r: Rules, s: State, e: Input, now: float, out: list[Action]) -> State:
 def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> State:
     """A worker exited: whatever the phase, it is no longer alive; a joiner leaves the
     joiners; the last member of the plan ends the job, and sends late joiners away
-    (unless they wait for the plan adding them: then the state is lost)."""
+    (unless they wait for the plan adding them, or the job waits for joiners to restore
+    a checkpoint: then they restore it)."""
     s = replace(
         s,
         alive=s.alive - {e.rank},
@@ -206,6 +207,8 @@ def _exited(r: Rules, s: State, e: Exited, now: float, out: list[Action]) -> Sta
             p = replace(c.phase, exited={**c.phase.exited, e.rank: (e.code, now)})
             return applying.roll_back(r, s, c, p, now, out)
         raise Stopped(applying.every_member_lost(r, s, c, c.phase, e, now))
+    if e.code != 0 and restorable(r, s) and r.restore_wait_s > 0:
+        return s  # the change waits for joiners to restore a checkpoint: keep these
     for rank in sorted(s.alive):
         out.append(Note("core.joiner_stopped", {"rank": rank}))
         out.append(Terminate(rank))

@@ -728,6 +728,27 @@ def test_with_no_member_left_a_restoring_job_waits_for_joiners_to_restore(
     assert plan.restore and plan.joined == [1] and plan.committed_step == 2
 
 
+def test_the_last_member_lost_while_a_joiner_waits_to_join_is_restored_onto_it() -> None:
+    """Found by chaos (seed 62207, case 3): a job that restores checkpoints and starts
+    failed workers again pauses its only member for a joiner, and the member dies while
+    it pauses. The joiner of that change restores the checkpoint at once; it was sent
+    away as a late joiner, and the change then had no rank left to plan."""
+    cfg, rules = _job(1, 1)
+    rules = dataclasses.replace(rules, restore=True, restarts=True)
+    state = ch.initial_state(cfg.plan())
+    for event in (inp.OnDisk((2,)), inp.StepDone(4, 990.0), inp.ScaleUp(0, 1)):
+        state, _ = protocol.step(rules, state, event, 990.0)
+    state, out = protocol.step(rules, state, inp.Joining(1), 990.1)
+    assert _published(out, PauseRequest), "the member pauses for the joiner"
+    state, out = protocol.step(rules, state, inp.Exited(0, -6), 1000.0)
+    assert not [a for a in out if isinstance(a, act.Terminate | act.Stop)], out
+    for t in (1000.1, 1000.2):
+        state, more = protocol.step(rules, state, inp.Tick(), t)
+        out += more
+    (plan,) = _published(out, RecoveryPlan)
+    assert plan.restore and plan.joined == [1] and plan.failed == [0]
+
+
 def test_without_a_wait_fewer_ranks_than_stages_run_on_a_shorter_pipeline() -> None:
     """The job does not wait: dp 1 x pp 2 losing rank 1 is planned as one stage."""
     cfg, rules = _job(1, 2)

@@ -24,7 +24,14 @@ from elaswave.engine.inputs import Done, Exited, Input, Restarted, StepDone, Tra
 from elaswave.engine.migration import MigrationMode
 from elaswave.engine.phases.detecting import failure
 from elaswave.engine.phases.planning import slowdowns_on
-from elaswave.engine.phases.shared import KILLED, commit, describe, restorable, with_phase
+from elaswave.engine.phases.shared import (
+    KILLED,
+    commit,
+    describe,
+    ready_joiners,
+    restorable,
+    with_phase,
+)
 from elaswave.engine.phases.stopping import begin_stop
 from elaswave.engine.plan import taken_back
 from elaswave.engine.record import PhaseTimes, RecoveryRecord, record_to_json, recorded
@@ -105,8 +112,8 @@ def roll_back(r: Rules, s: State, c: Change, p: Applying, now: float, out: list[
         later={x: code for x, code in s.later.items() if x not in lost},
         joiners=s.joiners | joiners,
     )
-    if failed and not s.alive & set(base.ranks) and joiners and restorable(r, s):
-        # no member left to stop: the joiners take the checkpoint
+    if failed and not s.alive & set(base.ranks) and ready_joiners(s) and restorable(r, s):
+        # no member left to stop: the joiners (this plan's, or waiting) take the checkpoint
         out.append(Publish(replace(  # the joiners leave the torn plan
             rollback_announcement(s, c), ranks=sorted(failed),
             detail=f"{c.detail}; then every rank of the plan failed while it was applied: "

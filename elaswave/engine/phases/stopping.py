@@ -228,7 +228,8 @@ def after_stop(r: Rules, s: State, c: Change, p: Stopping, now: float, out: list
         # has nothing left to change (late joiners are sent away as the job ends).
         out.append(Note("core.change_dropped", {"generation": c.generation, "why": c.detail}))
         return replace(s, change=None)
-    if result is StopStatus.NONE_LEFT and not (restorable(r, s) and ready_joiners(s)):
+    coming = ready_joiners(s) or [x for x in c.joined if x in s.alive]  # a join's, too
+    if result is StopStatus.NONE_LEFT and not (restorable(r, s) and coming):
         if restorable(r, s) and r.restore_wait_s > 0:  # joiners may come to restore it
             c = replace(c, detail=stop_text(s, c, p))
             return wait_to_restore(r, s, c, frozenset(p.failed), now, out)

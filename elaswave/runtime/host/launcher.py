@@ -258,9 +258,11 @@ class JobHost:
             op, rank = request.get("op"), request.get("rank")
             if op == LinkOp.OBSERVE:
                 if self.nodes is not None and self.store is not None:
-                    # the Core has written job.json with the bus: let the hosts meet
-                    self.store.set(JOB_KEY, (self.run_dir / JOB).read_text())
+                    # the Core has written job.json with the bus: follow the agents, then
+                    # let them meet it (an agent that read the job before announced itself
+                    # to no one: chaos seed 62207, case 14)
                     await self.nodes.start(JobSpec.read(self.run_dir))
+                    self.store.set(JOB_KEY, (self.run_dir / JOB).read_text())
                 if self.on_event is not None and self._observer is None:
                     self._observer = asyncio.create_task(self._observe(), name="host-observer")
                     await _first(self._observing.wait(), self._observer, OBSERVER_WAIT_S)

@@ -264,22 +264,31 @@ def wait_for_nodes(
     wait for joiners (``p``) until ``r.wait_for_nodes_s`` after the wait began (its
     deadline, at which :mod:`.waiting` asks for a checkpoint). Announced again whenever what is
     missing changes; the joiners the job schedules start at once (:func:`spawn_scheduled`)."""
-    s = with_phase(s, c, p)
-    reason = f"{c.detail}; {exc}"
-    out.append(Note("core.waiting_for_nodes", {"needed": exc.needed, "joined": list(c.joined)}))
-    out.append(
-        Publish(
-            WaitingForNodes(
-                sender=CORE_SENDER,
-                generation=c.generation + 1,
-                needed=exc.needed,
-                wait_s=r.wait_for_nodes_s,
-                since=p.since,
-                reason=reason,
-            )
-        )
-    )
+    s = announce_wait(
+        s, c, p, wait_s=r.wait_for_nodes_s, reason=f"{c.detail}; {exc}",
+        note={"joined": list(c.joined)}, out=out,
+    )  # fmt: skip
     return spawn_scheduled(r, s, c, exc.needed, out)
+
+
+def announce_wait(
+    s: State,
+    c: Change,
+    p: Waiting,
+    *,
+    wait_s: float,
+    reason: str,
+    note: dict[str, object],
+    out: list[Action],
+) -> State:
+    """``s`` with change ``c`` waiting for joiners (``p``), announced (again):
+    ``WaitingForNodes`` tells every stopped member to extend its wait by ``wait_s``."""
+    out.append(Note("core.waiting_for_nodes", {"needed": p.needed, **note}))
+    out.append(Publish(WaitingForNodes(
+        sender=CORE_SENDER, generation=c.generation + 1, needed=p.needed, wait_s=wait_s,
+        since=p.since, reason=reason,
+    )))  # fmt: skip
+    return with_phase(s, c, p)
 
 
 def spawn_scheduled(r: Rules, s: State, c: Change, needed: int, out: list[Action]) -> State:

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from elaswave.bus.schema import CORE_SENDER, WaitingForNodes
-from elaswave.engine.actions import Action, Note, Publish, SharePlan, Stopped
+from elaswave.engine.actions import Action, SharePlan, Stopped
 from elaswave.engine.change import Change, State, Waiting
 from elaswave.engine.inputs import Exited, Input, Restarted
 from elaswave.engine.phases.checkpointing import begin_checkpoint
-from elaswave.engine.phases.planning import plan_next, spawn_scheduled
-from elaswave.engine.phases.shared import describe, ready_joiners, with_phase
+from elaswave.engine.phases.planning import announce_wait, plan_next, spawn_scheduled
+from elaswave.engine.phases.shared import describe, ready_joiners
 from elaswave.engine.rules import Rules
 
 replace = dataclasses.replace
@@ -122,12 +121,9 @@ def _announce_restore(r: Rules, s: State, c: Change, p: Waiting, out: list[Actio
         f"{c.detail}; no worker survives: waiting for joining ranks to restore the "
         f"checkpoint of step {_restore_step(s)}"
     )
-    out.append(Note("core.waiting_for_nodes", {"needed": p.needed, "restore": True}))
-    out.append(Publish(WaitingForNodes(
-        sender=CORE_SENDER, generation=c.generation + 1, needed=p.needed,
-        wait_s=r.restore_wait_s, since=p.since, reason=reason,
-    )))  # fmt: skip
-    return with_phase(s, c, p)
+    return announce_wait(
+        s, c, p, wait_s=r.restore_wait_s, reason=reason, note={"restore": True}, out=out
+    )
 
 
 def _restore_step(s: State) -> int:

@@ -88,8 +88,8 @@ within 20 s of node 0's job, and where that job finished, with status 0.
 Model families (--model-weight W, default 0): with chance W, by a coin of its own
 generator (``random.Random(f"chaos-model:{S}:{K}")``), the case and its twin train a
 tiny Hugging Face family instead of the built-in model (:data:`MODELS`: Llama, Mixtral,
-Qwen2-MoE with a shared expert; 6 pipeline layers, every width split by tp 2 or 4),
-written under OUT/seedS/models at the start.
+Qwen2-MoE with a shared expert, DeepSeek-V3 with latent attention; 6 pipeline layers,
+every width split by tp 2 or 4), written under OUT/seedS/models at the start.
 
 The twin is the same command without --fault (and with the default --rebalance and
 --ranks-per-node, which do not change a fault-free run's numerics; with the case's --tp);
@@ -428,10 +428,15 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
                                 "moe_intermediate_size": 48,
                                 "shared_expert_intermediate_size": 96,
                                 "mlp_only_layers": [1]}),
+    "deepseek-v3": ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 48, "first_k_dense_replace": 1,
+                                    "q_lora_rank": 32, "kv_lora_rank": 16,
+                                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                    "v_head_dim": 16, "n_group": 1, "topk_group": 1}),
 }  # fmt: skip
-"""What ``--model-weight`` draws: a dense decoder, a mixture of experts, and one with a
-shared expert and a dense block among its expert ones (config.json only: seeded
-initialisation)."""
+"""What ``--model-weight`` draws: a dense decoder, a mixture of experts, one with a
+shared expert and a dense block among its expert ones, and one with latent attention
+and a dense first block (config.json only: seeded initialisation)."""
 
 
 def write_models(root: Path) -> dict[str, str]:

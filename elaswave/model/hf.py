@@ -584,11 +584,26 @@ FUSED_TP = {"Phi3Attention": ("qkv_proj", "o_proj"), "Phi3MLP": ("gate_up_proj",
 """Modules whose fused projections are split by their known blocks of rows (Phi-3's
 q | k | v and gate | up: :func:`~elaswave.model.tensor_parallel.fused_parts`), by class:
 a fused weight's layout is not in its shape."""
+TP_LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+"""Multi-head latent attention's projections (DeepSeek's), beside its query's: the
+latents' down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms whole
+on every member, the up-projections to the heads (``q_b_proj`` or ``q_proj``,
+``kv_b_proj``) column-parallel, ``o_proj`` row-parallel. Its rows are grouped by head,
+so each member keeps whole heads."""
 
 
 def _projections(module: Any, separate: tuple[str, ...]) -> tuple[str, ...]:
     """The projections ``module`` must have: its known fused ones, else ``separate``."""
     return FUSED_TP.get(type(module).__name__, separate)
+
+
+def _attention_projections(attn: Any) -> tuple[str, ...]:
+    """The projections attention ``attn`` must have for tensor parallelism: latent
+    attention's (:data:`TP_LATENT`, the query low-rank or not), else q/k/v/o (or fused)."""
+    if not hasattr(attn, "kv_b_proj"):
+        return _projections(attn, TP_ATTENTION)
+    low_rank = getattr(attn, "q_proj", None) is None
+    return (("q_a_proj", "q_b_proj") if low_rank else ("q_proj",)) + TP_LATENT
 
 
 def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
@@ -597,7 +612,8 @@ def refuse_hf_tp(config: ModelConfig, tp: int) -> None:
     fused ones of a known layout: :data:`FUSED_TP`; or a mixture of experts: fused
     routed experts, shared experts of separate projections), with no bias after a
     row-parallel projection, and a q or k norm inside attention only of a shape
-    :func:`_attention_norm` splits (Qwen3's, OLMo-2's). Each kind of block a model has
+    :func:`_attention_norm` splits (Qwen3's, OLMo-2's); or DeepSeek's latent attention
+    (:data:`TP_LATENT`). Each kind of block a model has
     is checked (dense and expert blocks mixed: Qwen2-MoE's, GLM-4.5's)."""
     directory = _directory(config.source)
     where = f"{directory / 'config.json'}: --tp {tp}"
@@ -630,7 +646,7 @@ def _refuse_block(layer: nn.Module, where: str) -> None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = [
         f"self_attn.{leaf}"
-        for leaf in _projections(attn, TP_ATTENTION)
+        for leaf in _attention_projections(attn)
         if not isinstance(getattr(attn, leaf, None), nn.Linear)
     ] + [f"mlp.{name}" for name in _mlp_lacks(mlp)]
     if names:
@@ -720,20 +736,18 @@ def _shard(layer: PipelineLayer, tp: TpShard, shape: ModelConfig) -> None:
         for part in (decoder.self_attn, decoder.mlp):
             part.register_forward_pre_hook(_copy_input(tp), with_kwargs=True)
             part.register_forward_hook(_reduce_output(tp))
-        for name, param in decoder.mlp.named_parameters():
-            # Whole in an MLP of experts (a router, a shared expert's gate): it weighs
-            # this member's part of the output, so its gradient is this member's part.
+        for name, param in [*decoder.self_attn.named_parameters(), *decoder.mlp.named_parameters()]:
+            # Whole inside attention (a q or k norm, latent attention's down-projections
+            # and their norms) or an MLP of experts (a router, a shared expert's gate):
+            # used for this member's heads or part of the output, so its gradient is
+            # this member's part, summed over the group.
             if split_dim(name) is None:
                 param.register_hook(summed_grad(tp))
         if type(decoder.self_attn).__name__ in FUSED_TP:  # it slices q | k | v by count
             _own_heads(decoder.self_attn, tp)
         for leaf in ("q_norm", "k_norm"):
             norm = getattr(decoder.self_attn, leaf, None)
-            if norm is None:
-                continue
-            # Whole on every member, used on the member's own heads: the gradients sum.
-            norm.weight.register_hook(summed_grad(tp))
-            if _attention_norm(norm, decoder.self_attn, leaf) == "width":
+            if norm is not None and _attention_norm(norm, decoder.self_attn, leaf) == "width":
                 norm.forward = functools.partial(_norm_over_members, norm, tp)
 
 

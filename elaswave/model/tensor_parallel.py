@@ -78,9 +78,10 @@ COLUMN += ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_
 COLUMN += ("v_proj.bias", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight")
 COLUMN += ("qkv_proj.weight", "gate_up_proj.weight")
 COLUMN += ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight")
-COLUMN += ("output_layer.weight",)
+COLUMN += ("output_layer.weight", "q_b_proj.weight", "kv_b_proj.weight")
 """Parameters split along dimension 0 (output rows; vocabulary rows): the built-in
-model's, a Hugging Face decoder's (:mod:`elaswave.model.hf`) and a megatron-core GPT's
+model's, a Hugging Face decoder's (:mod:`elaswave.model.hf`; latent attention's
+up-projections to the heads), and a megatron-core GPT's
 (:mod:`elaswave.model.megatron`: its q/k/v rows are grouped by key-value head, so
 contiguous rows are whole groups). The fused ones (Phi-3's q/k/v and gate/up,
 megatron's gate/up) are blocks of rows, each split in turn: :func:`fused_parts`."""

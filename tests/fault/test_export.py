@@ -145,25 +145,30 @@ MOE_CONFIGS = {
 
 @pytest.mark.parametrize(
     ("family", "tp"),
-    [("deepseek-v3", 1), pytest.param("glm4-moe", 2, marks=pytest.mark.long)],
-)  # long: TP of dense and expert blocks: tests/multiproc/test_hf_tensor_parallel.py
+    [
+        ("deepseek-v3", 1),
+        pytest.param("deepseek-v3", 2, marks=pytest.mark.long),
+        pytest.param("glm4-moe", 2, marks=pytest.mark.long),
+    ],
+)  # long: TP of latent attention, of dense and expert blocks: test_hf_tensor_parallel.py
 def test_an_exported_mixture_of_experts_is_written_as_its_checkpoints_are(runs_dir, family, tp):
-    """DeepSeek-V3, and GLM-4.5 split two ways (TP), from a directory with weights (one
-    tensor per expert, as their checkpoints are; their routers' bias set), each with a
-    dense first block: the run reads them into fused experts (each member its piece),
-    and export writes the trained model back in its checkpoints' layout, the bias as
-    read, which transformers loads to ElasWave's logits."""
+    """DeepSeek-V3 whole and split two ways (TP), and GLM-4.5 split two ways, from a
+    directory with weights (one tensor per expert, as their checkpoints are; their
+    routers' bias set), each with a dense first block: the run reads them into fused
+    experts (each member its piece), and export writes the trained model back in its
+    checkpoints' layout, the bias as read, which transformers loads to ElasWave's
+    logits."""
     model_type = family.replace("-", "_")
     config = transformers.AutoConfig.for_model(
         model_type, **{**SHAPE, **MOE_CONFIGS[family]}, tie_word_embeddings=False
     )
-    directory = runs_dir / f"export_moe_model_{family}"
+    directory = runs_dir / f"export_moe_model_{family}_tp{tp}"
     saved_with_router_bias(config, directory, seed=3)
     source = f"hf:{directory}"
-    run = train(runs_dir / f"export_moe_run_{family}", "--model", source, "--dp", "1",
+    run = train(runs_dir / f"export_moe_run_{family}_tp{tp}", "--model", source, "--dp", "1",
                 "--pp", "2", "--tp", str(tp), "--steps", "3", "--global-batch", "4",
                 "--micro-batch", "2")  # fmt: skip
-    out = runs_dir / f"exported_moe_{family}"
+    out = runs_dir / f"exported_moe_{family}_tp{tp}"
     proc = elaswave("export", str(run.out), str(out))
     assert proc.returncode == 0, proc.stderr
     from safetensors.torch import load_file

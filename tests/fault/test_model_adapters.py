@@ -144,11 +144,12 @@ def test_a_users_model_trains_the_same_under_a_split_backward(runs_dir, hf_runs,
 
 
 TP_FAMILIES = [
-    "llama", "mistral", "qwen2", "granite", "megatron", "mixtral", "qwen2-moe", "glm4-moe"
+    "llama", "mistral", "qwen2", "granite", "megatron", "mixtral", "qwen2-moe", "glm4-moe",
+    "deepseek-v3",
 ]  # fmt: skip
 """Families whose dp2 x tp2 runs stay within 1e-5 of one process (megatron-core's
 through its own tensor-parallel layers; the mixtures of experts: 2.2e-6; Qwen2-MoE and
-GLM-4.5 mix dense and expert blocks)."""
+GLM-4.5 mix dense and expert blocks; DeepSeek-V3's latent attention)."""
 TP_DRIFTING = ["qwen3", "olmo2", "phi3", "gemma", "smollm3", "llama-tied"]
 """Families that split and train under TP, whose parameters drift to or past 1e-5 of
 one process within 6 steps (2.8e-5, 6.8e-6, 3.0e-5, 1.7e-5, 1.4e-5, 1.12e-5 on
@@ -193,7 +194,7 @@ def test_a_drifting_family_trains_under_tensor_parallelism_within_the_recovery_t
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "megatron", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "megatron", "mixtral", "deepseek-v3"])
 def test_a_users_tensor_parallel_model_recovers_from_a_member_killed_mid_backward(
     runs_dir, hf_runs, family
 ):

@@ -359,8 +359,6 @@ def test_fused_projections_of_an_unknown_layout_are_refused(tmp_path, monkeypatc
     ("family", "message"),
     [
         ("llama-biased-gelu", r"--tp 2: a bias after a row-parallel projection"),
-        # multi-head latent attention: low-rank q and kv projections
-        ("deepseek-v3", r"--tp 2: the layers lack .*\(self_attn\.q_proj, self_attn\.k_proj"),
         (
             "olmoe",
             r"--tp 2: tp = 2 does not divide dimension 1 of mlp\.experts\.gate_up_proj "
@@ -372,7 +370,8 @@ def test_a_model_tensor_parallelism_cannot_split_is_refused_naming_why(tmp_path,
     source = _write(tmp_path, family, intermediate_size=25) if family == "olmoe" else None
     with pytest.raises(ValueError, match=message):
         build_job({"model": {"source": source or _write(tmp_path, family)}, "layout": {"tp": 2}})
-    for fine in ("llama", "qwen2-moe", "glm4-moe"):  # these two mix dense and expert blocks
+    # Qwen2-MoE and GLM-4.5 mix dense and expert blocks; DeepSeek-V3 has latent attention
+    for fine in ("llama", "qwen2-moe", "glm4-moe", "deepseek-v3"):
         build_job({"model": {"source": _write(tmp_path, fine)}, "layout": {"tp": 2}})
 
 

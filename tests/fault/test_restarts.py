@@ -5,10 +5,12 @@ restart (``--wait-for-nodes``) and goes on as if nothing had happened."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from elaswave.bus.eventlog import read_event_log
-from elaswave.bus.schema import ScaleRequest, WorkerStarted
+from elaswave.bus.schema import ScaleRequest, WorkerFinished, WorkerStarted
 from elaswave.runtime.core.compare import compare_runs
 from tests.runs import train
 
@@ -89,3 +91,25 @@ def test_a_job_that_lost_every_worker_restarts_them_from_its_checkpoint(runs_dir
     diff = compare_runs(run.out, ref.out)
     assert diff.loss_rel <= 1e-4, f"losses differ by {diff.loss_rel:.2e}"
     assert diff.param_rel <= 1e-4, f"parameters differ by {diff.param_rel:.2e}"
+
+
+def test_a_restarted_worker_the_job_ended_without_leaves_without_a_restart(runs_dir):
+    """dp2 x pp1 with two restarts, rank 1 killed in the last step: its restarted worker
+    (rank 2) has no step boundary left to join at, so the Core asks it to leave when the
+    job is over (SIGTERM), or it joined in time. Either way its exit is no failure: no
+    second restart (chaos seed 48611, case 7: one was started, found no plan to join and
+    failed after 60 s), every worker but the killed one finishes cleanly, and promptly."""
+    job = ("--dp", "2", "--pp", "1", "--steps", "6", "--global-batch", "4",
+           "--micro-batch", "1")  # fmt: skip
+    began = time.monotonic()
+    run = train(runs_dir / "restart_late", *job, "--max-restarts", "2",
+                "--fault", "kill:1@5:forward")  # fmt: skip
+    took = time.monotonic() - began
+    assert run.summary.steps_completed == 6
+    reasons = [e.reason for e in _events(run, ScaleRequest)]
+    assert [r.split(":")[0] for r in reasons] == ["restart 1 of 2"]
+    started = {e.rank for e in _events(run, WorkerStarted)}
+    assert started == {0, 1, 2}
+    failed = [e for e in _events(run, WorkerFinished) if not e.ok]
+    assert failed == [], failed
+    assert took < 45, f"the job took {took:.0f} s"  # a joiner waiting for a plan: 60 s

@@ -1,6 +1,6 @@
 """Which failed workers' devices a job offers again (``--max-restarts``): a TP group
-once all its members exited, not a finished one, not one of a lost host, not once the
-job ends, at most the budget."""
+once all its members exited, not a finished one, not one of a lost host, not one the
+Core sent away, not once the job ends, at most the budget."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ def test_a_tp_group_is_offered_as_one_worker_once_every_member_exited():
     restarts.ending = True  # the job stops its workers: no failure
     assert restarts.exited(4, -9, node=0, host_up=True) is None
     assert restarts.exited(5, -9, node=0, host_up=True) is None
+
+
+def test_a_unit_the_core_sent_away_is_not_offered():
+    """A joiner of a job that is over, asked to leave (SIGTERM), is no failure: its
+    exit does not start another joiner that no plan would take (chaos seed 48611,
+    case 7: it waited 60 s and failed)."""
+    restarts = Restarts(tp=2, budget=2)
+    restarts.sent_away(5)  # member 1 of unit 2
+    assert restarts.exited(4, -15, node=1, host_up=True) is None
+    assert restarts.exited(5, -15, node=1, host_up=True) is None
+    assert restarts.offered == 0
+    assert restarts.exited(6, -9, node=1, host_up=True) is None  # unit 3: one member yet
+    assert restarts.exited(7, -9, node=1, host_up=True) is not None  # a failure is
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, 10**7])

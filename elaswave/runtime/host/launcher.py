@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import uuid
@@ -279,6 +280,8 @@ class JobHost:
                 self._reapers.append(asyncio.create_task(self._reap(rank, proc)))
                 link.send({"op": LinkOp.STARTED, "rank": rank, "pid": proc.pid})
             elif op == LinkOp.SIGNAL and rank in self.workers:
+                if request["signal"] == signal.SIGTERM:  # sent away: the job is over
+                    self.restarts.sent_away(rank)
                 if self.codes[rank] is None:
                     with contextlib.suppress(ProcessLookupError):
                         self.workers[rank].send_signal(int(request["signal"]))

@@ -13,8 +13,9 @@ without stopping the job.
   as one worker once every member has exited (the Core fences the rest of a group one
   of whose members failed).
 * **Not offered.** A unit whose members all finished (exit 0); one of a host that was
-  lost (it comes back as a joining host, if at all); any once the job is ending; any
-  beyond the job's ``max_restarts``.
+  lost (it comes back as a joining host, if at all); one the Core asked to leave (a
+  joiner of a job that is over: chaos seed 48611, case 7); any once the job is ending;
+  any beyond the job's ``max_restarts``.
 
 The bookkeeping is pure: the job host (:class:`~elaswave.runtime.host.launcher.JobHost`)
 tells :class:`Restarts` of each exit and publishes what it offers.
@@ -63,6 +64,13 @@ class Restarts:
     """Set once the job ends: its workers are stopped, not failing."""
     _exits: dict[int, dict[int, int]] = field(default_factory=dict)
     """unit -> member -> exit status, of units with a member that exited."""
+    _sent_away: set[int] = field(default_factory=set)
+    """Units the Core asked to leave."""
+
+    def sent_away(self, rank: int) -> None:
+        """The Core asked worker process ``rank`` to leave (a late joiner, the job
+        over): its unit's exit is no failure."""
+        self._sent_away.add(rank // self.tp)
 
     def exited(self, rank: int, code: int, *, node: int, host_up: bool) -> Offer | None:
         """Worker process ``rank`` (member ``rank % tp`` of unit ``rank // tp``) exited
@@ -72,7 +80,7 @@ class Restarts:
         if member in codes:
             return None  # told twice
         codes[member] = code
-        if len(codes) < self.tp or self.ending or not host_up:
+        if len(codes) < self.tp or self.ending or not host_up or unit in self._sent_away:
             return None
         if not any(codes.values()) or self.offered >= self.budget:
             return None

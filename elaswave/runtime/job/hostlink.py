@@ -52,7 +52,8 @@ class LinkOp(enum.StrEnum):
     SPAWN = "spawn"
     """Core -> host: start a worker (rank, join)."""
     SIGNAL = "signal"
-    """Core -> host: signal a worker (rank, signal number)."""
+    """Core -> host: signal a worker (rank, signal number). SIGTERM asks a worker to
+    leave (a joiner of a job that is over): its exit is no failure to restart."""
     OBSERVE = "observe"
     """Core -> host: the bus is up, attach the observer of the job's events."""
 
@@ -92,6 +93,7 @@ class ProcessHandle(abc.ABC):
         self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
+        """Ask the process to leave: no failure (:attr:`LinkOp.SIGNAL`)."""
         self.send_signal(signal.SIGTERM)
 
     def exited(self, code: int) -> None:
